@@ -1,0 +1,276 @@
+"""The `kvjax` command line.
+
+    kvjax plan     KV bytes, memory budget → blocks → concurrency (SPEC "The simulator")
+    kvjax tables   SPEC Tables 1 and 2 recomputed from the formulas
+    kvjax replay   drive the functional block pool from a JSONL trace, one JSON state per op
+
+Bad input exits with status 2 and one line naming the bad value, never a traceback.
+Subcommands that need JAX import it lazily, so `plan` and `tables` start instantly.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any, Sequence
+
+from kvjax import budget as bud
+from kvjax.spec import KV_DTYPES, PRESETS, KVSpec, SpecError, from_hf_config, preset
+
+# Subcommands implemented in their own modules, each with add_parser(sub) and run(args); a module
+# is imported only when its command runs (they import JAX), the others show their help line.
+_MODULE_COMMANDS = {
+    "replay": ("kvjax.replay", "drive the functional block pool from a JSONL trace"),
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line (no usage dump) so scripts can read them."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+# --------------------------------------------------------------------------------------------
+# kvjax plan
+# --------------------------------------------------------------------------------------------
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="KV bytes per token/block/request, budget, blocks and concurrency",
+                       description="Size a vLLM-style KV cache: bytes per token, per block, per request; "
+                                   "requested = ceil(GPU × util); budget = requested − weights − activations "
+                                   "− CUDA graphs; blocks = budget // block bytes (block 0 is null).")
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--group", choices=sorted(bud.GROUPS), type=str.upper,
+                     help="a SPEC simulator group (A, B, C); other flags override its values")
+    src.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
+    src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json (or its folder)")
+    src.add_argument("--kind", help="mha | gqa | mqa | mla, with --layers --heads --kv-heads --head-dim")
+    for flag in ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim"):
+        src.add_argument(flag, type=int)
+    p.add_argument("--kv-dtype", help=f"one of {', '.join(KV_DTYPES)} (default bf16)")
+    p.add_argument("--context", type=int, help="tokens per request (default 8192)")
+    p.add_argument("--block-size", type=int, help="tokens per block (default 64)")
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--gpu-gib", help="memory of one GPU in GiB (1024³)")
+    mem.add_argument("--util", help="gpu_memory_utilization in (0, 1] (default 0.92)")
+    mem.add_argument("--extensible", action="store_true", help="extensible KV cache: util unset → 1.0")
+    mem.add_argument("--weights-gib", help="weights of the whole model in GiB")
+    mem.add_argument("--params-b", help="parameters in billions (weights = params × --weight-dtype bytes)")
+    mem.add_argument("--weight-dtype", default=None, help=f"one of {', '.join(bud.WEIGHT_DTYPE_BYTES)} (default bf16)")
+    mem.add_argument("--activations-gib", help="peak activations (default 0)")
+    mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
+    mem.add_argument("--kv-cache-memory-gib", help="explicit KV cache size: overrides the whole budget")
+    mem.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="plot max concurrency vs context for bf16 and fp8")
+
+
+def _resolve_plan_inputs(args) -> dict[str, Any]:
+    """Merge a simulator group's values with explicit flags (flags win) into plan() inputs."""
+    g = dict(bud.GROUPS[args.group]) if args.group else {}
+    model_flags = [f for f in ("preset", "hf_config", "kind") if getattr(args, f)]
+    if len(model_flags) > 1:
+        raise UsageError(f"choose one model source, got --{' and --'.join(f.replace('_', '-') for f in model_flags)}")
+    kv_dtype = args.kv_dtype or g.get("kv_dtype", "bf16")
+    params = None
+    if args.preset or (g and not model_flags):
+        pr = preset(args.preset or g["preset"])
+        spec, params, title = pr.spec.replace(kv_dtype=kv_dtype), pr.params, pr.title
+    elif args.hf_config:
+        spec = from_hf_config(args.hf_config, kv_dtype=kv_dtype)
+        title = spec.name
+    elif args.kind:
+        spec, title = _manual_spec(args, kv_dtype), f"custom {args.kind.upper()}"
+    else:
+        raise UsageError("no model: give --group, --preset, --hf-config, or --kind with --layers --heads "
+                         "--kv-heads --head-dim")
+    spec.replace(kv_dtype=kv_dtype)  # validates the dtype
+    tp = args.tp if args.tp is not None else g.get("tp", 1)
+    weight_dtype = args.weight_dtype or "bf16"
+    warnings = []
+    if args.weights_gib is not None:
+        weights = bud.gib(args.weights_gib, "--weights-gib")
+    elif args.params_b is not None:
+        weights = bud.weight_bytes(bud.exact(args.params_b, "--params-b") * 10**9, weight_dtype)
+    elif "weights_gib" in g:
+        weights = bud.gib(g["weights_gib"])
+    elif params is not None:
+        weights = bud.weight_bytes(params, weight_dtype)
+    else:
+        weights = 0
+        warnings.append("no --weights-gib or --params-b: weights counted as 0")
+    gpu = args.gpu_gib if args.gpu_gib is not None else g.get("gpu_gib")
+    util = args.util if args.util is not None else (None if args.extensible else g.get("util"))
+    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kw=dict(
+        context=args.context if args.context is not None else g.get("context", 8192),
+        block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
+        total_bytes=None if gpu is None else bud.gib(gpu, "--gpu-gib"),
+        util=_util(util), extensible=args.extensible, weights_bytes=weights,
+        activations_bytes=bud.gib(args.activations_gib or 0, "--activations-gib"),
+        cudagraph_bytes=bud.gib(args.cudagraph_gib or 0, "--cudagraph-gib"),
+        kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
+        else bud.gib(args.kv_cache_memory_gib, "--kv-cache-memory-gib"),
+        tp=tp, pooled=args.pooled))
+
+
+def _util(value):
+    if value is None:
+        return None
+    u = bud.exact(value, "util")
+    if not 0 < u <= 1:
+        raise bud.BudgetError(f"util must be in (0, 1], got {value}")
+    return u
+
+
+def _manual_spec(args, kv_dtype: str) -> KVSpec:
+    kind = args.kind.lower()
+    if kind == "mla":
+        missing = [f for f in ("layers", "kv_lora_rank", "qk_rope_head_dim") if getattr(args, f) is None]
+        if missing:
+            raise UsageError(f"--kind mla needs --{', --'.join(m.replace('_', '-') for m in missing)}")
+        return KVSpec.mla(args.layers, args.heads or 1, kv_lora_rank=args.kv_lora_rank,
+                          qk_rope_head_dim=args.qk_rope_head_dim, kv_dtype=kv_dtype)
+    missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
+    if missing:
+        raise UsageError(f"--kind {kind} needs --{', --'.join(m.replace('_', '-') for m in missing)}")
+    return KVSpec(kind, args.layers, args.heads if args.heads is not None else args.kv_heads, args.kv_heads,
+                  args.head_dim, kv_dtype=kv_dtype)
+
+
+def _run_plan(args) -> int:
+    inputs = _resolve_plan_inputs(args)
+    result = bud.plan(inputs["spec"], **inputs["kw"])
+    warnings = inputs["warnings"] + list(result.warnings)
+    if args.plot:
+        _plot_concurrency(inputs, args.plot)
+    if args.json:
+        out = result.to_json()
+        out["model"] = inputs["title"]
+        out["warnings"] = warnings
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(result, inputs["title"], warnings))
+    return 0
+
+
+def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str]) -> str:
+    """The human readout: one row per quantity, exact bytes beside 1024-based units."""
+    h = bud.human_bytes
+    s = pl.spec
+    rows: list[tuple[str, str, str]] = [
+        ("model", title, f"{s.kind.upper()}, L={s.num_layers}, Hkv/rank={s.num_kv_heads}, D={s.head_dim}, "
+                         f"f={s.factor}, kv dtype {s.kv_dtype}" + (f", tp={pl.tp}" if pl.tp > 1 else "")),
+        ("KV bytes / token", h(pl.bytes_per_token), f"{pl.bytes_per_token:,} B"),
+        ("KV bytes / block", h(pl.bytes_per_block), f"{pl.bytes_per_block:,} B = {pl.block_size} tokens"),
+        ("KV bytes / request", h(pl.kv_bytes_per_request), f"{pl.kv_bytes_per_request:,} B = {pl.context:,} tokens"),
+    ]
+    if pl.budget_bytes is not None:
+        if pl.requested_bytes is not None:
+            rows += [("GPU memory", h(pl.total_bytes), f"{pl.total_bytes:,} B" + (" (pooled)" if pl.pooled else "")),
+                     ("requested", h(pl.requested_bytes), f"ceil(GPU × {float(pl.util):g}) = {pl.requested_bytes:,} B"),
+                     ("weights", h(pl.weights_bytes), f"{pl.weights_bytes:,} B" + (f" (1/{pl.tp} per rank)"
+                                                                                 if pl.tp > 1 and not pl.pooled else "")),
+                     ("activations", h(pl.activations_bytes), f"{pl.activations_bytes:,} B"),
+                     ("CUDA graphs", h(pl.cudagraph_bytes), f"{pl.cudagraph_bytes:,} B")]
+        rows += [
+            ("KV budget", h(pl.budget_bytes), f"{pl.budget_bytes:,} B" +
+             (" (kv_cache_memory_bytes)" if pl.kv_cache_memory_bytes is not None else "")),
+            ("blocks", f"{pl.num_blocks:,}", f"{pl.budget_bytes / pl.bytes_per_block:,.4f} unrounded; block 0 is null"),
+            ("usable blocks", f"{pl.usable_blocks:,}", f"{pl.token_slots:,} token slots"),
+            ("blocks / request", f"{pl.blocks_per_request:,}", f"cdiv({pl.context:,}, {pl.block_size}); "
+                                                                f"tail waste {pl.tail_waste_tokens} slots"),
+            ("concurrency", f"{pl.concurrency:,}", f"{pl.concurrency_exact:,.4f} = budget / KV per request"),
+            ("block-pool concurrency", f"{pl.concurrency_blocks:,}", "usable blocks // blocks per request"),
+        ]
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows]
+    lines += [f"warning: {x}" for x in warnings]
+    return "\n".join(lines)
+
+
+def _plot_concurrency(inputs: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [2**k for k in range(10, 18)]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for dtype in ("bf16", "fp8"):
+        spec = inputs["spec"].replace(kv_dtype=dtype)
+        ys = [bud.plan(spec, **{**inputs["kw"], "context": c}).concurrency or 0 for c in contexts]
+        ax.plot(contexts, ys, marker="o", label=f"{dtype} KV")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("max concurrent requests")
+    ax.set_title(f"{inputs['title']}: concurrency vs context")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# kvjax tables
+# --------------------------------------------------------------------------------------------
+def _add_tables(sub) -> None:
+    p = sub.add_parser("tables", help="recompute SPEC Tables 1 and 2 from the formulas")
+    p.add_argument("--json", action="store_true")
+
+
+def _run_tables(args) -> int:
+    from kvjax import tables
+
+    t1, t2 = tables.table1(), tables.table2()
+    if args.json:
+        print(json.dumps({"table1": t1, "table2": t2}, indent=2))
+    else:
+        print("Table 1 — KV bytes per token (GiB = 1024³)\n")
+        print(tables.table1_markdown(t1))
+        print("\nTable 2 — concurrency (budget = ceil(GPU × util) − weights; floor everywhere)\n")
+        print(tables.table2_markdown(t2))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module (if it has one) is imported."""
+    parser = _Parser(prog="kvjax", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_plan(sub)
+    _add_tables(sub)
+    for name, (module, help_line) in _MODULE_COMMANDS.items():
+        if name == command:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+_RUNNERS = {"plan": _run_plan, "tables": _run_tables}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        args = build_parser(command).parse_args(argv)
+        if args.command in _RUNNERS:
+            return _RUNNERS[args.command](args)
+        return importlib.import_module(_MODULE_COMMANDS[args.command][0]).run(args)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (SpecError, ValueError) as e:  # SpecError/BudgetError: bad values with their rule
+        print(f"kvjax {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""SPEC Tables 1 and 2, recomputed from the presets and the formulas (no stored results).
+
+Table 1: KV bytes per token for four reference models, bf16 and fp8, at 128K context, and the
+ratio against the same model with one KV head per query head. Table 2: how many 8K/32K
+requests fit in the KV budget of a GPU after weights, for six deployment scenarios.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvjax import budget as bud
+from kvjax.spec import preset
+
+
+def table1() -> list[dict[str, Any]]:
+    rows = []
+    for name in ("llama-2-7b", "llama-3-8b", "llama-3-70b", "deepseek-v3"):
+        p = preset(name)
+        bf16 = p.spec.replace(kv_dtype="bf16")
+        fp8 = p.spec.replace(kv_dtype="fp8")
+        rows.append(dict(model=p.title, kind=p.spec.kind.upper(), layers=p.spec.num_layers,
+                         kv_heads=p.spec.num_kv_heads, head_dim=p.spec.head_dim,
+                         bf16_bytes_per_token=bf16.bytes_per_token, fp8_bytes_per_token=fp8.bytes_per_token,
+                         bf16_bytes_128k=bf16.bytes_per_request(131072), mha_ratio=bf16.mha_ratio))
+    return rows
+
+
+def scenario_plan(sc: dict[str, Any]) -> bud.Plan:
+    """Run one Table 2 scenario or simulator group through `budget.plan`."""
+    spec = preset(sc["preset"]).spec.replace(kv_dtype=sc.get("kv_dtype", "bf16"))
+    return bud.plan(spec, context=sc["context"], total_bytes=bud.gib(sc["gpu_gib"]),
+                    util=sc.get("util", "0.92"), weights_bytes=bud.gib(sc["weights_gib"]),
+                    tp=sc.get("tp", 1), pooled=sc.get("pooled", False))
+
+
+def table2() -> list[dict[str, Any]]:
+    rows = []
+    for sc in bud.TABLE2:
+        pl = scenario_plan(sc)
+        rows.append(dict(scenario=sc["scenario"], gpu_gib=pl.total_bytes / bud.GiB, util=float(pl.util),
+                         weights_gib=pl.weights_bytes / bud.GiB, budget_gib=pl.budget_bytes / bud.GiB,
+                         context=pl.context, kv_bytes_per_request=pl.kv_bytes_per_request,
+                         budget_per_request=pl.concurrency_exact, concurrency=pl.concurrency,
+                         concurrency_blocks=pl.concurrency_blocks, pooled=pl.pooled))
+    return rows
+
+
+def _num(x: float, digits: int = 6) -> str:
+    return f"{x:,.{digits}g}" if x != int(x) else f"{int(x):,}"
+
+
+def table1_markdown(rows: list[dict[str, Any]]) -> str:
+    out = ["| model | kind | L | Hkv | D | bf16/token | fp8/token | 128K bf16 | vs same-shape MHA |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['kind']} | {r['layers']} | {r['kv_heads']} | {r['head_dim']} | "
+                   f"{bud.human_bytes(r['bf16_bytes_per_token'])} | {bud.human_bytes(r['fp8_bytes_per_token'])} | "
+                   f"{bud.human_bytes(r['bf16_bytes_128k'])} | {r['mha_ratio']:.3g}× |")
+    return "\n".join(out)
+
+
+def table2_markdown(rows: list[dict[str, Any]]) -> str:
+    out = ["| scenario | GPU GiB | util | weights GiB | budget GiB | context | KV/request | budget/request | "
+           "concurrency | block-pool concurrency |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = " (pooled arithmetic only)" if r["pooled"] else ""
+        out.append(f"| {r['scenario']} | {_num(r['gpu_gib'])} | {r['util']:g} | {_num(r['weights_gib'])} | "
+                   f"{r['budget_gib']:,.6g} | {r['context'] // 1024}K | {bud.human_bytes(r['kv_bytes_per_request'])} | "
+                   f"{r['budget_per_request']:.4g} | {r['concurrency']}{note} | {r['concurrency_blocks']} |")
+    return "\n".join(out)

@@ -1,0 +1,133 @@
+"""`kvjax plan` and `kvjax tables` run as a user runs them: a subprocess, JSON out, exit codes."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+def kvjax(*args):
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def plan_json(*args):
+    code, out, err = kvjax("plan", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_group_a_json():
+    got = plan_json("--group", "A")
+    assert got["bytes_per_token"] == 320 * KiB
+    assert got["bytes_per_block"] == 20 * MiB
+    assert got["kv_bytes_per_request"] == 2.5 * GiB
+    assert got["budget_bytes"] == math.ceil(160 * GiB * 92 / 100) - 130 * GiB
+    assert (got["num_blocks"], got["usable_blocks"], got["token_slots"]) == (880, 879, 56256)
+    assert (got["blocks_per_request"], got["concurrency"], got["concurrency_blocks"]) == (128, 6, 6)
+    assert got["concurrency_exact"] == pytest.approx(6.88, abs=1e-6)
+    assert got["warnings"] == []
+    for key in ("bytes_per_token", "bytes_per_block", "kv_bytes_per_request", "budget_bytes", "num_blocks"):
+        assert isinstance(got[key], int), key
+
+
+def test_groups_b_and_c():
+    assert plan_json("--group", "B")["concurrency"] == 24
+    c = plan_json("--group", "C")
+    assert c["concurrency"] == 0
+    assert any("cannot hold one request" in w for w in c["warnings"])
+
+
+def test_human_readout_has_units_and_warnings():
+    code, out, _ = kvjax("plan", "--group", "C")
+    assert code == 0
+    assert "320 KiB" in out and "20 MiB" in out and "40 GiB" in out
+    assert "0.4300" in out  # unrounded concurrency beside the floor
+    assert "warning:" in out
+
+
+def test_manual_and_preset_and_hf_config(tmp_path):
+    got = plan_json("--kind", "gqa", "--layers", "32", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
+                    "--gpu-gib", "80", "--weights-gib", "15", "--context", "8192")
+    assert got["bytes_per_token"] == 128 * KiB and got["concurrency"] == 58
+    mla = plan_json("--kind", "mla", "--layers", "61", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64",
+                    "--kv-dtype", "fp8", "--kv-cache-memory-gib", "1")
+    assert mla["bytes_per_token"] == 61 * 576 and mla["num_blocks"] == GiB // (61 * 576 * 64)
+    # preset with weights from its parameter count × fp8 bytes
+    p = plan_json("--preset", "llama-3-8b", "--gpu-gib", "80", "--weight-dtype", "fp8")
+    assert p["weights_bytes"] == 8_030_261_248
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 4, "num_attention_heads": 16,
+                               "num_key_value_heads": 4, "hidden_size": 512, "head_dim": 128}))
+    q = plan_json("--hf-config", cfg, "--kv-cache-memory-gib", "1", "--block-size", "16")
+    assert q["bytes_per_token"] == 2 * 4 * 4 * 128 * 2
+    assert q["bytes_per_block"] == 2 * 4 * 4 * 128 * 2 * 16
+
+
+def test_tp_flags():
+    got = plan_json("--preset", "llama-3-70b", "--tp", "8", "--gpu-gib", "80", "--weights-gib", "130")
+    assert got["spec"]["num_kv_heads"] == 1
+    assert got["bytes_per_token"] == 2 * 80 * 128 * 2
+    assert got["weights_bytes"] == 130 * GiB // 8
+    ds = plan_json("--preset", "deepseek-v3", "--tp", "8", "--gpu-gib", "141", "--weights-gib", "625")
+    assert ds["bytes_per_token"] == 70272  # 68.625 KiB: MLA is replicated, not split
+
+
+def test_plot(tmp_path):
+    path = tmp_path / "c.png"
+    code, _, err = kvjax("plan", "--group", "A", "--plot", path)
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tables_json_order_and_values():
+    code, out, err = kvjax("tables", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [r["model"] for r in data["table1"]] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B", "DeepSeek-V3"]
+    assert [r["fp8_bytes_per_token"] for r in data["table1"]] == [256 * KiB, 64 * KiB, 160 * KiB, 61 * 576]
+    assert [r["concurrency"] for r in data["table2"]] == [58, 6, 13, 65, 192, 24]
+    keys = {"scenario", "gpu_gib", "util", "weights_gib", "budget_gib", "context", "kv_bytes_per_request",
+            "budget_per_request", "concurrency"}
+    assert keys <= set(data["table2"][0])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--group", "A", "--util", "1.5"], "util"),
+    (["--group", "A", "--util", "0"], "util"),
+    (["--group", "A", "--util", "abc"], "abc"),
+    (["--group", "A", "--context", "0"], "context"),
+    (["--group", "A", "--block-size", "-64"], "block_size"),
+    (["--group", "A", "--gpu-gib", "-1"], "-1"),
+    (["--kind", "gqa", "--layers", "4", "--heads", "8", "--kv-heads", "3", "--head-dim", "64"], "num_kv_heads 3"),
+    (["--kind", "gqa", "--layers", "4", "--heads", "8"], "--kv-heads"),
+    (["--preset", "llama-3-70b", "--tp", "3"], "tp 3"),
+    (["--preset", "llama-3-8b", "--kv-dtype", "fp6"], "fp6"),
+    (["--preset", "llama-9b"], "llama-9b"),
+    (["--hf-config", "/nonexistent/config.json"], "/nonexistent/config.json"),
+    (["--group", "Z"], "Z"),
+    (["--preset", "llama-3-8b", "--weight-dtype", "fp7", "--gpu-gib", "80"], "fp7"),
+    (["--preset", "llama-3-8b", "--layers", "x"], "'x'"),
+    ([], "no model"),
+])
+def test_bad_input_exit_2_one_line(args, needle):
+    code, out, err = kvjax("plan", *args)
+    assert code == 2, (args, out, err)
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert needle in lines[0], lines[0]
+
+
+def test_malformed_config_exit_2(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{]")
+    code, _, err = kvjax("plan", "--hf-config", bad)
+    assert code == 2 and "not valid JSON" in err and "Traceback" not in err
+    bad.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    code, _, err = kvjax("plan", "--hf-config", bad)
+    assert code == 2 and "num_attention_heads" in err
