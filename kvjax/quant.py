@@ -1,0 +1,189 @@
+"""Quantized KV formats: saturating casts, scales, and calibration statistics.
+
+vLLM's `kv_cache_dtype` stores K/V in 8 bits with a dequantization scale: x ≈ q × scale, where
+q = cast(x / scale). Its default fp8 scales are all 1.0 (`--kv-cache-dtype fp8` without a
+calibrated checkpoint), which is fine while |x| ≤ the format's max and silently saturates (or,
+with a bare cast, turns into NaN/inf) beyond it. Calibration measures amax over data and sets
+scale = amax / format max, so the largest observed value lands exactly on the format's max.
+
+Formats (max finite magnitude):
+    fp8_e4m3  float8_e4m3fn   448     (no inf; a bare cast of 470 or inf gives NaN)
+    fp8_e5m2  float8_e5m2     57344   (a bare cast of ≥ 61440 gives inf)
+    int8      int8            127     (int8_per_token_head: scale per token per kv head,
+                                       computed at write time, symmetric, round to nearest)
+
+Scale modes for fp8: `unit` (1.0), `per_tensor` (one K and one V scale per layer),
+`per_head` (one per layer per kv head). Scales are always stored per kv head (a per-tensor
+scale is broadcast) so the attention paths take one shape: f32[K] for K and V pages; for an
+MLA latent page [.., C] one f32[C] per-channel vector holding the latent scale on the first
+kv_lora_rank channels and the rope-key scale on the rest.
+
+The casts here are elementwise jnp and run under jit; nothing in this file prints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    name: str
+    dtype: Any  # the narrow storage dtype
+    max: float  # largest finite magnitude
+
+    @property
+    def integer(self) -> bool:
+        return jnp.issubdtype(self.dtype, jnp.integer)
+
+
+FORMATS = {
+    "fp8_e4m3": QuantFormat("fp8_e4m3", jnp.float8_e4m3fn, float(jnp.finfo(jnp.float8_e4m3fn).max)),
+    "fp8_e5m2": QuantFormat("fp8_e5m2", jnp.float8_e5m2, float(jnp.finfo(jnp.float8_e5m2).max)),
+    "int8_per_token_head": QuantFormat("int8_per_token_head", jnp.int8, 127.0),
+}
+SCALE_MODES = ("unit", "per_tensor", "per_head")
+
+
+def quant_format(name: str) -> QuantFormat:
+    key = "fp8_e4m3" if name == "fp8" else name
+    if key not in FORMATS:
+        raise ValueError(f"kv dtype {name!r} is not a quantized format; choose one of fp8, {', '.join(FORMATS)}")
+    return FORMATS[key]
+
+
+def saturating_cast(x, fmt: QuantFormat):
+    """Cast f32 → the narrow format, clipping to ±max first (a bare fp8 cast does not saturate).
+
+    NaN stays NaN (it must stay visible; callers count non-finite inputs), ±inf becomes ±max.
+    int8 rounds to nearest (ties to even) before clipping.
+    """
+    x = x.astype(jnp.float32)
+    if fmt.integer:
+        x = jnp.round(jnp.nan_to_num(x, nan=0.0))
+    return jnp.clip(x, -fmt.max, fmt.max).astype(fmt.dtype)
+
+
+def quantize(x, scale, fmt: QuantFormat):
+    """q = saturate(x / scale); scale broadcasts against x (e.g. f32[K, 1] against [.., K, H])."""
+    return saturating_cast(x.astype(jnp.float32) / scale, fmt)
+
+
+def dequantize(q, scale):
+    """x ≈ q × scale, in f32."""
+    return q.astype(jnp.float32) * scale
+
+
+def count_nonfinite(x) -> jax.Array:
+    """Number of NaN/±inf elements: quantizing them is never silent, the cache keeps a count."""
+    return jnp.sum(~jnp.isfinite(x.astype(jnp.float32))).astype(jnp.int32)
+
+
+def scale_from_amax(amax, fmt: QuantFormat):
+    """scale = amax / max, so the largest observed magnitude maps to the format's max.
+
+    An all-zero channel (amax 0) gets scale 1.0: any scale represents zeros exactly, and a zero
+    scale would divide by zero on the next write.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    return jnp.where(amax > 0, amax / fmt.max, 1.0).astype(jnp.float32)
+
+
+def quantize_per_token_head(x, fmt: QuantFormat = FORMATS["int8_per_token_head"]):
+    """Symmetric per-vector quantization: x [.., H] → (q [.., H], scale f32[..]), scale = amax/max."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
+    scale = scale_from_amax(amax, fmt)
+    return quantize(x, scale[..., None], fmt), scale
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration: amax statistics → scales → a JSON file the engine loads
+# --------------------------------------------------------------------------------------------
+def amax_per_head(x):
+    """Max |x| per kv head over all tokens: x [T, K, H] → f32[K] (non-finite values ignored)."""
+    x = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), axis=(0, 2))
+
+
+def amax_per_channel(x):
+    """Max |x| per channel over tokens: x [T, C] → f32[C] (for the MLA latent + rope key)."""
+    x = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVScales:
+    """Dequantization scales for every layer, as the cache stores them.
+
+    k, v: per layer f32[K] (MHA/GQA/MQA), or for MLA `k` holds per layer f32[C] (latent then rope
+    channels) and `v` is empty. mode says how they were made (unit / per_tensor / per_head).
+    """
+
+    format: str
+    mode: str
+    k: tuple[np.ndarray, ...]
+    v: tuple[np.ndarray, ...] = ()
+    amax_k: tuple[np.ndarray, ...] = ()  # the calibration statistics they came from, if any
+    amax_v: tuple[np.ndarray, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        lst = lambda arrs: [np.asarray(a, np.float32).tolist() for a in arrs]  # noqa: E731
+        return {"format": self.format, "mode": self.mode, "k": lst(self.k), "v": lst(self.v),
+                "amax_k": lst(self.amax_k), "amax_v": lst(self.amax_v)}
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_json(), fh)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "KVScales":
+        try:
+            with open(path) as fh:
+                d = json.load(fh)
+        except FileNotFoundError:
+            raise ValueError(f"scales file {os.fspath(path)!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"scales file {os.fspath(path)!r} is not valid JSON: {e.msg}") from None
+        missing = [key for key in ("format", "mode", "k") if key not in d]
+        if missing:
+            raise ValueError(f"scales file {os.fspath(path)!r} lacks {', '.join(missing)}")
+        arr = lambda xs: tuple(np.asarray(x, np.float32) for x in xs)  # noqa: E731
+        scales = cls(d["format"], d["mode"], arr(d["k"]), arr(d.get("v", [])), arr(d.get("amax_k", [])),
+                     arr(d.get("amax_v", [])))
+        for layer, s in enumerate(scales.k + scales.v):
+            if not np.all(np.isfinite(s)) or np.any(s <= 0):
+                raise ValueError(f"scales file {os.fspath(path)!r}: layer {layer % max(1, len(scales.k))} has a "
+                                 f"non-positive or non-finite scale {s.tolist()}")
+        return scales
+
+
+def scales_from_amax(amax_k, amax_v, fmt: QuantFormat, mode: str, mla_rank: int | None = None) -> KVScales:
+    """Turn per-layer per-head amax (or, for MLA, per-channel amax f32[C]) into scales for `mode`.
+
+    per_tensor takes the max over heads and broadcasts it back to every head; unit ignores the
+    statistics (vLLM's default). MLA has one "head", so per_tensor and per_head both give two
+    scales per layer, one for the latent channels [:mla_rank] and one for the rope key [mla_rank:].
+    """
+    if mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
+
+    def make(amax):
+        amax = np.asarray(amax, np.float32)
+        if mode == "unit":
+            return np.ones_like(amax)
+        if mla_rank is not None:
+            amax = np.concatenate([np.full(mla_rank, amax[:mla_rank].max()),
+                                   np.full(amax.size - mla_rank, amax[mla_rank:].max())]).astype(np.float32)
+        elif mode == "per_tensor":
+            amax = np.full_like(amax, amax.max())
+        return np.asarray(scale_from_amax(amax, fmt))
+
+    return KVScales(fmt.name, mode, tuple(make(a) for a in amax_k), tuple(make(a) for a in amax_v),
+                    tuple(np.asarray(a, np.float32) for a in amax_k), tuple(np.asarray(a, np.float32) for a in amax_v))

@@ -1,0 +1,6 @@
+"""Test-wide settings: CPU JAX, offline Hugging Face, float32 matmuls at full precision."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
