@@ -1,0 +1,63 @@
+"""Decoder models over kvjax's paged KV cache, and their Hugging Face checkpoint loader.
+
+    config = from_hf_config("path/to/hf-folder")          # or preset("tiny")
+    model = build_model(config, attn_impl="reference")
+    params = init_params(model, jax.random.key(0))         # or: config, params = load_checkpoint(path)
+    cache = PagedCache.create(config.kv_spec(), num_blocks, block_size)
+    step = make_step(model)                                # jitted, donates the cache
+    logits, cache = step(params, tokens, metadata, cache)  # tokens i32[T], metadata: BatchMetadata
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention import get_impl
+from kvjax.attention.metadata import build_metadata
+from kvjax.cache import PagedCache
+from models.config import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
+from models.deepseek import DeepseekForCausalLM
+from models.layers import CausalLM, UnsupportedModelError, check_supported
+from models.llama import LlamaForCausalLM
+
+
+def build_model(config: ModelConfig, attn_impl: str = "reference") -> CausalLM:
+    """The Flax module for `config`; refuses unsupported layers and unknown attn_impl up front."""
+    check_supported(config)
+    get_impl(attn_impl)
+    cls = DeepseekForCausalLM if config.is_mla else LlamaForCausalLM
+    return cls(config, attn_impl)
+
+
+def init_params(model: CausalLM, rng: jax.Array):
+    """Random parameters (Flax default initializers) for `model`, traced on a one-token batch."""
+    tokens, md, cache = _dummy_inputs(model.config)
+    return jax.jit(lambda key: model.init(key, tokens, md, cache)["params"])(rng)
+
+
+def param_shapes(model: CausalLM):
+    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything."""
+    tokens, md, cache = _dummy_inputs(model.config)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, md, cache)["params"])
+
+
+def _dummy_inputs(config: ModelConfig):
+    md = build_metadata([0], [1], [[1]], block_size=1, max_tokens=1, max_seqs=1, max_blocks_per_seq=1)
+    return jnp.zeros((1,), jnp.int32), md, PagedCache.create(config.kv_spec(), 2, 1)
+
+
+def make_step(model: CausalLM):
+    """jit of (params, tokens i32[T], metadata, cache, logits_indices=None) -> (logits, cache).
+
+    The cache argument is donated, so each layer's scatter updates its pages in place; the
+    caller must use the returned cache and drop the one it passed.
+    """
+    def step(params, tokens, md, cache, logits_indices=None):
+        return model.apply({"params": params}, tokens, md, cache, logits_indices)
+
+    return jax.jit(step, donate_argnames="cache")
+
+
+__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "LlamaForCausalLM", "ModelConfig", "ModelConfigError",
+           "UnsupportedModelError", "build_model", "from_hf_config", "init_params", "make_step", "param_shapes",
+           "preset"]

@@ -1,0 +1,71 @@
+"""Paged attention implementations and the `attn_impl` switch the models use.
+
+An implementation supplies four functions, the ragged and decode forms for MHA/GQA/MQA pages
+and for MLA latent pages (signatures in `kvjax.attention.reference`). `paged_attention` and
+`mla_paged_attention` pick the decode form when the step's metadata is a decode step
+(`BatchMetadata.decode`) and the ragged form otherwise. "reference" (jnp) is the only one
+registered here; the Pallas kernel registers "pallas" with `register_impl`.
+
+The dispatchers take a layer's whole page pytree (`KVPages` / `LatentPages`), not bare
+arrays, so that anything stored beside the pages (quantization scales) reaches the
+implementation without changing the attention modules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadata, decode_metadata
+from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
+                                       paged_attention_reference, paged_decode_reference)
+from kvjax.cache import KVPages, LatentPages
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+    ragged: Callable  # (q, k_pages, v_pages, md, *, scale)
+    decode: Callable  # (q, k_pages, v_pages, block_tables, context_lens, *, scale)
+    mla_ragged: Callable  # (q_latent, q_rope, latent_pages, md, *, scale)
+    mla_decode: Callable  # (q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale)
+
+
+_IMPLS: dict[str, AttentionImpl] = {
+    "reference": AttentionImpl(paged_attention_reference, paged_decode_reference,
+                               mla_paged_attention_reference, mla_paged_decode_reference),
+}
+
+
+def register_impl(name: str, impl: AttentionImpl) -> None:
+    _IMPLS[name] = impl
+
+
+def get_impl(name: str) -> AttentionImpl:
+    """The implementation called `name`; unknown names raise ValueError listing the known ones."""
+    if name not in _IMPLS:
+        raise ValueError(f"unknown attn_impl {name!r}; available: {', '.join(sorted(_IMPLS))}")
+    return _IMPLS[name]
+
+
+def paged_attention(q: jax.Array, pages: KVPages, md: BatchMetadata, *, scale: float,
+                    impl: str = "reference") -> jax.Array:
+    """q: [T, N, H]; pages.k, pages.v: [P, Z, K, H] → [T, N, H]."""
+    fns = get_impl(impl)
+    if md.decode:
+        return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale)
+    return fns.ragged(q, pages.k, pages.v, md, scale=scale)
+
+
+def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPages, md: BatchMetadata, *,
+                        scale: float, impl: str = "reference") -> jax.Array:
+    """q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope]; pages.latent: [P, Z, C] → [T, N, kv_lora_rank]."""
+    fns = get_impl(impl)
+    if md.decode:
+        return fns.mla_decode(q_latent, q_rope, pages.latent, md.block_tables, md.context_lens, scale=scale)
+    return fns.mla_ragged(q_latent, q_rope, pages.latent, md, scale=scale)
+
+
+__all__ = ["AttentionImpl", "BatchMetadata", "MetadataError", "build_metadata", "decode_metadata",
+           "get_impl", "mla_paged_attention", "mla_paged_attention_reference", "mla_paged_decode_reference",
+           "paged_attention", "paged_attention_reference", "paged_decode_reference", "register_impl"]

@@ -1,0 +1,139 @@
+"""Batch metadata for one model step over the paged cache: vLLM V1's flat ragged batch.
+
+vLLM V1 runs prefill and decode requests in one forward pass (`gpu_model_runner._prepare_inputs`):
+the scheduled tokens of every request are concatenated into one flat token axis, and per-token
+positions and slot mappings plus per-request block tables and sequence lengths tell attention
+where each token lives. kvjax does the same with static shapes, so one compiled step serves
+every batch that fits its buckets:
+
+    T  max tokens per step (flat; padded)     B  max sequences per step (padded)
+    M  max blocks per sequence (block table width)
+
+Per token t: `positions[t]` (its position in its sequence), `slot_mapping[t]` (where its K/V is
+written: block_table[p // Z] × Z + p % Z), `seq_ids[t]` (its row in `block_tables`; kvjax keeps
+a per-token sequence index rather than vLLM's query_start_loc because a gather by it is the
+plainest way to give each token its own sequence's keys), `valid[t]`. Per sequence b:
+`block_tables[b]`, `context_lens[b]` (tokens in the cache after this step's writes) and
+`logits_indices[b]` (its last token's index in T, the only logits a generator needs).
+
+Padding tokens have valid False, position 0, and slots in the null block 0; padding sequences
+have context length 0 and an all-zero block table, so nothing of theirs is ever read.
+
+`decode` is a static flag: True promises one token per sequence, token b belonging to
+sequence b (T == B), which lets attention use the decode-only form that the Pallas kernel
+implements. A step compiles once per (T, B, M, decode).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.cache import NULL_BLOCK
+
+
+class MetadataError(ValueError):
+    """A batch that does not fit its static sizes or the cache; the message names the value."""
+
+
+@struct.dataclass
+class BatchMetadata:
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T]
+    seq_ids: jax.Array  # i32[T]
+    valid: jax.Array  # bool[T]
+    block_tables: jax.Array  # i32[B, M]
+    context_lens: jax.Array  # i32[B]
+    logits_indices: jax.Array  # i32[B]
+    decode: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def num_tokens(self) -> int:  # T (static)
+        return self.positions.shape[0]
+
+    @property
+    def num_seqs(self) -> int:  # B (static)
+        return self.block_tables.shape[0]
+
+
+def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
+                   block_tables: Sequence[Sequence[int]], *, block_size: int, max_tokens: int,
+                   max_seqs: int, max_blocks_per_seq: int, decode: bool = False) -> BatchMetadata:
+    """Host-side metadata for one step (numpy, validated).
+
+    Sequence i already has num_computed[i] tokens in the cache and schedules num_new[i] more,
+    at positions num_computed[i] .. num_computed[i] + num_new[i] - 1; block_tables[i] lists its
+    physical blocks in logical order and must cover every position up to that end. The step's
+    tokens are laid out sequence after sequence; the caller passes token ids in that order,
+    padded to max_tokens. decode=True requires one new token per sequence and
+    max_tokens == max_seqs.
+    """
+    n = len(num_new)
+    if not len(num_computed) == n == len(block_tables):
+        raise MetadataError(f"num_computed ({len(num_computed)}), num_new ({n}) and block_tables "
+                            f"({len(block_tables)}) must have one entry per sequence")
+    if n > max_seqs:
+        raise MetadataError(f"{n} sequences exceed max_seqs {max_seqs}")
+    total = sum(num_new)
+    if total > max_tokens:
+        raise MetadataError(f"{total} scheduled tokens exceed max_tokens {max_tokens}")
+    if decode and (max_tokens != max_seqs or any(k != 1 for k in num_new)):
+        raise MetadataError(f"a decode step needs one new token per sequence and max_tokens == max_seqs; "
+                            f"got num_new {list(num_new)}, max_tokens {max_tokens}, max_seqs {max_seqs}")
+    positions = np.zeros(max_tokens, np.int32)
+    slots = np.full(max_tokens, NULL_BLOCK * block_size, np.int32)
+    seq_ids = np.zeros(max_tokens, np.int32)
+    valid = np.zeros(max_tokens, bool)
+    tables = np.full((max_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32)
+    context_lens = np.zeros(max_seqs, np.int32)
+    logits_indices = np.zeros(max_seqs, np.int32)
+    t = 0
+    for i, (done, new, table) in enumerate(zip(num_computed, num_new, block_tables)):
+        if done < 0 or new < 0:
+            raise MetadataError(f"sequence {i}: num_computed {done} and num_new {new} must be >= 0")
+        end = done + new
+        needed = -(-end // block_size)
+        if needed > max_blocks_per_seq:
+            raise MetadataError(f"sequence {i}: {end} tokens need {needed} blocks of {block_size}, "
+                                f"more than max_blocks_per_seq {max_blocks_per_seq}")
+        if len(table) < needed:
+            raise MetadataError(f"sequence {i}: {end} tokens need {needed} blocks of {block_size}, "
+                                f"its block table has {len(table)}")
+        if NULL_BLOCK in table[:needed]:
+            raise MetadataError(f"sequence {i}: block table {list(table[:needed])} uses the null block "
+                                f"{NULL_BLOCK}, which never holds KV")
+        width = min(len(table), max_blocks_per_seq)
+        tables[i, :width] = table[:width]
+        pos = np.arange(done, end, dtype=np.int32)
+        positions[t:t + new] = pos
+        slots[t:t + new] = tables[i, pos // block_size] * block_size + pos % block_size
+        seq_ids[t:t + new] = i
+        valid[t:t + new] = True
+        context_lens[i] = end
+        logits_indices[i] = t + new - 1 if new else 0
+        t += new
+    return BatchMetadata(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(seq_ids),
+                         jnp.asarray(valid), jnp.asarray(tables), jnp.asarray(context_lens),
+                         jnp.asarray(logits_indices), decode=decode)
+
+
+def decode_metadata(block_tables: jax.Array, num_computed: jax.Array, active: jax.Array,
+                    block_size: int) -> BatchMetadata:
+    """Jittable metadata for a decode step: sequence b's one new token is token b.
+
+    block_tables: i32[B, M] (must already hold the block for position num_computed[b]);
+    num_computed: i32[B] tokens already cached; active: bool[B]. Inactive rows become padding.
+    Built from device arrays so a generator can run decode steps inside `lax.scan`.
+    """
+    batch = block_tables.shape[0]
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    positions = jnp.where(active, num_computed, 0).astype(jnp.int32)  # i32[B]
+    block = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1)[:, 0]
+    slots = jnp.where(active, block * block_size + positions % block_size, NULL_BLOCK * block_size)
+    return BatchMetadata(positions=positions, slot_mapping=slots.astype(jnp.int32), seq_ids=rows,
+                         valid=active, block_tables=block_tables,
+                         context_lens=jnp.where(active, num_computed + 1, 0).astype(jnp.int32),
+                         logits_indices=rows, decode=True)

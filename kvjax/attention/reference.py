@@ -1,0 +1,158 @@
+"""Reference paged attention in plain jnp: gather by block table, f32 softmax.
+
+The semantics are vLLM V1's paged attention (`vllm/v1/attention/backends/flash_attn.py` calling
+`flash_attn_varlen_func` with a block table): a query token of sequence b at position p attends
+to the cached positions 0..p of sequence b, read through b's block table, and nothing else.
+Every other form of attention in kvjax (the Pallas decode kernel) is tested against these.
+
+Two call forms, each for MHA/GQA/MQA pages [P, Z, K, H] and for MLA latent pages [P, Z, C]:
+
+- ragged (`paged_attention_reference`): the flat token batch of one model step, mixing
+  prefill and decode sequences, described by a `BatchMetadata`. Causal by position.
+- decode (`paged_decode_reference`): one query per sequence, q [B, N, H], attending to all of
+  its context_lens[b] cached tokens; the signature the Pallas kernel matches.
+
+MLA runs in the absorbed form of DeepSeek-V2 (arXiv 2405.04434, §2.1.2): the caller folds W_UK
+into the query, so q_latent [.., N, kv_lora_rank] and q_rope [.., N, qk_rope_head_dim] score
+against the cached latent [c_kv, k_rope] directly, and the output stays in latent space
+[.., N, kv_lora_rank] for the caller to map through W_UV. That is MQA with one kv head whose
+key is the whole latent and whose value is its c_kv part, which is how it is computed here.
+
+Masked positions include the null block 0 and table entries past a sequence's end. Their
+values may be anything (even NaN), so their scores are replaced by -inf and their values by
+zero before use: a zero softmax weight times a NaN value would otherwise still be NaN. A query
+with no visible key (padding) gets a zero output.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention.metadata import BatchMetadata
+from kvjax.cache import gather_pages
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Masked softmax attention in f32, each query row with its own keys.
+
+    q: [R, N, Hk]; k: [R, S, K, Hk]; v: [R, S, K, Hv]; mask: bool[R, S] → f32[R, N, Hv].
+    Query head n uses kv head n // G (G = N // K), as `repeat_kv` in transformers does.
+    """
+    rows, heads, _ = q.shape
+    kv_heads = k.shape[2]
+    q = q.astype(jnp.float32).reshape(rows, kv_heads, heads // kv_heads, q.shape[-1])  # [R, K, G, Hk]
+    # A garbage key only spoils its own score, which the mask replaces; a garbage value would
+    # reach every output through 0 × NaN, so values are zeroed where masked.
+    v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
+    scores = jnp.einsum("rkgh,rskh->rkgs", q, k.astype(jnp.float32)) * scale  # f32[R, K, G, S]
+    visible = mask[:, None, None, :]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # rows with no visible key
+    weights = jnp.where(visible, jnp.exp(scores - peak), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("rkgs,rskh->rkgh", weights, v)  # f32[R, K, G, Hv]
+    return out.reshape(rows, heads, v.shape[-1])
+
+
+def _check(name: str, array: jax.Array, ndim: int, what: str) -> None:
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must be {what}, got shape {tuple(array.shape)}")
+
+
+def _check_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+    _check("k_pages", k_pages, 4, "[P, Z, K, H]")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {tuple(v_pages.shape)} differs from k_pages {tuple(k_pages.shape)}")
+    heads, kv_heads = q.shape[-2], k_pages.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{kv_heads} kv heads do not divide {heads} query heads")
+    if q.shape[-1] != k_pages.shape[-1]:
+        raise ValueError(f"query head dim {q.shape[-1]} differs from the pages' {k_pages.shape[-1]}")
+
+
+def _check_latent(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array) -> None:
+    _check("latent_pages", latent_pages, 3, "[P, Z, C]")
+    if q_latent.shape[:-1] != q_rope.shape[:-1]:
+        raise ValueError(f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)} disagree")
+    if q_latent.shape[-1] + q_rope.shape[-1] != latent_pages.shape[-1]:
+        raise ValueError(f"kv_lora_rank {q_latent.shape[-1]} + rope dim {q_rope.shape[-1]} must equal "
+                         f"the latent page width {latent_pages.shape[-1]}")
+
+
+def _ragged_mask(md: BatchMetadata, num_positions: int) -> jax.Array:
+    """bool[T, S]: token t sees positions ≤ its own that its sequence has cached."""
+    s = jnp.arange(num_positions, dtype=jnp.int32)[None, :]
+    seq_len = md.context_lens[md.seq_ids][:, None]  # i32[T, 1]
+    return (s <= md.positions[:, None]) & (s < seq_len) & md.valid[:, None]
+
+
+def _decode_mask(context_lens: jax.Array, num_positions: int) -> jax.Array:
+    """bool[B, S]: a decode query sees every cached position of its sequence."""
+    return jnp.arange(num_positions, dtype=jnp.int32)[None, :] < context_lens[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# MHA / GQA / MQA
+# --------------------------------------------------------------------------------------------
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: BatchMetadata,
+                              *, scale: float) -> jax.Array:
+    """Ragged causal attention of a flat token batch over the paged cache.
+
+    q: [T, N, H]; k_pages, v_pages: [P, Z, K, H] (this step's K/V already written) → [T, N, H]
+    in q's dtype. Gathers each token's sequence (memory T × S × K × H: a reference, not a kernel).
+    """
+    _check("q", q, 3, "[T, N, H]")
+    _check_pages(q, k_pages, v_pages)
+    tables = md.block_tables[md.seq_ids]  # i32[T, M]
+    k = gather_pages(k_pages, tables)  # [T, S, K, H]
+    v = gather_pages(v_pages, tables)
+    return _attend(q, k, v, _ragged_mask(md, k.shape[1]), scale).astype(q.dtype)
+
+
+def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                           context_lens: jax.Array, *, scale: float) -> jax.Array:
+    """One query per sequence over its whole cached context.
+
+    q: [B, N, H]; k_pages, v_pages: [P, Z, K, H]; block_tables: i32[B, M];
+    context_lens: i32[B] → [B, N, H] in q's dtype.
+    """
+    _check("q", q, 3, "[B, N, H]")
+    _check_pages(q, k_pages, v_pages)
+    _check("block_tables", block_tables, 2, "[B, M]")
+    k = gather_pages(k_pages, block_tables)  # [B, S, K, H]
+    v = gather_pages(v_pages, block_tables)
+    return _attend(q, k, v, _decode_mask(context_lens, k.shape[1]), scale).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# MLA (absorbed)
+# --------------------------------------------------------------------------------------------
+def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """latent: [R, S, C + rope] gathered → [R, N, C]: MQA with key = latent, value = c_kv."""
+    rank = q_latent.shape[-1]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [R, N, C + rope]
+    k = latent[:, :, None, :]  # [R, S, 1, C + rope]
+    return _attend(q, k, k[..., :rank], mask, scale).astype(q_latent.dtype)
+
+
+def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
+                                  md: BatchMetadata, *, scale: float) -> jax.Array:
+    """Ragged causal MLA. q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope];
+    latent_pages: [P, Z, kv_lora_rank + rope] → [T, N, kv_lora_rank]."""
+    _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
+    _check_latent(q_latent, q_rope, latent_pages)
+    latent = gather_pages(latent_pages, md.block_tables[md.seq_ids])  # [T, S, C]
+    return _mla(q_latent, q_rope, latent, _ragged_mask(md, latent.shape[1]), scale)
+
+
+def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
+                               block_tables: jax.Array, context_lens: jax.Array, *, scale: float) -> jax.Array:
+    """Decode MLA. q_latent: [B, N, kv_lora_rank]; q_rope: [B, N, rope]; latent_pages: [P, Z, C];
+    block_tables: i32[B, M]; context_lens: i32[B] → [B, N, kv_lora_rank]."""
+    _check("q_latent", q_latent, 3, "[B, N, kv_lora_rank]")
+    _check_latent(q_latent, q_rope, latent_pages)
+    _check("block_tables", block_tables, 2, "[B, M]")
+    latent = gather_pages(latent_pages, block_tables)  # [B, S, C]
+    return _mla(q_latent, q_rope, latent, _decode_mask(context_lens, latent.shape[1]), scale)

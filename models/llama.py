@@ -1,0 +1,54 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Reproduces transformers' `LlamaAttention` (and its Qwen2/Qwen3 variants): q/k/v projections
+(biases as the config says; Qwen2 has q/k/v biases and no o bias), Qwen3's per-head q/k RMSNorm
+before RoPE, RoPE on q and k, grouped-query attention where query head n reads kv head
+n // (N / K) (MHA: K = N; MQA: K = 1), softmax scale head_dim^-0.5.
+
+Unlike transformers, the new K/V are first written into this layer's pages through the step's
+slot mapping, and attention then reads every key, this step's included, back from the pages
+by block table: one code path for prefill, decode and any mix of the two (vLLM V1 does the
+same: `reshape_and_cache_flash` then the attention kernel).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from kvjax.attention import paged_attention
+from kvjax.attention.metadata import BatchMetadata
+from kvjax.cache import KVPages, write_kv
+from models.config import ModelConfig
+from models.layers import CausalLM, RMSNorm, dense
+from models.rope import apply_rope, inv_freq
+
+
+class GQAAttention(nn.Module):
+    """Multi-head / grouped-query / multi-query attention; returns (output, new pages)."""
+
+    config: ModelConfig
+    attn_impl: str = "reference"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, md: BatchMetadata, pages: KVPages) -> tuple[jax.Array, KVPages]:
+        c = self.config
+        if not isinstance(pages, KVPages):
+            raise TypeError(f"GQA attention needs KVPages, got {type(pages).__name__}")
+        tokens = x.shape[0]
+        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+        q = dense(c, n * h, c.qkv_bias, "q_proj")(x).reshape(tokens, n, h)  # [T, N, H]
+        key = dense(c, k * h, c.qkv_bias, "k_proj")(x).reshape(tokens, k, h)  # [T, K, H]
+        value = dense(c, k * h, c.qkv_bias, "v_proj")(x).reshape(tokens, k, h)  # [T, K, H]
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, c.dtype, name="q_norm")(q)
+            key = RMSNorm(c.rms_norm_eps, c.dtype, name="k_norm")(key)
+        freq, factor = inv_freq(c.rope, h, c.max_position_embeddings)
+        q = apply_rope(q, md.positions, freq, factor, c.rope.layout)
+        key = apply_rope(key, md.positions, freq, factor, c.rope.layout)
+        pages = write_kv(pages, key, value, md.slot_mapping)
+        out = paged_attention(q, pages, md, scale=h ** -0.5, impl=self.attn_impl)  # [T, N, H]
+        return dense(c, c.hidden_size, c.o_bias, "o_proj")(out.reshape(tokens, n * h)), pages
+
+
+class LlamaForCausalLM(CausalLM):
+    attention_cls = GQAAttention

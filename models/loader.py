@@ -1,0 +1,150 @@
+"""Load a Hugging Face checkpoint folder into kvjax's Flax parameters (safetensors only).
+
+A folder holds `config.json` and either `model.safetensors` or a sharded set indexed by
+`model.safetensors.index.json` (its `weight_map` names each tensor's shard), the layout
+`save_pretrained` writes. Tensors are read with the safetensors library (numpy framework),
+checked against the shapes the Flax model expects, cast to the model dtype and transposed
+where Flax's Dense keeps [in, out] and torch's Linear [out, in].
+
+Refused, each with its own exception class (all ValueError):
+- pickled weights (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`, `*.pkl`) when no safetensors file is
+  present: unpickling runs arbitrary code from the file (torch.load's own warning);
+- a tensor the model needs that the checkpoint lacks, named;
+- a tensor whose shape differs, named with the expected and the found shape;
+- a tensor the model does not use, named, except ones transformers also drops: rotary
+  `inv_freq` buffers, `lm_head.weight` of a tied model, and DeepSeek-V3's multi-token-prediction
+  layers (indices ≥ num_hidden_layers).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+from safetensors import safe_open
+
+from models import build_model, param_shapes
+from models.config import ModelConfig, from_hf_config
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder kvjax will not load; subclasses say why."""
+
+
+class PickledWeightsError(CheckpointError):
+    pass
+
+
+class MissingTensorError(CheckpointError):
+    pass
+
+
+class ShapeMismatchError(CheckpointError):
+    pass
+
+
+class UnexpectedTensorError(CheckpointError):
+    pass
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict]:
+    """(config, params) from a Hugging Face folder; dtype overrides the checkpoint's dtype."""
+    folder = os.fspath(path)
+    if os.path.isfile(folder) and folder.endswith(PICKLE_SUFFIXES):
+        raise _pickled([folder])
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
+    config = from_hf_config(folder, dtype=dtype)
+    return config, load_params(folder, config)
+
+
+def load_params(folder: str, config: ModelConfig) -> dict:
+    """The Flax parameter tree of `build_model(config)` filled from the folder's safetensors."""
+    files = _tensor_files(folder)  # HF name → file
+    expected = param_shapes(build_model(config))
+    dtype = jnp.dtype(config.dtype)
+    used = set()
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in sorted(set(files.values()))}
+
+        def load(path, leaf):
+            name, transpose = hf_name(path)
+            want = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+            if name not in files:
+                raise MissingTensorError(f"checkpoint {folder!r} has no tensor {name!r} "
+                                         f"(expected shape {list(want)})")
+            fh = handles[files[name]]
+            found = tuple(fh.get_slice(name).get_shape())
+            if found != want:
+                raise ShapeMismatchError(f"tensor {name!r} in {os.path.basename(files[name])}: expected shape "
+                                         f"{list(want)}, found {list(found)}")
+            array = fh.get_tensor(name)
+            used.add(name)
+            return jnp.asarray(array.T if transpose else array, dtype=dtype)
+
+        params = jax.tree_util.tree_map_with_path(load, expected)
+    extra = sorted(name for name in files if name not in used and not _ignorable(name, config))
+    if extra:
+        shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise UnexpectedTensorError(f"checkpoint {folder!r} has tensors the {config.model_type} model does not "
+                                    f"use: {shown}")
+    return params
+
+
+def hf_name(path) -> tuple[str, bool]:
+    """Flax parameter path → (Hugging Face tensor name, whether the HF tensor is transposed)."""
+    keys = [getattr(p, "key", str(p)) for p in path]
+    *modules, leaf = keys
+    if modules and re.fullmatch(r"layers_\d+", modules[0]):
+        modules[0] = "layers." + modules[0].split("_")[1]
+    prefix = "" if modules[0] == "lm_head" else "model."
+    suffix = "bias" if leaf == "bias" else "weight"  # kernel, embedding, weight
+    return prefix + ".".join(modules + [suffix]), leaf == "kernel"
+
+
+def _tensor_files(folder: str) -> dict[str, str]:
+    index = os.path.join(folder, INDEX)
+    single = os.path.join(folder, SAFETENSORS)
+    if os.path.exists(index):
+        with open(index) as fh:
+            try:
+                weight_map = json.load(fh)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index!r} is not a safetensors index with a weight_map: {e}") from None
+        files = {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not os.path.exists(shard):
+                raise CheckpointError(f"{index!r} names shard {os.path.basename(shard)!r}, which is missing")
+        return files
+    if os.path.exists(single):
+        with safe_open(single, framework="numpy") as fh:
+            return {name: single for name in fh.keys()}
+    pickled = sorted(f for f in glob.glob(os.path.join(folder, "*")) if f.endswith(PICKLE_SUFFIXES))
+    if pickled:
+        raise _pickled(pickled)
+    raise CheckpointError(f"checkpoint {folder!r} has neither {SAFETENSORS} nor {INDEX}")
+
+
+def _pickled(files: list[str]) -> PickledWeightsError:
+    names = ", ".join(os.path.basename(f) for f in files)
+    return PickledWeightsError(
+        f"refusing to load pickled weights ({names}): unpickling a PyTorch checkpoint can execute arbitrary "
+        f"code from the file. Convert it to safetensors (model.safetensors) with a tool you trust.")
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True  # a recomputed buffer older checkpoints saved
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return True  # the tied head is the embedding
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    # DeepSeek-V3 ships its multi-token-prediction module as extra layers; transformers drops them.
+    return bool(config.model_type == "deepseek_v3" and match and int(match.group(1)) >= config.num_layers)

@@ -1,0 +1,78 @@
+"""Tiny random-init transformers models, saved as Hugging Face folders, for kvjax's tests.
+
+Every model is built offline from a config object (HF_HUB_OFFLINE=1), with weights drawn
+larger than transformers' default (initializer_range 0.15, so logits and attention scores are
+O(1) and a wrong mask or a wrong page shows up) and with RMSNorm weights and biases perturbed
+away from their 1 / 0 initial values (so a dropped bias or norm weight shows up too).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+torch.set_num_threads(1)
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            initializer_range=0.15)
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
+           first_k_dense_replace=2)  # every layer dense
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.707, mscale_all_dim=1.0,
+            original_max_position_embeddings=32, beta_fast=32, beta_slow=1)
+LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+
+
+def _config(name: str):
+    """(transformers config, model class) for one named test case."""
+    if name == "llama-mha":
+        return tf.LlamaConfig(**BASE, num_key_value_heads=4), tf.LlamaForCausalLM
+    if name == "llama-gqa":  # also llama3 rope scaling
+        return tf.LlamaConfig(**BASE, num_key_value_heads=2, rope_parameters=LLAMA3), tf.LlamaForCausalLM
+    if name == "llama-mqa":  # also tied embeddings
+        return (tf.LlamaConfig(**BASE, num_key_value_heads=1, tie_word_embeddings=True), tf.LlamaForCausalLM)
+    if name == "qwen2":
+        return tf.Qwen2Config(**BASE, num_key_value_heads=2), tf.Qwen2ForCausalLM
+    if name == "qwen3":  # explicit head_dim: heads × head_dim ≠ hidden
+        return tf.Qwen3Config(**BASE, num_key_value_heads=2, head_dim=24), tf.Qwen3ForCausalLM
+    if name == "deepseek-v3":  # q_lora_rank set, yarn with mscale, interleaved rope
+        return (tf.DeepseekV3Config(**BASE, **MLA, q_lora_rank=32, n_group=1, topk_group=1, rope_parameters=YARN,
+                                    max_position_embeddings=128), tf.DeepseekV3ForCausalLM)
+    if name == "deepseek-v3-noq":  # q_lora_rank None: a single q_proj; rope_interleave off
+        return (tf.DeepseekV3Config(**BASE, **MLA, q_lora_rank=None, n_group=1, topk_group=1,
+                                    rope_interleave=False), tf.DeepseekV3ForCausalLM)
+    if name == "deepseek-v2":  # complex-pair rope, yarn
+        return (tf.DeepseekV2Config(**BASE, **MLA, q_lora_rank=None, rope_parameters=YARN,
+                                    max_position_embeddings=128), tf.DeepseekV2ForCausalLM)
+    raise KeyError(name)
+
+
+CASES = ("llama-mha", "llama-gqa", "llama-mqa", "qwen2", "qwen3", "deepseek-v3", "deepseek-v3-noq", "deepseek-v2")
+
+
+def make_hf_model(name: str, seed: int = 0):
+    """A random-init transformers model for case `name` (eval mode, eager attention, fp32)."""
+    config, cls = _config(name)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight") or pname.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def save_hf_model(model, folder: str, **kwargs) -> str:
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    """f32[S, V] logits of one sequence from transformers (no cache)."""
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens)[None], dtype=torch.long)).logits[0].float().numpy()
