@@ -32,6 +32,16 @@ from kvjax.attention.metadata import BatchMetadata
 from kvjax.cache import gather_pages
 
 
+def _masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
+    """softmax over the last axis of f32 scores where visible; rows with no visible key → 0."""
+    scores = jnp.where(visible, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # rows with no visible key
+    weights = jnp.where(visible, jnp.exp(scores - peak), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(total > 0, total, 1.0)
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
     """Masked softmax attention in f32, each query row with its own keys.
 
@@ -45,14 +55,25 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: fl
     # reach every output through 0 × NaN, so values are zeroed where masked.
     v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
     scores = jnp.einsum("rkgh,rskh->rkgs", q, k.astype(jnp.float32)) * scale  # f32[R, K, G, S]
-    visible = mask[:, None, None, :]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # rows with no visible key
-    weights = jnp.where(visible, jnp.exp(scores - peak), 0.0)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights / jnp.where(total > 0, total, 1.0)
+    weights = _masked_softmax(scores, mask[:, None, None, :])
     out = jnp.einsum("rkgs,rskh->rkgh", weights, v)  # f32[R, K, G, Hv]
+    return out.reshape(rows, heads, v.shape[-1])
+
+
+def _attend_shared(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Like `_attend`, but every query row scores the same key set and the mask picks its own.
+
+    q: [R, N, Hk]; k: [X, K, Hk]; v: [X, K, Hv]; mask: bool[R, X] → f32[R, N, Hv]. The ragged
+    form uses it with X = B × S (all sequences' gathered positions): memory R × N × X for the
+    scores instead of a per-token copy of its sequence's keys (R × S × K × H).
+    """
+    rows, heads, _ = q.shape
+    kv_heads = k.shape[1]
+    q = q.astype(jnp.float32).reshape(rows, kv_heads, heads // kv_heads, q.shape[-1])  # [R, K, G, Hk]
+    v = jnp.where(jnp.any(mask, axis=0)[:, None, None], v.astype(jnp.float32), 0.0)  # see `_attend`
+    scores = jnp.einsum("rkgh,xkh->rkgx", q, k.astype(jnp.float32)) * scale  # f32[R, K, G, X]
+    weights = _masked_softmax(scores, mask[:, None, None, :])
+    out = jnp.einsum("rkgx,xkh->rkgh", weights, v)  # f32[R, K, G, Hv]
     return out.reshape(rows, heads, v.shape[-1])
 
 
@@ -82,10 +103,12 @@ def _check_latent(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Arra
 
 
 def _ragged_mask(md: BatchMetadata, num_positions: int) -> jax.Array:
-    """bool[T, S]: token t sees positions ≤ its own that its sequence has cached."""
-    s = jnp.arange(num_positions, dtype=jnp.int32)[None, :]
-    seq_len = md.context_lens[md.seq_ids][:, None]  # i32[T, 1]
-    return (s <= md.positions[:, None]) & (s < seq_len) & md.valid[:, None]
+    """bool[T, B × S]: token t sees positions ≤ its own that its own sequence has cached."""
+    s = jnp.arange(num_positions, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    own = md.seq_ids[:, None] == jnp.arange(md.num_seqs, dtype=jnp.int32)[None, :]  # bool[T, B]
+    seq_len = md.context_lens[None, :, None]  # i32[1, B, 1]
+    mask = own[:, :, None] & (s <= md.positions[:, None, None]) & (s < seq_len) & md.valid[:, None, None]
+    return mask.reshape(mask.shape[0], -1)
 
 
 def _decode_mask(context_lens: jax.Array, num_positions: int) -> jax.Array:
@@ -101,14 +124,16 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     """Ragged causal attention of a flat token batch over the paged cache.
 
     q: [T, N, H]; k_pages, v_pages: [P, Z, K, H] (this step's K/V already written) → [T, N, H]
-    in q's dtype. Gathers each token's sequence (memory T × S × K × H: a reference, not a kernel).
+    in q's dtype. Gathers every sequence once ([B, S, K, H]) and lets each token score all
+    B × S positions, masked to its own sequence: memory T × N × B × S (a reference, not a kernel).
     """
     _check("q", q, 3, "[T, N, H]")
     _check_pages(q, k_pages, v_pages)
-    tables = md.block_tables[md.seq_ids]  # i32[T, M]
-    k = gather_pages(k_pages, tables)  # [T, S, K, H]
-    v = gather_pages(v_pages, tables)
-    return _attend(q, k, v, _ragged_mask(md, k.shape[1]), scale).astype(q.dtype)
+    k = gather_pages(k_pages, md.block_tables)  # [B, S, K, H]
+    v = gather_pages(v_pages, md.block_tables)
+    mask = _ragged_mask(md, k.shape[1])  # bool[T, B × S]
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [B × S, K, H]
+    return _attend_shared(q, flat(k), flat(v), mask, scale).astype(q.dtype)
 
 
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
@@ -129,12 +154,15 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 # --------------------------------------------------------------------------------------------
 # MLA (absorbed)
 # --------------------------------------------------------------------------------------------
-def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """latent: [R, S, C + rope] gathered → [R, N, C]: MQA with key = latent, value = c_kv."""
+def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, mask: jax.Array, scale: float,
+         shared: bool = False) -> jax.Array:
+    """latent: [R, S, C + rope] per row (or [X, C + rope] shared) → [R, N, C]: MQA with key =
+    latent, value = c_kv."""
     rank = q_latent.shape[-1]
     q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [R, N, C + rope]
-    k = latent[:, :, None, :]  # [R, S, 1, C + rope]
-    return _attend(q, k, k[..., :rank], mask, scale).astype(q_latent.dtype)
+    k = latent[..., None, :]  # [R, S, 1, C + rope] or [X, 1, C + rope]
+    attend = _attend_shared if shared else _attend
+    return attend(q, k, k[..., :rank], mask, scale).astype(q_latent.dtype)
 
 
 def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
@@ -143,8 +171,9 @@ def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent
     latent_pages: [P, Z, kv_lora_rank + rope] → [T, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
-    latent = gather_pages(latent_pages, md.block_tables[md.seq_ids])  # [T, S, C]
-    return _mla(q_latent, q_rope, latent, _ragged_mask(md, latent.shape[1]), scale)
+    latent = gather_pages(latent_pages, md.block_tables)  # [B, S, C]
+    mask = _ragged_mask(md, latent.shape[1])  # bool[T, B × S]
+    return _mla(q_latent, q_rope, latent.reshape(-1, latent.shape[-1]), mask, scale, shared=True)
 
 
 def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
