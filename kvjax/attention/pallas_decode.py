@@ -1,0 +1,324 @@
+"""Pallas paged-decode attention for MHA/GQA/MQA, with split-K and in-kernel fp8 dequantization.
+
+One query token per sequence attends to its whole history in the paged cache, the step that
+makes decode memory-bound (SPEC "Why decode is bound by KV memory"). The kernel follows the
+structure of JAX's shipped `jax/experimental/pallas/ops/gpu/paged_attention.py` (a portable
+Pallas kernel that runs in interpret mode on CPU and lowers through Triton on a GPU), on
+kvjax's layout — vLLM's flash-attention layout per layer, pages [P, Z, K, H], block 0 the null
+block — and reads each K/V page once per kv head:
+
+    grid (B, K, splits): program (b, h, s) owns sequence b, kv head h — all G query heads of
+    its group, padded to block_h rows — and split s of the block table. It gathers
+    pages_per_block pages per step via the table, keeps an online softmax in f32 and writes
+    (out / sum, logsumexp) for its split; `merge_splits` combines the splits.
+
+Numerics:
+- `scale` (the softmax scale) is applied in the kernel to the f32 logits, so pass q unscaled.
+- fp8 pages are dequantized in the kernel by their per-kv-head scale: page.astype(f32) × scale
+  (vLLM's `k_scale`/`v_scale`: stored = x / scale, scale = amax / format max). Since it is one number per
+  program, it is applied where it is exact and cheap: to the f32 logits (K) and to the f32
+  output (V), so the fp8 → bf16 cast that feeds the tensor cores is exact (every e4m3 and e5m2
+  value is a bf16 value). A per-tensor scale is the same number for every head.
+- Dots run in q's dtype when every page value is exact in it (bf16/f16 q with same-dtype or
+  fp8 pages), else in f32 with Precision.HIGHEST (Triton's default f32 dot is TF32); both
+  accumulate in f32. Probabilities are cast to the dot dtype for the P·V product, as
+  FlashAttention does.
+- Masked slots (past a sequence's length, in the null block, or in a page that a garbage table
+  entry would name) never reach the output: table entries past a sequence's last page are
+  replaced by the null block before they index anything, logits past its length are masked,
+  and their V rows are zeroed, so NaN or inf garbage stays out (0 × NaN would not).
+- A context length of 0 (a padding sequence) gives a zero output, not NaN.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.attention.tiles import DecodeTiles, cdiv, default_tiles, is_power_of_two
+from kvjax.cache import NULL_BLOCK
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: MASK - MASK is 0, not NaN
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) + FP8_DTYPES
+Q_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+# ----------------------------------------------------------------------------------- the kernel
+
+def dot_f32(a, b, *, contract_b: int, precision):
+    """a [M, D] · b ([D, N] if contract_b == 0, [N, D] if 1) → f32 [M, N]."""
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def split_pages(tables_ref, length, block_size, pages_per_block):
+    """This split's page range: (first logical page, valid pages in the split, steps)."""
+    pages_per_split = tables_ref.shape[0]
+    first_page = pl.program_id(2) * pages_per_split
+    n_pages = jnp.clip(pl.cdiv(length, block_size) - first_page, 0, pages_per_split)
+    return first_page, n_pages, pl.cdiv(n_pages, pages_per_block)
+
+
+def step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block):
+    """Physical pages and token validity of one step of pages_per_block pages."""
+    local = step * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+    pages = tables_ref[pl.ds(step * pages_per_block, pages_per_block)]  # i32[pages_per_block]
+    # Entries past the sequence's last page may be garbage: never let one address memory.
+    pages = jnp.where(local < n_pages, pages, NULL_BLOCK)
+    block_k = pages_per_block * block_size
+    pos = (first_page + step * pages_per_block) * block_size + jnp.arange(block_k, dtype=jnp.int32)
+    return pages, pos  # pos: i32[block_k] token positions of this step
+
+
+def online_softmax_step(carry, logits, valid, v, compute_dtype, precision):
+    """Fold one step's f32 logits [R, block_k] and values [block_k, D] into (o, m, l)."""
+    o, m, l = carry
+    logits = jnp.where(valid[None, :], logits, MASK_VALUE)
+    m_new = jnp.maximum(m, logits.max(axis=-1))  # every step holds >= 1 valid token: finite
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(logits - m_new[:, None])  # masked slots: exp(MASK - m) = 0
+    l = alpha * l + p.sum(axis=-1)
+    o = alpha[:, None] * o + dot_f32(p.astype(compute_dtype), v, contract_b=0, precision=precision)
+    return o, m_new, l
+
+
+def write_partial(o_ref, lse_ref, o, m, l, out_scale):
+    """Store out / sum (× the V or latent dequant scale) and logsumexp; an empty split: 0, -inf."""
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], o / l_safe[:, None], 0.0) * out_scale
+    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+
+def _gqa_kernel(
+    lens_ref,  # i32[1]: this sequence's context length
+    tables_ref,  # i32[pages_per_split]: this split's slice of the block table
+    q_ref,  # [block_h, H]: this kv head's query rows (group padded with zeros)
+    k_ref,  # [P, Z, H]: this kv head's K pages
+    v_ref,  # [P, Z, H]: this kv head's V pages
+    k_scale_ref,  # f32[1]: K dequant scale of this kv head
+    v_scale_ref,  # f32[1]: V dequant scale of this kv head
+    o_ref,  # f32[block_h, H]: this split's normalized output
+    lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
+    *, sm_scale: float, pages_per_block: int, compute_dtype, precision,
+):
+    block_h, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    block_k = pages_per_block * block_size
+    length = lens_ref[0]
+    first_page, n_pages, n_steps = split_pages(tables_ref, length, block_size, pages_per_block)
+
+    q = q_ref[...].astype(compute_dtype)  # [block_h, H]
+    logit_scale = sm_scale * k_scale_ref[0]  # K's dequant scale folds into the logits exactly
+
+    def body(step, carry):
+        pages, pos = step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block)
+        valid = pos < length  # bool[block_k]
+        k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
+        v = v_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
+        v = jnp.where(valid[:, None], v, 0)  # garbage slots must not meet a zero weight
+        logits = dot_f32(q, k, contract_b=1, precision=precision) * logit_scale  # f32[block_h, block_k]
+        return online_softmax_step(carry, logits, valid, v, compute_dtype, precision)
+
+    init = (jnp.zeros((block_h, head_dim), jnp.float32), jnp.full((block_h,), MASK_VALUE, jnp.float32),
+            jnp.zeros((block_h,), jnp.float32))
+    o, m, l = lax.fori_loop(0, n_steps, body, init)
+    write_partial(o_ref, lse_ref, o, m, l, v_scale_ref[0])
+
+
+# --------------------------------------------------------------------- pallas_call and merging
+
+def compute_dtype_for(q_dtype, page_dtype):
+    """The dot input dtype: q's when every page value is exact in it, else f32 (see module doc)."""
+    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if q_dtype != jnp.float32 and (page_dtype == q_dtype or page_dtype in FP8_DTYPES):
+        return q_dtype
+    return jnp.dtype(jnp.float32)
+
+
+def dot_precision(compute_dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+
+
+def split_block_tables(block_tables, num_splits: int, pages_per_block: int):
+    """i32[B, M] → i32[B, splits, pages_per_split], padded with the null block."""
+    batch, max_blocks = block_tables.shape
+    pages_per_split = cdiv(cdiv(max_blocks, num_splits), pages_per_block) * pages_per_block
+    pad = num_splits * pages_per_split - max_blocks
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=NULL_BLOCK)
+    return tables.reshape(batch, num_splits, pages_per_split)
+
+
+def merge_splits(o, lse, axis: int):
+    """Combine per-split normalized outputs o [..., S, R, D] and logsumexps lse [..., S, R].
+
+    out = Σ_s exp(lse_s − max) o_s / Σ_s exp(lse_s − max). Splits that saw no token carry
+    lse = −inf and weigh 0; if no split saw a token (context length 0) the output is 0.
+    """
+    m = lse.max(axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # all −inf: avoid −inf − (−inf) = NaN
+    w = jnp.exp(lse - m)  # [..., S, R]
+    denom = w.sum(axis=axis)
+    out = (w[..., None] * o).sum(axis=axis)
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, *, scale, tiles, interpret):
+    batch, num_heads, head_dim = q.shape  # [B, N, H]
+    _, block_size, num_kv_heads, _ = k_pages.shape  # [P, Z, K, H]
+    group = num_heads // num_kv_heads
+    block_h = tiles.block_h
+    q4 = q.reshape(batch, num_kv_heads, group, head_dim)  # query head n = kv head × G + g
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))  # [B, K, block_h, H]
+    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, S, pps]
+    num_splits, pages_per_split = tables.shape[1:]
+    compute_dtype = compute_dtype_for(q.dtype, k_pages.dtype)
+    kernel = functools.partial(_gqa_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
+                               compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
+    page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
+    head_scalar_spec = pl.BlockSpec((1,), lambda b, h, s: (h,))
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),  # context_lens
+            pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),  # tables
+            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+            page_spec, page_spec, head_scalar_spec, head_scalar_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}",
+    )(context_lens.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scale, v_scale)
+    out = o[:, :, 0] if num_splits == 1 else merge_splits(o, lse, axis=2)  # f32[B, K, block_h, H]
+    return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------- validation, public API
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def check_tables(batch: int, block_tables, context_lens) -> None:
+    """block_tables i32[B, M] and context_lens i32[B] must match the batch of q."""
+    if len(block_tables.shape) != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [B={batch}, max_blocks >= 1]; got shape {tuple(block_tables.shape)}")
+    if tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"context_lens must be [B={batch}]; got shape {tuple(context_lens.shape)}")
+    for name, arr in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array; got dtype {arr.dtype}")
+
+
+def check_scale(name: str, value, size: int, what: str):
+    """None → ones; a scalar (per tensor) → broadcast; f32[size] → as is; anything else: ValueError."""
+    if value is None:
+        return jnp.ones((size,), jnp.float32)
+    shape = tuple(jnp.shape(value))
+    if shape not in ((), (size,)):
+        raise ValueError(f"{name} must be a scalar or [{size}] ({what}); got shape {shape}")
+    if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        raise ValueError(f"{name} must be floating point; got dtype {jnp.result_type(value)}")
+    return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (size,))
+
+
+def check_dtypes(q_dtype, page_dtype, q_name: str, page_name: str) -> None:
+    if jnp.dtype(q_dtype) not in Q_DTYPES:
+        raise ValueError(f"{q_name} dtype {q_dtype} unsupported; use one of {[str(d) for d in Q_DTYPES]}")
+    if jnp.dtype(page_dtype) not in PAGE_DTYPES:
+        raise ValueError(f"{page_name} dtype {page_dtype} unsupported; use one of {[str(d) for d in PAGE_DTYPES]}")
+
+
+def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: float, k_scale=None, v_scale=None,
+                 tiles: DecodeTiles | None = None, interpret: bool | None = None) -> jax.Array:
+    """Decode attention of one query token per sequence over a paged K/V cache (Pallas kernel).
+
+    q [B, N, H] (f32, bf16, f16; unscaled); k_pages, v_pages [P, Z, K, H] (f32, bf16, f16,
+    float8_e4m3fn, float8_e5m2); block_tables i32[B, M] (entries past a sequence's last page
+    are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives a zero output);
+    scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
+    scalar or per-kv-head f32[K] dequant scales; tiles: None → `default_tiles` for this shape;
+    interpret: None → True on CPU. Returns [B, N, H] in q's dtype.
+    Shapes and dtypes are checked here, outside jit; bad ones raise ValueError.
+    """
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be [B, N, H]; got shape {tuple(q.shape)}")
+    if len(k_pages.shape) != 4:
+        raise ValueError(f"k_pages must be [P, Z, K, H]; got shape {tuple(k_pages.shape)}")
+    if tuple(v_pages.shape) != tuple(k_pages.shape) or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {tuple(v_pages.shape)} {v_pages.dtype} must match k_pages"
+                         f" {tuple(k_pages.shape)} {k_pages.dtype}")
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, page_head_dim = k_pages.shape
+    if page_head_dim != head_dim:
+        raise ValueError(f"head dim of q ({head_dim}) must equal that of the pages ({page_head_dim})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads N={num_heads} must be a multiple of kv heads K={num_kv_heads}")
+    check_dtypes(q.dtype, k_pages.dtype, "q", "k_pages")
+    for name, n in (("head dim", head_dim), ("block size", block_size)):
+        if not is_power_of_two(n):
+            raise ValueError(f"{name} {n} must be a power of two (Triton tiles); use the reference path")
+    check_tables(batch, block_tables, context_lens)
+    k_scale = check_scale("k_scale", k_scale, num_kv_heads, "per kv head")
+    v_scale = check_scale("v_scale", v_scale, num_kv_heads, "per kv head")
+    group = num_heads // num_kv_heads
+    if tiles is None:
+        tiles = default_tiles(batch=batch, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                              block_size=block_size, max_blocks=block_tables.shape[1])
+    tiles.check(block_size=block_size, rows=group)
+    return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale,
+                         scale=float(scale), tiles=tiles, interpret=resolve_interpret(interpret))
+
+
+# ---------------------------------------------------------------------------------- reference
+
+def gather_pages(pages, block_tables, context_lens):
+    """pages [P, Z, ...] by table i32[B, M] → ([B, M × Z, ...], bool[B, M × Z] valid).
+
+    Entries past a sequence's last page are replaced by the null block first, as in the kernel.
+    """
+    block_size = pages.shape[1]
+    max_blocks = block_tables.shape[1]
+    page_valid = jnp.arange(max_blocks)[None, :] * block_size < context_lens[:, None]  # [B, M]
+    tables = jnp.where(page_valid, block_tables, NULL_BLOCK)
+    gathered = pages[tables]  # [B, M, Z, ...]
+    gathered = gathered.reshape(tables.shape[0], max_blocks * block_size, *pages.shape[2:])
+    valid = jnp.arange(max_blocks * block_size)[None, :] < context_lens[:, None]  # [B, S]
+    return gathered, valid
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_decode_reference(q, k_pages, v_pages, block_tables, context_lens, *, scale: float, k_scale=None,
+                           v_scale=None) -> jax.Array:
+    """Plain jnp twin of `paged_decode`: gather, dequantize (page.astype(f32) × scale), f32 softmax."""
+    batch, num_heads, head_dim = q.shape  # [B, N, H]
+    num_kv_heads = k_pages.shape[2]
+    one = jnp.ones((num_kv_heads,), jnp.float32)
+    k_scale = one if k_scale is None else jnp.broadcast_to(jnp.asarray(k_scale, jnp.float32), (num_kv_heads,))
+    v_scale = one if v_scale is None else jnp.broadcast_to(jnp.asarray(v_scale, jnp.float32), (num_kv_heads,))
+    k, valid = gather_pages(k_pages, block_tables, context_lens)  # [B, S, K, H], bool[B, S]
+    v, _ = gather_pages(v_pages, block_tables, context_lens)
+    k = jnp.where(valid[:, :, None, None], k.astype(jnp.float32) * k_scale[:, None], 0.0)
+    v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32) * v_scale[:, None], 0.0)
+    q4 = q.astype(jnp.float32).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, H]
+    logits = scale * jnp.einsum("BKGH,BSKH->BKGS", q4, k, precision=lax.Precision.HIGHEST)
+    logits = jnp.where(valid[:, None, None, :], logits, MASK_VALUE)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("BKGS,BSKH->BKGH", weights, v, precision=lax.Precision.HIGHEST)
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
