@@ -21,9 +21,17 @@ writing through `slot_mapping`, attention kernels reading through `block_table`)
   Table entries past a sequence's last block are 0 (the null block); attention masks them by
   context length, and never lets their values reach an output (see kvjax.attention.reference).
 
-Byte accounting is kvjax.spec's: the pages of `PagedCache.create(spec, P, Z)` hold exactly
-P × spec.bytes_per_block(Z) bytes. Quantized kv dtypes (fp8, int8) need per-layer scales in
-this pytree; `_page_dtype` is the one place that refuses them until they exist.
+Quantized layers (kvjax.quant) store x / scale in the narrow dtype and keep the scales beside
+the pages, in this pytree: fp8 layers a static f32[K] per kv head for K and for V (a
+per-tensor scale is broadcast; MLA: f32[C] per latent channel), int8_per_token_head layers
+scale pages f32[P, Z, K] (MLA: f32[P, Z]) written with every token. Writes saturate and count
+non-finite inputs in each layer's `nonfinite` counter, so a NaN or inf reaching the cache is
+reported rather than silently stored (NaN is kept, visible; ±inf saturates to ±max).
+
+Byte accounting is kvjax.spec's: `kv_nbytes` (pages, and int8's per-token scale pages, which
+the spec counts per vector) equals P × spec.bytes_per_block(Z) exactly; the static fp8 scales
+are `scale_nbytes`, outside the per-block formula as in vLLM (SPEC: "left out of the simple
+formula: ... quantization scales").
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import quant
 from kvjax.spec import KVSpec
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
@@ -44,10 +53,13 @@ class CacheError(ValueError):
 
 @struct.dataclass
 class KVPages:
-    """One MHA/GQA/MQA layer: K and V pages."""
+    """One MHA/GQA/MQA layer: K and V pages, and their dequantization scales if quantized."""
 
-    k: jax.Array  # [P, Z, K, H]
+    k: jax.Array  # [P, Z, K, H] in the layer's kv dtype
     v: jax.Array  # [P, Z, K, H]
+    k_scale: jax.Array | None = None  # fp8: f32[K]; int8_per_token_head: f32[P, Z, K]; else None
+    v_scale: jax.Array | None = None  # as k_scale
+    nonfinite: jax.Array | None = None  # i32[]: NaN/inf values written so far
 
 
 @struct.dataclass
@@ -55,6 +67,8 @@ class LatentPages:
     """One MLA layer: the latent page, c_kv (first kv_lora_rank lanes) then the rope key."""
 
     latent: jax.Array  # [P, Z, C]
+    scale: jax.Array | None = None  # fp8: f32[C] per channel; int8_per_token_head: f32[P, Z]; else None
+    nonfinite: jax.Array | None = None  # i32[]
 
 
 LayerPages = KVPages | LatentPages
@@ -68,21 +82,35 @@ class PagedCache:
     block_size: int = struct.field(pytree_node=False)  # Z
 
     @classmethod
-    def create(cls, spec: KVSpec, num_blocks: int, block_size: int) -> "PagedCache":
-        """Zeroed pages for `spec`: num_blocks blocks (block 0 the null block) of block_size slots."""
+    def create(cls, spec: KVSpec, num_blocks: int, block_size: int,
+               scales: quant.KVScales | None = None) -> "PagedCache":
+        """Zeroed pages for `spec`: num_blocks blocks (block 0 the null block) of block_size slots.
+
+        fp8 layers take their static scales from `scales` (per layer: K and V f32[K], or the
+        MLA latent's f32[C]); without it they get vLLM's default, 1.0 everywhere.
+        """
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise CacheError(f"{name} must be a positive integer, got {value!r}")
         if num_blocks < 2:
             raise CacheError(f"num_blocks {num_blocks} leaves no usable block: block 0 is the null block")
+        _check_scales(spec, scales)
         layers = []
         for i in range(spec.num_layers):
-            dtype = _page_dtype(spec, i)
+            kv = spec.layer_dtype(i)
+            if kv.name == "nvfp4":
+                raise CacheError(f"kv dtype 'nvfp4' (layer {i}) is accounted for by kvjax.spec but has no page "
+                                 "format here (it needs per-16-element fp8 scales)")
+            dtype = jnp.dtype(quant.quant_format(kv.name).dtype if kv.quantized else kv.jnp_name)
+            zero = jnp.zeros((), jnp.int32)  # one buffer per layer: the jitted step donates each
             if spec.kind == "mla":
-                layers.append(LatentPages(jnp.zeros((num_blocks, block_size, spec.head_dim), dtype)))
+                shape = (num_blocks, block_size, spec.head_dim)
+                layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv.name, shape, scales, "k", i), zero))
             else:
                 shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-                layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+                layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                      _layer_scale(kv.name, shape, scales, "k", i),
+                                      _layer_scale(kv.name, shape, scales, "v", i), zero))
         return cls(tuple(layers), block_size)
 
     @property
@@ -91,8 +119,23 @@ class PagedCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every page array (equals num_blocks × spec.bytes_per_block(block_size))."""
+        """Bytes of every array in the cache: kv_nbytes + scale_nbytes + the counters."""
         return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(self))
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Pages and per-token scale pages: equals num_blocks × spec.bytes_per_block(block_size)."""
+        return sum(a.nbytes for a in _per_slot_arrays(self))
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Static per-layer dequantization scales (fp8), outside the per-block formula."""
+        return sum(a.nbytes for layer in self.layers for a in _scales(layer) if a.ndim <= 1)
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        """i32[]: NaN/inf values written into any layer so far (0 in a healthy run)."""
+        return sum(layer.nonfinite for layer in self.layers if layer.nonfinite is not None)
 
     def replace_layer(self, layer: int, pages: LayerPages) -> "PagedCache":
         layers = list(self.layers)
@@ -100,14 +143,45 @@ class PagedCache:
         return self.replace(layers=tuple(layers))
 
 
-def _page_dtype(spec: KVSpec, layer: int) -> jnp.dtype:
-    """The stored dtype of one layer's pages: the single place quantized formats plug in."""
-    kv = spec.layer_dtype(layer)
-    if kv.quantized:
-        raise NotImplementedError(
-            f"kv dtype {kv.name!r} (layer {layer}) needs quantization scales in the cache; "
-            "only fp32, bf16 and fp16 pages exist so far")
-    return jnp.dtype(kv.jnp_name)
+def _layer_scale(kv_name: str, shape: tuple[int, ...], scales: quant.KVScales | None, which: str,
+                 layer: int) -> jax.Array | None:
+    """The scale array stored beside one layer's K (or V, or MLA latent) pages."""
+    if kv_name == "int8_per_token_head":
+        return jnp.ones(shape[:-1], jnp.float32)  # [P, Z, K] or [P, Z], written with each token
+    if kv_name not in ("fp8_e4m3", "fp8_e5m2"):
+        return None  # fp32 / bf16 / fp16: stored as is
+    width = shape[-2] if len(shape) == 4 else shape[-1]  # K heads, or C latent channels
+    if scales is None:
+        return jnp.ones((width,), jnp.float32)  # vLLM's default: every scale 1.0
+    return jnp.asarray(getattr(scales, which)[layer], jnp.float32).reshape(width)
+
+
+def _check_scales(spec: KVSpec, scales: quant.KVScales | None) -> None:
+    if scales is None:
+        return
+    width = spec.head_dim if spec.kind == "mla" else spec.num_kv_heads
+    groups = {"k": scales.k} if spec.kind == "mla" else {"k": scales.k, "v": scales.v}
+    for name, per_layer in groups.items():
+        if len(per_layer) != spec.num_layers:
+            raise CacheError(f"scales hold {len(per_layer)} {name} layers, the model has {spec.num_layers}")
+        for i, s in enumerate(per_layer):
+            if s.size != width:
+                raise CacheError(f"layer {i} {name} scale has {s.size} values; this layout needs {width} "
+                                 f"({'latent channels' if spec.kind == 'mla' else 'kv heads'})")
+
+
+def _scales(layer: LayerPages) -> list[jax.Array]:
+    found = [layer.k_scale, layer.v_scale] if isinstance(layer, KVPages) else [layer.scale]
+    return [a for a in found if a is not None]
+
+
+def _per_slot_arrays(cache: "PagedCache") -> list[jax.Array]:
+    """Arrays with a value per token slot: pages, and per-token scale pages."""
+    out = []
+    for layer in cache.layers:
+        out += [layer.k, layer.v] if isinstance(layer, KVPages) else [layer.latent]
+        out += [a for a in _scales(layer) if a.ndim >= 2]
+    return out
 
 
 def _first_page(pages: LayerPages) -> jax.Array:
@@ -130,14 +204,32 @@ def scatter_slots(page: jax.Array, values: jax.Array, slot_mapping: jax.Array) -
     return flat.reshape(page.shape)
 
 
+def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_mapping: jax.Array):
+    """Quantize values [T, ...] for `page` and scatter them: returns (page, scale, nonfinite)."""
+    bad = quant.count_nonfinite(values)
+    if scale is None:  # stored as is
+        return scatter_slots(page, values, slot_mapping), None, bad
+    if page.dtype == jnp.int8:  # int8_per_token_head: a fresh scale per token per head
+        q, token_scale = quant.quantize_per_token_head(values)
+        return scatter_slots(page, q, slot_mapping), scatter_slots(scale, token_scale, slot_mapping), bad
+    fmt = quant.FORMATS["fp8_e4m3" if page.dtype == jnp.float8_e4m3fn else "fp8_e5m2"]
+    static = scale[:, None] if page.ndim == 4 else scale  # per head [K, 1], or per channel [C]
+    return scatter_slots(page, quant.quantize(values, static, fmt), slot_mapping), scale, bad
+
+
 def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
-    """k, v: [T, K, H]; slot_mapping: i32[T] → pages with those T tokens written."""
-    return KVPages(scatter_slots(pages.k, k, slot_mapping), scatter_slots(pages.v, v, slot_mapping))
+    """k, v: [T, K, H]; slot_mapping: i32[T] → pages with those T tokens written (quantized if
+    the pages are)."""
+    k_page, k_scale, k_bad = _encode(pages.k, pages.k_scale, k, slot_mapping)
+    v_page, v_scale, v_bad = _encode(pages.v, pages.v_scale, v, slot_mapping)
+    counted = None if pages.nonfinite is None else pages.nonfinite + k_bad + v_bad
+    return KVPages(k_page, v_page, k_scale, v_scale, counted)
 
 
 def write_latent(pages: LatentPages, latent: jax.Array, slot_mapping: jax.Array) -> LatentPages:
     """latent: [T, C] (c_kv then rope key); slot_mapping: i32[T]."""
-    return LatentPages(scatter_slots(pages.latent, latent, slot_mapping))
+    page, scale, bad = _encode(pages.latent, pages.scale, latent, slot_mapping)
+    return LatentPages(page, scale, None if pages.nonfinite is None else pages.nonfinite + bad)
 
 
 def write(cache: PagedCache, layer: int, k: jax.Array, v: jax.Array | None,

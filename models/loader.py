@@ -25,7 +25,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from models import build_model, param_shapes
 from models.config import ModelConfig, from_hf_config
@@ -97,6 +99,21 @@ def load_params(folder: str, config: ModelConfig) -> dict:
         raise UnexpectedTensorError(f"checkpoint {folder!r} has tensors the {config.model_type} model does not "
                                     f"use: {shown}")
     return params
+
+
+def save_checkpoint(folder: str | os.PathLike, hf_config: dict, params: dict) -> None:
+    """Write `params` as a Hugging Face folder (config.json + model.safetensors) that both
+    `load_checkpoint` and transformers' `from_pretrained` read: the inverse of `load_params`."""
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    tensors = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name, transpose = hf_name(path)
+        array = np.asarray(leaf)
+        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+    save_file(tensors, os.path.join(folder, SAFETENSORS), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(hf_config, fh, indent=2, sort_keys=True)
 
 
 def hf_name(path) -> tuple[str, bool]:

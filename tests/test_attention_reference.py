@@ -179,7 +179,7 @@ def test_shape_errors_name_the_shape():
 
 
 def test_unknown_attn_impl_is_named():
-    with pytest.raises(ValueError, match="unknown attn_impl 'flash'; available: reference"):
+    with pytest.raises(ValueError, match="unknown attn_impl 'flash'; available: pallas, reference"):
         get_impl("flash")
     with pytest.raises(ValueError, match="unknown attn_impl 'bogus'"):
         build_model(preset("tiny"), attn_impl="bogus")

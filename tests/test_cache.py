@@ -29,10 +29,12 @@ from kvjax.spec import KVSpec
 ])
 def test_cache_bytes_equal_spec(spec, num_blocks, block_size, expected):
     cache = PagedCache.create(spec, num_blocks, block_size)
-    assert cache.nbytes == expected == num_blocks * spec.bytes_per_block(block_size)
+    assert cache.kv_nbytes == expected == num_blocks * spec.bytes_per_block(block_size)
+    assert cache.scale_nbytes == 0 and cache.nbytes == expected + 4 * spec.num_layers  # + i32 counters
     assert cache.num_blocks == num_blocks and cache.block_size == block_size
     for i, pages in enumerate(cache.layers):
-        for page in jax.tree_util.tree_leaves(pages):
+        page_arrays = [pages.latent] if isinstance(pages, LatentPages) else [pages.k, pages.v]
+        for page in page_arrays:
             assert page.dtype == jnp.dtype(spec.layer_dtype(i).jnp_name)
 
 
@@ -43,14 +45,14 @@ def test_cache_layouts():
     assert isinstance(mla.layers[2], LatentPages) and mla.layers[2].latent.shape == (7, 4, 40)
 
 
-def test_cache_refuses_bad_sizes_and_unscaled_quantized_dtypes():
+def test_cache_refuses_bad_sizes():
     spec = KVSpec("gqa", 2, 8, 2, 16)
     with pytest.raises(CacheError, match="num_blocks 1 leaves no usable block"):
         PagedCache.create(spec, 1, 4)
     with pytest.raises(CacheError, match="block_size must be a positive integer, got 0"):
         PagedCache.create(spec, 4, 0)
-    with pytest.raises(NotImplementedError, match="'fp8_e4m3' .layer 0. needs quantization scales"):
-        PagedCache.create(spec.replace(kv_dtype="fp8"), 4, 4)
+    with pytest.raises(CacheError, match="'nvfp4'"):
+        PagedCache.create(spec.replace(kv_dtype="nvfp4"), 4, 4)
 
 
 # --------------------------------------------------------------------------------------------

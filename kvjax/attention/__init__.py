@@ -3,8 +3,9 @@
 An implementation supplies four functions, the ragged and decode forms for MHA/GQA/MQA pages
 and for MLA latent pages (signatures in `kvjax.attention.reference`). `paged_attention` and
 `mla_paged_attention` pick the decode form when the step's metadata is a decode step
-(`BatchMetadata.decode`) and the ragged form otherwise. "reference" (jnp) is the only one
-registered here; the Pallas kernel registers "pallas" with `register_impl`.
+(`BatchMetadata.decode`) and the ragged form otherwise. "reference" is plain jnp for every form; "pallas" runs decode steps in the Pallas kernels
+(kvjax.attention.pallas_decode / pallas_mla) and ragged steps (prefill, mixed) in the jnp
+reference, since the kernels are decode-only. The Pallas modules import lazily, on first use.
 
 The dispatchers take a layer's whole page pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
@@ -25,15 +26,39 @@ from kvjax.cache import KVPages, LatentPages
 
 @dataclasses.dataclass(frozen=True)
 class AttentionImpl:
-    ragged: Callable  # (q, k_pages, v_pages, md, *, scale)
-    decode: Callable  # (q, k_pages, v_pages, block_tables, context_lens, *, scale)
-    mla_ragged: Callable  # (q_latent, q_rope, latent_pages, md, *, scale)
-    mla_decode: Callable  # (q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale)
+    ragged: Callable  # (q, k_pages, v_pages, md, *, scale, k_scale, v_scale)
+    decode: Callable  # (q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale, v_scale)
+    mla_ragged: Callable  # (q_latent, q_rope, latent_pages, md, *, scale, latent_scale)
+    mla_decode: Callable  # (q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale)
+
+
+def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None):
+    from kvjax.attention.pallas_decode import paged_decode
+
+    _static_scale_only(k_scale)
+    return paged_decode(q, k_pages, v_pages, block_tables, context_lens, scale=scale, k_scale=k_scale,
+                        v_scale=v_scale)
+
+
+def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale=None):
+    from kvjax.attention.pallas_mla import mla_paged_decode
+
+    _static_scale_only(latent_scale)
+    return mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, scale=scale,
+                            latent_scale=latent_scale)
+
+
+def _static_scale_only(scale) -> None:
+    if scale is not None and scale.ndim > 1:
+        raise ValueError("attn_impl 'pallas' reads static (per-tensor / per-head / per-channel) scales only; "
+                         "int8_per_token_head pages need attn_impl 'reference'")
 
 
 _IMPLS: dict[str, AttentionImpl] = {
     "reference": AttentionImpl(paged_attention_reference, paged_decode_reference,
                                mla_paged_attention_reference, mla_paged_decode_reference),
+    "pallas": AttentionImpl(paged_attention_reference, _pallas_decode,
+                            mla_paged_attention_reference, _pallas_mla_decode),
 }
 
 
@@ -52,9 +77,10 @@ def paged_attention(q: jax.Array, pages: KVPages, md: BatchMetadata, *, scale: f
                     impl: str = "reference") -> jax.Array:
     """q: [T, N, H]; pages.k, pages.v: [P, Z, K, H] → [T, N, H]."""
     fns = get_impl(impl)
+    scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
     if md.decode:
-        return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale)
-    return fns.ragged(q, pages.k, pages.v, md, scale=scale)
+        return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale, **scales)
+    return fns.ragged(q, pages.k, pages.v, md, scale=scale, **scales)
 
 
 def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPages, md: BatchMetadata, *,
@@ -62,8 +88,9 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPag
     """q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope]; pages.latent: [P, Z, C] → [T, N, kv_lora_rank]."""
     fns = get_impl(impl)
     if md.decode:
-        return fns.mla_decode(q_latent, q_rope, pages.latent, md.block_tables, md.context_lens, scale=scale)
-    return fns.mla_ragged(q_latent, q_rope, pages.latent, md, scale=scale)
+        return fns.mla_decode(q_latent, q_rope, pages.latent, md.block_tables, md.context_lens, scale=scale,
+                              latent_scale=pages.scale)
+    return fns.mla_ragged(q_latent, q_rope, pages.latent, md, scale=scale, latent_scale=pages.scale)
 
 
 __all__ = ["AttentionImpl", "BatchMetadata", "MetadataError", "build_metadata", "decode_metadata",

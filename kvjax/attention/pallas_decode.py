@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.attention.reference import paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, cdiv, default_tiles, is_power_of_two
 from kvjax.cache import NULL_BLOCK
 
@@ -284,41 +285,3 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     tiles.check(block_size=block_size, rows=group)
     return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale,
                          scale=float(scale), tiles=tiles, interpret=resolve_interpret(interpret))
-
-
-# ---------------------------------------------------------------------------------- reference
-
-def gather_pages(pages, block_tables, context_lens):
-    """pages [P, Z, ...] by table i32[B, M] → ([B, M × Z, ...], bool[B, M × Z] valid).
-
-    Entries past a sequence's last page are replaced by the null block first, as in the kernel.
-    """
-    block_size = pages.shape[1]
-    max_blocks = block_tables.shape[1]
-    page_valid = jnp.arange(max_blocks)[None, :] * block_size < context_lens[:, None]  # [B, M]
-    tables = jnp.where(page_valid, block_tables, NULL_BLOCK)
-    gathered = pages[tables]  # [B, M, Z, ...]
-    gathered = gathered.reshape(tables.shape[0], max_blocks * block_size, *pages.shape[2:])
-    valid = jnp.arange(max_blocks * block_size)[None, :] < context_lens[:, None]  # [B, S]
-    return gathered, valid
-
-
-@functools.partial(jax.jit, static_argnames=("scale",))
-def paged_decode_reference(q, k_pages, v_pages, block_tables, context_lens, *, scale: float, k_scale=None,
-                           v_scale=None) -> jax.Array:
-    """Plain jnp twin of `paged_decode`: gather, dequantize (page.astype(f32) × scale), f32 softmax."""
-    batch, num_heads, head_dim = q.shape  # [B, N, H]
-    num_kv_heads = k_pages.shape[2]
-    one = jnp.ones((num_kv_heads,), jnp.float32)
-    k_scale = one if k_scale is None else jnp.broadcast_to(jnp.asarray(k_scale, jnp.float32), (num_kv_heads,))
-    v_scale = one if v_scale is None else jnp.broadcast_to(jnp.asarray(v_scale, jnp.float32), (num_kv_heads,))
-    k, valid = gather_pages(k_pages, block_tables, context_lens)  # [B, S, K, H], bool[B, S]
-    v, _ = gather_pages(v_pages, block_tables, context_lens)
-    k = jnp.where(valid[:, :, None, None], k.astype(jnp.float32) * k_scale[:, None], 0.0)
-    v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32) * v_scale[:, None], 0.0)
-    q4 = q.astype(jnp.float32).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, H]
-    logits = scale * jnp.einsum("BKGH,BSKH->BKGS", q4, k, precision=lax.Precision.HIGHEST)
-    logits = jnp.where(valid[:, None, None, :], logits, MASK_VALUE)
-    weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("BKGS,BSKH->BKGH", weights, v, precision=lax.Precision.HIGHEST)
-    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

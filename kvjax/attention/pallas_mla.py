@@ -35,9 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention.pallas_decode import (MASK_VALUE, check_dtypes, check_scale, check_tables, compute_dtype_for,
-                                           dot_f32, dot_precision, gather_pages, merge_splits, online_softmax_step,
+                                           dot_f32, dot_precision, merge_splits, online_softmax_step,
                                            resolve_interpret, split_block_tables, split_pages, step_pages,
                                            write_partial)
+from kvjax.attention.reference import mla_paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, default_mla_tiles, is_power_of_two
 
 
@@ -161,22 +162,3 @@ def mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens,
     tiles.check(block_size=block_size)
     return _mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, latent_scale,
                              scale=float(scale), tiles=tiles, interpret=resolve_interpret(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("scale",))
-def mla_paged_decode_reference(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale: float,
-                               latent_scale=None) -> jax.Array:
-    """Plain jnp twin of `mla_paged_decode`: gather, dequantize per channel, f32 softmax."""
-    rank = q_latent.shape[2]
-    channels = latent_pages.shape[2]
-    s = jnp.ones((channels,), jnp.float32) if latent_scale is None else jnp.broadcast_to(
-        jnp.asarray(latent_scale, jnp.float32), (channels,))
-    latent, valid = gather_pages(latent_pages, block_tables, context_lens)  # [B, S, C], bool[B, S]
-    latent = jnp.where(valid[:, :, None], latent.astype(jnp.float32) * s, 0.0)
-    c_kv, k_rope = latent[..., :rank], latent[..., rank:]  # [B, S, R], [B, S, Dr]
-    hi = lax.Precision.HIGHEST
-    logits = scale * (jnp.einsum("BNR,BSR->BNS", q_latent.astype(jnp.float32), c_kv, precision=hi)
-                      + jnp.einsum("BND,BSD->BNS", q_rope.astype(jnp.float32), k_rope, precision=hi))
-    logits = jnp.where(valid[:, None, :], logits, MASK_VALUE)
-    weights = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("BNS,BSR->BNR", weights, c_kv, precision=hi).astype(q_latent.dtype)

@@ -18,6 +18,11 @@ against the cached latent [c_kv, k_rope] directly, and the output stays in laten
 [.., N, kv_lora_rank] for the caller to map through W_UV. That is MQA with one kv head whose
 key is the whole latent and whose value is its c_kv part, which is how it is computed here.
 
+Quantized pages (fp8, int8) are dequantized right after the gather, as x = stored × scale, with
+the scales the cache keeps beside them (kvjax.cache, kvjax.quant): a static scale per kv head
+f32[K] (or one per latent channel f32[C] for MLA; a scalar is a per-tensor scale), or a scale
+per token per head gathered from scale pages f32[P, Z, K] (f32[P, Z] for MLA).
+
 Masked positions include the null block 0 and table entries past a sequence's end. Their
 values may be anything (even NaN), so their scores are replaced by -inf and their values by
 zero before use: a zero softmax weight times a NaN value would otherwise still be NaN. A query
@@ -30,6 +35,26 @@ import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.cache import gather_pages
+
+HIGHEST = jax.lax.Precision.HIGHEST  # f32 reference: no TF32 / bf16 passes on GPU
+
+
+def gather_dequant(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array) -> jax.Array:
+    """Gather pages [P, Z, ...] by block table i32[B, M] → f32[B, S, ...], dequantized.
+
+    scale: None (unquantized), a static scale that broadcasts over the page's last axis after
+    one more axis (f32[K] for [.., K, H] pages; f32[C] or a scalar for MLA [.., C] pages), or
+    per-token scale pages [P, Z, ...] with one axis fewer than the pages (int8_per_token_head).
+    """
+    x = gather_pages(pages, block_tables).astype(jnp.float32)
+    if scale is None:
+        return x
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.ndim == pages.ndim - 1 and scale.shape[:2] == pages.shape[:2]:  # per-token scale pages
+        return x * gather_pages(scale, block_tables)[..., None]
+    if pages.ndim == 4:  # [.., K, H] pages: a per-head scale (or a scalar)
+        return x * jnp.broadcast_to(scale, (pages.shape[2],))[:, None]
+    return x * scale  # MLA [.., C]: per-channel f32[C] or a scalar
 
 
 def _masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
@@ -54,9 +79,9 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: fl
     # A garbage key only spoils its own score, which the mask replaces; a garbage value would
     # reach every output through 0 × NaN, so values are zeroed where masked.
     v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
-    scores = jnp.einsum("rkgh,rskh->rkgs", q, k.astype(jnp.float32)) * scale  # f32[R, K, G, S]
+    scores = jnp.einsum("rkgh,rskh->rkgs", q, k.astype(jnp.float32), precision=HIGHEST) * scale  # f32[R, K, G, S]
     weights = _masked_softmax(scores, mask[:, None, None, :])
-    out = jnp.einsum("rkgs,rskh->rkgh", weights, v)  # f32[R, K, G, Hv]
+    out = jnp.einsum("rkgs,rskh->rkgh", weights, v, precision=HIGHEST)  # f32[R, K, G, Hv]
     return out.reshape(rows, heads, v.shape[-1])
 
 
@@ -71,9 +96,9 @@ def _attend_shared(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     kv_heads = k.shape[1]
     q = q.astype(jnp.float32).reshape(rows, kv_heads, heads // kv_heads, q.shape[-1])  # [R, K, G, Hk]
     v = jnp.where(jnp.any(mask, axis=0)[:, None, None], v.astype(jnp.float32), 0.0)  # see `_attend`
-    scores = jnp.einsum("rkgh,xkh->rkgx", q, k.astype(jnp.float32)) * scale  # f32[R, K, G, X]
+    scores = jnp.einsum("rkgh,xkh->rkgx", q, k.astype(jnp.float32), precision=HIGHEST) * scale  # f32[R, K, G, X]
     weights = _masked_softmax(scores, mask[:, None, None, :])
-    out = jnp.einsum("rkgx,xkh->rkgh", weights, v)  # f32[R, K, G, Hv]
+    out = jnp.einsum("rkgx,xkh->rkgh", weights, v, precision=HIGHEST)  # f32[R, K, G, Hv]
     return out.reshape(rows, heads, v.shape[-1])
 
 
@@ -120,7 +145,7 @@ def _decode_mask(context_lens: jax.Array, num_positions: int) -> jax.Array:
 # MHA / GQA / MQA
 # --------------------------------------------------------------------------------------------
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: BatchMetadata,
-                              *, scale: float) -> jax.Array:
+                              *, scale: float, k_scale=None, v_scale=None) -> jax.Array:
     """Ragged causal attention of a flat token batch over the paged cache.
 
     q: [T, N, H]; k_pages, v_pages: [P, Z, K, H] (this step's K/V already written) → [T, N, H]
@@ -129,15 +154,15 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     """
     _check("q", q, 3, "[T, N, H]")
     _check_pages(q, k_pages, v_pages)
-    k = gather_pages(k_pages, md.block_tables)  # [B, S, K, H]
-    v = gather_pages(v_pages, md.block_tables)
+    k = gather_dequant(k_pages, k_scale, md.block_tables)  # f32[B, S, K, H]
+    v = gather_dequant(v_pages, v_scale, md.block_tables)
     mask = _ragged_mask(md, k.shape[1])  # bool[T, B × S]
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [B × S, K, H]
     return _attend_shared(q, flat(k), flat(v), mask, scale).astype(q.dtype)
 
 
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                           context_lens: jax.Array, *, scale: float) -> jax.Array:
+                           context_lens: jax.Array, *, scale: float, k_scale=None, v_scale=None) -> jax.Array:
     """One query per sequence over its whole cached context.
 
     q: [B, N, H]; k_pages, v_pages: [P, Z, K, H]; block_tables: i32[B, M];
@@ -146,8 +171,8 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _check("q", q, 3, "[B, N, H]")
     _check_pages(q, k_pages, v_pages)
     _check("block_tables", block_tables, 2, "[B, M]")
-    k = gather_pages(k_pages, block_tables)  # [B, S, K, H]
-    v = gather_pages(v_pages, block_tables)
+    k = gather_dequant(k_pages, k_scale, block_tables)  # f32[B, S, K, H]
+    v = gather_dequant(v_pages, v_scale, block_tables)
     return _attend(q, k, v, _decode_mask(context_lens, k.shape[1]), scale).astype(q.dtype)
 
 
@@ -166,22 +191,23 @@ def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, mask: jax.Ar
 
 
 def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
-                                  md: BatchMetadata, *, scale: float) -> jax.Array:
+                                  md: BatchMetadata, *, scale: float, latent_scale=None) -> jax.Array:
     """Ragged causal MLA. q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope];
     latent_pages: [P, Z, kv_lora_rank + rope] → [T, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
-    latent = gather_pages(latent_pages, md.block_tables)  # [B, S, C]
+    latent = gather_dequant(latent_pages, latent_scale, md.block_tables)  # f32[B, S, C]
     mask = _ragged_mask(md, latent.shape[1])  # bool[T, B × S]
     return _mla(q_latent, q_rope, latent.reshape(-1, latent.shape[-1]), mask, scale, shared=True)
 
 
 def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
-                               block_tables: jax.Array, context_lens: jax.Array, *, scale: float) -> jax.Array:
+                               block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
+                               latent_scale=None) -> jax.Array:
     """Decode MLA. q_latent: [B, N, kv_lora_rank]; q_rope: [B, N, rope]; latent_pages: [P, Z, C];
     block_tables: i32[B, M]; context_lens: i32[B] → [B, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[B, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
     _check("block_tables", block_tables, 2, "[B, M]")
-    latent = gather_pages(latent_pages, block_tables)  # [B, S, C]
+    latent = gather_dequant(latent_pages, latent_scale, block_tables)  # f32[B, S, C]
     return _mla(q_latent, q_rope, latent, _decode_mask(context_lens, latent.shape[1]), scale)

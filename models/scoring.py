@@ -1,0 +1,49 @@
+"""Full-sequence logits through the paged cache: training and perplexity scoring.
+
+Each sequence of a [B, S] batch is one prefill step over its own fresh cache (block table
+1..S/Z, block 0 null), vmapped over B. Every query therefore attends to keys and values read
+back from the cache, stored in the cache's dtype, exactly as a served prefill does (vLLM V1
+writes K/V with `reshape_and_cache_flash` first and attention then reads the cache), so fp8 KV
+changes these logits the same way it changes a served model's. The metadata and the block
+tables are the same for every row, only tokens (and so the pages) differ.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention.metadata import build_metadata
+from kvjax.cache import PagedCache
+from kvjax.spec import KVSpec
+
+
+def prefill_layout(seq_len: int, block_size: int):
+    """(metadata, num_blocks) for one sequence of seq_len tokens in blocks 1..cdiv(S, Z)."""
+    blocks = -(-seq_len // block_size)
+    md = build_metadata([0], [seq_len], [list(range(1, blocks + 1))], block_size=block_size,
+                        max_tokens=seq_len, max_seqs=1, max_blocks_per_seq=blocks)
+    return md, blocks + 1
+
+
+def sequence_logits(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16,
+                    make_cache=None) -> jax.Array:
+    """tokens i32[B, S] → logits f32[B, S, V], each row prefilled alone through a paged cache.
+
+    make_cache(num_blocks, block_size) builds the empty cache (default: `PagedCache.create` of
+    kv_spec); the fp8 experiments pass one that carries calibrated scales.
+    """
+    md, num_blocks = prefill_layout(tokens.shape[1], block_size)
+    make_cache = make_cache or (lambda n, z: PagedCache.create(kv_spec, n, z))
+    cache = make_cache(num_blocks, block_size)
+
+    def one(row):  # i32[S] → f32[S, V]
+        logits, _ = model.apply({"params": params}, row, md, cache)
+        return logits
+
+    return jax.vmap(one)(tokens)
+
+
+def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per-position negative log-likelihood of tokens[:, 1:] under logits[:, :-1]: f32[B, S-1]."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)  # [B, S-1, V]
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
