@@ -1,0 +1,305 @@
+"""`kvjax replay TRACE.jsonl`: drive the jitted block pool with a trace, print its state.
+
+A teaching and testing tool for the vLLM V1 block pool semantics reproduced in
+`kvjax/pool.py` (vLLM `core/kv_cache_manager.py` get_computed_blocks / allocate_slots /
+free, `core/block_pool.py`). One JSON op per line:
+
+    {"op":"init","num_blocks":11,"block_size":16,"prefix_caching":true}
+    {"op":"add","req":"r0","tokens":[...],"salt":"optional cache salt"}
+    {"op":"append","req":"r0","tokens":[...]}
+    {"op":"free","req":"r0"}
+    {"op":"reset_prefix_cache"}
+
+`add` schedules the whole prompt (get_computed_blocks, then allocate_slots for the rest);
+`append` treats every earlier token as computed and schedules the new ones;
+`free` releases the request's blocks and forgets it. Each op prints one JSON line: op,
+req, ok, hit_blocks, hit_tokens, new_blocks, blocks (the request's whole table),
+free_queue (head -> tail), num_free, ref_cnt (non-zero only), cached (ids holding a hash),
+usage. A failed op prints "ok": false and the unchanged state (a failed add leaves no
+request behind, so a later op on that name is an unknown request). Blank lines are skipped.
+Bad input (malformed JSON, unknown op or key, unknown request, double free, a token that
+is not a non-negative int32) stops the replay with one error line naming the line number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import hashing, pool
+
+OPS = ("init", "add", "append", "free", "reset_prefix_cache")
+_KEYS = {"init": {"num_blocks", "block_size", "prefix_caching"}, "add": {"req", "tokens", "salt"},
+         "append": {"req", "tokens"}, "free": {"req"}, "reset_prefix_cache": set()}
+
+
+class ReplayError(ValueError):
+    """Bad trace input; `run` prints it with the line number."""
+
+
+class Replay:
+    """The jitted pool plus request names -> slots. Every op keeps the old state on failure
+    (the pool is functional, so "unchanged" is simply not taking the new state)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 max_requests: int = 8):
+        self.state = pool.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
+        self.slots: dict[str, int] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.state.max_blocks_per_request * self.state.block_size
+
+    def _pad(self, tokens: list[int]) -> jax.Array:
+        a = np.zeros(self.capacity_tokens, np.int32)  # one static length: compiled once
+        a[: len(tokens)] = tokens
+        return jnp.asarray(a)
+
+    def _free_slot(self) -> int:
+        used = set(self.slots.values())
+        for r in range(self.state.max_requests):
+            if r not in used:
+                return r
+        self._grow()
+        return self._free_slot()
+
+    def _grow(self) -> None:
+        """Double the request slots (a new static size, so one more compile)."""
+        old, r = self.state, self.state.max_requests
+        new = pool.init(old.num_blocks, old.block_size, 2 * r, old.max_blocks_per_request,
+                        old.prefix_caching)
+        per_req = {"active", "tokens", "num_tokens", "has_salt", "salt", "req_hash", "num_hashed",
+                   "block_table", "num_held", "num_computed", "num_cached"}
+        fields = {f: (getattr(new, f).at[:r].set(getattr(old, f)) if f in per_req else getattr(old, f))
+                  for f in per_req | {"ref_cnt", "block_hash", "has_hash", "cached_at",
+                                      "cache_clock", "next", "prev", "num_free"}}
+        self.state = new.replace(**fields)
+
+    def _slot(self, name: str) -> int:
+        if name not in self.slots:
+            raise ReplayError(f"unknown request {name!r}")
+        return self.slots[name]
+
+    def add(self, name: str, tokens: list[int], salt: str | None = None) -> dict:
+        if name in self.slots:
+            raise ReplayError(f"request {name!r} already exists")
+        if len(tokens) > self.capacity_tokens:  # can never fit in the pool: a failed add
+            return self.view("add", name, False)
+        slot = self._free_slot()
+        has_salt, key = hashing.salt_key(salt)
+        s, ok = pool.add_request(self.state, slot, self._pad(tokens), len(tokens), has_salt,
+                                 np.asarray(key, np.uint32))
+        hits, nh = pool.get_computed_blocks(s, slot)
+        nh = int(nh)
+        s, ok2 = pool.allocate_slots(s, slot, len(tokens) - nh * self.state.block_size, hits, nh)
+        if not (bool(ok) and bool(ok2)):
+            return self.view("add", name, False)
+        self.state, self.slots[name] = s, slot
+        blocks = pool.request_blocks(s, slot)
+        return self.view("add", name, True, blocks[:nh], blocks[nh:])
+
+    def append(self, name: str, tokens: list[int]) -> dict:
+        slot = self._slot(name)
+        held = int(self.state.num_held[slot])
+        s, ok = pool.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
+        s, ok2 = pool.allocate_slots(s, slot, len(tokens))
+        if not (bool(ok) and bool(ok2)):
+            return self.view("append", name, False)
+        self.state = s
+        return self.view("append", name, True, [], pool.request_blocks(s, slot)[held:])
+
+    def free(self, name: str) -> dict:
+        slot = self._slot(name)
+        s, ok = pool.free(self.state, slot)
+        s, ok2 = pool.remove_request(s, slot)
+        assert bool(ok) and bool(ok2), f"free of live request {name!r} failed"
+        self.state = s
+        del self.slots[name]
+        return self.view("free", name, True)
+
+    def reset_prefix_cache(self) -> dict:
+        s, ok = pool.reset_prefix_cache(self.state)
+        self.state = s
+        return self.view("reset_prefix_cache", None, bool(ok))
+
+    # ------------------------------------------------------------------ views
+    def view(self, op: str, name: str | None, ok: bool, hits=(), new=()) -> dict:
+        s = jax.device_get(self.state)
+        z = s.block_size
+        slot = self.slots.get(name) if name is not None else None
+        num_free = int(s.num_free)
+        return {
+            "op": op, "req": name, "ok": ok,
+            "hit_blocks": [int(b) for b in hits], "hit_tokens": len(hits) * z,
+            "new_blocks": [int(b) for b in new],
+            "blocks": pool.request_blocks(s, slot) if slot is not None else [],
+            "free_queue": pool.free_queue(s), "num_free": num_free,
+            "ref_cnt": {str(b): int(c) for b, c in enumerate(s.ref_cnt) if c},
+            "cached": [int(b) for b in np.nonzero(s.has_hash)[0]],
+            "usage": round(1.0 - num_free / (s.num_blocks - 1), 6),
+        }
+
+    def full_state(self) -> dict:
+        """Everything the stateful test compares with the oracle, keyed by request name."""
+        s = jax.device_get(self.state)
+        return {
+            "free_queue": pool.free_queue(s),
+            "ref_cnt": [int(c) for c in s.ref_cnt],
+            "block_hash": {int(b): (int(s.block_hash[b, 0]), int(s.block_hash[b, 1]))
+                           for b in np.nonzero(s.has_hash)[0]},
+            "requests": {n: {"blocks": pool.request_blocks(s, r),
+                             "num_computed": int(s.num_computed[r]),
+                             "num_tokens": int(s.num_tokens[r])}
+                         for n, r in self.slots.items()},
+        }
+
+    def draw(self) -> str:
+        """The pool as text: per physical block its ref count, whether it is cached, and
+        which logical block of each request maps to it."""
+        s = jax.device_get(self.state)
+        ids = range(1, s.num_blocks)
+        w = max(3, len(str(s.num_blocks - 1)) + 1)
+        names = sorted(self.slots, key=self.slots.get)
+        lw = max([5] + [len(n) for n in names])
+
+        def row(label, cells):
+            return f"{label:<{lw}} |" + "".join(f"{c:>{w}}" for c in cells)
+
+        lines = [f"pool: {s.num_blocks} blocks x {s.block_size} tokens (block 0 = null), "
+                 f"prefix caching {'on' if s.prefix_caching else 'off'}, "
+                 f"{int(s.num_free)} free, usage {1.0 - int(s.num_free) / (s.num_blocks - 1):.3f}",
+                 row("block", ids),
+                 row("ref", [int(s.ref_cnt[b]) or "." for b in ids]),
+                 row("hash", ["#" if s.has_hash[b] else "." for b in ids])]
+        for n in names:
+            where = {b: j for j, b in enumerate(pool.request_blocks(s, self.slots[n]))}
+            lines.append(row(n, [where.get(b, ".") for b in ids]))
+        lines.append("free queue (head -> tail): " + (" ".join(map(str, pool.free_queue(s))) or "empty"))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- trace input
+def _int(v, what: str, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ReplayError(f"{what} must be an int >= {lo}, got {json.dumps(v)}")
+    return v
+
+
+def _tokens(op: dict) -> list[int]:
+    toks = op.get("tokens")
+    if not isinstance(toks, list) or not toks:
+        raise ReplayError(f"'tokens' must be a non-empty list of ints, got {json.dumps(toks)}")
+    for i, t in enumerate(toks):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+            raise ReplayError(f"token {i} is {json.dumps(t)}: tokens must be ints in [0, 2**31)")
+    return toks
+
+
+def _req(op: dict) -> str:
+    name = op.get("req")
+    if not isinstance(name, str):
+        raise ReplayError(f"'req' must be a string, got {json.dumps(name)}")
+    return name
+
+
+def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
+    """Run a trace, yielding (output dict, replay) per op. Raises ReplayError whose message
+    starts with "line N:" at the first bad line (earlier outputs were already yielded)."""
+    replay: Replay | None = None
+    freed_on: dict[str, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                op = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReplayError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(op, dict):
+                raise ReplayError(f"expected a JSON object, got {json.dumps(op)[:40]}")
+            kind = op.get("op")
+            if kind not in OPS:
+                raise ReplayError(f"unknown op {json.dumps(kind)} (expected one of {', '.join(OPS)})")
+            extra = set(op) - _KEYS[kind] - {"op"}
+            if extra:
+                raise ReplayError(f"unknown key(s) {sorted(extra)} for op {kind!r}")
+            if kind == "init":
+                pc = op.get("prefix_caching", True)
+                if not isinstance(pc, bool):
+                    raise ReplayError(f"prefix_caching must be true or false, got {json.dumps(pc)}")
+                replay = Replay(_int(op.get("num_blocks"), "num_blocks", 2),
+                                _int(op.get("block_size"), "block_size", 1), pc)
+                freed_on = {}
+                out = replay.view("init", None, True)
+            elif replay is None:
+                raise ReplayError(f"op {kind!r} before any init")
+            elif kind == "reset_prefix_cache":
+                out = replay.reset_prefix_cache()
+            else:
+                name = _req(op)
+                if kind != "add" and name not in replay.slots:
+                    if name in freed_on:
+                        raise ReplayError(f"double free or use after free of request {name!r} "
+                                          f"(freed on line {freed_on[name]})")
+                    raise ReplayError(f"unknown request {name!r}")
+                if kind == "add":
+                    salt = op.get("salt")
+                    if salt is not None and not isinstance(salt, str):
+                        raise ReplayError(f"'salt' must be a string, got {json.dumps(salt)}")
+                    out = replay.add(name, _tokens(op), salt)
+                    if out["ok"]:
+                        freed_on.pop(name, None)
+                elif kind == "append":
+                    out = replay.append(name, _tokens(op))
+                else:
+                    out = replay.free(name)
+                    freed_on[name] = lineno
+        except ReplayError as e:
+            raise ReplayError(f"line {lineno}: {e}") from None
+        yield out, replay
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `replay` subcommand to a `kvjax` subparsers object."""
+    p = subparsers.add_parser("replay", help="replay a JSONL trace through the jitted block pool",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", metavar="TRACE", help="JSONL file, one op per line ('-' = stdin)")
+    p.add_argument("--show", action="store_true",
+                   help="after each JSON line, draw the pool as text")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one JSON line per op; on bad input print one error line, return 2."""
+    try:
+        f = sys.stdin if args.trace == "-" else open(args.trace, encoding="utf-8")
+    except OSError as e:
+        print(f"kvjax replay: error: cannot read {args.trace}: {e.strerror}", file=sys.stderr)
+        return 2
+    with f:
+        try:
+            for out, replay in iter_trace(f):
+                print(json.dumps(out), flush=not args.show)
+                if args.show:
+                    print(replay.draw(), flush=True)
+        except ReplayError as e:
+            sys.stdout.flush()
+            print(f"kvjax replay: error: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:  # e.g. `kvjax replay t.jsonl | head`: stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="kvjax")
+    add_parser(_parser.add_subparsers(dest="command", required=True))
+    sys.exit(run(_parser.parse_args(["replay", *sys.argv[1:]])))

@@ -1,0 +1,290 @@
+"""Continuous batching with preemption by recompute (vLLM V1 `core/sched/scheduler.py`).
+
+Host-side Python around the jitted block pool (`kvjax/pool.py`). Each `schedule()` call
+plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
+
+1. RUNNING requests first, in admission order: each gets min(its unscheduled tokens,
+   remaining token budget) tokens (1 for a decoding request). If the pool cannot give a
+   request the blocks for them, the scheduler preempts `running[-1]`, the most recently
+   admitted request (policy "priority": the running request with the largest
+   (priority, arrival), lower value = more important, as in vLLM), frees all its blocks,
+   resets its computed tokens to 0 and puts it at the FRONT of the waiting queue; it
+   repeats until the allocation fits or the request itself is the victim. V1 recomputes;
+   it never swaps KV out. The victim's tokens and block hashes stay in the pool, so when
+   it is re-admitted its prefix can hit the blocks it cached itself, if not yet evicted.
+2. If nothing was preempted this step, WAITING requests are admitted in order (FCFS, or
+   by (priority, arrival)) while fewer than `max_num_seqs` run and budget remains: prefix
+   hits from `get_computed_blocks`, then `allocate_slots` for (a chunk of) the rest. The
+   first one that does not fit stops admission.
+
+The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
+requests run, how many tokens each, token ids, positions, slot mapping, block tables as
+NumPy arrays) that a model runner consumes; `update(plan, sampled)` takes the sampled
+tokens back, appends them (one batched `append_token_step`), and finishes requests that
+reached `max_new_tokens`. The running requests' allocation is one batched
+`allocate_step(..., stop_at_failure=True)` call; after a failure the host preempts and
+resumes from the failed request, which reproduces vLLM's one-request-at-a-time loop.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import hashing, pool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # pool size P, including the null block
+    block_size: int  # Z tokens per block
+    max_num_seqs: int = 8  # most requests running at once
+    max_num_batched_tokens: int = 256  # token budget per step (prefill chunks + decodes)
+    max_model_len: int = 256  # prompt + generated tokens per request
+    prefix_caching: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    max_requests: int | None = None  # pool request slots; default 2 * max_num_seqs
+
+    def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if -(-self.max_model_len // self.block_size) > self.num_blocks - 1:
+            # Otherwise a lone request could preempt itself forever.
+            raise ValueError(f"a max_model_len={self.max_model_len} request needs "
+                             f"{-(-self.max_model_len // self.block_size)} blocks but the pool "
+                             f"has only {self.num_blocks - 1} usable")
+        if self.max_requests is not None and self.max_requests < self.max_num_seqs:
+            raise ValueError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    priority: int = 0
+    salt: str | None = None
+    arrival: int = 0  # order of add_request calls
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # host mirror of the pool's num_computed
+    slot: int | None = None  # pool request slot; kept while preempted
+    num_preemptions: int = 0
+    status: str = "waiting"  # waiting | running | finished
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step for a model runner. B scheduled requests, T scheduled tokens."""
+
+    req_ids: tuple[str, ...]  # B, in scheduling order
+    slots: np.ndarray  # i32[B] pool request slots
+    num_scheduled: np.ndarray  # i32[B] tokens computed this step
+    query_start: np.ndarray  # i32[B + 1] offsets of each request's tokens in the flat arrays
+    token_ids: np.ndarray  # i32[T] tokens whose KV is computed this step
+    positions: np.ndarray  # i32[T] their positions in their sequences
+    slot_mapping: np.ndarray  # i32[T] KV slot = block * Z + position % Z
+    block_tables: np.ndarray  # i32[B, M] each request's block table (0 = null)
+    seq_lens: np.ndarray  # i32[B] tokens in the KV cache after this step
+    sample: np.ndarray  # bool[B] a token is sampled (the request's last token is computed)
+    preempted: tuple[str, ...]  # requests preempted while planning this step
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        z = config.block_size
+        self.max_blocks = -(-config.max_model_len // z)
+        self.num_slots = config.max_requests or 2 * config.max_num_seqs
+        self.state = pool.init(config.num_blocks, z, self.num_slots, self.max_blocks,
+                               config.prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,
+                    priority: int = 0, salt: str | None = None) -> None:
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} already used")
+        if not prompt or max_new_tokens < 1:
+            raise ValueError(f"request {req_id!r}: need a non-empty prompt and max_new_tokens >= 1, "
+                             f"got {len(prompt)} tokens, max_new_tokens={max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.config.max_model_len:
+            raise ValueError(f"request {req_id!r}: {len(prompt)} prompt + {max_new_tokens} new tokens "
+                             f"> max_model_len={self.config.max_model_len}")
+        if min(prompt) < 0:
+            raise ValueError(f"request {req_id!r}: token ids must be >= 0, got {min(prompt)}")
+        req = Request(req_id, list(prompt), max_new_tokens, priority, salt, self._arrivals)
+        self._arrivals += 1
+        self.requests[req_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _key(self, req: Request) -> tuple[int, int]:
+        return (req.priority, req.arrival) if self.config.policy == "priority" else (0, req.arrival)
+
+    def _put_in_pool(self, req: Request) -> bool:
+        """Give req a pool slot holding its tokens (prompt + output so far)."""
+        used = {r.slot for r in self.requests.values() if r.slot is not None}
+        free = [s for s in range(self.num_slots) if s not in used]
+        if not free:  # take the slot of the last waiting request that has one (it holds no blocks)
+            donors = [r for r in reversed(self.waiting) if r.slot is not None and r is not req]
+            if not donors:
+                return False
+            self.state, ok = pool.remove_request(self.state, donors[0].slot)
+            assert bool(ok), f"slot of waiting request {donors[0].req_id!r} still holds blocks"
+            free, donors[0].slot = [donors[0].slot], None
+        toks = np.zeros(self.max_blocks * self.config.block_size, np.int32)
+        toks[: req.num_tokens] = req.tokens
+        has_salt, key = hashing.salt_key(req.salt)
+        self.state, ok = pool.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
+                                          has_salt, np.asarray(key, np.uint32))
+        assert bool(ok), f"pool refused request {req.req_id!r} in free slot {free[0]}"
+        req.slot = free[0]
+        return True
+
+    def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
+        """Free all the victim's blocks, reset it, put it at the front of waiting.
+        Returns the token budget it had been given this step (0 if none)."""
+        self.state, ok = pool.free(self.state, victim.slot)
+        assert bool(ok), f"free of running request {victim.req_id!r} failed"
+        self.running.remove(victim)
+        victim.num_computed, victim.status = 0, "waiting"
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return scheduled.pop(victim.req_id, 0)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> StepPlan:
+        cfg, z = self.config, self.config.block_size
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # req_id -> tokens, insertion = scheduling order
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            batch, nums, b = self.running[i:], [], budget
+            for r in batch:
+                nums.append(min(r.num_tokens - r.num_computed, b))
+                b -= nums[-1]
+            reqs = [r.slot if n > 0 else -1 for r, n in zip(batch, nums)]
+            pad = self.config.max_num_seqs - len(reqs)  # one static batch size: one compile
+            self.state, ok = pool.allocate_step(self.state, jnp.asarray(reqs + [-1] * pad, jnp.int32),
+                                                jnp.asarray(nums + [0] * pad, jnp.int32),
+                                                stop_at_failure=True)
+            ok = np.asarray(ok)
+            failed = None
+            for r, n, s, k in zip(batch, nums, reqs, ok):
+                if s < 0:
+                    continue
+                if not k:
+                    failed = (r, n)
+                    break
+                scheduled[r.req_id], r.num_computed, budget = n, r.num_computed + n, budget - n
+            if failed is None:
+                break
+            req, n = failed
+            while True:
+                victim = max(self.running, key=self._key) if cfg.policy == "priority" else self.running[-1]
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.req_id)
+                if victim is req:
+                    break
+                self.state, ok1 = pool.allocate_slots(self.state, req.slot, n)
+                if bool(ok1):
+                    scheduled[req.req_id], req.num_computed, budget = n, req.num_computed + n, budget - n
+                    break
+            i = self.running.index(req) + 1 if req in self.running else len(self.running)
+
+        while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            req = min(self.waiting, key=self._key) if cfg.policy == "priority" else self.waiting[0]
+            if req.slot is None and not self._put_in_pool(req):
+                break
+            hits, nh = pool.get_computed_blocks(self.state, req.slot)
+            nh = int(nh)
+            n = min(req.num_tokens - nh * z, budget)
+            self.state, ok = pool.allocate_slots(self.state, req.slot, n, hits, nh)
+            if not bool(ok):
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status, req.num_computed = "running", nh * z + n
+            scheduled[req.req_id], budget = n, budget - n
+        return self._plan(scheduled, preempted)
+
+    def _plan(self, scheduled: dict[str, int], preempted: list[str]) -> StepPlan:
+        z = self.config.block_size
+        reqs = [self.requests[r] for r in scheduled]
+        nums = np.array([scheduled[r.req_id] for r in reqs], np.int32)
+        slots = np.array([r.slot for r in reqs], np.int32)
+        tables = np.asarray(jax.device_get(self.state.block_table))[slots] if reqs else \
+            np.zeros((0, self.max_blocks), np.int32)
+        seq_lens = np.array([r.num_computed for r in reqs], np.int32)
+        starts = seq_lens - nums
+        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens)] or
+                                   [np.zeros(0, np.int64)]).astype(np.int32)
+        row = np.repeat(np.arange(len(reqs)), nums)
+        slot_mapping = (tables[row, positions // z] * z + positions % z).astype(np.int32)
+        token_ids = np.array([t for r, s, e in zip(reqs, starts, seq_lens) for t in r.tokens[s:e]],
+                             np.int32)
+        return StepPlan(
+            req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums,
+            query_start=np.concatenate([[0], np.cumsum(nums)]).astype(np.int32),
+            token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+            block_tables=tables, seq_lens=seq_lens,
+            sample=np.array([r.num_computed == r.num_tokens for r in reqs], bool),
+            preempted=tuple(preempted))
+
+    def update(self, plan: StepPlan, sampled) -> list[str]:
+        """Take the sampled tokens (i32[B], aligned with plan rows; rows with sample False
+        are ignored), append them, and finish requests that reached max_new_tokens.
+        Returns the finished request ids."""
+        sampled = np.asarray(sampled).reshape(-1)
+        if sampled.shape[0] != plan.num_requests:
+            raise ValueError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
+        tokens = np.zeros(self.num_slots, np.int32)
+        mask = np.zeros(self.num_slots, bool)
+        finished = []
+        for rid, do, tok in zip(plan.req_ids, plan.sample, sampled):
+            req = self.requests[rid]
+            if not do or req.status != "running":
+                continue
+            req.output.append(int(tok))
+            if len(req.output) >= req.max_new_tokens:
+                finished.append(req)
+            else:
+                tokens[req.slot], mask[req.slot] = tok, True
+        if mask.any():
+            self.state, ok = pool.append_token_step(self.state, jnp.asarray(tokens), jnp.asarray(mask))
+            assert bool(np.asarray(ok)[mask].all()), "append_token_step refused a sampled token"
+        for req in finished:
+            self.state, ok = pool.free(self.state, req.slot)
+            self.state, ok2 = pool.remove_request(self.state, req.slot)
+            assert bool(ok) and bool(ok2), f"finishing {req.req_id!r} failed"
+            self.running.remove(req)
+            req.status, req.slot = "finished", None
+        return [r.req_id for r in finished]

@@ -1,0 +1,304 @@
+"""`kvjax replay`: the issue-3 acceptance trace through the command, plus scenarios worked
+out on paper from the rules in kvjax/pool.py's docstring. Every expected value below was
+written by hand (the derivation is in the comments), never produced by the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvjax.replay import ReplayError, iter_trace
+from pool_oracle import OraclePool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+C = [0] * 16 + [1] * 16 + [2] * 16
+
+
+def init(num_blocks, block_size, prefix_caching=True):
+    return {"op": "init", "num_blocks": num_blocks, "block_size": block_size,
+            "prefix_caching": prefix_caching}
+
+
+def add(req, tokens, salt=None):
+    op = {"op": "add", "req": req, "tokens": tokens}
+    if salt is not None:
+        op["salt"] = salt
+    return op
+
+
+def append(req, tokens):
+    return {"op": "append", "req": req, "tokens": tokens}
+
+
+def free(req):
+    return {"op": "free", "req": req}
+
+
+RESET = {"op": "reset_prefix_cache"}
+
+
+def run_lib(ops):
+    return [out for out, _ in iter_trace(json.dumps(o) for o in ops)]
+
+
+def run_oracle(ops):
+    outs, o = [], None
+    for op in ops:
+        kind = op["op"]
+        if kind == "init":
+            o = OraclePool(op["num_blocks"], op["block_size"], op.get("prefix_caching", True))
+            outs.append(o.view("init", None, True))
+        elif kind == "add":
+            outs.append(o.add(op["req"], op["tokens"], op.get("salt")))
+        elif kind == "append":
+            outs.append(o.append(op["req"], op["tokens"]))
+        elif kind == "free":
+            outs.append(o.free(op["req"]))
+        else:
+            outs.append(o.reset_prefix_cache())
+    return outs
+
+
+def run_cli(ops, tmp_path, *args):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in ops))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "kvjax.replay", str(path), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def check(outs, expected):
+    """expected: one dict of hand-computed fields per op (missing fields not checked)."""
+    assert len(outs) == len(expected)
+    for i, (out, exp) in enumerate(zip(outs, expected)):
+        for k, v in exp.items():
+            assert out[k] == v, f"op {i} ({out['op']} {out['req']}): {k} = {out[k]}, expected {v}"
+
+
+ACCEPTANCE = [init(11, 16), add("r0", C + [3] * 7), add("r1", C + [3] * 5), free("r0"), free("r1"),
+              add("r2", C + [3] * 6), free("r2"), add("r3", [99] * 160)]
+ACCEPTANCE_EXPECTED = [
+    {"ok": True, "free_queue": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "num_free": 10, "usage": 0.0},
+    # 55 tokens -> 4 blocks popped from the head; 3 full blocks cached.
+    {"ok": True, "hit_blocks": [], "new_blocks": [1, 2, 3, 4], "blocks": [1, 2, 3, 4],
+     "cached": [1, 2, 3], "num_free": 6, "free_queue": [5, 6, 7, 8, 9, 10]},
+    # 53 tokens: hit cap 52 tokens = 3 blocks, all cached; cdiv(53,16)=4 - 3 = 1 new.
+    {"ok": True, "hit_blocks": [1, 2, 3], "hit_tokens": 48, "new_blocks": [5],
+     "blocks": [1, 2, 3, 5], "num_free": 5,
+     "ref_cnt": {"1": 2, "2": 2, "3": 2, "4": 1, "5": 1}, "usage": 0.5},
+    # release 4,3,2,1: only 4 reaches 0, unhashed -> head.
+    {"ok": True, "free_queue": [4, 6, 7, 8, 9, 10], "ref_cnt": {"1": 1, "2": 1, "3": 1, "5": 1}},
+    # release 5,3,2,1: 5 unhashed -> head; 3,2,1 hashed -> tail in that order.
+    {"ok": True, "free_queue": [5, 4, 6, 7, 8, 9, 10, 3, 2, 1], "num_free": 10, "ref_cnt": {}},
+    # hits 1,2,3 (ref 0: touching takes them out of the queue), 1 new from the head = 5.
+    {"ok": True, "hit_blocks": [1, 2, 3], "new_blocks": [5], "blocks": [1, 2, 3, 5],
+     "num_free": 6, "free_queue": [4, 6, 7, 8, 9, 10]},
+    {"ok": True, "free_queue": [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]},
+    # 160 tokens = 10 blocks, the whole queue in order; 3,2,1 are evicted as they are popped.
+    {"ok": True, "hit_blocks": [], "blocks": [5, 4, 6, 7, 8, 9, 10, 3, 2, 1], "num_free": 0,
+     "free_queue": [], "usage": 1.0, "cached": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]},
+]
+
+
+def test_acceptance_through_the_command(tmp_path):
+    res = run_cli(ACCEPTANCE, tmp_path)
+    assert res.returncode == 0, res.stderr
+    outs = [json.loads(line) for line in res.stdout.splitlines()]
+    check(outs, ACCEPTANCE_EXPECTED)
+    assert list(outs[1]) == ["op", "req", "ok", "hit_blocks", "hit_tokens", "new_blocks", "blocks",
+                             "free_queue", "num_free", "ref_cnt", "cached", "usage"]
+
+
+def test_show_draws_the_pool(tmp_path):
+    res = run_cli(ACCEPTANCE[:3], tmp_path, "--show")
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    # after r1: blocks 1-3 shared (ref 2), r1's logical block 3 lives in physical block 5
+    assert "ref   |  2  2  2  1  1  .  .  .  .  ." in text
+    assert "r1    |  0  1  2  .  3  .  .  .  .  ." in text
+    assert "free queue (head -> tail): 6 7 8 9 10" in text
+
+
+# Z=4, 8 usable blocks. LRU eviction order, and a failed add that changes nothing.
+EVICTION = [init(9, 4), add("a", [1] * 4 + [2] * 4 + [3] * 4 + [4]), free("a"), add("b", [9] * 9),
+            add("c", [8] * 12 + [7]), add("d", [1] * 4 + [2] * 4 + [5]), free("b"),
+            add("d", [1] * 4 + [2] * 4 + [5])]
+EVICTION_EXPECTED = [
+    {"free_queue": [1, 2, 3, 4, 5, 6, 7, 8]},
+    {"blocks": [1, 2, 3, 4], "cached": [1, 2, 3]},
+    # release 4 (no hash) -> head; 3, 2, 1 -> tail: a's tail is evicted before its prefix.
+    {"free_queue": [4, 5, 6, 7, 8, 3, 2, 1]},
+    # 3 blocks from the head; two full blocks of 9s cached.
+    {"blocks": [4, 5, 6], "cached": [1, 2, 3, 4, 5], "free_queue": [7, 8, 3, 2, 1]},
+    # 4 blocks: 7, 8, then 3 and 2 are evicted; c's 3 full blocks cached on 7, 8, 3.
+    {"blocks": [7, 8, 3, 2], "cached": [1, 3, 4, 5, 7, 8], "free_queue": [1], "num_free": 1},
+    # d hits block 1 (a's first block) but a's second block was evicted: hits [1];
+    # needs 3 - 1 = 2 new + 1 for the ref-0 hit = 3 > 1 free -> fails, nothing touched.
+    {"ok": False, "blocks": [], "new_blocks": [], "free_queue": [1], "num_free": 1,
+     "cached": [1, 3, 4, 5, 7, 8], "ref_cnt": {"2": 1, "3": 1, "4": 1, "5": 1, "6": 1, "7": 1, "8": 1}},
+    # release 6 (no hash) -> head, 5 and 4 -> tail.
+    {"free_queue": [6, 1, 5, 4], "num_free": 4},
+    # now 3 <= 4: touch 1, pop 6 and 5 (5 loses b's hash); d's block 1 cached on 6.
+    {"ok": True, "hit_blocks": [1], "hit_tokens": 4, "new_blocks": [6, 5], "blocks": [1, 6, 5],
+     "free_queue": [4], "cached": [1, 3, 4, 6, 7, 8]},
+]
+
+# Z=4, 5 usable blocks. Decode-style appends fill and cache blocks; sharing; a failed append.
+DECODE = [init(6, 4), add("a", [5, 6, 7]), append("a", [8]), append("a", [9]),
+          append("a", [10, 11, 12]), append("a", [13, 14, 15, 16, 17]),
+          add("b", [5, 6, 7, 8, 9, 10, 11, 12, 0]), append("a", [18]), append("a", [19, 20, 21])]
+DECODE_EXPECTED = [
+    {},
+    {"blocks": [1], "cached": []},  # 3 tokens: no full block yet
+    {"new_blocks": [], "blocks": [1], "cached": [1]},  # 4th token fills block 1 -> cached
+    {"new_blocks": [2], "blocks": [1, 2], "cached": [1]},
+    {"new_blocks": [], "cached": [1, 2]},  # tokens 5..8 fill block 2
+    {"new_blocks": [3, 4], "blocks": [1, 2, 3, 4], "cached": [1, 2, 3], "free_queue": [5]},
+    # b shares a's first two blocks (hit cap 8 tokens = 2 blocks); 1 new block; pool full.
+    {"ok": True, "hit_blocks": [1, 2], "hit_tokens": 8, "new_blocks": [5], "num_free": 0,
+     "ref_cnt": {"1": 2, "2": 2, "3": 1, "4": 1, "5": 1}},
+    {"ok": True, "new_blocks": [], "blocks": [1, 2, 3, 4]},  # 14 tokens still fit in 4 blocks
+    # 17 tokens need a 5th block, none free: fails; block 4 (now full) is NOT cached.
+    {"ok": False, "blocks": [1, 2, 3, 4], "cached": [1, 2, 3], "num_free": 0},
+]
+
+# Prefix caching off: no hashes, no hits, every freed block goes to the head in release order.
+NO_CACHE = [init(6, 4, False), add("a", [1, 2, 3, 4, 5]), add("b", [1, 2, 3, 4, 6]), free("a"),
+            free("b"), add("c", [1, 2, 3, 4, 5])]
+NO_CACHE_EXPECTED = [
+    {}, {"blocks": [1, 2], "cached": []},
+    {"hit_blocks": [], "blocks": [3, 4], "cached": [], "free_queue": [5]},
+    {"free_queue": [2, 1, 5]},
+    {"free_queue": [4, 3, 2, 1, 5]},
+    {"hit_blocks": [], "blocks": [4, 3], "free_queue": [2, 1, 5], "cached": []},
+]
+
+# Cache salt on the first block: only same-salt requests share.
+T9 = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+SALT = [init(9, 4), add("a", T9, "alice"), add("b", T9), free("b"), add("c", T9, "alice"),
+        add("d", T9, "bob")]
+SALT_EXPECTED = [
+    {}, {"blocks": [1, 2, 3], "cached": [1, 2]},
+    {"hit_blocks": [], "blocks": [4, 5, 6], "cached": [1, 2, 4, 5]},  # unsalted: no hit
+    {"free_queue": [6, 7, 8, 5, 4]},
+    {"hit_blocks": [1, 2], "new_blocks": [6], "ref_cnt": {"1": 2, "2": 2, "3": 1, "6": 1},
+     "free_queue": [7, 8, 5, 4]},
+    # another salt: no hit; pops 7, 8, 5 (5 loses b's hash); blocks 7, 8 cached.
+    {"hit_blocks": [], "blocks": [7, 8, 5], "cached": [1, 2, 4, 7, 8], "free_queue": [4]},
+]
+
+# reset_prefix_cache refuses while blocks are held; after it, nothing hits.
+RESET_TRACE = [init(6, 4), add("a", T9), RESET, free("a"), RESET, add("b", T9)]
+RESET_EXPECTED = [
+    {}, {"blocks": [1, 2, 3], "cached": [1, 2]},
+    {"op": "reset_prefix_cache", "req": None, "ok": False, "cached": [1, 2], "num_free": 2},
+    {"free_queue": [3, 4, 5, 2, 1]},
+    {"ok": True, "cached": [], "free_queue": [3, 4, 5, 2, 1]},  # queue order is kept
+    {"hit_blocks": [], "blocks": [3, 4, 5], "cached": [3, 4], "free_queue": [2, 1]},
+]
+
+# Identical hashes are kept on several blocks; a lookup returns the one cached first.
+DUP = [init(9, 4), add("a", [1] * 4), add("b", [1] * 4), add("c", [1] * 4 + [7]), free("a"),
+       free("c"), add("d", [1] * 4 + [9])]
+DUP_EXPECTED = [
+    {}, {"blocks": [1], "cached": [1]},
+    # 4 tokens: hit cap 3 tokens = 0 blocks, so b recomputes into block 2: duplicate hash.
+    {"hit_blocks": [], "blocks": [2], "cached": [1, 2]},
+    {"hit_blocks": [1], "new_blocks": [3], "ref_cnt": {"1": 2, "2": 1, "3": 1}},  # 1 is older
+    {"ref_cnt": {"1": 1, "2": 1, "3": 1}, "free_queue": [4, 5, 6, 7, 8]},
+    {"free_queue": [3, 4, 5, 6, 7, 8, 1]},
+    # block 1 (ref 0, in the queue) still wins over block 2 (held): costs a free slot.
+    {"hit_blocks": [1], "new_blocks": [3], "blocks": [1, 3], "ref_cnt": {"1": 1, "2": 1, "3": 1},
+     "free_queue": [4, 5, 6, 7, 8]},
+]
+
+# The hit cap: a prompt that is entirely cached still recomputes its last block.
+CAP = [init(11, 16), add("r0", C + [3] * 7), add("x", C)]
+CAP_EXPECTED = [
+    {}, {"blocks": [1, 2, 3, 4]},
+    {"hit_blocks": [1, 2], "hit_tokens": 32, "new_blocks": [5], "cached": [1, 2, 3, 5]},
+]
+
+SCENARIOS = {"eviction": (EVICTION, EVICTION_EXPECTED), "decode": (DECODE, DECODE_EXPECTED),
+             "no_cache": (NO_CACHE, NO_CACHE_EXPECTED), "salt": (SALT, SALT_EXPECTED),
+             "reset": (RESET_TRACE, RESET_EXPECTED), "duplicate": (DUP, DUP_EXPECTED),
+             "cap": (CAP, CAP_EXPECTED), "acceptance": (ACCEPTANCE, ACCEPTANCE_EXPECTED)}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario(name):
+    ops, expected = SCENARIOS[name]
+    outs = run_lib(ops)
+    check(outs, expected)
+    assert outs == run_oracle(ops), "library and oracle disagree"
+
+
+def test_failed_op_leaves_state_unchanged():
+    outs = run_lib(EVICTION)
+    keep = ("blocks", "free_queue", "num_free", "ref_cnt", "cached", "usage")
+    assert {k: outs[5][k] for k in keep if k != "blocks"} == {k: outs[4][k] for k in keep if k != "blocks"}
+
+
+def _error(lines):
+    last = replay = None
+    with pytest.raises(ReplayError) as e:
+        for out, replay in iter_trace(lines):
+            last = replay.view("check", None, True)
+    return str(e.value), last, replay
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokens":[1,2'],
+     "line 2: not valid JSON"),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '', '{"op":"free","req":"zz"}'],
+     "line 3: unknown request 'zz'"),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokens":[1]}',
+      '{"op":"free","req":"a"}', '{"op":"free","req":"a"}'], "line 4: double free"),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokens":[1, 2.5]}'],
+     "line 2: token 1 is 2.5"),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokens":[1, "x"]}'],
+     "line 2: token 1 is \"x\""),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokens":[true]}'],
+     "line 2: token 0 is true"),
+    (['{"op":"add","req":"a","tokens":[1]}'], "line 1: op 'add' before any init"),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"evict"}'], "line 2: unknown op \"evict\""),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokns":[1]}'],
+     "line 2: unknown key(s) ['tokns']"),
+    (['{"op":"init","num_blocks":1,"block_size":4}'], "line 1: num_blocks must be an int >= 2"),
+    (['{"op":"init","num_blocks":6,"block_size":4}', '{"op":"add","req":"a","tokens":[1]}',
+      '{"op":"add","req":"a","tokens":[2]}'], "line 3: request 'a' already exists"),
+])
+def test_bad_input_names_the_line(lines, message):
+    err, before, replay = _error(lines)
+    assert err.startswith(message), err
+    if before is not None:  # the state is exactly as after the last good line
+        assert replay.view("check", None, True) == before
+
+
+def test_bad_input_through_the_command(tmp_path):
+    ops = [init(6, 4), add("a", [1, 2, 3]), free("a"), free("a")]
+    res = run_cli(ops, tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "kvjax replay: error: line 4: double free or use after free of request 'a' (freed on line 3)"]
+    assert "Traceback" not in res.stderr
+    assert len(res.stdout.splitlines()) == 3  # the good lines were printed
+
+
+def test_a_freed_name_can_be_added_again():
+    outs = run_lib([init(6, 4), add("a", [1]), free("a"), add("a", [2]), free("a")])
+    assert [o["ok"] for o in outs] == [True] * 5
+
+
+def test_more_requests_than_initial_slots():
+    """Replay starts with 8 request slots and doubles them when a 9th request arrives."""
+    ops = [init(11, 16)] + [add(f"r{i}", [i]) for i in range(10)] + [free(f"r{i}") for i in range(10)]
+    outs = run_lib(ops)
+    assert all(o["ok"] for o in outs)
+    assert outs[10]["num_free"] == 0 and outs[10]["blocks"] == [10] and outs[-1]["num_free"] == 10
+    assert outs == run_oracle(ops)
