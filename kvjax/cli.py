@@ -3,6 +3,7 @@
     kvjax plan     KV bytes, memory budget → blocks → concurrency (SPEC "The simulator")
     kvjax tables   SPEC Tables 1 and 2 recomputed from the formulas
     kvjax replay   drive the functional block pool from a JSONL trace, one JSON state per op
+    kvjax decode | calibrate | accuracy | memory | report   (kvjax.commands.*: these run models)
 
 Bad input exits with status 2 and one line naming the bad value, never a traceback.
 Subcommands that need JAX import it lazily, so `plan` and `tables` start instantly.
@@ -22,6 +23,11 @@ from kvjax.spec import KV_DTYPES, PRESETS, KVSpec, SpecError, from_hf_config, pr
 # is imported only when its command runs (they import JAX), the others show their help line.
 _MODULE_COMMANDS = {
     "replay": ("kvjax.replay", "drive the functional block pool from a JSONL trace"),
+    "decode": ("kvjax.commands.decode", "batched generation through scheduler, pool, paged cache and model"),
+    "calibrate": ("kvjax.commands.calibrate", "fp8 KV scales from a model run over calibration text"),
+    "accuracy": ("kvjax.commands.accuracy", "fp8 / int8 KV against bf16: perplexity, KL, agreement"),
+    "memory": ("kvjax.commands.memory", "size the cache from a profiled budget; analytic vs measured bytes"),
+    "report": ("kvjax.commands.report", "the end-to-end report on the built-in small models"),
 }
 
 
