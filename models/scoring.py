@@ -47,3 +47,34 @@ def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """Per-position negative log-likelihood of tokens[:, 1:] under logits[:, :-1]: f32[B, S-1]."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)  # [B, S-1, V]
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def prefill_caches(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16):
+    """Prefill every row of tokens i32[B, S] into its own cache; the caches come back stacked
+    (every page array gains a leading B axis). Used to observe the K/V a model writes."""
+    md, num_blocks = prefill_layout(tokens.shape[1], block_size)
+    cache = PagedCache.create(kv_spec, num_blocks, block_size)
+
+    def one(row):
+        return model.apply({"params": params}, row, md, cache)[1]
+
+    return jax.vmap(one)(tokens)
+
+
+def cache_amax(caches) -> tuple[list, list]:
+    """Calibration statistics of stacked caches from `prefill_caches`: per layer max |K| and
+    max |V| per kv head (f32[K] each), or for MLA max |latent| per channel (f32[C], V empty).
+
+    Only real blocks count: block 0 (the null block, never written by a full prefill) is
+    excluded, and every other slot of a prefill layout holds a written token or zeros, which
+    cannot raise a max of absolute values.
+    """
+    amax_k, amax_v = [], []
+    for layer in caches.layers:
+        if hasattr(layer, "latent"):
+            lat = jnp.abs(layer.latent[:, 1:].astype(jnp.float32))  # [B, P-1, Z, C]
+            amax_k.append(jnp.max(lat, axis=(0, 1, 2)))
+        else:
+            amax_k.append(jnp.max(jnp.abs(layer.k[:, 1:].astype(jnp.float32)), axis=(0, 1, 2, 4)))  # f32[K]
+            amax_v.append(jnp.max(jnp.abs(layer.v[:, 1:].astype(jnp.float32)), axis=(0, 1, 2, 4)))
+    return amax_k, amax_v

@@ -25,3 +25,30 @@ def load_model(name_or_dir: str, dtype: str | None = None, attn_impl: str = "ref
 
     config, params = load_checkpoint(resolve_model(name_or_dir), dtype=dtype)
     return config, build_model(config, attn_impl=attn_impl), params
+
+
+def read_tokens(folder: str, path: str):
+    """Token ids of a text file for the model in `folder`: its tokenizer.json through the
+    `tokenizers` library when it has one, else bytes (the built-in models' vocabulary)."""
+    import numpy as np
+
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist")
+    tok_file = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(tok_file):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(f"{folder!r} has a tokenizer.json: install the `tokenizers` package to read it") from None
+        with open(path, encoding="utf-8") as fh:
+            return np.asarray(Tokenizer.from_file(tok_file).encode(fh.read()).ids, np.int32)
+    with open(path, "rb") as fh:
+        return np.frombuffer(fh.read(), np.uint8).astype(np.int32)
+
+
+def windows(tokens, seq_len: int, max_windows: int):
+    """Non-overlapping windows i32[W, seq_len] from the start of a token stream."""
+    n = min(max_windows, len(tokens) // seq_len)
+    if n < 1:
+        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of {seq_len}")
+    return tokens[: n * seq_len].reshape(n, seq_len)

@@ -1,0 +1,76 @@
+"""The experiments' helpers: greedy generation through the paged cache, the outlier stress
+transform, calibration statistics, and `kvjax calibrate`."""
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.train_small import HF_CONFIGS
+from models import build_model, from_hf_config, init_params, preset
+from models.generate import greedy_generate
+from models.loader import save_checkpoint
+from models.scoring import cache_amax, prefill_caches, sequence_logits
+from models.stress import inflate_k_channels, rope_pairs
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
+def test_greedy_generate_matches_full_recompute(name):
+    cfg = preset(name)
+    model = build_model(cfg)
+    params = init_params(model, jax.random.key(1))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    out = greedy_generate(model, params, prompts, 5, cfg.kv_spec("fp32"), block_size=4)
+    for b, prompt in enumerate(prompts):
+        # teacher-forced over prompt + output in one prefill: greedy means each output token is
+        # the argmax of the logits one position before it
+        seq = jnp.asarray([prompt + out[b].tolist()])
+        logits = sequence_logits(model, params, seq, cfg.kv_spec("fp32"), 4)[0]
+        assert jnp.argmax(logits[len(prompt) - 1:-1], axis=-1).tolist() == out[b].tolist()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
+def test_stress_inflates_cached_k_without_changing_the_model(name):
+    cfg = preset(name)
+    model = build_model(cfg)
+    params = init_params(model, jax.random.key(2))
+    stressed = inflate_k_channels(cfg, params, (0, 3), 50.0)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)))
+    spec = cfg.kv_spec("fp32")
+    a = sequence_logits(model, params, toks, spec, 4)
+    b = sequence_logits(model, stressed, toks, spec, 4)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    before = np.asarray(cache_amax(prefill_caches(model, params, toks, spec, 4))[0][0])
+    after = np.asarray(cache_amax(prefill_caches(model, stressed, toks, spec, 4))[0][0])
+    inflated = [0, 3] if cfg.is_mla else None
+    if cfg.is_mla:
+        np.testing.assert_allclose(after[inflated], before[inflated] * 50.0, rtol=1e-4)
+    else:
+        assert after.min() > 10 * before.max()  # every kv head has inflated channels
+
+
+def test_rope_pairs():
+    assert rope_pairs([0, 5], 16, "half") == [0, 5, 8, 13]
+    assert rope_pairs([0, 5], 16, "interleaved") == [0, 1, 4, 5]
+
+
+def test_calibrate_command(tmp_path):
+    hf = dict(HF_CONFIGS["gqa"], num_hidden_layers=2, hidden_size=64, intermediate_size=128, head_dim=16)
+    params = init_params(build_model(from_hf_config(hf)), jax.random.key(3))
+    save_checkpoint(tmp_path / "m", hf, params)
+    (tmp_path / "calib.txt").write_bytes(bytes(range(32, 127)) * 8)
+    out = tmp_path / "scales.json"
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "calibrate", "--model", str(tmp_path / "m"), "--data",
+                        str(tmp_path / "calib.txt"), "--mode", "per_head", "--seq-len", "64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    scales = json.loads(out.read_text())
+    assert scales["mode"] == "per_head" and len(scales["k"]) == 2 and len(scales["k"][0]) == 2
+    amax = np.asarray(scales["amax_k"][0])
+    np.testing.assert_allclose(scales["k"][0], amax / 448.0, rtol=1e-6)
+    bad = subprocess.run([sys.executable, "-m", "kvjax.cli", "calibrate", "--model", "nope", "--data", "x",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "'nope'" in bad.stderr and "Traceback" not in bad.stderr
