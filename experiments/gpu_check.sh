@@ -12,6 +12,7 @@
 #   env           versions and devices
 #   kernel_tests  tests/test_pallas_decode.py compiled (KVJAX_INTERPRET=0: Triton, no interpreter)
 #   kernel_bench  experiments/kernel_bench.py on the GPU shapes, target shapes first, with a time budget
+#   memory_*      kvjax memory on a small model and on Llama-3-8B-shaped random weights (issue 7)
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,9 +38,37 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 }
 
 step env 30 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
-step kernel_tests 140 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
+step kernel_tests 120 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
   --junitxml="$OUT_DIR/kernel_tests.xml"
-step kernel_bench 125 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 100
+step kernel_bench 75 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 55
+
+# ---- memory (issue 7) ------------------------------------------------------------------------
+# `kvjax memory` on a small model and on Llama-3-8B's shapes with random weights (nothing
+# downloaded): profiled non-KV bytes, the budget → blocks, and KV pages measured / analytic,
+# which must be within 0.1%. JSON and table per model in $OUT_DIR/memory_<label>.{json,txt}.
+# CPU smoke run (no bytes_limit there, so give a size):
+#   KVJAX_MEMORY_BIG=preset:tiny KVJAX_MEMORY_ARGS="--total-gib 1" bash experiments/gpu_check.sh
+memory_check() {  # memory_check LABEL MODEL TOKENS
+  "$PY" -m kvjax.cli memory --model "$2" --max-num-batched-tokens "$3" $KVJAX_MEMORY_ARGS --json \
+    > "$OUT_DIR/memory_$1.json" || return
+  "$PY" -c 'import json, sys
+from kvjax.commands.memory import render
+r = json.load(open(sys.argv[1]))
+ratio = r["kv_measured_over_analytic"]
+print(render(r))
+print("KV measured / analytic %.6f (target within 0.1%%); profiled non-KV %d B" % (ratio, r["non_kv_bytes"]))
+sys.exit(0 if abs(ratio - 1) <= 1e-3 else 1)' "$OUT_DIR/memory_$1.json" > "$OUT_DIR/memory_$1.txt"
+  local rc=$?
+  cat "$OUT_DIR/memory_$1.txt"
+  return $rc
+}
+export -f memory_check
+KVJAX_MEMORY_ARGS=${KVJAX_MEMORY_ARGS:-}
+export PY OUT_DIR KVJAX_MEMORY_ARGS
+MEMORY_SMALL=${KVJAX_MEMORY_SMALL:-small-gqa}
+[ "$MEMORY_SMALL" != small-gqa ] || [ -d models/checkpoints/small-gqa ] || MEMORY_SMALL=preset:tiny
+step memory_small 20 bash -c 'memory_check small "$0" 512' "$MEMORY_SMALL"
+step memory_llama8b 50 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMORY_BIG:-preset:llama-3-8b}"
 
 echo "=== status"
 cat "$STATUS"

@@ -11,6 +11,11 @@ determine_available_memory`): it loads the weights, runs a profiling forward pas
 - On CPU `memory_stats()` is None. There, the bytes of every live jax.Array on the device
   (`jax.live_arrays()`, counting each array's shard on that device) track allocations exactly,
   and a compiled step's `memory_analysis()` gives the temporaries XLA will need at its peak.
+
+The second half is the reconciliation `kvjax memory` prints: a `Row` per item (weights, KV
+pages, scales, block tables, activation peak) holding the analytic and the measured bytes of
+one device, and `explain_arrays`, which names the cause of a difference (the GPU allocator's
+256-byte rounding, or other buffers allocated or freed meanwhile).
 """
 from __future__ import annotations
 
@@ -25,16 +30,26 @@ def _devices(device: jax.Device | None) -> list[jax.Device]:
 
 
 def live_bytes(device: jax.Device | None = None) -> int:
-    """Bytes of all live jax.Arrays resident on `device` (all local devices if None)."""
+    """Bytes of all live jax.Arrays resident on `device` (all local devices if None).
+
+    Each device buffer is counted once: several Array objects can share one buffer (reading a
+    sharded array's `addressable_shards` leaves a single-device Array per shard alive beside it,
+    and a CPU array can alias host memory), and `jax.live_arrays()` lists every one of them.
+    """
     wanted = set(_devices(device))
-    total = 0
+    seen: dict[tuple[int, int], int] = {}
     for arr in jax.live_arrays():
         if arr.is_deleted():
             continue
         for shard in arr.addressable_shards:
             if shard.device in wanted:
-                total += shard.data.nbytes
-    return total
+                data = shard.data
+                try:
+                    key = data.unsafe_buffer_pointer()
+                except Exception:  # noqa: BLE001 - a backend without raw pointers: count per Array
+                    key = id(data)
+                seen[(shard.device.id, key)] = data.nbytes
+    return sum(seen.values())
 
 
 def bytes_in_use(device: jax.Device | None = None) -> int:
@@ -77,7 +92,15 @@ class CompiledMemory:
 def compiled_memory(fn: Callable, *args: Any, **kwargs: Any) -> CompiledMemory:
     """Compile `fn` (a jitted function) for these arguments and read XLA's memory analysis."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    m = jitted.lower(*args, **kwargs).compile().memory_analysis()
+    return analyse(jitted.lower(*args, **kwargs).compile())
+
+
+def analyse(compiled) -> CompiledMemory:
+    """XLA's memory analysis of an already compiled computation (`jit(f).lower(...).compile()`).
+
+    For a computation partitioned over a mesh the sizes are per device (one partition's buffers).
+    """
+    m = compiled.memory_analysis()
     return CompiledMemory(int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.temp_size_in_bytes),
                           int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes))
 
@@ -95,3 +118,78 @@ def tree_bytes_on(tree: Any, device: jax.Device) -> int:
             if shard.device == device:
                 total += shard.data.nbytes
     return total
+
+
+# --------------------------------------------------------------------------------------------
+# Reconciliation: analytic bytes beside measured bytes, and why they differ
+# --------------------------------------------------------------------------------------------
+# XLA's GPU allocator (a best-fit-with-coalescing "BFC" allocator, tsl/framework/bfc_allocator)
+# rounds every allocation up to a multiple of 256 bytes and counts the rounded chunk in
+# `bytes_in_use`; a chunk is split off a larger free one only when the rest is worth keeping,
+# so a measured increase can exceed the rounded sizes too. The CPU client counts exact nbytes.
+ALLOCATOR_ALIGNMENT = 256
+
+
+def snapshot(devices: list[jax.Device]) -> list[int]:
+    """Bytes in use on each device (allocator's count on GPU, live-array sum on CPU)."""
+    return [bytes_in_use(d) for d in devices]
+
+
+def rounded_bytes(nbytes: list[int], unit: int = ALLOCATOR_ALIGNMENT) -> int:
+    """What an allocator that rounds each allocation up to `unit` bytes counts for these arrays."""
+    return sum(-(-n // unit) * unit for n in nbytes)
+
+
+def cache_static_bytes(spec) -> int:
+    """Analytic bytes of the paged cache's arrays that have no per-slot axis, on one rank of
+    layout `spec` (kvjax.cache): static fp8 scales (f32 per kv head for K and for V, or f32 per
+    latent channel for MLA) and one i32 non-finite counter per layer."""
+    total = 0
+    for i in range(spec.num_layers):
+        name = spec.layer_dtype(i).name
+        if name in ("fp8_e4m3", "fp8_e5m2"):
+            total += 4 * (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads)
+        total += 4  # i32 counter
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the reconciliation table (bytes on one device)."""
+
+    name: str
+    analytic: int
+    measured: int | None  # None: the device could not show it (see note)
+    note: str = ""  # why measured differs from analytic, or how it was measured
+
+    @property
+    def diff(self) -> int | None:
+        return None if self.measured is None else self.measured - self.analytic
+
+    @property
+    def ratio(self) -> float | None:
+        if self.measured is None or self.analytic == 0:
+            return None if self.measured is None or self.measured else 1.0
+        return self.measured / self.analytic
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "analytic": self.analytic, "measured": self.measured, "diff": self.diff,
+                "ratio": self.ratio, "note": self.note}
+
+
+def explain_arrays(analytic: int, measured: int | None, nbytes: list[int], platform: str) -> str:
+    """Why an allocation of arrays of `nbytes` (analytic = their sum) measured as `measured`."""
+    if measured is None:
+        return "not measurable on this device"
+    diff = measured - analytic
+    if diff == 0:
+        return "exact" if platform == "cpu" or not nbytes else \
+            f"exact: all {len(nbytes)} arrays are multiples of the allocator's {ALLOCATOR_ALIGNMENT} B"
+    rounding = rounded_bytes(nbytes) - analytic
+    if diff == rounding:
+        return (f"allocator rounding: each of the {len(nbytes)} arrays is rounded up to a multiple of "
+                f"{ALLOCATOR_ALIGNMENT} B")
+    if diff > 0:
+        return (f"allocator: {diff:,} B more than the arrays ({rounding:,} B of it {ALLOCATOR_ALIGNMENT} B rounding; "
+                "the rest is chunk granularity or other buffers allocated meanwhile)")
+    return f"{-diff:,} B less than the arrays: other buffers were freed during the measurement"

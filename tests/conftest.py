@@ -4,3 +4,4 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # tests/test_tp.py: 8 CPU devices

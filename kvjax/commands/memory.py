@@ -24,11 +24,16 @@ published shapes in bf16; nothing is downloaded). --tp N shards weights and cach
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 from kvjax import budget as bud
 
+# The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
+# name of XLA_PYTHON_CLIENT_MEM_FRACTION).
+ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
+                 "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS")
 DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, max_num_seqs=256, tp=1)
 
 
@@ -99,30 +104,37 @@ def _random_params(shapes, shardings, seed: int):
     """Random weights created in place, one leaf at a time (so the temporaries of one leaf, not of
     the whole tree, sit beside the weights): N(0, 0.02²) kernels and embeddings, 1.0 norm weights."""
     import jax
-    import jax.numpy as jnp
 
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    out_shardings = jax.tree_util.tree_leaves(shardings)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    made = []
-    for key, leaf, sharding in zip(keys, leaves, out_shardings):
-        if leaf.ndim == 1:
-            make = lambda k, leaf=leaf: jnp.ones(leaf.shape, leaf.dtype)  # noqa: E731
-        else:
-            make = lambda k, leaf=leaf: jax.random.normal(k, leaf.shape, leaf.dtype) * jnp.asarray(0.02, leaf.dtype)  # noqa: E731
-        made.append(jax.jit(make, out_shardings=sharding)(key))
+    made = [_leaf_maker(tuple(leaf.shape), str(leaf.dtype), sharding)(key)
+            for key, leaf, sharding in zip(keys, leaves, jax.tree_util.tree_leaves(shardings))]
     return jax.tree_util.tree_unflatten(treedef, made)
 
 
-def _load_params(folder, config, run_config, layout, mesh, shardings, shapes, seed):
+@functools.lru_cache(maxsize=None)
+def _leaf_maker(shape: tuple[int, ...], dtype: str, sharding):
+    """One compiled generator per (shape, dtype, sharding): a model's layers share a handful."""
+    import jax
+    import jax.numpy as jnp
+
+    if len(shape) == 1:
+        return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype),
+                   out_shardings=sharding)
+
+
+def _load_params(folder, config, layout, shardings, shapes, seed: int):
+    """The weights, placed by `shardings` (checkpoint: loaded onto the default device, kv heads
+    repeated for tp > Hkv, then put in their shards; preset: random, made in place)."""
+    import jax
+
     from kvjax import sharding as shd
     from models.loader import load_params
 
     if folder is None:
         return _random_params(shapes, shardings, seed)
     params = shd.replicate_kv_heads(load_params(folder, config), layout, config.head_dim or 0)
-    import jax
-
     return jax.device_put(params, shardings)  # the unsharded tree is dropped on return
 
 
@@ -142,189 +154,216 @@ def _profile_inputs(config, tokens: int, block_size: int):
     return ids, md, md.logits_indices.copy(), blocks + 1
 
 
-def measure(args) -> dict:
-    """Steps 1-5 of the module docstring; returns the report `render` prints."""
+class _Setup:
+    """Everything fixed before a byte is allocated: model, layout, mesh, shapes and shardings."""
+
+    def __init__(self, args):
+        import jax
+
+        from kvjax import sharding as shd
+        from models import build_model, param_shapes
+
+        self.config, self.folder, self.name = _config(args)
+        self.spec = self.config.kv_spec(args.kv_dtype)
+        self.layout = shd.tp_layout(self.spec, args.tp)
+        self.mesh = shd.make_mesh(args.tp)
+        self.devices = list(self.mesh.devices.flat)
+        self.platform = self.devices[0].platform
+        replicas = self.layout.head_replicas
+        # tp > Hkv: the model runs with each kv head repeated (kvjax.sharding), the same function.
+        self.model = build_model(self.config if replicas == 1 else
+                                 self.config.replace(num_kv_heads=self.layout.cache_kv_heads))
+        self.shapes = param_shapes(self.model)
+        self.param_shardings = shd.param_shardings(self.shapes, self.mesh)
+        self.whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(self.config))))
+        self.block_size = args.block_size
+        self.max_model_len = args.max_model_len or min(self.config.max_position_embeddings, 8192)
+
+    def make_cache(self, num_blocks: int):
+        from kvjax.cache import PagedCache
+
+        return lambda: PagedCache.create(self.layout.cache_spec, num_blocks, self.block_size)
+
+    def abstract(self, tree, shardings=None):
+        """ShapeDtypeStructs of `tree` carrying shardings (replicated when none are given)."""
+        import jax
+
+        if shardings is None:
+            shardings = jax.tree_util.tree_map(lambda _: self.whole, tree)
+        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      tree, shardings)
+
+
+def _profile(setup: _Setup, params, compiled, plan_mem, inputs, profile_blocks) -> dict:
+    """Step 2: run the compiled profiling step once; the activation peak per device."""
+    import jax
+
+    from kvjax import memory as mem
+    from kvjax import sharding as shd
+
+    devices = setup.devices
+    cache_shardings = shd.cache_shardings(jax.eval_shape(setup.make_cache(profile_blocks)), setup.mesh)
+    cache = jax.jit(setup.make_cache(profile_blocks), out_shardings=cache_shardings)()
+    cache_bytes = [mem.tree_bytes_on(cache, d) for d in devices]
+    base = mem.snapshot(devices)  # weights + profile cache (+ anything else alive)
+    peak_before = [mem.peak_bytes(d) for d in devices]
+    ids, md, rows = shd.replicated(setup.mesh, inputs)
+    input_bytes = mem.tree_bytes_on((ids, md, rows), devices[0])
+    live_at_call = mem.snapshot(devices)
+    logits, cache = compiled(params, ids, md, cache, rows)
+    jax.block_until_ready((logits, cache))
+    peak_after = [mem.peak_bytes(d) for d in devices]
+    extra = plan_mem.temp + plan_mem.output - plan_mem.alias
+    if peak_after[0] is None:  # CPU: live arrays at the call + XLA's temporaries and new outputs
+        peaks = [live + extra for live in live_at_call]
+        how = "no allocator stats (cpu): live arrays at the call + XLA temp + unaliased outputs"
+    else:
+        peaks, how = peak_after, "allocator peak_bytes_in_use"
+    # An earlier peak (weight loading) above the profile's hides it: measured is then unknown.
+    measured = [None if before is not None and peak <= before else peak - b
+                for peak, before, b in zip(peaks, peak_before, base)]
+    analytic = input_bytes + extra
+    return {"tokens": int(inputs[0].shape[0]), "how": how, "peak_bytes": peaks, "base_bytes": base,
+            "xla_temp": plan_mem.temp, "xla_output": plan_mem.output, "xla_alias": plan_mem.alias,
+            "inputs": input_bytes, "profile_cache_bytes": cache_bytes, "analytic": analytic,
+            "measured": measured, "peak_hidden_by_earlier_peak": any(m is None for m in measured),
+            # non-KV uses the measured peak, or XLA's plan where the device could not show it
+            "activations": max(analytic if m is None else m for m in measured)}
+
+
+def _allocate(setup: _Setup, num_blocks: int, max_num_seqs: int) -> dict:
+    """Step 4: pages (with int8's per-slot scale pages), then static scales and counters, then the
+    block tables, each measured as the increase of bytes in use on every device."""
     import jax
     import jax.numpy as jnp
 
     from kvjax import memory as mem
     from kvjax import sharding as shd
-    from kvjax.cache import PagedCache
-    from models import build_model, param_shapes
 
-    config, folder, name = _config(args)
-    spec = config.kv_spec(args.kv_dtype)
-    layout = shd.tp_layout(spec, args.tp)
-    mesh = shd.make_mesh(args.tp)
-    devices = list(mesh.devices.flat)
-    platform = devices[0].platform
-    run_config = config if layout.head_replicas == 1 else config.replace(num_kv_heads=layout.cache_kv_heads)
-    model = build_model(run_config)
-    shapes = param_shapes(model)
-    p_shardings = shd.param_shardings(shapes, mesh)
-    z, tokens = args.block_size, args.max_num_batched_tokens
-    max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
+    make = setup.make_cache(num_blocks)
+    shapes = jax.eval_shape(make)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes, setup.mesh))
+    groups = {"pages": [i for i, x in enumerate(leaves) if x.ndim >= 2],
+              "static": [i for i, x in enumerate(leaves) if x.ndim < 2]}
+    made, snaps = [None] * len(leaves), [mem.snapshot(setup.devices)]
+    for want in groups.values():
+        arrays = jax.jit(lambda want=want: [jax.tree_util.tree_leaves(make())[i] for i in want],
+                         out_shardings=[shardings[i] for i in want])()
+        jax.block_until_ready(arrays)
+        snaps.append(mem.snapshot(setup.devices))
+        for i, a in zip(want, arrays):
+            made[i] = a
+    cache = jax.tree_util.tree_unflatten(treedef, made)
+    width = -(-setup.max_model_len // setup.block_size)
+    tables = jax.device_put(jnp.zeros((max_num_seqs, width), jnp.int32), setup.whole)  # i32[B, M]
+    jax.block_until_ready(tables)
+    snaps.append(mem.snapshot(setup.devices))
+    return {"cache": cache, "tables": tables, "snapshots": snaps,
+            "page_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["pages"]],
+            "static_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["static"]],
+            "table_bytes": max_num_seqs * width * 4}
+
+
+def measure(args) -> dict:
+    """Steps 1-5 of the module docstring; returns the report `render` prints."""
+    import jax
+
+    from kvjax import memory as mem
+    from kvjax import sharding as shd
+
+    setup = _Setup(args)
+    devices, platform, z = setup.devices, setup.platform, args.block_size
 
     # Compile the profiling step from shapes alone, before any weight is on the device: a GPU
     # compile's autotuning scratch then peaks while the device is empty and cannot hide the
     # profile's peak later.
-    ids, md, rows, profile_blocks = _profile_inputs(config, tokens, z)
-    make_profile_cache = lambda: PagedCache.create(layout.cache_spec, profile_blocks, z)  # noqa: E731
-    cache_shapes = jax.eval_shape(make_profile_cache)
-    c_shardings = shd.cache_shardings(cache_shapes, mesh)
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    abstract = lambda tree, s: jax.tree_util.tree_map(  # noqa: E731
-        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, s)
-    step = shd.make_sharded_step(model, mesh, cache_shapes)
-    inputs = (ids, md, rows)
-    compiled = step.lower(abstract(shapes, p_shardings), *[abstract(x, jax.tree_util.tree_map(lambda _: whole, x))
-                                                           for x in inputs[:2]],
-                          abstract(cache_shapes, c_shardings), abstract(rows, whole)).compile()
+    ids, md, rows, profile_blocks = _profile_inputs(setup.config, args.max_num_batched_tokens, z)
+    cache_shapes = jax.eval_shape(setup.make_cache(profile_blocks))
+    step = shd.make_sharded_step(setup.model, setup.mesh, cache_shapes)
+    compiled = step.lower(setup.abstract(setup.shapes, setup.param_shardings), setup.abstract(ids),
+                          setup.abstract(md),
+                          setup.abstract(cache_shapes, shd.cache_shardings(cache_shapes, setup.mesh)),
+                          setup.abstract(rows)).compile()
     plan_mem = mem.analyse(compiled)
 
     # 1. Weights.
     start = mem.snapshot(devices)
-    params = _load_params(folder, config, run_config, layout, mesh, p_shardings, shapes, args.seed)
+    params = _load_params(setup.folder, setup.config, setup.layout, setup.param_shardings, setup.shapes, args.seed)
     jax.block_until_ready(params)
     loaded = mem.snapshot(devices)
-    weights_analytic = shd.tree_shard_nbytes(shapes, p_shardings)
-    weight_arrays = [shd.shard_nbytes(x, s) for x, s in zip(jax.tree_util.tree_leaves(shapes),
-                                                            jax.tree_util.tree_leaves(p_shardings))]
     weights_measured = [b - a for a, b in zip(start, loaded)]
 
     # 2. Profile.
-    profile_cache = jax.jit(make_profile_cache, out_shardings=c_shardings)()
-    profile_cache_bytes = [mem.tree_bytes_on(profile_cache, d) for d in devices]
-    base = mem.snapshot(devices)  # weights + profile cache (+ anything else alive)
-    peak_before = [mem.peak_bytes(d) for d in devices]
-    ids, md, rows = shd.replicated(mesh, (ids, md, rows))
-    input_bytes = mem.tree_bytes_on((ids, md, rows), devices[0])
-    live_at_call = mem.snapshot(devices)
-    logits, profile_cache = compiled(params, ids, md, profile_cache, rows)
-    jax.block_until_ready((logits, profile_cache))
-    peak_after = [mem.peak_bytes(d) for d in devices]
-    act_analytic = input_bytes + plan_mem.temp + plan_mem.output - plan_mem.alias
-    if peak_after[0] is None:  # CPU: live arrays at the call + XLA's temporaries
-        peaks = [live + plan_mem.temp + plan_mem.output - plan_mem.alias for live in live_at_call]
-        how = "cpu: live arrays at the call + XLA temp + unaliased outputs"
-    else:
-        peaks = peak_after
-        how = "allocator peak_bytes_in_use"
-    act_measured, hidden = [], False
-    for d, (peak, before, b) in enumerate(zip(peaks, peak_before, base)):
-        if before is not None and peak <= before:
-            hidden = True  # an earlier peak (weight loading) stays above the profile's
-            act_measured.append(None)
-        else:
-            act_measured.append(peak - b)
-    del logits, profile_cache, ids, md, rows
-    activations = max(a if a is not None else act_analytic for a in act_measured)
+    profile = _profile(setup, params, compiled, plan_mem, (ids, md, rows), profile_blocks)
+    del ids, md, rows
 
     # 3. Budget, for the layout one rank holds, on one device.
     total = bud.gib(args.total_gib, "--total-gib") if args.total_gib is not None else mem.bytes_limit(devices[0])
     if total is None:
         raise ValueError(f"the {platform} device reports no memory limit: pass --total-gib")
-    weights_used = max(weights_measured)
-    plan = bud.plan(layout.rank_spec, context=max_model_len, block_size=z, total_bytes=total, util=args.util,
-                    weights_bytes=weights_used, activations_bytes=activations)
+    weights_used, activations = max(weights_measured), profile["activations"]
+    plan = bud.plan(setup.layout.rank_spec, context=setup.max_model_len, block_size=z, total_bytes=total,
+                    util=args.util, weights_bytes=weights_used, activations_bytes=activations)
     if plan.num_blocks < 2:
         raise ValueError(f"the budget leaves {plan.num_blocks} blocks of {plan.bytes_per_block:,} B "
                          f"(requested {plan.requested_bytes:,} B, non-KV {weights_used + activations:,} B): "
                          "no usable block; raise --total-gib or --util, or lower --max-num-batched-tokens")
 
-    # 4. Allocate: pages (and int8's per-slot scale pages), then static scales and counters, then tables.
-    num_blocks = plan.num_blocks
-    make_cache = lambda: PagedCache.create(layout.cache_spec, num_blocks, z)  # noqa: E731
-    shapes_kv = jax.eval_shape(make_cache)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes_kv)
-    kv_shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes_kv, mesh))
-    per_slot = [leaf.ndim >= 2 for leaf in leaves]
-
-    def part(slot: bool):
-        want = [i for i, s in enumerate(per_slot) if s == slot]
-        make = lambda: [jax.tree_util.tree_leaves(make_cache())[i] for i in want]  # noqa: E731
-        return want, jax.jit(make, out_shardings=[kv_shardings[i] for i in want])()
-
-    before_kv = mem.snapshot(devices)
-    page_idx, pages = part(True)
-    jax.block_until_ready(pages)
-    after_pages = mem.snapshot(devices)
-    static_idx, static = part(False)
-    jax.block_until_ready(static)
-    after_static = mem.snapshot(devices)
-    merged = [None] * len(leaves)
-    for i, a in zip(page_idx + static_idx, pages + static):
-        merged[i] = a
-    cache = jax.tree_util.tree_unflatten(treedef, merged)
-    table_width = -(-max_model_len // z)
-    tables = jax.device_put(jnp.zeros((args.max_num_seqs, table_width), jnp.int32), whole)
-    jax.block_until_ready(tables)
-    after_tables = mem.snapshot(devices)
+    # 4. Allocate.
+    alloc = _allocate(setup, plan.num_blocks, args.max_num_seqs)
+    before_kv, after_pages, after_static, after_tables = alloc["snapshots"]
 
     # 5. Reconcile, device by device.
-    kv_analytic = num_blocks * layout.rank_spec.bytes_per_block(z)
-    static_analytic = mem.cache_static_bytes(layout.rank_spec)
-    table_analytic = args.max_num_seqs * table_width * 4
-    page_arrays = [shd.shard_nbytes(leaves[i], kv_shardings[i]) for i in page_idx]
-    static_arrays = [shd.shard_nbytes(leaves[i], kv_shardings[i]) for i in static_idx]
+    weight_arrays = [shd.shard_nbytes(x, s) for x, s in zip(jax.tree_util.tree_leaves(setup.shapes),
+                                                            jax.tree_util.tree_leaves(setup.param_shardings))]
+    analytic = {"weights": shd.tree_shard_nbytes(setup.shapes, setup.param_shardings),
+                "kv pages": plan.num_blocks * setup.layout.rank_spec.bytes_per_block(z),
+                "scales + counters": mem.cache_static_bytes(setup.layout.rank_spec),
+                "block tables": alloc["table_bytes"]}
+    arrays = {"weights": weight_arrays, "kv pages": alloc["page_arrays"],
+              "scales + counters": alloc["static_arrays"], "block tables": [alloc["table_bytes"]]}
     per_device = []
     for d, dev in enumerate(devices):
-        measured = dict(weights=weights_measured[d], kv_pages=after_pages[d] - before_kv[d],
-                        scales=after_static[d] - after_pages[d], block_tables=after_tables[d] - after_static[d])
-        rows_d = [
-            mem.Row("weights", weights_analytic, measured["weights"],
-                    mem.explain_arrays(weights_analytic, measured["weights"], weight_arrays, platform)),
-            mem.Row("kv pages", kv_analytic, measured["kv_pages"],
-                    mem.explain_arrays(kv_analytic, measured["kv_pages"], page_arrays, platform)),
-            mem.Row("scales + counters", static_analytic, measured["scales"],
-                    mem.explain_arrays(static_analytic, measured["scales"], static_arrays, platform)),
-            mem.Row("block tables", table_analytic, measured["block_tables"],
-                    mem.explain_arrays(table_analytic, measured["block_tables"], [table_analytic], platform)),
-            mem.Row("activation peak", act_analytic, act_measured[d],
-                    _explain_activations(act_analytic, act_measured[d], platform, hidden)),
-        ]
-        total_analytic = weights_analytic + kv_analytic + static_analytic + table_analytic
-        rows_d.append(mem.Row("total resident", total_analytic, after_tables[d] - start[d],
+        measured = {"weights": weights_measured[d], "kv pages": after_pages[d] - before_kv[d],
+                    "scales + counters": after_static[d] - after_pages[d],
+                    "block tables": after_tables[d] - after_static[d]}
+        rows_d = [mem.Row(k, analytic[k], measured[k], mem.explain_arrays(analytic[k], measured[k], arrays[k],
+                                                                           platform)) for k in analytic]
+        act = profile["measured"][d]
+        rows_d.append(mem.Row("activation peak", profile["analytic"], act,
+                              _explain_activations(profile["analytic"], act, platform)))
+        resident, expected = after_tables[d] - start[d], sum(analytic.values())
+        rows_d.append(mem.Row("total resident", expected, resident,
                               "weights + KV + scales + tables; the profile's buffers were freed"
-                              if after_tables[d] - start[d] == total_analytic else
-                              f"in use now minus in use before the weights: "
-                              f"{after_tables[d] - start[d] - total_analytic:+,} B from the rows above"))
+                              if resident == expected else
+                              "in use now − in use before the weights; beyond the rows above: buffers the "
+                              "runtime keeps for the compiled step (constants) and allocator rounding"))
         per_device.append({"device": str(dev), "rows": [r.to_json() for r in rows_d],
-                           "shard_kv_bytes": sum(x.nbytes for layer in cache.layers for x in _slot_arrays(layer, dev))})
+                           "shard_kv_bytes": mem.tree_bytes_on(
+                               [x for x in jax.tree_util.tree_leaves(alloc["cache"]) if x.ndim >= 2], dev)})
     rows0 = per_device[0]["rows"]
     same = all([r["measured"] for r in p["rows"]] == [r["measured"] for r in rows0] for p in per_device)
-    kv_row = rows0[1]
-    del cache, pages, static, tables, params
+    del alloc, params
     return {
-        "model": name, "model_type": config.model_type, "dtype": config.dtype, "kv_dtype": spec.kv_dtype,
-        "params": sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(config)))),
-        "platform": platform, "devices": [str(d) for d in devices], "tp": args.tp,
-        "kv_heads_per_rank": layout.kv_heads_per_rank, "kv_head_replicas": layout.head_replicas,
-        "block_size": z, "max_num_batched_tokens": tokens, "max_num_seqs": args.max_num_seqs,
-        "max_model_len": max_model_len,
-        "weights_bytes_before": start, "weights_bytes_after": loaded,
-        "profile": {"tokens": tokens, "how": how, "peak_bytes": peaks, "base_bytes": base,
-                    "xla_temp": plan_mem.temp, "xla_output": plan_mem.output, "xla_alias": plan_mem.alias,
-                    "inputs": input_bytes, "profile_cache_bytes": profile_cache_bytes,
-                    "peak_hidden_by_earlier_peak": hidden},
-        "non_kv_bytes": weights_used + activations, "total_bytes": total,
-        "total_source": "--total-gib" if args.total_gib is not None else "device bytes_limit",
-        "plan": plan.to_json(), "num_blocks": num_blocks,
-        "kv_measured_over_analytic": kv_row["ratio"], "devices_agree": same,
+        "model": setup.name, "model_type": setup.config.model_type, "dtype": setup.config.dtype,
+        "kv_dtype": setup.spec.kv_dtype, "params": setup.num_params, "platform": platform,
+        "devices": [str(d) for d in devices], "tp": args.tp,
+        "kv_heads_per_rank": setup.layout.kv_heads_per_rank, "kv_head_replicas": setup.layout.head_replicas,
+        "block_size": z, "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "max_model_len": setup.max_model_len, "weights_bytes_before": start, "weights_bytes_after": loaded,
+        "profile": profile, "non_kv_bytes": weights_used + activations, "total_bytes": total,
+        "total_source": "--total-gib" if args.total_gib is not None else
+        "device bytes_limit: the JAX allocator's pool, XLA_CLIENT_MEM_FRACTION × memory",
+        "plan": plan.to_json(), "num_blocks": plan.num_blocks, "device_stats": devices[0].memory_stats(),
+        "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
+        "kv_measured_over_analytic": rows0[1]["ratio"], "devices_agree": same,
         "rows": rows0, "per_device": per_device,
     }
 
 
-def _slot_arrays(layer, device):
-    from kvjax.cache import KVPages
-
-    arrays = [layer.k, layer.v] if isinstance(layer, KVPages) else [layer.latent]
-    arrays += [a for a in ([layer.k_scale, layer.v_scale] if isinstance(layer, KVPages) else [layer.scale])
-               if a is not None and a.ndim >= 2]
-    return [s.data for a in arrays for s in a.addressable_shards if s.device == device]
-
-
-def _explain_activations(analytic: int, measured: int | None, platform: str, hidden: bool) -> str:
+def _explain_activations(analytic: int, measured: int | None, platform: str) -> str:
     if measured is None:
         return ("the allocator's peak was set earlier (weight loading) and the profile stayed below it; "
                 "the budget uses XLA's plan")
