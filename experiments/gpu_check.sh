@@ -13,6 +13,7 @@
 #   kernel_tests  tests/test_pallas_decode.py compiled (KVJAX_INTERPRET=0: Triton, no interpreter)
 #   kernel_bench  experiments/kernel_bench.py on the GPU shapes, target shapes first, with a time budget
 #   memory_*      kvjax memory on a small model and on Llama-3-8B-shaped random weights (issue 7)
+#   decode_sweep  the engine on Llama-3-8B-shaped random bf16 weights: bf16 vs fp8 KV, pallas vs reference (issue 8)
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,10 +38,10 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
   [ "$rc" -eq 0 ] || FAILED=1
 }
 
-step env 30 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
+step env 15 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
 step kernel_tests 120 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
   --junitxml="$OUT_DIR/kernel_tests.xml"
-step kernel_bench 75 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 55
+step kernel_bench 60 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 40
 
 # ---- memory (issue 7) ------------------------------------------------------------------------
 # `kvjax memory` on a small model and on Llama-3-8B's shapes with random weights (nothing
@@ -69,6 +70,15 @@ MEMORY_SMALL=${KVJAX_MEMORY_SMALL:-small-gqa}
 [ "$MEMORY_SMALL" != small-gqa ] || [ -d models/checkpoints/small-gqa ] || MEMORY_SMALL=preset:tiny
 step memory_small 20 bash -c 'memory_check small "$0" 512' "$MEMORY_SMALL"
 step memory_llama8b 50 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMORY_BIG:-preset:llama-3-8b}"
+
+# ---- decode (issue 8) ------------------------------------------------------------------------
+# kvjax.engine (8 decode steps per call) on Llama-3-8B's shapes, 2 of its 32 layers, random bf16
+# weights: batch 8, 512-token prompts, 32 new tokens; bf16 vs fp8_e4m3 KV × pallas vs reference,
+# the kernel first; variants past the time budget are skipped, results rewritten after each one
+# in $OUT_DIR/decode_sweep.{json,md}. (env 30 → 15 s and kernel_bench 75 → 60 s made room.)
+# CPU smoke run: KVJAX_DECODE_ARGS=--tiny bash experiments/gpu_check.sh
+step decode_sweep 30 "$PY" -m experiments.decode_bench --sweep-kv --layers 2 --time-budget 20 --out "$OUT_DIR" \
+  ${KVJAX_DECODE_ARGS:-}
 
 echo "=== status"
 cat "$STATUS"

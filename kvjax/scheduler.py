@@ -15,7 +15,9 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
 2. If nothing was preempted this step, WAITING requests are admitted in order (FCFS, or
    by (priority, arrival)) while fewer than `max_num_seqs` run and budget remains: prefix
    hits from `get_computed_blocks`, then `allocate_slots` for (a chunk of) the rest. The
-   first one that does not fit stops admission.
+   first one that does not fit stops admission. With `chunked_prefill=False` (vLLM's
+   `enable_chunked_prefill=False`; kvjax.engine runs so) a request is admitted only if all of
+   its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
 requests run, how many tokens each, token ids, positions, slot mapping, block tables as
@@ -24,6 +26,8 @@ tokens back, appends them (one batched `append_token_step`), and finishes reques
 reached `max_new_tokens`. The running requests' allocation is one batched
 `allocate_step(..., stop_at_failure=True)` call; after a failure the host preempts and
 resumes from the failed request, which reproduces vLLM's one-request-at-a-time loop.
+`apply_decode_steps(plan, sampled, state)` adopts several decode steps that a device loop ran
+itself with the same pool functions (kvjax.engine, `steps_per_call`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class SchedulerConfig:
     prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     max_requests: int | None = None  # pool request slots; default 2 * max_num_seqs
+    chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):
@@ -61,6 +66,10 @@ class SchedulerConfig:
             raise ValueError(f"a max_model_len={self.max_model_len} request needs "
                              f"{-(-self.max_model_len // self.block_size)} blocks but the pool "
                              f"has only {self.num_blocks - 1} usable")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM's rule too: otherwise a long prompt could never be admitted whole.
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
+                             f"must be >= max_model_len={self.max_model_len}")
         if self.max_requests is not None and self.max_requests < self.max_num_seqs:
             raise ValueError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
 
@@ -226,6 +235,8 @@ class Scheduler:
                 break
             hits, nh = pool.get_computed_blocks(self.state, req.slot)
             nh = int(nh)
+            if not cfg.chunked_prefill and req.num_tokens - nh * z > budget:
+                break  # vLLM without chunked prefill: wait for a step with room for the whole prompt
             n = min(req.num_tokens - nh * z, budget)
             self.state, ok = pool.allocate_slots(self.state, req.slot, n, hits, nh)
             if not bool(ok):
@@ -282,9 +293,40 @@ class Scheduler:
             self.state, ok = pool.append_token_step(self.state, jnp.asarray(tokens), jnp.asarray(mask))
             assert bool(np.asarray(ok)[mask].all()), "append_token_step refused a sampled token"
         for req in finished:
-            self.state, ok = pool.free(self.state, req.slot)
-            self.state, ok2 = pool.remove_request(self.state, req.slot)
-            assert bool(ok) and bool(ok2), f"finishing {req.req_id!r} failed"
-            self.running.remove(req)
-            req.status, req.slot = "finished", None
+            self._finish(req)
+        return [r.req_id for r in finished]
+
+    def _finish(self, req: Request) -> None:
+        self.state, ok = pool.free(self.state, req.slot)
+        self.state, ok2 = pool.remove_request(self.state, req.slot)
+        assert bool(ok) and bool(ok2), f"finishing {req.req_id!r} failed"
+        self.running.remove(req)
+        req.status, req.slot = "finished", None
+
+    def apply_decode_steps(self, plan: StepPlan, sampled, state: pool.PoolState) -> list[str]:
+        """Adopt n decode steps that a device loop ran itself (kvjax.engine, --steps-per-call).
+
+        `plan` is a decode plan (one token per request, every request samples) that `schedule()`
+        returned; the device loop ran it, then n - 1 more steps of the same requests, doing
+        what `update` + `schedule` would have done between them with the same pool functions:
+        `append_token_step` of each sampled token (except a request's last), then
+        `allocate_step` of one more token per request. It stopped at the first step where a
+        request finished, before an allocation that failed (the host then preempts as usual),
+        or after its step limit. sampled: i32[n, B] tokens per step and plan row; state: the
+        loop's final pool. Finishes requests that reached max_new_tokens. Returns their ids."""
+        sampled = np.asarray(sampled)
+        if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
+            raise ValueError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
+        if not (plan.sample.all() and (plan.num_scheduled == 1).all()):
+            raise ValueError("apply_decode_steps needs a decode plan: one token per request, all sampling")
+        self.state = state
+        finished = []
+        for i, rid in enumerate(plan.req_ids):
+            req = self.requests[rid]
+            req.output.extend(int(t) for t in sampled[:, i])
+            req.num_computed += sampled.shape[0] - 1  # the loop allocated one token per extra step
+            if len(req.output) >= req.max_new_tokens:
+                finished.append(req)
+        for req in finished:
+            self._finish(req)
         return [r.req_id for r in finished]

@@ -1,0 +1,235 @@
+"""`kvjax decode`: batched generation through the scheduler, block pool, paged cache and a model.
+
+    kvjax decode --model small-gqa --prompts prompts.txt --max-tokens 64
+    kvjax decode --model small-gqa --synthetic 32 --shared-prefix 64 --max-tokens 32 --num-blocks 48 --json
+
+Prompts: `--prompts FILE` holds one prompt per line (an empty line is an empty prompt, which
+fails alone); a `.jsonl` file holds one JSON object per line, {"prompt": text} or {"tokens":
+[ids]}, with an optional per-request "max_tokens". Text becomes tokens through the
+checkpoint's tokenizer.json (with the `tokenizers` package) when the folder has one, else as
+UTF-8 bytes (the built-in models' 256-token vocabulary). `--synthetic N` makes N random prompts
+of --prompt-len/2 .. --prompt-len tokens (seeded by --seed), each after the same
+--shared-prefix tokens (a fixed system prompt: prefix-cache hits).
+
+Pool size: `--num-blocks K`; or `--util U`, which sizes it the way vLLM does from a memory
+total (`kvjax.budget.plan`: blocks = (ceil(total × U) − weights) // bytes per block, with
+total = --total-gib, default 1 GiB since a CPU has no device memory to profile); else enough
+blocks for --max-num-seqs requests of the longest prompt + --max-tokens, so nothing is preempted.
+
+A request that breaks a rule (empty prompt, prompt at or over the model's max length,
+max_tokens <= 0, more blocks than the pool has) gets an error in its result and the others
+still run. Bad flags exit with status 2 and one line. The progress bar (tokens generated) goes
+to stderr; results and the summary to stdout, as text or, with --json, one JSON object.
+Rates and latencies leave out device calls that compiled (see kvjax.engine.Summary); with
+--warmup the workload runs once before the measured run so that every step is timed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from kvjax.commands.common import load_model, resolve_model
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("decode", help="batched generation through scheduler, pool, paged cache and model",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="small-gqa | small-mla | a Hugging Face folder")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE", help="one prompt per line (or .jsonl objects)")
+    src.add_argument("--synthetic", type=int, metavar="N", help="N random prompts")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="LEN", help="synthetic: shared first LEN tokens")
+    p.add_argument("--prompt-len", type=int, default=32, help="synthetic: longest prompt after the prefix (32)")
+    p.add_argument("--max-tokens", type=int, required=True, help="tokens to generate per request")
+    p.add_argument("--kv-dtype", help="KV cache dtype (default: the model's): bf16, fp8_e4m3, fp8_e5m2, "
+                                      "int8_per_token_head, ...")
+    p.add_argument("--scales", metavar="FILE", help="fp8 scales from `kvjax calibrate` (default 1.0)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, help="pool size, null block included")
+    size.add_argument("--util", type=float, help="size the pool from --total-gib × U (vLLM's gpu_memory_utilization)")
+    p.add_argument("--total-gib", type=float, default=1.0, help="memory total for --util (default 1)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once (8)")
+    p.add_argument("--max-model-len", type=int, help="prompt + generated tokens (default: the model's maximum)")
+    p.add_argument("--attn-impl", choices=["reference", "pallas"], default="reference")
+    sampling = p.add_mutually_exclusive_group()
+    sampling.add_argument("--greedy", action="store_true", help="argmax sampling (the default)")
+    sampling.add_argument("--temperature", type=float, help="sample from softmax(logits / T)")
+    p.add_argument("--seed", type=int, default=0, help="sampling and --synthetic seed (0)")
+    p.add_argument("--steps-per-call", type=int, default=1, help="decode steps per device call (1)")
+    p.add_argument("--warmup", action="store_true", help="run the workload once first (compiles out of the timings)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except (ValueError, OSError) as e:  # EngineError, CheckpointError, SpecError, ... all say what broke
+        print(f"kvjax decode: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import jax
+
+    from kvjax import budget, quant
+    from kvjax.engine import Engine, EngineConfig
+    from kvjax.spec import kv_dtype
+
+    _check_flags(args)
+    folder = resolve_model(args.model)
+    config, model, params = load_model(args.model, attn_impl=args.attn_impl)
+    encode, decode = _tokenizer(folder)
+    prompts, max_tokens = _prompts(args, encode, config.vocab_size)
+    spec = config.kv_spec(args.kv_dtype)
+    kv_name = kv_dtype(spec.kv_dtype).name
+    scales = None
+    if args.scales:
+        if not kv_name.startswith("fp8"):
+            raise ValueError(f"--scales are fp8 dequantization scales, but the kv dtype is {kv_name}")
+        scales = quant.KVScales.load(args.scales)
+    max_len = args.max_model_len or config.max_position_embeddings
+    z = args.block_size
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    elif args.util is not None:
+        weights = sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(params))
+        plan = budget.plan(spec, context=max_len, block_size=z, total_bytes=int(args.total_gib * budget.GiB),
+                           util=str(args.util), weights_bytes=weights)
+        num_blocks = plan.num_blocks
+        if num_blocks < 2:
+            raise ValueError(f"--util {args.util} of --total-gib {args.total_gib} leaves {plan.budget_bytes} bytes "
+                             f"after {weights} bytes of weights: no usable block of {plan.bytes_per_block} bytes")
+    else:
+        most = max((t for t in max_tokens if isinstance(t, int)), default=1)
+        longest = min(max((len(p) for p in prompts), default=1) + most, max_len)
+        num_blocks = 1 + args.max_num_seqs * math.ceil(longest / z)
+    engine = Engine(model, params, spec, EngineConfig(
+        num_blocks=num_blocks, block_size=z, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        prefix_caching=not args.no_prefix_caching, steps_per_call=args.steps_per_call,
+        temperature=args.temperature or 0.0, seed=args.seed), scales=scales)
+    if args.warmup:
+        engine.generate(prompts, max_tokens)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        total = sum(engine.check_request(p, t)[1] for p, t in zip(prompts, max_tokens))  # refused ones: 0
+        bar = tqdm(total=total, unit="tok", file=sys.stderr, desc="decode")
+    try:
+        result = engine.generate(prompts, max_tokens, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    rows = [dict(index=r.index, prompt_tokens=r.prompt_tokens, output_tokens=r.output, text=decode(r.output),
+                 finish_reason=r.finish_reason, error=r.error, preemptions=r.preemptions,
+                 prefix_hit_tokens=r.prefix_hit_tokens) for r in result.results]
+    setup = dict(model=args.model, kv_dtype=kv_name, block_size=z, num_blocks=num_blocks,
+                 max_num_seqs=args.max_num_seqs, max_model_len=engine.max_model_len,
+                 prefix_caching=not args.no_prefix_caching, attn_impl=args.attn_impl,
+                 steps_per_call=args.steps_per_call, temperature=args.temperature or 0.0, seed=args.seed)
+    if args.json:
+        print(json.dumps({"config": setup, "requests": rows, "summary": result.summary.to_json()}, indent=1))
+    else:
+        print(format_run(rows, result.summary, setup))
+    return 0
+
+
+def _check_flags(args) -> None:
+    for name in ("max_tokens", "block_size", "max_num_seqs", "steps_per_call", "prompt_len", "synthetic",
+                 "num_blocks", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.shared_prefix < 0:
+        raise ValueError(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+    if args.shared_prefix and args.synthetic is None:
+        raise ValueError("--shared-prefix applies to --synthetic prompts")
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 (use --greedy for argmax), got {args.temperature}")
+    if args.util is not None and not 0 < args.util <= 1:
+        raise ValueError(f"--util must be in (0, 1], got {args.util}")
+    if not args.total_gib > 0:
+        raise ValueError(f"--total-gib must be > 0, got {args.total_gib}")
+
+
+def _tokenizer(folder: str):
+    """(encode text → ids, decode ids → text): the folder's tokenizer.json, else UTF-8 bytes."""
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(f"{folder!r} has a tokenizer.json: install the `tokenizers` package to read it") from None
+        tok = Tokenizer.from_file(path)
+        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(ids))
+    return (lambda text: list(text.encode("utf-8"))), \
+        (lambda ids: bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace"))
+
+
+def _prompts(args, encode, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """(token id lists, max_tokens per request) from --prompts or --synthetic."""
+    if args.synthetic is not None:
+        rng = np.random.default_rng(args.seed)
+        prefix = rng.integers(0, vocab_size, args.shared_prefix).tolist()
+        lengths = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.synthetic)
+        prompts = [prefix + rng.integers(0, vocab_size, n).tolist() for n in lengths]
+        return prompts, [args.max_tokens] * len(prompts)
+    if not os.path.isfile(args.prompts):
+        raise ValueError(f"prompts file {args.prompts!r} does not exist")
+    with open(args.prompts, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    if not args.prompts.endswith(".jsonl"):
+        return [encode(line) for line in lines], [args.max_tokens] * len(lines)
+    prompts, max_tokens = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.prompts}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or ("prompt" in obj) == ("tokens" in obj):
+            raise ValueError(f"{args.prompts}:{n}: need an object with exactly one of \"prompt\" and \"tokens\"")
+        prompts.append(encode(obj["prompt"]) if "prompt" in obj else [int(t) for t in obj["tokens"]])
+        max_tokens.append(obj.get("max_tokens", args.max_tokens))
+    return prompts, max_tokens
+
+
+def _rate(x) -> str:
+    return "n/a (every such call compiled; try --warmup)" if x is None or x != x else f"{x:,.1f}"
+
+
+def format_run(rows: list[dict], s, setup: dict) -> str:
+    """The human readout: one line per request, then the summary."""
+    lines = []
+    for r in rows:
+        if r["error"]:
+            lines.append(f"[{r['index']}] error: {r['error']}")
+        else:
+            lines.append(f"[{r['index']}] {r['prompt_tokens']} prompt → {len(r['output_tokens'])} tokens "
+                         f"({r['finish_reason']}): {r['text']!r}")
+    hit = f"{s.prefix_hit_tokens:,} of {s.prefix_queried_tokens:,} looked up ({100 * s.prefix_hit_rate:.1f}%)"
+    summary = [
+        ("model", f"{setup['model']}, kv {setup['kv_dtype']}, attn {setup['attn_impl']}, "
+                  f"{setup['steps_per_call']} step(s)/call"),
+        ("requests", f"{s.requests} ({s.failed} failed)"),
+        ("prompt tokens", f"{s.prompt_tokens:,}"),
+        ("prefix-cache hits", hit if setup["prefix_caching"] else "off"),
+        ("generated tokens", f"{s.generated_tokens:,}"),
+        ("prefill tokens/s", _rate(s.prefill_tokens_per_s) + f"  ({s.prefill_tokens:,} computed)"),
+        ("decode tokens/s", _rate(s.decode_tokens_per_s)),
+        ("step latency", f"p50 {s.step_latency_p50_ms:.2f} ms, p99 {s.step_latency_p99_ms:.2f} ms"
+                         if s.step_latency_p50_ms == s.step_latency_p50_ms else "n/a"),
+        ("steps", f"{s.steps} in {s.device_calls} device calls ({s.untimed_calls} compiled, {s.compile_s:.1f} s)"),
+        ("peak blocks used", f"{s.peak_blocks_used} of {s.usable_blocks} usable (block size {setup['block_size']})"),
+        ("preemptions", f"{s.preemptions}"),
+        ("wall time", f"{s.wall_s:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in summary)
+    return "\n".join(lines + [""] + [f"{k:<{width}}  {v}" for k, v in summary])

@@ -1,0 +1,108 @@
+"""`kvjax decode` end to end, in process, on a tiny random-init Llama checkpoint (vocab 128:
+ASCII prompts are valid byte tokens). The engine's correctness against transformers is in
+tests/test_engine_hf.py; here: what the command reads, prints and refuses.
+
+The checkpoint folder, block size, row count, max_model_len and pool sizes (64 and 10 blocks)
+are those of tests/test_engine_hf.py, so that in one pytest session both files share their
+compiled steps (a model's jit cache key includes its config, whose name is the folder's).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hf_fixtures import make_hf_model, save_hf_model
+
+from kvjax.cli import main
+
+LINES = ["def add(a, b):", "", "import os", "class Pool:", "x = 1"]  # line 2: an empty prompt
+BASE = ["--block-size", "4", "--max-num-seqs", "4", "--max-model-len", "40", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.getbasetemp() / "decode-cli" / "llama-gqa"
+    return save_hf_model(make_hf_model("llama-gqa"), str(folder))
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(LINES) + "\n")
+    return str(path)
+
+
+def decode_json(capsys, *argv):
+    assert main(["decode", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_prompts_file_json_and_same_tokens_for_1_and_8_steps_per_call(ckpt, prompts_file, capsys):
+    runs = [decode_json(capsys, "--model", ckpt, "--prompts", prompts_file, "--max-tokens", "6", "--num-blocks", "64",
+                        "--steps-per-call", k, *BASE) for k in ("1", "8")]
+    for out in runs:
+        reqs = out["requests"]
+        assert [r["prompt_tokens"] for r in reqs] == [len(line) for line in LINES]
+        assert "empty prompt" in reqs[1]["error"] and reqs[1]["output_tokens"] == []
+        assert all(r["error"] is None and len(r["output_tokens"]) == 6 for i, r in enumerate(reqs) if i != 1)
+        assert reqs[0]["text"] == bytes(reqs[0]["output_tokens"]).decode("utf-8", errors="replace")
+        s = out["summary"]
+        assert s["requests"] == 5 and s["failed"] == 1 and s["generated_tokens"] == 24
+        assert len(s["blocks_in_use"]) == s["steps"] and s["usable_blocks"] == 63
+        assert out["config"]["num_blocks"] == 64
+    assert [r["output_tokens"] for r in runs[0]["requests"]] == [r["output_tokens"] for r in runs[1]["requests"]]
+    assert runs[1]["summary"]["device_calls"] < runs[0]["summary"]["device_calls"]
+
+
+def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
+    path = tmp_path / "reqs.jsonl"
+    rows = [{"prompt": "import os"}, {"prompt": "x" * 60}, {"tokens": [1, 2, 3], "max_tokens": 0},
+            {"tokens": list(range(32)), "max_tokens": 8}, {"tokens": [5, 6, 7], "max_tokens": 3}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = decode_json(capsys, "--model", ckpt, "--prompts", str(path), "--max-tokens", "5", "--num-blocks", "10", *BASE)
+    errs = [r["error"] for r in out["requests"]]
+    assert errs[0] is None and errs[4] is None
+    assert "prompt has 60 tokens; the model's max length is 40" in errs[1]
+    assert "max_tokens must be a positive integer, got 0" in errs[2]
+    assert "needs 10 blocks of 4 tokens (32 prompt + 8 new), but the pool has only 9 usable blocks" in errs[3]
+    assert [len(r["output_tokens"]) for r in out["requests"]] == [5, 0, 0, 0, 3]
+
+
+def test_synthetic_shared_prefix_hits_and_a_small_pool_preempts(ckpt, capsys):
+    common = ["--model", ckpt, "--synthetic", "6", "--shared-prefix", "12", "--prompt-len", "8", "--max-tokens", "8",
+              "--steps-per-call", "8", *BASE]
+    on = decode_json(capsys, *common, "--num-blocks", "64")
+    off = decode_json(capsys, *common, "--num-blocks", "64", "--no-prefix-caching")
+    small = decode_json(capsys, *common, "--num-blocks", "10")
+    tokens = lambda out: [r["output_tokens"] for r in out["requests"]]  # noqa: E731
+    assert tokens(on) == tokens(off) == tokens(small)
+    assert on["summary"]["prefix_hit_tokens"] == 5 * 12 and off["summary"]["prefix_hit_tokens"] == 0
+    assert small["summary"]["preemptions"] > 0 and small["summary"]["peak_blocks_used"] <= 9
+
+
+def test_text_output_and_util_sizing(ckpt, capsys):
+    # weights: 90,432 fp32 parameters = 361,728 B; a block: 4 tokens × 2 layers × (K, V) × 2 heads × 16 × 4 B
+    # = 2,048 B. total = int(0.0009181 × 2^30) = 985,799 B; ceil(total × 0.5) = 492,900 B; minus the weights
+    # leaves 131,172 B = 64 blocks (+ 100 B): 63 usable.
+    assert main(["decode", "--model", ckpt, "--synthetic", "2", "--max-tokens", "3", "--util", "0.5",
+                 "--total-gib", "0.0009181", "--temperature", "0.8", "--seed", "3", *BASE]) == 0
+    out = capsys.readouterr().out
+    for key in ("prefix-cache hits", "decode tokens/s", "step latency", "peak blocks used", "preemptions"):
+        assert key in out
+    assert "of 63 usable" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--synthetic", "2", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["--prompts", "/nonexistent.txt", "--max-tokens", "2"], "prompts file '/nonexistent.txt' does not exist"),
+    (["--synthetic", "2", "--max-tokens", "2", "--scales", "s.json"], "--scales are fp8 dequantization scales"),
+    (["--synthetic", "2", "--max-tokens", "2", "--num-blocks", "1"], "num_blocks=1 leaves no usable block"),
+    (["--synthetic", "2", "--max-tokens", "2", "--util", "2"], "--util must be in (0, 1], got 2.0"),
+    (["--synthetic", "2", "--max-tokens", "2", "--temperature", "0"], "--temperature must be > 0"),
+    (["--synthetic", "2", "--max-tokens", "2", "--kv-dtype", "fp9"], "unknown kv dtype 'fp9'"),
+    (["--synthetic", "2", "--max-tokens", "2", "--max-model-len", "99999"], "max_model_len=99999 must be in"),
+])
+def test_bad_flags_exit_2_with_one_line(ckpt, capsys, argv, message):
+    assert main(["decode", "--model", ckpt, *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvjax decode: error: ") and message in err and "\n" not in err

@@ -1,0 +1,177 @@
+"""The decoding engine on a tiny random-init Llama: schedules that must not change the tokens.
+
+Greedy and temperature sampling give the same tokens with 1 or 8 decode steps per device
+call, with a pool so small that requests are preempted and recomputed, and with prefix
+caching on or off; greedy tokens equal models.generate's minimal generator (contiguous block
+tables, no allocator). Bad requests fail alone. Every run ends with an empty pool.
+(tests/test_engine_hf.py compares against transformers.)
+
+The model is tests/hf_fixtures.py's llama-gqa, saved under the same folder name and run with
+the same block size, rows, max_model_len and pool sizes (64 and 10 blocks) as in
+tests/test_engine_hf.py and tests/test_decode_cli.py: in one pytest session the three files
+share their compiled steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hf_fixtures import make_hf_model, save_hf_model
+
+from kvjax import pool
+from kvjax.engine import Engine, EngineConfig, EngineError
+from kvjax.scheduler import Scheduler, SchedulerConfig
+from models import build_model
+from models.generate import greedy_generate
+from models.loader import load_checkpoint
+
+Z = 4
+MAX_LEN = 40  # max_model_len
+SMALL = 10  # a pool of 9 usable blocks (36 tokens) for 4 rows: requests get preempted
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = save_hf_model(make_hf_model("llama-gqa"), str(tmp_path_factory.getbasetemp() / "engine" / "llama-gqa"))
+    config, params = load_checkpoint(folder, dtype="float32")
+    return config, build_model(config), params
+
+
+def engine(tiny, num_blocks=64, **kw) -> Engine:
+    config, model, params = tiny
+    kw = {"block_size": Z, "max_num_seqs": 4, "max_model_len": MAX_LEN, **kw}
+    return Engine(model, params, config.kv_spec(), EngineConfig(num_blocks=num_blocks, **kw))
+
+
+def prompts(seed=0, lengths=(5, 9, 13, 3, 7, 11), shared=8):
+    """Prompts of different lengths; every other one starts with the same `shared` tokens."""
+    rng = np.random.RandomState(seed)
+    prefix = list(rng.randint(0, 128, size=shared))
+    return [(prefix if i % 2 else []) + list(rng.randint(0, 128, size=n)) for i, n in enumerate(lengths)]
+
+
+def outputs(run):
+    assert all(r.error is None for r in run.results), [r.error for r in run.results]
+    return [r.output for r in run.results]
+
+
+def assert_pool_empty(eng: Engine):
+    state = eng.scheduler.state
+    pool.check_invariants(state)
+    assert int(state.num_free) == eng.config.num_blocks - 1, "blocks leaked"
+    assert not bool(state.active.any()), "request slots leaked"
+
+
+def test_greedy_matches_the_minimal_generator_and_k8_matches_k1(tiny):
+    config, model, params = tiny
+    ps = prompts()
+    want = greedy_generate(model, params, ps, 10, config.kv_spec(), block_size=Z).tolist()
+    for k in (1, 8):
+        eng = engine(tiny, steps_per_call=k)
+        run = eng.generate(ps, 10)
+        assert outputs(run) == want, f"steps_per_call={k}"
+        assert run.summary.generated_tokens == 60 and run.summary.preemptions == 0
+        assert all(r.finish_reason == "max_tokens" for r in run.results)
+        assert_pool_empty(eng)
+        if k == 8:  # 6 requests, 4 rows: the loop returns to the host when one finishes
+            assert run.summary.device_calls < run.summary.steps
+
+
+def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
+    ps = prompts(1)
+    want = outputs(engine(tiny).generate(ps, 12))
+    for k in (1, 8):
+        eng = engine(tiny, num_blocks=SMALL, steps_per_call=k)
+        run = eng.generate(ps, 12)
+        assert run.summary.preemptions > 0
+        assert sum(r.preemptions for r in run.results) == run.summary.preemptions
+        assert outputs(run) == want, f"steps_per_call={k}"
+        assert run.summary.peak_blocks_used <= SMALL - 1
+        assert_pool_empty(eng)
+
+
+def test_prefix_cache_hits_do_not_change_tokens(tiny):
+    ps = prompts(2, shared=12)  # 3 prompts share 3 full blocks
+    on = engine(tiny, steps_per_call=8).generate(ps, 6)
+    off = engine(tiny, prefix_caching=False, steps_per_call=8).generate(ps, 6)
+    assert outputs(on) == outputs(off)
+    assert off.summary.prefix_hit_tokens == 0 and on.summary.prefix_hit_tokens >= 12
+    assert on.summary.prefill_tokens == on.summary.prompt_tokens - on.summary.prefix_hit_tokens
+    assert off.summary.prefill_tokens == off.summary.prompt_tokens
+    assert 0 < on.summary.prefix_hit_rate < 1
+    assert sum(r.prefix_hit_tokens for r in on.results) == on.summary.prefix_hit_tokens
+
+
+def test_temperature_sampling_is_seeded_and_schedule_independent(tiny):
+    ps = prompts(3)
+    base = dict(temperature=1.0, seed=7)
+    a = outputs(engine(tiny, steps_per_call=1, **base).generate(ps, 10))
+    b = outputs(engine(tiny, steps_per_call=8, **base).generate(ps, 10))
+    c = engine(tiny, num_blocks=SMALL, steps_per_call=8, **base).generate(ps, 10)
+    d = outputs(engine(tiny, steps_per_call=8, temperature=1.0, seed=8).generate(ps, 10))
+    assert a == b, "K=8 must sample what K=1 samples"
+    assert c.summary.preemptions > 0 and outputs(c) == a, "recomputation must not change the draws"
+    assert d != a, "another seed draws other tokens"
+    greedy = outputs(engine(tiny, steps_per_call=8).generate(ps, 10))
+    assert a != greedy
+
+
+def test_bad_requests_fail_alone(tiny):
+    eng = engine(tiny, num_blocks=SMALL, steps_per_call=8)  # 9 usable blocks: 36 tokens at most
+    good = prompts(4, lengths=(5, 7), shared=0)
+    batch = [good[0], [], list(range(MAX_LEN + 1)), good[1], good[1], list(range(1, 36)), [3, 200], good[0]]
+    max_tokens = [6, 6, 6, 0, -2, 6, 6, 6]
+    run = eng.generate(batch, max_tokens)
+    errors = [r.error for r in run.results]
+    assert errors[0] is None and errors[7] is None
+    assert "empty prompt" in errors[1]
+    assert f"prompt has {MAX_LEN + 1} tokens" in errors[2] and f"max length is {MAX_LEN}" in errors[2]
+    assert "max_tokens must be a positive integer, got 0" in errors[3]
+    assert "got -2" in errors[4]
+    assert "needs 10 blocks of 4 tokens (35 prompt + 5 new), but the pool has only 9 usable blocks" in errors[5]
+    assert "token id 200 is outside the model's vocabulary [0, 128)" in errors[6]
+    assert run.summary.failed == 6 and run.summary.requests == 8
+    alone = outputs(engine(tiny, steps_per_call=8).generate([good[0]], 6))[0]
+    assert run.results[0].output == alone == run.results[7].output
+    assert all(r.output == [] and r.finish_reason is None for r in run.results[1:7])
+    assert_pool_empty(eng)
+
+
+def test_generation_stops_at_max_model_len(tiny):
+    run = engine(tiny, steps_per_call=8).generate([list(range(1, 36))], 20)
+    (res,) = run.results
+    assert res.error is None and len(res.output) == MAX_LEN - 35 and res.finish_reason == "max_model_len"
+
+
+def test_engine_config_errors(tiny):
+    with pytest.raises(EngineError, match="num_blocks=1 leaves no usable block"):
+        EngineConfig(num_blocks=1)
+    with pytest.raises(EngineError, match="steps_per_call must be a positive integer"):
+        EngineConfig(num_blocks=8, steps_per_call=0)
+    with pytest.raises(EngineError, match="max_model_len=99999 must be in"):
+        engine(tiny, max_model_len=99999)
+
+
+def test_second_run_compiles_nothing_and_summary_adds_up(tiny):
+    eng = engine(tiny, steps_per_call=8)
+    eng.generate(prompts(5), 8)
+    run = eng.generate(prompts(6), 8)
+    s = run.summary
+    assert s.compile_s == 0.0, "a second run of the same shapes recompiled"
+    assert s.steps == len(s.blocks_in_use) and s.peak_blocks_used == max(s.blocks_in_use)
+    assert s.decode_tokens + len(prompts(6)) == s.generated_tokens  # the first token of each comes from prefill
+    assert s.decode_tokens_per_s > 0 and s.step_latency_p99_ms >= s.step_latency_p50_ms > 0
+    assert set(s.to_json()) >= {"prefix_hit_rate", "blocks_in_use", "preemptions", "usable_blocks"}
+
+
+def test_scheduler_without_chunked_prefill_admits_whole_prompts_only():
+    cfg = dict(num_blocks=SMALL, block_size=Z, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=20)
+    with pytest.raises(ValueError, match="without chunked prefill, max_num_batched_tokens=19 must be >= max_model_len"):
+        SchedulerConfig(**{**cfg, "max_num_batched_tokens": 19}, chunked_prefill=False)
+    sched = Scheduler(SchedulerConfig(**cfg, chunked_prefill=False))
+    sched.add_request("a", list(range(12)), 3)
+    sched.add_request("b", list(range(20, 32)), 3)  # 12 tokens, 8 left in the budget: waits whole
+    plan = sched.schedule()
+    assert plan.req_ids == ("a",) and list(plan.num_scheduled) == [12]
+    sched.update(plan, [7])
+    plan = sched.schedule()  # a decodes 1, b's 12 fit the 19 left
+    assert plan.req_ids == ("a", "b") and list(plan.num_scheduled) == [1, 12]
