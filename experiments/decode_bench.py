@@ -394,6 +394,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the tiny preset, small sizes (a smoke run)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per block (vLLM's default, SPEC: 64)")
     parser.add_argument("--out", default=None, help="output dir (default $OUT, else experiments/results)")
     parser.add_argument("--sweep-kv", action="store_true", help="bf16/fp8 KV × reference/pallas on Llama-3-8B shapes")
     parser.add_argument("--layers", type=int, default=32, help="--sweep-kv: layers of the 8B-shaped model")
@@ -420,7 +421,7 @@ def main(argv=None) -> dict:
             config = from_hf_config(HF_CONFIGS["gqa"]).replace(name="small-gqa")
             model = build_model(config)
             params, weights = init_params(model, jax.random.key(0)), "random weights of small-gqa's shape"
-        prompt, steps, z, system = 64, 64, 16, 128
+        prompt, steps, z, system = 64, 64, args.block_size, 128
     spec = config.kv_spec()
     t0 = time.perf_counter()
     prompts = rng.integers(0, config.vocab_size, (args.batch, prompt)).astype(np.int32)

@@ -24,9 +24,10 @@ writing through `slot_mapping`, attention kernels reading through `block_table`)
 Quantized layers (kvjax.quant) store x / scale in the narrow dtype and keep the scales beside
 the pages, in this pytree: fp8 layers a static f32[K] per kv head for K and for V (a
 per-tensor scale is broadcast; MLA: f32[C] per latent channel), int8_per_token_head layers
-scale pages f32[P, Z, K] (MLA: f32[P, Z]) written with every token. Writes saturate and count
-non-finite inputs in each layer's `nonfinite` counter, so a NaN or inf reaching the cache is
-reported rather than silently stored (NaN is kept, visible; ±inf saturates to ±max).
+scale pages f32[P, Z, K] (MLA: f32[P, Z]) written with every token. Quantizing writes saturate
+and count non-finite inputs in each layer's `nonfinite` counter, so a NaN or inf reaching a
+quantized cache is reported rather than silently transformed (NaN is kept, visible; ±inf
+saturates to ±max). Unquantized pages store NaN and inf as they are and count nothing.
 
 Byte accounting is kvjax.spec's: `kv_nbytes` (pages, and int8's per-token scale pages, which
 the spec counts per vector) equals P × spec.bytes_per_block(Z) exactly; the static fp8 scales
@@ -206,9 +207,9 @@ def scatter_slots(page: jax.Array, values: jax.Array, slot_mapping: jax.Array) -
 
 def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_mapping: jax.Array):
     """Quantize values [T, ...] for `page` and scatter them: returns (page, scale, nonfinite)."""
-    bad = quant.count_nonfinite(values)
-    if scale is None:  # stored as is
-        return scatter_slots(page, values, slot_mapping), None, bad
+    if scale is None:  # stored as is: a NaN or inf stays what it is, nothing to count
+        return scatter_slots(page, values, slot_mapping), None, jnp.zeros((), jnp.int32)
+    bad = quant.count_nonfinite(values)  # a cast would hide them: count every one
     if page.dtype == jnp.int8:  # int8_per_token_head: a fresh scale per token per head
         q, token_scale = quant.quantize_per_token_head(values)
         return scatter_slots(page, q, slot_mapping), scatter_slots(scale, token_scale, slot_mapping), bad
