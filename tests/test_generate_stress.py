@@ -74,3 +74,19 @@ def test_calibrate_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvjax.cli", "calibrate", "--model", "nope", "--data", "x",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_read_tokens_uses_the_checkpoints_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvjax.commands.common import read_tokens
+
+    vocab = {"[UNK]": 0, "def": 1, "return": 2, "x": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "data.txt").write_text("def x return y")
+    assert read_tokens(str(tmp_path), str(tmp_path / "data.txt")).tolist() == [1, 3, 2, 0]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert read_tokens(str(plain), str(tmp_path / "data.txt")).tolist() == list(b"def x return y")
