@@ -13,7 +13,7 @@ in float32 with AdamW, on fixed-length windows sampled from the training split (
 experiments/corpus.py). It reports held-out perplexity per byte on the shipped held-out text.
 
     python -m experiments.train_small                # both models, the shipped settings
-    python -m experiments.train_small --model gqa --steps 50   # a quick smoke run
+    python -m experiments.train_small --model gqa --steps 50 --out /tmp/ckpt   # a quick smoke run
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def heldout_perplexity(model, params, kv_spec, tokens: np.ndarray, seq_len: int 
             "bits_per_byte": mean / math.log(2)}
 
 
-def train(name: str, steps: int, batch: int, seq_len: int, lr: float, seed: int, log_every: int) -> dict:
+def train(name: str, steps: int, batch: int, seq_len: int, lr: float, seed: int, log_every: int,
+          out_dir: str = CHECKPOINTS) -> dict:
     hf = HF_CONFIGS[name]
     config = from_hf_config(hf)
     model = build_model(config)
@@ -102,7 +103,7 @@ def train(name: str, steps: int, batch: int, seq_len: int, lr: float, seed: int,
             print(f"[{name}] step {i:5d}  loss {np.mean(losses[-log_every:]):.4f}  "
                   f"{time.time() - start:6.1f}s", flush=True)
     seconds = time.time() - start
-    folder = os.path.join(CHECKPOINTS, f"small-{name}")
+    folder = os.path.join(out_dir, f"small-{name}")
     save_checkpoint(folder, hf, params)
     # Evaluate the checkpoint as shipped (through the loader), not the in-memory params.
     config, loaded = load_checkpoint(folder)
@@ -128,11 +129,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--write-data", action="store_true", help="(re)write experiments/data/ from this stdlib")
+    ap.add_argument("--out", default=CHECKPOINTS, help="where the checkpoint folders go (default: the shipped ones)")
     args = ap.parse_args(argv)
     if args.write_data or not os.path.exists(corpus.HELDOUT):
         corpus.write_data()
     for name in (["gqa", "mla"] if args.model == "both" else [args.model]):
-        report = train(name, args.steps, args.batch, args.seq_len, args.lr, args.seed, args.log_every)
+        report = train(name, args.steps, args.batch, args.seq_len, args.lr, args.seed, args.log_every, args.out)
         print(json.dumps(report, indent=2))
 
 

@@ -1,0 +1,214 @@
+"""`kvjax report`: the end-to-end report on the built-in small models, on CPU, in minutes.
+
+Sections, each computed in this run (nothing is copied from a stored result):
+1. SPEC Tables 1 and 2 and simulator groups A–C from the formulas (kvjax.tables, kvjax.budget),
+   with a plot of max concurrency against context length.
+2. A decode run through scheduler, block pool, paged cache and model, with prefix caching on
+   and a pool small enough to force preemption; a plot of blocks in use per step.
+3. The fp8 / int8 KV accuracy table for both small models (experiments.fp8_accuracy), and the
+   same for small-gqa with inflated K channels.
+4. The memory reconciliation: analytic vs measured bytes (kvjax memory).
+
+Writes `results/REPORT.md` beside its PNG plots and a `report.json` with every number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+DEFAULT_OUT = "results"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="the end-to-end report on the built-in small models",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: results/)")
+    p.add_argument("--quick", action="store_true", help="fewer windows and requests (a smoke run)")
+    p.add_argument("--skip", default="", help="comma-separated sections to leave out: decode,accuracy,memory")
+
+
+def _section_tables(out: str) -> tuple[str, dict]:
+    from kvjax import budget as bud
+    from kvjax import tables
+    from kvjax.cli import format_plan
+
+    t1, t2 = tables.table1(), tables.table2()
+    md = ["## 1. KV bytes, budget and concurrency (SPEC Tables 1–2, simulator groups A–C)", "",
+          "### Table 1 — KV bytes per token", "", tables.table1_markdown(t1), "",
+          "### Table 2 — concurrency (budget = ceil(GPU × util) − weights; floor everywhere)", "",
+          tables.table2_markdown(t2), ""]
+    groups = {}
+    for name, group in bud.GROUPS.items():
+        pl = tables.scenario_plan(group)
+        groups[name] = pl.to_json()
+        md += [f"### Simulator group {name}: {group['title']}", "", "```",
+               format_plan(pl, group["title"], pl.warnings), "```", ""]
+    _plot_concurrency(os.path.join(out, "concurrency_vs_context.png"))
+    md += ["![max concurrency vs context](concurrency_vs_context.png)", ""]
+    return "\n".join(md), {"table1": t1, "table2": t2, "groups": groups}
+
+
+def _plot_concurrency(path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvjax import budget as bud
+    from kvjax import tables
+
+    contexts = [2**k for k in range(10, 18)]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in ("A", "B"):
+        group = bud.GROUPS[name]
+        for dtype, style in (("bf16", "-o"), ("fp8", "--s")):
+            ys = [tables.scenario_plan({**group, "kv_dtype": dtype, "context": c}).concurrency for c in contexts]
+            ax.plot(contexts, ys, style, label=f"group {name} ({group['preset']}), {dtype} KV")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("max concurrent requests")
+    ax.set_title("Max concurrency vs context (simulator groups A and B)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
+    from experiments import fp8_accuracy as acc
+
+    kw = dict(max_windows=8, prompts=4, decode_tokens=16) if quick else {}
+    md = ["## 3. Quantized KV accuracy against bf16 (held-out stdlib text)", ""]
+    data = {}
+    for model, outliers in (("small-gqa", False), ("small-mla", False), ("small-gqa", True)):
+        res = acc.evaluate(model, outlier_channels=outliers, **kw)
+        paths = acc.write_outputs(res, out)
+        key = model + ("_outliers" if outliers else "")
+        data[key] = res
+        md += [acc.markdown(res), f"![accuracy {key}]({os.path.basename(paths['png'])})", ""]
+    return "\n".join(md), data
+
+
+def run(args) -> int:
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - {"decode", "accuracy", "memory"}
+    if unknown:
+        raise ValueError(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; choose from decode, accuracy, memory")
+    start = time.time()
+    sections: list[str] = []
+    data: dict[str, Any] = {}
+    text, data["tables"] = _section_tables(out)
+    sections.append(text)
+    for name, fn in (("decode", _section_decode), ("accuracy", _section_accuracy), ("memory", _section_memory)):
+        if name in skip:
+            continue
+        t0 = time.time()
+        text, data[name] = fn(out, args.quick)
+        sections.append(text)
+        print(f"kvjax report: {name} done in {time.time() - t0:.0f} s", flush=True)
+    import jax
+
+    head = ["# kvjax report", "",
+            f"Generated by `kvjax report{' --quick' if args.quick else ''}` on {jax.devices()[0].platform} "
+            f"(jax {jax.__version__}) in {time.time() - start:.0f} s. Every number below was computed in this run.", ""]
+    with open(os.path.join(out, "REPORT.md"), "w") as fh:
+        fh.write("\n".join(head + sections))
+    with open(os.path.join(out, "report.json"), "w") as fh:
+        json.dump(data, fh, indent=2, default=str)
+    print(f"wrote {os.path.join(out, 'REPORT.md')} in {time.time() - start:.0f} s")
+    return 0
+
+
+def _section_decode(out: str, quick: bool) -> tuple[str, dict]:
+    """small-gqa serving held-out prompts that share a system prefix, from a pool too small
+    for all of them at once: prefix hits, preemption by recompute, blocks in use per step."""
+    from experiments import corpus
+    from kvjax.commands.common import load_model
+    from kvjax.engine import Engine, EngineConfig
+
+    config, model, params = load_model("small-gqa")
+    text = open(corpus.HELDOUT, "rb").read()
+    system = list(text[:96])  # a shared 96-byte "system prompt": 6 full blocks of 16
+    n = 8 if quick else 24
+    prompts = [system + list(text[4096 + 200 * i: 4096 + 200 * i + 24 + 8 * (i % 5)]) for i in range(n)]
+    max_tokens = 48
+    block_size, num_blocks, max_seqs = 16, 1 + 48, 8  # 8 running requests would need up to 96 blocks
+    engine = Engine(model, params, config.kv_spec("bf16"), EngineConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs, prefix_caching=True,
+        steps_per_call=8))
+    engine.generate(prompts, max_tokens)  # compile every step shape once
+    run = engine.generate(prompts, max_tokens)  # the timed run
+    s = run.summary
+    _plot_blocks(s, os.path.join(out, "blocks_in_use.png"))
+    sample = run.results[0]
+    rows = [("requests", f"{s.requests} ({s.failed} refused)"),
+            ("prompt tokens", f"{s.prompt_tokens:,}"),
+            ("prefix-cache hits", f"{s.prefix_hit_tokens:,} of {s.prefix_queried_tokens:,} looked-up tokens "
+                                  f"({100 * s.prefix_hit_rate:.1f}%)"),
+            ("generated tokens", f"{s.generated_tokens:,}"),
+            ("prefill tokens computed", f"{s.prefill_tokens:,} (prompts minus hits, plus recomputation)"),
+            ("prefill / decode tokens/s", f"{s.prefill_tokens_per_s:,.0f} / {s.decode_tokens_per_s:,.0f}"),
+            ("step latency p50 / p99", f"{s.step_latency_p50_ms:.2f} / {s.step_latency_p99_ms:.2f} ms"),
+            ("peak blocks used", f"{s.peak_blocks_used} of {s.usable_blocks} usable"),
+            ("preemptions", f"{s.preemptions}")]
+    md = ["## 2. Decoding through scheduler, block pool and paged cache", "",
+          f"`small-gqa`, {n} prompts of held-out text sharing a 96-byte prefix, {max_tokens} new tokens each, "
+          f"greedy, bf16 KV, block size {block_size}, a pool of {num_blocks} blocks ({num_blocks - 1} usable) "
+          f"for up to {max_seqs} running requests, 8 decode steps per device call (second of two identical runs, "
+          "so no step compiles):", "", "| | |", "|---|---|"]
+    md += [f"| {a} | {b} |" for a, b in rows]
+    md += ["", f"First request's continuation: `{bytes(sample.output).decode('utf-8', 'replace')!r}`", "",
+           "![blocks in use per step](blocks_in_use.png)", ""]
+    return "\n".join(md), {"summary": s.to_json(), "config": dict(num_blocks=num_blocks, block_size=block_size,
+                                                                   max_num_seqs=max_seqs, requests=n,
+                                                                   max_tokens=max_tokens)}
+
+
+def _plot_blocks(summary, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(range(len(summary.blocks_in_use)), summary.blocks_in_use, lw=1.5, label="blocks in use")
+    ax.axhline(summary.usable_blocks, color="tab:red", ls="--", lw=1, label="usable blocks")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("blocks")
+    ax.set_title(f"Blocks in use per step ({summary.preemptions} preemptions)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
+    """`kvjax memory` in a fresh process per model, so that only its own arrays are live."""
+    import subprocess
+    import sys
+
+    from kvjax.commands.memory import render
+
+    md = ["## 4. Analytic KV bytes against what the device holds (`kvjax memory`)", "",
+          "A 48 MiB \"device\" (`--total-gib 0.046875`, util 0.92): the budget is profiled the way vLLM does "
+          "(weights, then one forward over max_num_batched_tokens, then divide what is left by the block size), "
+          "the cache is allocated, and every row is measured on the device (CPU: live arrays and XLA's memory "
+          "analysis).", ""]
+    data = {}
+    for model, extra in (("small-gqa", []), ("small-mla", []), ("small-gqa", ["--kv-dtype", "fp8", "--tp", "2"])):
+        cmd = [sys.executable, "-m", "kvjax.cli", "memory", "--model", model, "--total-gib", "0.046875",
+               "--max-num-batched-tokens", "512", "--max-num-seqs", "16", *extra, "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[2:])} failed: {proc.stderr.strip()[-500:]}")
+        r = json.loads(proc.stdout)
+        key = " ".join([model, *extra])
+        data[key] = r
+        md += [f"### `kvjax memory --model {key} --total-gib 0.046875 --max-num-batched-tokens 512`", "", "```",
+               render(r), "```", ""]
+    return "\n".join(md), data
