@@ -44,11 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention.metadata import build_metadata, decode_metadata
+from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import _attend  # the attention math both decode variants share
 from kvjax.cache import PagedCache
 from kvjax.engine import Engine, EngineConfig
 from models import build_model, init_params, preset
+from models.generate import decode_steps, prefill_step
 from models.rope import apply_rope, inv_freq
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -122,29 +123,7 @@ def dense_prefill(config, params, prompts, kv):
     return firsts[-1], kv
 
 
-# ----------------------------------------------------------------------------------- paged decoder
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
-def paged_prefill(model, params, tokens, md, cache):
-    logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
-
-
-@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=5)
-def paged_generate(model, params, tokens, computed, tables, cache, steps: int, block_size: int):
-    """Greedy decode steps over the paged cache (block tables fixed, no allocator) → (i32[steps, B], cache)."""
-    active = jnp.ones(tokens.shape, bool)
-
-    def body(carry, _):
-        tok, done, cache = carry
-        md = decode_metadata(tables, done, active, block_size)
-        logits, cache = model.apply({"params": params}, tok, md, cache)
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return (nxt, done + 1, cache), nxt
-
-    (_, _, cache), out = jax.lax.scan(body, (tokens, computed, cache), None, length=steps)
-    return out, cache
-
-
+# --------------------------------------------------------------------------------- the comparisons
 def paged_vs_dense(config, model, params, prompts: np.ndarray, steps: int, block_size: int, repeats: int) -> dict:
     """Tokens/s of the paged and the dense greedy decode scans, and of the engine (K = 8) on the
     same prompts, timed in alternation."""
@@ -159,10 +138,10 @@ def paged_vs_dense(config, model, params, prompts: np.ndarray, steps: int, block
 
     def run_paged():
         cache = PagedCache.create(spec, 1 + b * per_seq, block_size)
-        first, cache = paged_prefill(model, params, jnp.asarray(prompts.reshape(-1)), md, cache)
+        first, cache = prefill_step(model, params, jnp.asarray(prompts.reshape(-1)), md, cache)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
-        out, cache = paged_generate(model, params, first, jnp.full(b, p, jnp.int32), md.block_tables, cache, steps,
+        out, cache = decode_steps(model, params, first, jnp.full(b, p, jnp.int32), md.block_tables, cache, steps,
                                     block_size)
         jax.block_until_ready(out)
         return time.perf_counter() - t0, np.asarray(out)

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.spec import read_json_object
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
@@ -144,13 +146,7 @@ class KVScales:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "KVScales":
-        try:
-            with open(path) as fh:
-                d = json.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"scales file {os.fspath(path)!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"scales file {os.fspath(path)!r} is not valid JSON: {e.msg}") from None
+        d = read_json_object(path, "scales file", ValueError)
         missing = [key for key in ("format", "mode", "k") if key not in d]
         if missing:
             raise ValueError(f"scales file {os.fspath(path)!r} lacks {', '.join(missing)}")

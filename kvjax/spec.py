@@ -281,16 +281,22 @@ def load_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[
     path = os.fspath(path_or_dict)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    return read_json_object(path, "config file", SpecError)
+
+
+def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = SpecError) -> dict[str, Any]:
+    """A JSON object from a file; a missing file, bad JSON or a non-object raise `error` naming the file."""
+    path = os.fspath(path)
     try:
         with open(path) as fh:
-            cfg = json.load(fh)
+            obj = json.load(fh)
     except FileNotFoundError:
-        raise SpecError(f"config file {path!r} does not exist") from None
+        raise error(f"{what} {path!r} does not exist") from None
     except json.JSONDecodeError as e:
-        raise SpecError(f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(cfg, dict):
-        raise SpecError(f"config file {path!r} holds a {type(cfg).__name__}, not a JSON object")
-    return cfg
+        raise error(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{what} {path!r} holds a {type(obj).__name__}, not a JSON object")
+    return obj
 
 
 def _field(cfg: Mapping[str, Any], key: str, default: Any = ...) -> Any:

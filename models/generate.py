@@ -33,28 +33,34 @@ def greedy_generate(model, params, prompts: list[list[int]], max_new: int, kv_sp
     md = build_metadata([0] * batch, lens, tables, block_size=block_size, max_tokens=total, max_seqs=batch,
                         max_blocks_per_seq=per_seq)
     tokens = jnp.asarray(np.concatenate([np.asarray(p, np.int32) for p in prompts]))
-    first, cache = _prefill(model, params, tokens, md, cache)
-    out = _decode(model, params, first, jnp.asarray(lens, jnp.int32), md.block_tables, cache, max_new - 1,
-                  block_size)
-    return np.asarray(out)
+    first, cache = prefill_step(model, params, tokens, md, cache)
+    rest, _ = decode_steps(model, params, first, jnp.asarray(lens, jnp.int32), md.block_tables, cache, max_new - 1,
+                           block_size)
+    return np.concatenate([np.asarray(first)[:, None], np.asarray(rest).T], axis=1)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
-def _prefill(model, params, tokens, md, cache):
+def prefill_step(model, params, tokens, md, cache):
+    """One ragged prefill step → (each sequence's greedy first token i32[B], cache)."""
     logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7))  # the cache is not returned: nothing to donate
-def _decode(model, params, first, lens, tables, cache, steps, block_size):
-    active = jnp.ones(first.shape, bool)
+@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=5)
+def decode_steps(model, params, tokens, computed, tables, cache, steps: int, block_size: int):
+    """`steps` greedy decode steps in one lax.scan over fixed block tables.
+
+    tokens, computed: i32[B] (each sequence's next input token and its cached length);
+    tables: i32[B, M] covering every position reached → (i32[steps, B] generated tokens, cache).
+    """
+    active = jnp.ones(tokens.shape, bool)
 
     def step(carry, _):
-        tok, computed, cache = carry
-        md = decode_metadata(tables, computed, active, block_size)
+        tok, done, cache = carry
+        md = decode_metadata(tables, done, active, block_size)
         logits, cache = model.apply({"params": params}, tok, md, cache)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return (nxt, computed + 1, cache), nxt
+        return (nxt, done + 1, cache), nxt
 
-    _, rest = jax.lax.scan(step, (first, lens, cache), None, length=steps)
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    (_, _, cache), out = jax.lax.scan(step, (tokens, computed, cache), None, length=steps)
+    return out, cache
