@@ -66,7 +66,8 @@ def _plot_concurrency(path: str) -> None:
             ys = [tables.scenario_plan({**group, "kv_dtype": dtype, "context": c}).concurrency for c in contexts]
             ax.plot(contexts, ys, style, label=f"group {name} ({group['preset']}), {dtype} KV")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=1)
+    ax.set_yscale("symlog", linthresh=1)  # log above 1, linear down to 0 (group A at 64K+ holds none)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("max concurrent requests")
     ax.set_title("Max concurrency vs context (simulator groups A and B)")

@@ -1,0 +1,28 @@
+"""`kvjax report` end to end, in its quick form (the accuracy and memory sections have their own tests)."""
+import json
+import subprocess
+import sys
+
+
+def test_quick_report_writes_markdown_plots_and_json(tmp_path):
+    out = tmp_path / "rep"
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", "accuracy,memory",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    text = (out / "REPORT.md").read_text()
+    assert "Table 1" in text and "Simulator group C" in text and "concurrency 0" in text
+    assert "## 2. Decoding" in text and "preemptions" in text
+    for png in ("concurrency_vs_context.png", "blocks_in_use.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((out / "report.json").read_text())
+    assert [r["concurrency"] for r in data["tables"]["table2"]] == [58, 6, 13, 65, 192, 24]
+    s = data["decode"]["summary"]
+    assert s["failed"] == 0 and s["generated_tokens"] == 8 * 48
+    assert s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0  # the run is sized to show both
+    assert s["peak_blocks_used"] <= s["usable_blocks"] == 48
+
+
+def test_report_rejects_unknown_sections(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--skip", "tables", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "tables" in p.stderr and "Traceback" not in p.stderr
