@@ -71,7 +71,8 @@ def weight_bytes(params: Any, dtype: str = "bf16") -> int:
     return math.ceil(n * WEIGHT_DTYPE_BYTES[dtype])
 
 
-def cdiv(a: int, b: int) -> int:
+def cdiv(a, b):
+    """Ceiling division (ints or integer arrays): blocks needed for a tokens in blocks of b."""
     return -(-a // b)
 
 

@@ -47,6 +47,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import hashing
+from kvjax.budget import cdiv
 
 NULL_BLOCK = 0
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
@@ -129,8 +130,6 @@ def init(num_blocks: int, block_size: int, max_requests: int,
         block_table=i32((r, m)), num_held=i32(r), num_computed=i32(r), num_cached=i32(r))
 
 
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 def _valid_req(state: PoolState, req):
@@ -348,7 +347,7 @@ def _allocate(state: PoolState, req, num_new, hits, num_hits, enabled=True):
     r = jnp.clip(req, 0, state.max_requests - 1)
     held, computed = state.num_held[r], state.num_computed[r]
     total = computed + num_hits * z + num_new  # tokens computed once this step runs
-    need = _cdiv(total, z)
+    need = cdiv(total, z)
     num_new_blocks = jnp.maximum(need - held - num_hits, 0)
     is_hit = jnp.arange(m) < num_hits
     # A hit block nobody holds sits in the free queue: touching it takes it out, so it uses

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.budget import cdiv
+
 _SMS = 132  # streaming multiprocessors on an H100/H200; the split heuristic fills 2 waves
 _MIN_STEPS_PER_SPLIT = 2  # fewer makes the merge cost more than the split parallelism wins
 
@@ -34,8 +36,6 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclasses.dataclass(frozen=True)
