@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from experiments import corpus
+from kvjax.commands.common import windows
 from models import build_model, from_hf_config, init_params
 from models.loader import load_checkpoint, save_checkpoint
 from models.scoring import next_token_nll, sequence_logits
@@ -61,10 +62,10 @@ HF_CONFIGS = {
 def heldout_perplexity(model, params, kv_spec, tokens: np.ndarray, seq_len: int = 256, max_windows: int = 64,
                        batch: int = 16) -> dict:
     """Perplexity per byte over non-overlapping held-out windows (first max_windows of them)."""
-    n = min(max_windows, (len(tokens) - 1) // seq_len)
-    windows = tokens[: n * seq_len].reshape(n, seq_len)
+    rows = windows(tokens, seq_len, max_windows)
+    n = len(rows)
     score = jax.jit(lambda p, t: next_token_nll(sequence_logits(model, p, t, kv_spec), t))
-    nll = np.concatenate([np.asarray(score(params, jnp.asarray(windows[i:i + batch])))
+    nll = np.concatenate([np.asarray(score(params, jnp.asarray(rows[i:i + batch])))
                           for i in range(0, n, batch)])
     mean = float(nll.mean())
     return {"windows": n, "seq_len": seq_len, "nll": mean, "perplexity": math.exp(mean),

@@ -117,21 +117,12 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         context=args.context if args.context is not None else g.get("context", 8192),
         block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
         total_bytes=None if gpu is None else bud.gib(gpu, "--gpu-gib"),
-        util=_util(util), extensible=args.extensible, weights_bytes=weights,
+        util=util, extensible=args.extensible, weights_bytes=weights,
         activations_bytes=bud.gib(args.activations_gib or 0, "--activations-gib"),
         cudagraph_bytes=bud.gib(args.cudagraph_gib or 0, "--cudagraph-gib"),
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
         else bud.gib(args.kv_cache_memory_gib, "--kv-cache-memory-gib"),
         tp=tp, pooled=args.pooled))
-
-
-def _util(value):
-    if value is None:
-        return None
-    u = bud.exact(value, "util")
-    if not 0 < u <= 1:
-        raise bud.BudgetError(f"util must be in (0, 1], got {value}")
-    return u
 
 
 def _manual_spec(args, kv_dtype: str) -> KVSpec:

@@ -27,23 +27,32 @@ def load_model(name_or_dir: str, dtype: str | None = None, attn_impl: str = "ref
     return config, build_model(config, attn_impl=attn_impl), params
 
 
-def read_tokens(folder: str, path: str):
-    """Token ids of a text file for the model in `folder`: its tokenizer.json through the
-    `tokenizers` library when it has one, else bytes (the built-in models' vocabulary)."""
-    import numpy as np
-
-    if not os.path.isfile(path):
-        raise ValueError(f"data file {path!r} does not exist")
-    tok_file = os.path.join(folder, "tokenizer.json")
-    if os.path.exists(tok_file):
+def tokenizer(folder: str):
+    """(encode text → ids, decode ids → text): the folder's tokenizer.json through the
+    `tokenizers` library when it has one, else UTF-8 bytes (the built-in models' vocabulary)."""
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(path):
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError(f"{folder!r} has a tokenizer.json: install the `tokenizers` package to read it") from None
-        with open(path, encoding="utf-8") as fh:
-            return np.asarray(Tokenizer.from_file(tok_file).encode(fh.read()).ids, np.int32)
-    with open(path, "rb") as fh:
-        return np.frombuffer(fh.read(), np.uint8).astype(np.int32)
+        tok = Tokenizer.from_file(path)
+        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(ids))
+    return (lambda text: list(text.encode("utf-8"))), \
+        (lambda ids: bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace"))
+
+
+def read_tokens(folder: str, path: str):
+    """Token ids i32[N] of a text file for the model in `folder` (see `tokenizer`)."""
+    import numpy as np
+
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist")
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):  # bytes as they are, no UTF-8 decoding
+        with open(path, "rb") as fh:
+            return np.frombuffer(fh.read(), np.uint8).astype(np.int32)
+    with open(path, encoding="utf-8") as fh:
+        return np.asarray(tokenizer(folder)[0](fh.read()), np.int32)
 
 
 def windows(tokens, seq_len: int, max_windows: int):

@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-from kvjax.commands.common import load_model, resolve_model
+from kvjax.commands.common import load_model, resolve_model, tokenizer
 
 
 def add_parser(sub) -> None:
@@ -85,7 +85,7 @@ def _run(args) -> int:
     _check_flags(args)
     folder = resolve_model(args.model)
     config, model, params = load_model(args.model, attn_impl=args.attn_impl)
-    encode, decode = _tokenizer(folder)
+    encode, decode = tokenizer(folder)
     prompts, max_tokens = _prompts(args, encode, config.vocab_size)
     spec = config.kv_spec(args.kv_dtype)
     kv_name = kv_dtype(spec.kv_dtype).name
@@ -156,20 +156,6 @@ def _check_flags(args) -> None:
         raise ValueError(f"--util must be in (0, 1], got {args.util}")
     if not args.total_gib > 0:
         raise ValueError(f"--total-gib must be > 0, got {args.total_gib}")
-
-
-def _tokenizer(folder: str):
-    """(encode text → ids, decode ids → text): the folder's tokenizer.json, else UTF-8 bytes."""
-    path = os.path.join(folder, "tokenizer.json")
-    if os.path.exists(path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ValueError(f"{folder!r} has a tokenizer.json: install the `tokenizers` package to read it") from None
-        tok = Tokenizer.from_file(path)
-        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(ids))
-    return (lambda text: list(text.encode("utf-8"))), \
-        (lambda ids: bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace"))
 
 
 def _prompts(args, encode, vocab_size: int) -> tuple[list[list[int]], list[int]]:
