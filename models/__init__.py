@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import get_impl
+from kvjax.attention import default_impl, get_impl
 from kvjax.attention.metadata import build_metadata
 from kvjax.cache import PagedCache
 from models.config import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
@@ -21,9 +21,11 @@ from models.layers import CausalLM, UnsupportedModelError, check_supported
 from models.llama import LlamaForCausalLM
 
 
-def build_model(config: ModelConfig, attn_impl: str = "reference") -> CausalLM:
-    """The Flax module for `config`; refuses unsupported layers and unknown attn_impl up front."""
+def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
+    """The Flax module for `config`; refuses unsupported layers and unknown attn_impl up front.
+    attn_impl None: kvjax.attention.default_impl() ("pallas" on GPU, "reference" elsewhere)."""
     check_supported(config)
+    attn_impl = attn_impl or default_impl()
     get_impl(attn_impl)
     cls = DeepseekForCausalLM if config.is_mla else LlamaForCausalLM
     return cls(config, attn_impl)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.attention import get_impl, mla_paged_attention, paged_attention
+from kvjax.attention import default_impl, get_impl, mla_paged_attention, paged_attention
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
@@ -183,3 +183,14 @@ def test_unknown_attn_impl_is_named():
         get_impl("flash")
     with pytest.raises(ValueError, match="unknown attn_impl 'bogus'"):
         build_model(preset("tiny"), attn_impl="bogus")
+
+
+def test_default_impl_is_pallas_on_gpu_only(monkeypatch):
+    import jax
+
+    assert default_impl() == "reference" and build_model(preset("tiny")).attn_impl == "reference"  # CPU here
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert default_impl() == "pallas" and default_impl("fp8_e4m3") == "pallas"
+    assert default_impl("int8_per_token_head") == "reference"  # the kernels read static scales only
+    assert build_model(preset("tiny")).attn_impl == "pallas"
+    assert build_model(preset("tiny"), attn_impl="reference").attn_impl == "reference"

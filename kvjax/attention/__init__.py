@@ -3,9 +3,11 @@
 An implementation supplies four functions, the ragged and decode forms for MHA/GQA/MQA pages
 and for MLA latent pages (signatures in `kvjax.attention.reference`). `paged_attention` and
 `mla_paged_attention` pick the decode form when the step's metadata is a decode step
-(`BatchMetadata.decode`) and the ragged form otherwise. "reference" is plain jnp for every form; "pallas" runs decode steps in the Pallas kernels
-(kvjax.attention.pallas_decode / pallas_mla) and ragged steps (prefill, mixed) in the jnp
-reference, since the kernels are decode-only. The Pallas modules import lazily, on first use.
+(`BatchMetadata.decode`) and the ragged form otherwise. "reference" is plain jnp for every
+form; "pallas" runs decode steps in the Pallas kernels (kvjax.attention.pallas_decode /
+pallas_mla) and ragged steps (prefill, mixed) in the jnp reference, since the kernels are
+decode-only. The Pallas modules import lazily, on first use. A model built without naming one
+gets `default_impl()`: "pallas" on GPU, "reference" on CPU.
 
 The dispatchers take a layer's whole page pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
@@ -64,6 +66,15 @@ _IMPLS: dict[str, AttentionImpl] = {
 
 def register_impl(name: str, impl: AttentionImpl) -> None:
     _IMPLS[name] = impl
+
+
+def default_impl(kv_dtype: str | None = None) -> str:
+    """The implementation a model gets when none is named: "pallas" on a GPU backend, where its
+    kernels compile, unless the pages carry per-token scales (int8_per_token_head, which the
+    kernels do not read); "reference" elsewhere (on CPU Pallas runs only interpreted, slowly)."""
+    if jax.default_backend() == "gpu" and kv_dtype != "int8_per_token_head":
+        return "pallas"
+    return "reference"
 
 
 def get_impl(name: str) -> AttentionImpl:

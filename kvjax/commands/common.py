@@ -18,8 +18,9 @@ def resolve_model(name_or_dir: str) -> str:
     return folder
 
 
-def load_model(name_or_dir: str, dtype: str | None = None, attn_impl: str = "reference"):
-    """(config, model, params) for a built-in name or a checkpoint folder."""
+def load_model(name_or_dir: str, dtype: str | None = None, attn_impl: str | None = None):
+    """(config, model, params) for a built-in name or a checkpoint folder; attn_impl None picks
+    the backend's default (kvjax.attention.default_impl)."""
     from models import build_model
     from models.loader import load_checkpoint
 

@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once (8)")
     p.add_argument("--max-model-len", type=int, help="prompt + generated tokens (default: the model's maximum)")
-    p.add_argument("--attn-impl", choices=["reference", "pallas"], default="reference")
+    p.add_argument("--attn-impl", choices=["reference", "pallas"],
+                   help="decode attention (default: pallas on GPU, except for int8_per_token_head KV; reference elsewhere)")
     sampling = p.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="argmax sampling (the default)")
     sampling.add_argument("--temperature", type=float, help="sample from softmax(logits / T)")
@@ -79,12 +80,14 @@ def _run(args) -> int:
     import jax
 
     from kvjax import budget, quant
+    from kvjax.attention import default_impl
     from kvjax.engine import Engine, EngineConfig
     from kvjax.spec import kv_dtype
 
     _check_flags(args)
     folder = resolve_model(args.model)
-    config, model, params = load_model(args.model, attn_impl=args.attn_impl)
+    attn_impl = args.attn_impl or default_impl(kv_dtype(args.kv_dtype).name if args.kv_dtype else None)
+    config, model, params = load_model(args.model, attn_impl=attn_impl)
     encode, decode = tokenizer(folder)
     prompts, max_tokens = _prompts(args, encode, config.vocab_size)
     spec = config.kv_spec(args.kv_dtype)
@@ -131,7 +134,7 @@ def _run(args) -> int:
                  prefix_hit_tokens=r.prefix_hit_tokens) for r in result.results]
     setup = dict(model=args.model, kv_dtype=kv_name, block_size=z, num_blocks=num_blocks,
                  max_num_seqs=args.max_num_seqs, max_model_len=engine.max_model_len,
-                 prefix_caching=not args.no_prefix_caching, attn_impl=args.attn_impl,
+                 prefix_caching=not args.no_prefix_caching, attn_impl=attn_impl,
                  steps_per_call=args.steps_per_call, temperature=args.temperature or 0.0, seed=args.seed)
     if args.json:
         print(json.dumps({"config": setup, "requests": rows, "summary": result.summary.to_json()}, indent=1))
