@@ -76,11 +76,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: fl
     Both products read K and V in their stored [S, K, H] order: every key is scored against
     all N query heads ([R, S, K, N]) and the pairs where kv head k serves query head n are
     kept; likewise every query head's weights reach all K value heads. That is K × the
-    multiply-adds of the exact grouping, but a batched dot over (row, kv head) makes XLA
-    first transpose the whole context of every layer into [R, K, H, S] (kv heads beside the
-    rows, the contracted axis ahead of S), a copy that costs more than the extra arithmetic:
-    on 2 CPU cores this form is 1.3–2.7× faster for K = 1 … 32, and gathered pages feed it
-    without an extra copy (experiments/decode_bench.py).
+    multiply-adds of the exact grouping, but a batched dot over (row, kv head) makes XLA first
+    transpose each layer's whole context into [R, K, H, S] (kv heads beside the rows, the
+    contracted axis ahead of S), and that copy costs more than the extra arithmetic: on CPU
+    this form made small-gqa's decode steps about 20% faster, paged and contiguous alike
+    (experiments/decode_bench.py).
     """
     rows, heads, _ = q.shape
     seq, kv_heads = k.shape[1], k.shape[2]
