@@ -181,7 +181,7 @@ def paged_vs_dense(config, model, params, prompts: np.ndarray, steps: int, block
             times[name].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"batch": b, "prompt": p, "steps": steps, "s_max": s_max, "block_size": block_size,
-              **{f"{name}_tok_s": b * steps / med[name] for name in variants},
+              "attn_impl": model.attn_impl, **{f"{name}_tok_s": b * steps / med[name] for name in variants},
               "ratio": med["dense"] / med["paged"], "ratio_to_copy_k": med["dense_copy_k"] / med["paged"],
               "token_agreement": float((outs["paged"] == outs["dense"]).mean()), "times_s": times}
     if with_engine:
@@ -309,7 +309,7 @@ def _markdown(r: dict) -> str:
              f"{pd['steps']} decode steps, "
              f"S_max {pd['s_max']}, block {pd['block_size']}", "",
              "| variant | tokens/s |", "|---|---:|",
-             f"| paged (kvjax cache, fixed block tables) | {pd['paged_tok_s']:,.0f} |",
+             f"| paged (kvjax cache, fixed block tables, {pd['attn_impl']} attention) | {pd['paged_tok_s']:,.0f} |",
              f"| contiguous [B, S_max, K, H], dynamic_update_slice | {pd['dense_tok_s']:,.0f} |",
              f"| contiguous, attention reading K through one copy per layer | {pd['dense_copy_k_tok_s']:,.0f} |",
              f"| engine, K = 8 (scheduler, allocator, sampling in the loop) | {pd['engine_tok_s']:,.0f} |", "",
@@ -410,7 +410,7 @@ def main(argv=None) -> dict:
     result["paged_vs_dense"] = paged_vs_dense(config, model, params, prompts, steps, z, args.repeats)
     contexts = (32, 64) if args.tiny else (64, 256, 512)
     result["context_sweep"] = context_sweep(config, model, params, rng, args.batch, contexts, z,
-                                            max(1, args.repeats - 2))
+                                            args.repeats)
     result["loop_vs_host"] = loop_vs_host(model, params, spec, prompts.tolist(), steps, z, args.repeats)
     if not args.tiny:  # the same comparison on the 2-layer tiny preset: host overhead vs a cheaper step
         tiny_cfg = preset("tiny")
