@@ -194,6 +194,45 @@ def test_allocate_step_equals_one_at_a_time_and_oracle():
     assert not all(oks), "the pool should have run out during this test"
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_allocate_step_in_lockstep_equals_one_at_a_time(prefix_caching):
+    """Equal-length requests step in lockstep: every Z steps they all fill a block, which must
+    be cached though no new block is needed, and on the next step all start one; the steps
+    between only advance num_computed. The batched step must leave exactly the state that
+    allocate_slots one request at a time gives."""
+    s = pool.init(40, Z, 8, 8, prefix_caching=prefix_caching)
+    for r in range(4):
+        s, ok = add(s, r, [10 + r] * 3)  # 3 tokens: the first block fills on the next token
+        assert ok
+    seq = s
+    order = jnp.array([2, -1, 0, 3, 1, -1], jnp.int32)
+    for step in range(4 * Z + 1):
+        tok = jnp.arange(8, dtype=jnp.int32) + 100 * step
+        s, _ = pool.append_token_step(s, tok, jnp.arange(8) < 4)
+        s, ok = pool.allocate_step(s, order, jnp.array([1, 0, 1, 1, 1, 0], jnp.int32))
+        for r in (2, 0, 3, 1):
+            seq, _ = pool.append_tokens(seq, r, jnp.array([100 * step + r], jnp.int32), 1)
+            seq, ok1 = pool.allocate_slots(seq, r, 1)
+            assert bool(ok1)
+        assert list(np.asarray(ok)) == [True, False, True, True, True, False]
+        assert same(s, seq), f"step {step}"
+        pool.check_invariants(s)
+    assert int(s.num_cached.max()) == (4 + 4 * Z) // Z if prefix_caching else int(s.num_cached.max()) == 0
+
+
+def test_allocate_step_serves_a_repeated_request_twice():
+    s = pool.init(10, Z, 4)
+    s, _ = add(s, 1, [7] * 5)
+    s, _ = pool.append_tokens(s, 1, jnp.array([8, 9], jnp.int32), 2)
+    seq = s
+    for _ in range(2):
+        seq, ok1 = pool.allocate_slots(seq, 1, 1)
+        assert bool(ok1)
+    s, ok = pool.allocate_step(s, jnp.array([1, 1, -1], jnp.int32), jnp.array([1, 1, 0], jnp.int32))
+    assert list(np.asarray(ok)) == [True, True, False] and int(s.num_computed[1]) == 7
+    assert same(s, seq)
+
+
 def test_allocate_step_stop_at_failure():
     s = pool.init(5, Z, 4, 4)  # 4 usable blocks
     for r in range(3):
