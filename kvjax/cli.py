@@ -17,7 +17,8 @@ import sys
 from typing import Any, Sequence
 
 from kvjax import budget as bud
-from kvjax.spec import KV_DTYPES, PRESETS, KVSpec, SpecError, from_hf_config, preset
+from kvjax.config import PRESETS, from_hf_config, preset
+from kvjax.spec import KV_DTYPES, KVSpec, SpecError
 
 # Subcommands implemented in their own modules, each with add_parser(sub) and run(args); a module
 # is imported only when its command runs (they import JAX), the others show their help line.
@@ -86,10 +87,10 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     kv_dtype = args.kv_dtype or g.get("kv_dtype", "bf16")
     params = None
     if args.preset or (g and not model_flags):
-        pr = preset(args.preset or g["preset"])
-        spec, params, title = pr.spec.replace(kv_dtype=kv_dtype), pr.params, pr.title
+        config = preset(args.preset or g["preset"])
+        spec, params, title = config.kv_spec(kv_dtype), config.num_params, config.title or config.name
     elif args.hf_config:
-        spec = from_hf_config(args.hf_config, kv_dtype=kv_dtype)
+        spec = from_hf_config(args.hf_config).kv_spec(kv_dtype)
         title = spec.name
     elif args.kind:
         spec, title = _manual_spec(args, kv_dtype), f"custom {args.kind.upper()}"

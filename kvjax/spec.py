@@ -17,7 +17,8 @@ Every byte count here is an exact integer. Element widths that are not whole byt
 4 bits + one fp8 scale per 16 values) are handled per *vector* (one token × one head), never
 by multiplying a float width: see `KVDtype.vector_bytes`.
 
-Shapes are not used here; this is plain Python with no JAX.
+A named or Hugging Face model's layout comes from its parsed config: kvjax.config's
+`ModelConfig.kv_spec`. Shapes are not used here; this is plain Python with no JAX.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any
 
 KINDS = ("mha", "gqa", "mqa", "mla")
 
@@ -241,49 +242,8 @@ def _positive(name: str, value) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Presets (published configs; params are the models' published counts, for weight estimates)
+# JSON files
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    spec: KVSpec
-    params: int  # parameter count, for weights = params × weight dtype bytes
-    title: str
-
-
-PRESETS: dict[str, Preset] = {
-    "llama-2-7b": Preset(KVSpec("mha", 32, 32, 32, 128, name="llama-2-7b"), 6_738_415_616, "Llama-2-7B"),
-    "llama-3-8b": Preset(KVSpec("gqa", 32, 32, 8, 128, name="llama-3-8b"), 8_030_261_248, "Llama-3-8B"),
-    "llama-3-70b": Preset(KVSpec("gqa", 80, 64, 8, 128, name="llama-3-70b"), 70_553_706_496, "Llama-3-70B"),
-    # DeepSeek-V3: 671B parameters in the main model (the HF checkpoint adds a 14B MTP module).
-    "deepseek-v3": Preset(KVSpec.mla(61, 128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                                     v_head_dim=128, name="deepseek-v3"), 671_000_000_000, "DeepSeek-V3"),
-}
-
-
-def preset(name: str) -> Preset:
-    key = name.lower()
-    if key not in PRESETS:
-        raise SpecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[key]
-
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face config.json
-# --------------------------------------------------------------------------------------------
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3")
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-
-
-def load_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    """Read a config.json (a file, or a folder holding one) or pass a dict through."""
-    if isinstance(path_or_dict, Mapping):
-        return dict(path_or_dict)
-    path = os.fspath(path_or_dict)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    return read_json_object(path, "config file", SpecError)
-
-
 def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = SpecError) -> dict[str, Any]:
     """A JSON object from a file; a missing file, bad JSON or a non-object raise `error` naming the file."""
     path = os.fspath(path)
@@ -298,61 +258,3 @@ def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] 
         raise error(f"{what} {path!r} holds a {type(obj).__name__}, not a JSON object")
     return obj
 
-
-def _field(cfg: Mapping[str, Any], key: str, default: Any = ...) -> Any:
-    value = cfg.get(key)
-    if value is None:
-        if default is ...:
-            raise SpecError(f"config is missing the field {key!r} (model_type {cfg.get('model_type')!r})")
-        return default
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise SpecError(f"config field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], kv_dtype: str = "bf16") -> KVSpec:
-    """Build the KV layout from a Hugging Face config (Llama/Mistral/Qwen2/Qwen3, DeepSeek-V2/V3).
-
-    num_key_value_heads defaults to num_attention_heads (as transformers does); an explicit
-    head_dim wins over hidden_size // num_attention_heads and is never overwritten (Qwen3).
-    """
-    cfg = load_hf_config(path_or_dict)
-    model_type = cfg.get("model_type")
-    if not model_type:
-        raise SpecError("config is missing the field 'model_type'")
-    layers = _field(cfg, "num_hidden_layers")
-    heads = _field(cfg, "num_attention_heads")
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    name = model_type
-    if not isinstance(path_or_dict, Mapping):  # the checkpoint folder's name
-        path = os.path.abspath(os.fspath(path_or_dict))
-        name = os.path.basename(path if os.path.isdir(path) else os.path.dirname(path))
-    if model_type in _MLA_TYPES:
-        return KVSpec.mla(layers, heads, kv_lora_rank=_field(cfg, "kv_lora_rank"),
-                          qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
-                          qk_nope_head_dim=_field(cfg, "qk_nope_head_dim"),
-                          v_head_dim=_field(cfg, "v_head_dim"), kv_dtype=kv_dtype,
-                          model_dtype=_model_dtype(dtype), name=name)
-    if model_type not in _LLAMA_TYPES:
-        raise SpecError(f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_TYPES + _MLA_TYPES)}")
-    kv_heads = _field(cfg, "num_key_value_heads", None)
-    kv_heads = heads if kv_heads is None else kv_heads
-    head_dim = cfg.get("head_dim")
-    if head_dim is None:
-        hidden = _field(cfg, "hidden_size")
-        if hidden % heads:
-            raise SpecError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
-                            "the config needs an explicit head_dim")
-        head_dim = hidden // heads
-    else:
-        head_dim = _field(cfg, "head_dim")
-    kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
-    return KVSpec(kind, layers, heads, kv_heads, head_dim, kv_dtype=kv_dtype,
-                  model_dtype=_model_dtype(dtype), name=name)
-
-
-def _model_dtype(torch_dtype: str) -> str:
-    try:
-        return kv_dtype(torch_dtype.replace("torch.", "")).name
-    except SpecError:
-        return "bf16"

@@ -9,17 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax import budget as bud
-from kvjax.spec import preset
+from kvjax.config import preset
 
 
 def table1() -> list[dict[str, Any]]:
     rows = []
     for name in ("llama-2-7b", "llama-3-8b", "llama-3-70b", "deepseek-v3"):
-        p = preset(name)
-        bf16 = p.spec.replace(kv_dtype="bf16")
-        fp8 = p.spec.replace(kv_dtype="fp8")
-        rows.append(dict(model=p.title, kind=p.spec.kind.upper(), layers=p.spec.num_layers,
-                         kv_heads=p.spec.num_kv_heads, head_dim=p.spec.head_dim,
+        config = preset(name)
+        bf16, fp8 = config.kv_spec("bf16"), config.kv_spec("fp8")
+        rows.append(dict(model=config.title, kind=bf16.kind.upper(), layers=bf16.num_layers,
+                         kv_heads=bf16.num_kv_heads, head_dim=bf16.head_dim,
                          bf16_bytes_per_token=bf16.bytes_per_token, fp8_bytes_per_token=fp8.bytes_per_token,
                          bf16_bytes_128k=bf16.bytes_per_request(131072), mha_ratio=bf16.mha_ratio))
     return rows
@@ -27,7 +26,7 @@ def table1() -> list[dict[str, Any]]:
 
 def scenario_plan(sc: dict[str, Any]) -> bud.Plan:
     """Run one Table 2 scenario or simulator group through `budget.plan`."""
-    spec = preset(sc["preset"]).spec.replace(kv_dtype=sc.get("kv_dtype", "bf16"))
+    spec = preset(sc["preset"]).kv_spec(sc.get("kv_dtype", "bf16"))
     return bud.plan(spec, context=sc["context"], total_bytes=bud.gib(sc["gpu_gib"]),
                     util=sc.get("util", "0.92"), weights_bytes=bud.gib(sc["weights_gib"]),
                     tp=sc.get("tp", 1), pooled=sc.get("pooled", False))

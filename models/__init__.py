@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from kvjax.attention import default_impl, get_impl
 from kvjax.attention.metadata import build_metadata
 from kvjax.cache import PagedCache
-from models.config import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
+from kvjax.config import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
 from models.deepseek import DeepseekForCausalLM
 from models.layers import CausalLM, UnsupportedModelError, check_supported
 from models.llama import LlamaForCausalLM

@@ -29,8 +29,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from kvjax.config import ModelConfig, from_hf_config
 from models import build_model, param_shapes
-from models.config import ModelConfig, from_hf_config
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

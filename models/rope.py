@@ -15,53 +15,18 @@ Matches transformers 5.x `modeling_rope_utils.py` (inverse frequencies and the c
 
 DeepSeek additionally multiplies the softmax scale by mscale(factor, mscale_all_dim)² for yarn
 (`yarn_apply_mscale` in modeling_deepseek_v3.py): see `deepseek_softmax_scale`.
+
+The parameters (`RopeConfig`) and their parsing from config.json live in kvjax.config.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-LAYOUTS = ("half", "interleaved", "complex")
-
-
-class RopeError(ValueError):
-    """RoPE parameters outside what kvjax reproduces; the message names the value."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    rope_type: str = "default"
-    theta: float = 10000.0
-    layout: str = "half"
-    factor: float | None = None  # linear, llama3, yarn
-    original_max_position_embeddings: int | None = None  # llama3, yarn
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    beta_fast: float | None = None  # yarn (default 32)
-    beta_slow: float | None = None  # yarn (default 1)
-    mscale: float | None = None  # yarn, DeepSeek
-    mscale_all_dim: float | None = None  # yarn, DeepSeek
-    attention_factor: float | None = None  # yarn: explicit cos/sin scale
-    truncate: bool = True  # yarn correction range rounding
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_TYPES:
-            raise RopeError(f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-        if self.layout not in LAYOUTS:
-            raise RopeError(f"unknown rope layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
-        if self.rope_type == "llama3" and None in (self.factor, self.low_freq_factor, self.high_freq_factor,
-                                                    self.original_max_position_embeddings):
-            raise RopeError("llama3 rope needs factor, low_freq_factor, high_freq_factor and "
-                            "original_max_position_embeddings")
-        if self.rope_type == "linear" and not self.factor:
-            raise RopeError("linear rope needs a factor")
-        if self.rope_type == "yarn" and not self.original_max_position_embeddings:
-            raise RopeError("yarn rope needs original_max_position_embeddings")
+from kvjax.config import LAYOUTS, RopeConfig, RopeError
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -75,6 +40,8 @@ def _yarn_factor(rope: RopeConfig, max_position_embeddings: int) -> float:
 
 def inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
     """(f32[dim // 2] inverse frequencies, attention factor that scales cos and sin)."""
+    if rope.unsupported:
+        raise RopeError(rope.unsupported)
     if dim % 2:
         raise RopeError(f"rotary dim must be even, got {dim}")
     base = rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
@@ -151,23 +118,3 @@ def apply_rope(x: jax.Array, positions: jax.Array, freq: np.ndarray, attention_f
         out = jnp.concatenate([rot_a, rot_b], axis=-1)
     return out.astype(x.dtype)
 
-
-def from_hf(cfg: dict, layout: str = "half") -> RopeConfig:
-    """RopeConfig from a config.json dict: `rope_parameters` (transformers 5) or the older
-    `rope_scaling` + `rope_theta`. Unknown keys that change the result are refused."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise RopeError(f"partial_rotary_factor {partial} is not supported (only full rotary dims)")
-    original = None
-    if rope_type in ("llama3", "yarn"):
-        original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
-    return RopeConfig(
-        rope_type=rope_type, theta=float(theta), layout=layout, factor=params.get("factor"),
-        original_max_position_embeddings=original, low_freq_factor=params.get("low_freq_factor"),
-        high_freq_factor=params.get("high_freq_factor"), beta_fast=params.get("beta_fast"),
-        beta_slow=params.get("beta_slow"), mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"), attention_factor=params.get("attention_factor"),
-        truncate=params.get("truncate", True))

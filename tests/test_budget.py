@@ -8,7 +8,8 @@ import pytest
 
 from kvjax import budget as bud
 from kvjax import tables
-from kvjax.spec import KVSpec, preset
+from kvjax.config import preset
+from kvjax.spec import KVSpec
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -18,7 +19,7 @@ def test_worked_example_llama70b():
     requested = math.ceil(160 * GiB * 92 / 100)  # 158,054,796,492.8 → ceil
     assert requested == 158_054_796_493
     budget = requested - 130 * GiB
-    pl = bud.plan(preset("llama-3-70b").spec, context=8192, total_bytes=160 * GiB, util="0.92",
+    pl = bud.plan(preset("llama-3-70b").kv_spec(), context=8192, total_bytes=160 * GiB, util="0.92",
                   weights_bytes=130 * GiB)
     assert pl.requested_bytes == requested
     assert pl.budget_bytes == budget == 18_468_359_373
@@ -91,7 +92,7 @@ def test_pooled_is_labelled():
 
 
 def test_extensible_and_override():
-    spec = preset("llama-3-8b").spec
+    spec = preset("llama-3-8b").kv_spec()
     pl = bud.plan(spec, context=8192, total_bytes=80 * GiB, extensible=True, weights_bytes=15 * GiB)
     assert pl.util == 1 and pl.requested_bytes == 80 * GiB and pl.budget_bytes == 65 * GiB
     # an explicit util still wins with extensible set
@@ -103,7 +104,7 @@ def test_extensible_and_override():
 
 
 def test_activations_and_cudagraphs_subtract():
-    spec = preset("llama-3-8b").spec
+    spec = preset("llama-3-8b").kv_spec()
     pl = bud.plan(spec, context=1000, total_bytes=10 * GiB, util=1, weights_bytes=2 * GiB,
                   activations_bytes=GiB, cudagraph_bytes=GiB // 2)
     assert pl.budget_bytes == 10 * GiB - 2 * GiB - GiB - GiB // 2
@@ -115,7 +116,7 @@ def test_activations_and_cudagraphs_subtract():
 
 
 def test_weights_split_by_tp():
-    pl = bud.plan(preset("llama-3-70b").spec, context=8192, total_bytes=80 * GiB, weights_bytes=130 * GiB, tp=8)
+    pl = bud.plan(preset("llama-3-70b").kv_spec(), context=8192, total_bytes=80 * GiB, weights_bytes=130 * GiB, tp=8)
     assert pl.weights_bytes == 130 * GiB // 8
     assert pl.bytes_per_token == 2 * 80 * 1 * 128 * 2
     assert pl.spec.num_kv_heads == 1
@@ -139,7 +140,7 @@ def test_weight_bytes_from_params():
 def test_bad_budget_inputs(kw, message):
     base = dict(context=8192, total_bytes=80 * GiB, weights_bytes=0)
     with pytest.raises(ValueError, match=message):
-        bud.plan(preset("llama-3-70b").spec, **{**base, **kw})
+        bud.plan(preset("llama-3-70b").kv_spec(), **{**base, **kw})
 
 
 def test_negative_budget_warns():

@@ -13,8 +13,8 @@ import torch
 from hf_fixtures import make_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 
+from kvjax.config import ModelConfigError
 from models import UnsupportedModelError, build_model, from_hf_config
-from models.config import ModelConfigError
 from models.loader import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
                            UnexpectedTensorError, hf_name, load_checkpoint)
 
@@ -143,8 +143,11 @@ def test_sliding_window_and_unknown_configs_are_refused():
         from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ModelConfigError, match="missing the field 'hidden_size'"):
         from_hf_config({k: v for k, v in mistral.items() if k != "hidden_size"})
-    with pytest.raises(ModelConfigError, match="unsupported rope_type 'dynamic'"):
-        from_hf_config({**mistral, "sliding_window": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    # A rope type kvjax does not compute still sizes a KV cache; building the model refuses it.
+    dynamic = from_hf_config({**mistral, "sliding_window": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    assert dynamic.rope.rope_type == "dynamic" and dynamic.kv_spec().bytes_per_token == 2 * 2 * 4 * 16 * 2
+    with pytest.raises(UnsupportedModelError, match="unsupported rope_type 'dynamic'"):
+        build_model(dynamic)
 
 
 def test_config_keeps_explicit_head_dim_and_builds_kv_spec(tmp_path):

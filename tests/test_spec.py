@@ -3,11 +3,10 @@
 Every expected number below is written out from the formula f × L × Hkv × D × b, not taken
 from the code under test.
 """
-import json
-
 import pytest
 
-from kvjax.spec import KVSpec, SpecError, from_hf_config, kv_dtype, preset
+from kvjax.config import preset
+from kvjax.spec import KVSpec, SpecError, kv_dtype
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -24,7 +23,7 @@ TABLE1 = {
 @pytest.mark.parametrize("name", list(TABLE1))
 def test_table1_bytes_per_token(name):
     bf16, fp8, at_128k, ratio = TABLE1[name]
-    spec = preset(name).spec
+    spec = preset(name).kv_spec()
     assert spec.replace(kv_dtype="bf16").bytes_per_token == bf16
     assert spec.replace(kv_dtype="fp8").bytes_per_token == fp8
     if at_128k is not None:
@@ -34,13 +33,13 @@ def test_table1_bytes_per_token(name):
 
 def test_table1_kib_values():
     # SPEC prints these in KiB; check the KiB figures themselves.
-    assert preset("llama-2-7b").spec.bytes_per_token == 512 * KiB
-    assert preset("llama-3-8b").spec.bytes_per_token == 128 * KiB
-    assert preset("llama-3-70b").spec.bytes_per_token == 320 * KiB
-    assert preset("deepseek-v3").spec.bytes_per_token == 68.625 * KiB
-    assert preset("deepseek-v3").spec.replace(kv_dtype="fp8").bytes_per_token == 34.3125 * KiB
-    assert preset("deepseek-v3").spec.bytes_per_request(131072) / GiB == pytest.approx(8.578, abs=5e-4)
-    assert round(preset("deepseek-v3").spec.mha_ratio, 1) == 56.9
+    assert preset("llama-2-7b").kv_spec().bytes_per_token == 512 * KiB
+    assert preset("llama-3-8b").kv_spec().bytes_per_token == 128 * KiB
+    assert preset("llama-3-70b").kv_spec().bytes_per_token == 320 * KiB
+    assert preset("deepseek-v3").kv_spec().bytes_per_token == 68.625 * KiB
+    assert preset("deepseek-v3").kv_spec().replace(kv_dtype="fp8").bytes_per_token == 34.3125 * KiB
+    assert preset("deepseek-v3").kv_spec().bytes_per_request(131072) / GiB == pytest.approx(8.578, abs=5e-4)
+    assert round(preset("deepseek-v3").kv_spec().mha_ratio, 1) == 56.9
 
 
 def test_llama70b_as_mha_needs_2_5_mib_per_token():
@@ -51,10 +50,10 @@ def test_llama70b_as_mha_needs_2_5_mib_per_token():
 
 def test_vllm_page_size_per_layer_and_block():
     # vLLM page = num_heads × block_size × (head_size + head_size_v) × dtype_size
-    spec = preset("llama-3-70b").spec
+    spec = preset("llama-3-70b").kv_spec()
     assert spec.page_bytes(0, 64) == 8 * 64 * (128 + 128) * 2
     assert spec.bytes_per_block(64) == 80 * 8 * 64 * 256 * 2 == 20 * MiB
-    mla = preset("deepseek-v3").spec
+    mla = preset("deepseek-v3").kv_spec()
     assert mla.page_bytes(0, 64) == 1 * 64 * (576 + 0) * 2
     assert mla.bytes_per_block(64) == 61 * 64 * 576 * 2
 
@@ -70,12 +69,12 @@ def test_dtype_widths():
 def test_nvfp4_bytes_are_exact():
     # 4 bits per element + one 1-byte fp8 scale per 16 elements: 128 dims → 64 + 8 = 72 bytes,
     # i.e. 0.5625 B/element. Llama-3-8B: 2 × 32 × 8 × 72 = 36,864 B/token.
-    spec = preset("llama-3-8b").spec.replace(kv_dtype="nvfp4")
+    spec = preset("llama-3-8b").kv_spec().replace(kv_dtype="nvfp4")
     assert spec.bytes_per_token == 2 * 32 * 8 * (64 + 8) == 36864
     assert spec.bytes_per_token == 2 * 32 * 8 * 128 * 0.5625
     assert spec.bytes_per_block(64) == 36864 * 64
     # MLA latent of 576 = 36 groups of 16
-    mla = preset("deepseek-v3").spec.replace(kv_dtype="nvfp4")
+    mla = preset("deepseek-v3").kv_spec().replace(kv_dtype="nvfp4")
     assert mla.bytes_per_token == 61 * (288 + 36)
     with pytest.raises(SpecError, match="not a whole number of bytes"):
         KVSpec("mha", 1, 1, 1, 3, kv_dtype="nvfp4").bytes_per_token
@@ -83,23 +82,23 @@ def test_nvfp4_bytes_are_exact():
 
 def test_int8_per_token_head_counts_its_scales():
     # 1 byte per element + one fp32 scale per token per kv head, for K and for V.
-    spec = preset("llama-3-8b").spec.replace(kv_dtype="int8_per_token_head")
+    spec = preset("llama-3-8b").kv_spec().replace(kv_dtype="int8_per_token_head")
     assert spec.bytes_per_token == 2 * 32 * 8 * (128 + 4) == 67584
     assert spec.bytes_per_block(16) == 67584 * 16
 
 
 def test_skip_layers_count_at_model_width():
     # Layers 0 and 31 stay bf16 (2 B), the other 30 are fp8 (1 B).
-    spec = preset("llama-3-8b").spec.replace(kv_dtype="fp8", skip_layers=(0, 31))
+    spec = preset("llama-3-8b").kv_spec().replace(kv_dtype="fp8", skip_layers=(0, 31))
     per_layer_fp8 = 2 * 8 * 128
     assert spec.bytes_per_token == 30 * per_layer_fp8 + 2 * 2 * per_layer_fp8
     assert spec.bytes_per_block(64) == 64 * (30 * per_layer_fp8 + 4 * per_layer_fp8)
     with pytest.raises(SpecError, match="skip layer 32"):
-        preset("llama-3-8b").spec.replace(skip_layers=(32,))
+        preset("llama-3-8b").kv_spec().replace(skip_layers=(32,))
 
 
 def test_tp_rules():
-    l70 = preset("llama-3-70b").spec
+    l70 = preset("llama-3-70b").kv_spec()
     assert l70.kv_heads_per_rank(8) == 1
     assert l70.per_rank(8).bytes_per_token == 2 * 80 * 1 * 128 * 2
     assert l70.kv_heads_per_rank(2) == 4
@@ -107,7 +106,7 @@ def test_tp_rules():
     assert l70.kv_heads_per_rank(16) == 1
     with pytest.raises(SpecError, match="tp 3"):
         l70.kv_heads_per_rank(3)
-    ds = preset("deepseek-v3").spec
+    ds = preset("deepseek-v3").kv_spec()
     assert ds.per_rank(8).bytes_per_token == 68.625 * KiB
     with pytest.raises(SpecError, match="kv heads: one must divide the other"):
         KVSpec("gqa", 1, 12, 6, 64).kv_heads_per_rank(4)
@@ -124,72 +123,3 @@ def test_bad_layouts(kw, message):
     with pytest.raises(SpecError, match=message):
         KVSpec(**kw)
 
-
-def test_unknown_preset():
-    with pytest.raises(SpecError, match="unknown preset 'llama-9'"):
-        preset("llama-9")
-
-
-# ---- from_hf_config on config files the test writes itself ---------------------------------
-LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "torch_dtype": "bfloat16"}
-QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
-QWEN3_ODD = {"model_type": "qwen3", "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 256}  # explicit head_dim ≠ hidden / heads = 128
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
-               "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
-               "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536}
-MISTRAL_NO_KV = {"model_type": "mistral", "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16}
-
-
-def _write(tmp_path, cfg, name="config.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return path
-
-
-def test_from_hf_config_llama(tmp_path):
-    spec = from_hf_config(_write(tmp_path, LLAMA3_8B))
-    assert (spec.kind, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == ("gqa", 32, 32, 8, 128)
-    assert spec.bytes_per_token == 128 * KiB
-
-
-def test_from_hf_config_qwen3_explicit_head_dim(tmp_path):
-    assert from_hf_config(_write(tmp_path, QWEN3_8B)).bytes_per_token == 2 * 36 * 8 * 128 * 2
-    spec = from_hf_config(_write(tmp_path, QWEN3_ODD))
-    assert spec.head_dim == 256  # never overwritten by 2048 / 16
-    assert spec.bytes_per_token == 2 * 4 * 8 * 256 * 2
-
-
-def test_from_hf_config_deepseek_v3(tmp_path):
-    spec = from_hf_config(_write(tmp_path, DEEPSEEK_V3))
-    assert (spec.kind, spec.num_kv_heads, spec.head_dim) == ("mla", 1, 576)
-    assert spec.bytes_per_token == 61 * 576 * 2
-    assert from_hf_config(tmp_path).bytes_per_token == spec.bytes_per_token  # a folder works too
-
-
-def test_from_hf_config_kv_heads_default_to_heads(tmp_path):
-    spec = from_hf_config(_write(tmp_path, MISTRAL_NO_KV))
-    assert (spec.kind, spec.num_kv_heads, spec.head_dim) == ("mha", 16, 64)
-
-
-@pytest.mark.parametrize("cfg, message", [
-    ({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64}, "missing the field 'num_attention_heads'"),
-    ({"model_type": "gpt2", "num_hidden_layers": 2, "num_attention_heads": 2}, "unsupported model_type 'gpt2'"),
-    ({"num_hidden_layers": 2}, "missing the field 'model_type'"),
-    ({**LLAMA3_8B, "num_key_value_heads": "eight"}, "'num_key_value_heads' must be a positive integer"),
-    ({**DEEPSEEK_V3, "kv_lora_rank": None}, "missing the field 'kv_lora_rank'|kv_lora_rank"),
-])
-def test_from_hf_config_bad_fields(tmp_path, cfg, message):
-    with pytest.raises(SpecError, match=message):
-        from_hf_config(_write(tmp_path, cfg))
-
-
-def test_from_hf_config_bad_files(tmp_path):
-    with pytest.raises(SpecError, match="does not exist"):
-        from_hf_config(tmp_path / "nope.json")
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(SpecError, match="not valid JSON"):
-        from_hf_config(bad)
