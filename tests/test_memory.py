@@ -1,5 +1,6 @@
 """Device measurement helpers: live-array bytes and XLA memory analysis on CPU, and measured
-bytes against the analytic ones (KV pages, weights)."""
+bytes against the analytic ones (KV pages, weights); kvjax.sizing's profile → budget → blocks
+called as a library function, against the budget formula worked out here."""
 import math
 
 import jax
@@ -104,3 +105,65 @@ def test_rows_and_explanations():
     assert "more than the arrays" in memory.explain_arrays(300, 4096, [100, 200], "gpu")
     assert "less than the arrays" in memory.explain_arrays(300, 200, [100, 200], "gpu")
     assert math.isclose(memory.Row("w", 3, 4).ratio, 4 / 3)
+
+
+# --------------------------------------------------------------------------------------------
+# kvjax.sizing: profile → budget → blocks as a library call (what `kvjax decode --util` and
+# LLM(gpu_memory_utilization=...) use)
+# --------------------------------------------------------------------------------------------
+SIZE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from models import build_model, init_params, preset
+
+    config = preset("tiny")
+    model = build_model(config)
+    return model, init_params(model, jax.random.key(0)), config.kv_spec()
+
+
+@pytest.mark.parametrize("util", [None, "0.5"])
+def test_profile_and_size_follows_the_budget_formula(tiny, util):
+    from fractions import Fraction
+
+    from kvjax import sizing
+
+    model, params, spec = tiny
+    total = 4 * 1024**2
+    r = sizing.profile_and_size(model, params, spec, util=util, total_bytes=total, **SIZE)
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))  # CPU: resident bytes, exactly
+    assert r.weights_bytes == weights and r.weights_per_device == (weights,) and r.weights_analytic == weights
+    assert r.activations_bytes > r.profile.inputs > 0 and r.profile.measured == (r.profile.analytic,)
+    requested = math.ceil(total * Fraction(util or "0.92"))
+    want = (requested - r.weights_bytes - r.activations_bytes) // spec.bytes_per_block(16)
+    assert r.num_blocks == r.plan.num_blocks == want >= 2
+    assert (r.plan.requested_bytes, r.plan.weights_bytes, r.plan.activations_bytes) == (
+        requested, weights, r.activations_bytes)
+    assert r.non_kv_bytes == weights + r.activations_bytes and r.total_bytes == total and not r.total_from_device
+    # Allocating what was planned: every row measures exactly its analytic bytes on CPU.
+    check = sizing.reconcile(r)
+    assert [row.name for row in check.rows] == ["weights", "kv pages", "scales + counters", "block tables",
+                                               "activation peak", "total resident"]
+    assert all(row.measured == row.analytic for row in check.rows), check.rows
+    assert check.rows[1].analytic == want * spec.bytes_per_block(16) and check.devices_agree
+
+
+def test_profile_and_size_errors(tiny):
+    from kvjax import sizing
+
+    model, params, spec = tiny
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(sizing.NoMemoryLimitError, match="cpu device reports no memory limit: pass total_bytes"):
+            sizing.profile_and_size(model, params, spec, **SIZE)
+        assert issubclass(sizing.NoMemoryLimitError, ValueError)
+    with pytest.raises(sizing.NoUsableBlockError, match="no usable block") as e:
+        sizing.profile_and_size(model, params, spec, total_bytes=100_000, **SIZE)
+    assert e.value.plan.num_blocks < 2
+    with pytest.raises(ValueError, match="util must be in \\(0, 1\\], got 1.5"):  # budget.BudgetError
+        sizing.profile_and_size(model, params, spec, util="1.5", total_bytes=10**7, **SIZE)
+    with pytest.raises(sizing.SizingError, match="max_num_batched_tokens must be a positive integer, got 0"):
+        sizing.profile_and_size(model, params, spec, total_bytes=10**7, **{**SIZE, "max_num_batched_tokens": 0})
+    step = sizing.compile_profile(model, params, spec, block_size=16, max_num_batched_tokens=32)
+    with pytest.raises(sizing.SizingError, match="compiled for block_size 16, max_num_batched_tokens 32"):
+        sizing.profile_and_size(model, params, spec, total_bytes=10**7, step=step, **SIZE)

@@ -3,22 +3,19 @@
 vLLM V1 sizes its cache at engine start (`gpu_worker.determine_available_memory`, SPEC "Budget
 → blocks"): load the weights, run one profiling forward over `max_num_batched_tokens` tokens,
 read the allocator's peak, and give `ceil(total × gpu_memory_utilization) − non-KV` to KV
-blocks. This command does the same on JAX devices and then allocates what it planned:
+blocks. The algorithm is kvjax.sizing's; this command builds the model, loads (or creates) its
+weights while measuring the bytes they take on each device, and then:
 
-1. weights: bytes in use on each device before and after loading (or creating) them;
-2. profile: one prefill of max_num_batched_tokens tokens (one sequence, logits of its last
-   token). GPU: the allocator's `peak_bytes_in_use`; CPU, which keeps no allocator stats: the
-   live arrays on the device plus the compiled step's `memory_analysis()` temp bytes.
-   non-KV = weights + peak activations (the step's inputs, temporaries and outputs);
-3. budget: total = the device's `bytes_limit` (GPU) or --total-gib; kvjax.budget.plan with the
-   layout one tensor-parallel rank holds → num_blocks = available // bytes_per_block;
-4. allocate the paged cache (pages, then its static scales and counters) and the block tables,
-   measuring each increase;
-5. reconcile, per device: analytic vs measured for weights, KV pages, scales, block tables and
-   the activation peak, with ratio, byte difference and the reason for any difference.
+1. profile and size (`sizing.profile_and_size`): one prefill of max_num_batched_tokens tokens,
+   non-KV = weights + peak activations; total = the device's `bytes_limit` (GPU) or
+   --total-gib; kvjax.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
+2. reconcile (`sizing.reconcile`): allocate the paged cache and the block tables, and set
+   analytic beside measured bytes per device for weights, KV pages, scales, block tables and the
+   activation peak, with ratio, byte difference and the reason for any difference;
+3. print the report (`render`, or --json).
 
 --model takes a checkpoint folder, a built-in name (small-gqa, small-mla), or
-`preset:NAME` for a models.config preset with random weights (e.g. preset:llama-3-8b, Llama-3-8B's
+`preset:NAME` for a kvjax.config preset with random weights (e.g. preset:llama-3-8b, Llama-3-8B's
 published shapes in bf16; nothing is downloaded). --tp N shards weights and cache over N devices
 (kvjax.sharding); on CPU the command asks JAX for N host devices when it starts JAX itself.
 """
@@ -34,6 +31,7 @@ from kvjax import budget as bud
 # name of XLA_PYTHON_CLIENT_MEM_FRACTION).
 ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
                  "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS")
+# kvjax.sizing's defaults (vLLM's), repeated so that building the parser does not import JAX.
 DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, max_num_seqs=256, tp=1)
 
 
@@ -90,8 +88,8 @@ def _ask_for_cpu_devices(tp: int) -> None:
 # --------------------------------------------------------------------------------------------
 def _config(args):
     """(ModelConfig, checkpoint folder or None for random weights, display name)."""
-    from kvjax.commands.common import resolve_model
-    from models.config import from_hf_config, preset
+    from kvjax.config import from_hf_config, preset
+    from models.hub import resolve_model
 
     if args.model.startswith("preset:"):
         config = preset(args.model.split(":", 1)[1])
@@ -138,22 +136,6 @@ def _load_params(folder, config, layout, shardings, shapes, seed: int):
     return jax.device_put(params, shardings)  # the unsharded tree is dropped on return
 
 
-def _profile_inputs(config, tokens: int, block_size: int):
-    """One sequence of `tokens` tokens in blocks 1..cdiv(tokens, Z): (tokens, metadata, logits row,
-    blocks), as host arrays, so that they reach the devices only when the profile measures them."""
-    import jax
-    import numpy as np
-
-    from kvjax.attention.metadata import build_metadata
-
-    blocks = -(-tokens // block_size)
-    md = build_metadata([0], [tokens], [list(range(1, blocks + 1))], block_size=block_size, max_tokens=tokens,
-                        max_seqs=1, max_blocks_per_seq=blocks)
-    md = jax.tree_util.tree_map(np.array, md)  # copies: a numpy view would keep the device buffer alive
-    ids = (np.arange(tokens) % config.vocab_size).astype(np.int32)
-    return ids, md, md.logits_indices.copy(), blocks + 1
-
-
 class _Setup:
     """Everything fixed before a byte is allocated: model, layout, mesh, shapes and shardings."""
 
@@ -168,212 +150,66 @@ class _Setup:
         self.layout = shd.tp_layout(self.spec, args.tp)
         self.mesh = shd.make_mesh(args.tp)
         self.devices = list(self.mesh.devices.flat)
-        self.platform = self.devices[0].platform
-        replicas = self.layout.head_replicas
         # tp > Hkv: the model runs with each kv head repeated (kvjax.sharding), the same function.
-        self.model = build_model(self.config if replicas == 1 else
+        self.model = build_model(self.config if self.layout.head_replicas == 1 else
                                  self.config.replace(num_kv_heads=self.layout.cache_kv_heads))
         self.shapes = param_shapes(self.model)
         self.param_shardings = shd.param_shardings(self.shapes, self.mesh)
-        self.whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(self.config))))
-        self.block_size = args.block_size
-        self.max_model_len = args.max_model_len or min(self.config.max_position_embeddings, 8192)
-
-    def make_cache(self, num_blocks: int):
-        from kvjax.cache import PagedCache
-
-        return lambda: PagedCache.create(self.layout.cache_spec, num_blocks, self.block_size)
-
-    def abstract(self, tree, shardings=None):
-        """ShapeDtypeStructs of `tree` carrying shardings (replicated when none are given)."""
-        import jax
-
-        if shardings is None:
-            shardings = jax.tree_util.tree_map(lambda _: self.whole, tree)
-        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      tree, shardings)
-
-
-def _profile(setup: _Setup, params, compiled, plan_mem, inputs, profile_blocks) -> dict:
-    """Step 2: run the compiled profiling step once; the activation peak per device."""
-    import jax
-
-    from kvjax import memory as mem
-    from kvjax import sharding as shd
-
-    devices = setup.devices
-    cache_shardings = shd.cache_shardings(jax.eval_shape(setup.make_cache(profile_blocks)), setup.mesh)
-    cache = jax.jit(setup.make_cache(profile_blocks), out_shardings=cache_shardings)()
-    cache_bytes = [mem.tree_bytes_on(cache, d) for d in devices]
-    base = mem.snapshot(devices)  # weights + profile cache (+ anything else alive)
-    peak_before = [mem.peak_bytes(d) for d in devices]
-    ids, md, rows = shd.replicated(setup.mesh, inputs)
-    input_bytes = mem.tree_bytes_on((ids, md, rows), devices[0])
-    live_at_call = mem.snapshot(devices)
-    logits, cache = compiled(params, ids, md, cache, rows)
-    jax.block_until_ready((logits, cache))
-    peak_after = [mem.peak_bytes(d) for d in devices]
-    extra = plan_mem.temp + plan_mem.output - plan_mem.alias
-    if peak_after[0] is None:  # CPU: live arrays at the call + XLA's temporaries and new outputs
-        peaks = [live + extra for live in live_at_call]
-        how = "no allocator stats (cpu): live arrays at the call + XLA temp + unaliased outputs"
-    else:
-        peaks, how = peak_after, "allocator peak_bytes_in_use"
-    # An earlier peak (weight loading) above the profile's hides it: measured is then unknown.
-    measured = [None if before is not None and peak <= before else peak - b
-                for peak, before, b in zip(peaks, peak_before, base)]
-    analytic = input_bytes + extra
-    return {"tokens": int(inputs[0].shape[0]), "how": how, "peak_bytes": peaks, "base_bytes": base,
-            "xla_temp": plan_mem.temp, "xla_output": plan_mem.output, "xla_alias": plan_mem.alias,
-            "inputs": input_bytes, "profile_cache_bytes": cache_bytes, "analytic": analytic,
-            "measured": measured, "peak_hidden_by_earlier_peak": any(m is None for m in measured),
-            # non-KV uses the measured peak, or XLA's plan where the device could not show it
-            "activations": max(analytic if m is None else m for m in measured)}
-
-
-def _allocate(setup: _Setup, num_blocks: int, max_num_seqs: int) -> dict:
-    """Step 4: pages (with int8's per-slot scale pages), then static scales and counters, then the
-    block tables, each measured as the increase of bytes in use on every device."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvjax import memory as mem
-    from kvjax import sharding as shd
-
-    make = setup.make_cache(num_blocks)
-    shapes = jax.eval_shape(make)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes, setup.mesh))
-    groups = {"pages": [i for i, x in enumerate(leaves) if x.ndim >= 2],
-              "static": [i for i, x in enumerate(leaves) if x.ndim < 2]}
-    made, snaps = [None] * len(leaves), [mem.snapshot(setup.devices)]
-    for want in groups.values():
-        arrays = jax.jit(lambda want=want: [jax.tree_util.tree_leaves(make())[i] for i in want],
-                         out_shardings=[shardings[i] for i in want])()
-        jax.block_until_ready(arrays)
-        snaps.append(mem.snapshot(setup.devices))
-        for i, a in zip(want, arrays):
-            made[i] = a
-    cache = jax.tree_util.tree_unflatten(treedef, made)
-    width = -(-setup.max_model_len // setup.block_size)
-    tables = jax.device_put(jnp.zeros((max_num_seqs, width), jnp.int32), setup.whole)  # i32[B, M]
-    jax.block_until_ready(tables)
-    snaps.append(mem.snapshot(setup.devices))
-    return {"cache": cache, "tables": tables, "snapshots": snaps,
-            "page_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["pages"]],
-            "static_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["static"]],
-            "table_bytes": max_num_seqs * width * 4}
 
 
 def measure(args) -> dict:
-    """Steps 1-5 of the module docstring; returns the report `render` prints."""
+    """kvjax.sizing's profile → budget → blocks, then its reconciliation; the report `render` prints."""
     import jax
 
     from kvjax import memory as mem
-    from kvjax import sharding as shd
+    from kvjax import sizing
 
     setup = _Setup(args)
-    devices, platform, z = setup.devices, setup.platform, args.block_size
+    devices, platform = setup.devices, setup.devices[0].platform
+    try:
+        total = (bud.gib(args.total_gib, "--total-gib") if args.total_gib is not None
+                 else sizing.device_total_bytes(devices[0]))
+    except sizing.NoMemoryLimitError:
+        raise ValueError(f"the {platform} device reports no memory limit: pass --total-gib") from None
 
-    # Compile the profiling step from shapes alone, before any weight is on the device: a GPU
-    # compile's autotuning scratch then peaks while the device is empty and cannot hide the
-    # profile's peak later.
-    ids, md, rows, profile_blocks = _profile_inputs(setup.config, args.max_num_batched_tokens, z)
-    cache_shapes = jax.eval_shape(setup.make_cache(profile_blocks))
-    step = shd.make_sharded_step(setup.model, setup.mesh, cache_shapes)
-    compiled = step.lower(setup.abstract(setup.shapes, setup.param_shardings), setup.abstract(ids),
-                          setup.abstract(md),
-                          setup.abstract(cache_shapes, shd.cache_shardings(cache_shapes, setup.mesh)),
-                          setup.abstract(rows)).compile()
-    plan_mem = mem.analyse(compiled)
-
-    # 1. Weights.
+    # Compiled from shapes before any weight is on the device (see sizing.compile_profile).
+    step = sizing.compile_profile(setup.model, setup.shapes, setup.spec, mesh=setup.mesh,
+                                  block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
     start = mem.snapshot(devices)
     params = _load_params(setup.folder, setup.config, setup.layout, setup.param_shardings, setup.shapes, args.seed)
     jax.block_until_ready(params)
     loaded = mem.snapshot(devices)
-    weights_measured = [b - a for a, b in zip(start, loaded)]
-
-    # 2. Profile.
-    profile = _profile(setup, params, compiled, plan_mem, (ids, md, rows), profile_blocks)
-    del ids, md, rows
-
-    # 3. Budget, for the layout one rank holds, on one device.
-    total = bud.gib(args.total_gib, "--total-gib") if args.total_gib is not None else mem.bytes_limit(devices[0])
-    if total is None:
-        raise ValueError(f"the {platform} device reports no memory limit: pass --total-gib")
-    weights_used, activations = max(weights_measured), profile["activations"]
-    plan = bud.plan(setup.layout.rank_spec, context=setup.max_model_len, block_size=z, total_bytes=total,
-                    util=args.util, weights_bytes=weights_used, activations_bytes=activations)
-    if plan.num_blocks < 2:
-        raise ValueError(f"the budget leaves {plan.num_blocks} blocks of {plan.bytes_per_block:,} B "
-                         f"(requested {plan.requested_bytes:,} B, non-KV {weights_used + activations:,} B): "
-                         "no usable block; raise --total-gib or --util, or lower --max-num-batched-tokens")
-
-    # 4. Allocate.
-    alloc = _allocate(setup, plan.num_blocks, args.max_num_seqs)
-    before_kv, after_pages, after_static, after_tables = alloc["snapshots"]
-
-    # 5. Reconcile, device by device.
-    weight_arrays = [shd.shard_nbytes(x, s) for x, s in zip(jax.tree_util.tree_leaves(setup.shapes),
-                                                            jax.tree_util.tree_leaves(setup.param_shardings))]
-    analytic = {"weights": shd.tree_shard_nbytes(setup.shapes, setup.param_shardings),
-                "kv pages": plan.num_blocks * setup.layout.rank_spec.bytes_per_block(z),
-                "scales + counters": mem.cache_static_bytes(setup.layout.rank_spec),
-                "block tables": alloc["table_bytes"]}
-    arrays = {"weights": weight_arrays, "kv pages": alloc["page_arrays"],
-              "scales + counters": alloc["static_arrays"], "block tables": [alloc["table_bytes"]]}
-    per_device = []
-    for d, dev in enumerate(devices):
-        measured = {"weights": weights_measured[d], "kv pages": after_pages[d] - before_kv[d],
-                    "scales + counters": after_static[d] - after_pages[d],
-                    "block tables": after_tables[d] - after_static[d]}
-        rows_d = [mem.Row(k, analytic[k], measured[k], mem.explain_arrays(analytic[k], measured[k], arrays[k],
-                                                                           platform)) for k in analytic]
-        act = profile["measured"][d]
-        rows_d.append(mem.Row("activation peak", profile["analytic"], act,
-                              _explain_activations(profile["analytic"], act, platform)))
-        resident, expected = after_tables[d] - start[d], sum(analytic.values())
-        rows_d.append(mem.Row("total resident", expected, resident,
-                              "weights + KV + scales + tables; the profile's buffers were freed"
-                              if resident == expected else
-                              "in use now − in use before the weights; beyond the rows above: buffers the "
-                              "runtime keeps for the compiled step (constants) and allocator rounding"))
-        per_device.append({"device": str(dev), "rows": [r.to_json() for r in rows_d],
-                           "shard_kv_bytes": mem.tree_bytes_on(
-                               [x for x in jax.tree_util.tree_leaves(alloc["cache"]) if x.ndim >= 2], dev)})
-    rows0 = per_device[0]["rows"]
-    same = all([r["measured"] for r in p["rows"]] == [r["measured"] for r in rows0] for p in per_device)
-    del alloc, params
+    try:
+        sized = sizing.profile_and_size(
+            setup.model, params, setup.spec, util=args.util, total_bytes=total, block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, mesh=setup.mesh,
+            weights_bytes=[b - a for a, b in zip(start, loaded)], step=step)
+    except sizing.NoUsableBlockError as e:  # the library's message, in the command's flags
+        p, non_kv = e.plan, e.plan.weights_bytes + e.plan.activations_bytes
+        raise ValueError(f"the budget leaves {p.num_blocks} blocks of {p.bytes_per_block:,} B (requested "
+                         f"{p.requested_bytes:,} B, non-KV {non_kv:,} B): no usable block; raise --total-gib or "
+                         "--util, or lower --max-num-batched-tokens") from None
+    check = sizing.reconcile(sized, baseline=start)
+    del params
+    plan, rows0 = sized.plan, [r.to_json() for r in check.rows]
     return {
         "model": setup.name, "model_type": setup.config.model_type, "dtype": setup.config.dtype,
         "kv_dtype": setup.spec.kv_dtype, "params": setup.num_params, "platform": platform,
         "devices": [str(d) for d in devices], "tp": args.tp,
         "kv_heads_per_rank": setup.layout.kv_heads_per_rank, "kv_head_replicas": setup.layout.head_replicas,
-        "block_size": z, "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-        "max_model_len": setup.max_model_len, "weights_bytes_before": start, "weights_bytes_after": loaded,
-        "profile": profile, "non_kv_bytes": weights_used + activations, "total_bytes": total,
+        "block_size": sized.block_size, "max_num_batched_tokens": sized.max_num_batched_tokens,
+        "max_num_seqs": sized.max_num_seqs, "max_model_len": sized.max_model_len,
+        "weights_bytes_before": start, "weights_bytes_after": loaded,
+        "profile": sized.profile.to_json(), "non_kv_bytes": sized.non_kv_bytes, "total_bytes": sized.total_bytes,
         "total_source": "--total-gib" if args.total_gib is not None else
         "device bytes_limit: the JAX allocator's pool, XLA_CLIENT_MEM_FRACTION × memory",
-        "plan": plan.to_json(), "num_blocks": plan.num_blocks, "device_stats": devices[0].memory_stats(),
+        "plan": plan.to_json(), "num_blocks": sized.num_blocks, "device_stats": devices[0].memory_stats(),
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
-        "kv_measured_over_analytic": rows0[1]["ratio"], "devices_agree": same,
-        "rows": rows0, "per_device": per_device,
+        "kv_measured_over_analytic": check.kv_measured_over_analytic, "devices_agree": check.devices_agree,
+        "rows": rows0, "per_device": [d.to_json() for d in check.per_device],
     }
-
-
-def _explain_activations(analytic: int, measured: int | None, platform: str) -> str:
-    if measured is None:
-        return ("the allocator's peak was set earlier (weight loading) and the profile stayed below it; "
-                "the budget uses XLA's plan")
-    if platform == "cpu":
-        return "cpu keeps no allocator peak: measured is live arrays + XLA temp, so it equals XLA's plan"
-    diff = measured - analytic
-    if diff == 0:
-        return "exact"
-    return (f"allocator peak vs XLA's buffer plan: {diff:+,} B (256 B rounding of each buffer, buffers the "
-            "runtime adds around the call)")
 
 
 # --------------------------------------------------------------------------------------------
