@@ -29,14 +29,19 @@ and count non-finite inputs in each layer's `nonfinite` counter, so a NaN or inf
 quantized cache is reported rather than silently transformed (NaN is kept, visible; ±inf
 saturates to ±max). Unquantized pages store NaN and inf as they are and count nothing.
 
+The contiguous cache (`ContiguousCache`) is the baseline paging is measured against: per
+layer one row of max_len positions per batch row, K/V [R, S, K, H] (MLA [R, S, C]), written at
+(row, position) and read in place, with no block table. Models write every layer through
+`write_step` and attend through `kvjax.attention`, which take either kind, so a paged and a
+contiguous run execute the same Flax modules and differ only in where K/V live. It stores
+unquantized KV only and cannot share prefixes (a row belongs to one request).
+
 Byte accounting is kvjax.spec's: `kv_nbytes` (pages, and int8's per-token scale pages, which
 the spec counts per vector) equals P × spec.bytes_per_block(Z) exactly; the static fp8 scales
 are `scale_nbytes`, outside the per-block formula as in vLLM (SPEC: "left out of the simple
 formula: ... quantization scales").
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +78,24 @@ class LatentPages:
 
 
 LayerPages = KVPages | LatentPages
+
+
+@struct.dataclass
+class ContiguousKV:
+    """One MHA/GQA/MQA layer of the contiguous cache: row r holds batch row r's positions."""
+
+    k: jax.Array  # [R, S, K, H]
+    v: jax.Array  # [R, S, K, H]
+
+
+@struct.dataclass
+class ContiguousLatent:
+    """One MLA layer of the contiguous cache."""
+
+    latent: jax.Array  # [R, S, C]
+
+
+LayerRows = ContiguousKV | ContiguousLatent
 
 
 @struct.dataclass
@@ -138,10 +161,39 @@ class PagedCache:
         """i32[]: NaN/inf values written into any layer so far (0 in a healthy run)."""
         return sum(layer.nonfinite for layer in self.layers if layer.nonfinite is not None)
 
-    def replace_layer(self, layer: int, pages: LayerPages) -> "PagedCache":
-        layers = list(self.layers)
-        layers[layer] = pages
-        return self.replace(layers=tuple(layers))
+
+@struct.dataclass
+class ContiguousCache:
+    """All layers' rows: `layers[i]` is layer i's ContiguousKV (or ContiguousLatent for MLA)."""
+
+    layers: tuple[LayerRows, ...]
+
+    @classmethod
+    def create(cls, spec: KVSpec, num_rows: int, max_len: int) -> "ContiguousCache":
+        """Zeroed rows: num_rows batch rows of max_len positions, in the spec's (unquantized) dtype."""
+        for name, value in (("num_rows", num_rows), ("max_len", max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CacheError(f"{name} must be a positive integer, got {value!r}")
+        layers = []
+        for i in range(spec.num_layers):
+            kv = spec.layer_dtype(i)
+            if kv.quantized:
+                raise CacheError(f"the contiguous cache stores unquantized KV only; layer {i} is {kv.name}")
+            dtype = jnp.dtype(kv.jnp_name)
+            if spec.kind == "mla":
+                layers.append(ContiguousLatent(jnp.zeros((num_rows, max_len, spec.head_dim), dtype)))
+            else:
+                shape = (num_rows, max_len, spec.num_kv_heads, spec.head_dim)
+                layers.append(ContiguousKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        return cls(tuple(layers))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(self))
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        return jnp.zeros((), jnp.int32)  # unquantized: nothing is counted (as PagedCache's unquantized layers)
 
 
 def _layer_scale(kv_name: str, shape: tuple[int, ...], scales: quant.KVScales | None, which: str,
@@ -233,17 +285,26 @@ def write_latent(pages: LatentPages, latent: jax.Array, slot_mapping: jax.Array)
     return LatentPages(page, scale, None if pages.nonfinite is None else pages.nonfinite + bad)
 
 
-def write(cache: PagedCache, layer: int, k: jax.Array, v: jax.Array | None,
-          slot_mapping: jax.Array) -> PagedCache:
-    """Write one layer's new tokens: K/V [T, K, H] each, or for MLA the latent [T, C] as k (v None)."""
-    pages = cache.layers[layer]
-    if isinstance(pages, LatentPages):
-        if v is not None:
-            raise CacheError(f"layer {layer} is an MLA latent page: pass the latent as k and v=None")
-        return cache.replace_layer(layer, write_latent(pages, k, slot_mapping))
-    if v is None:
-        raise CacheError(f"layer {layer} holds K and V pages: v is required")
-    return cache.replace_layer(layer, write_kv(pages, k, v, slot_mapping))
+def write_rows(rows: jax.Array, values: jax.Array, md) -> jax.Array:
+    """Contiguous write: values[t] ([T, ...]) at row md.seq_ids[t], position md.positions[t] of
+    rows [R, S, ...]. Padding tokens (valid False) are dropped: a contiguous cache has no null block."""
+    row = jnp.where(md.valid, md.seq_ids, rows.shape[0])  # out of range: dropped
+    return rows.at[row, md.positions].set(values.astype(rows.dtype), mode="drop")
+
+
+def write_step(layer, md, k: jax.Array, v: jax.Array | None = None):
+    """Write one layer's new tokens where the step's metadata (`BatchMetadata`) puts them, for
+    either cache: k, v [T, K, H], or for MLA the latent [T, C] as k (v None). Paged layers take
+    md.slot_mapping; contiguous rows take (md.seq_ids, md.positions). Returns the new layer."""
+    if isinstance(layer, KVPages):
+        return write_kv(layer, k, v, md.slot_mapping)
+    if isinstance(layer, LatentPages):
+        return write_latent(layer, k, md.slot_mapping)
+    if isinstance(layer, ContiguousKV):
+        return ContiguousKV(write_rows(layer.k, k, md), write_rows(layer.v, v, md))
+    if isinstance(layer, ContiguousLatent):
+        return ContiguousLatent(write_rows(layer.latent, k, md))
+    raise CacheError(f"not a cache layer: {type(layer).__name__}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,22 +315,3 @@ def gather_pages(page: jax.Array, block_tables: jax.Array) -> jax.Array:
     blocks = page[block_tables]  # [B, M, Z, ...]
     b, m, z = blocks.shape[:3]
     return blocks.reshape(b, m * z, *blocks.shape[3:])
-
-
-def gather(cache: PagedCache, layer: int, block_tables: jax.Array) -> tuple[jax.Array, ...]:
-    """One layer's cached vectors per sequence: (k, v) each [B, S, K, H], or (latent [B, S, C],)."""
-    pages = cache.layers[layer]
-    if isinstance(pages, LatentPages):
-        return (gather_pages(pages.latent, block_tables),)
-    return gather_pages(pages.k, block_tables), gather_pages(pages.v, block_tables)
-
-
-def slots_for_positions(block_table: Sequence[int], positions: Sequence[int], block_size: int) -> list[int]:
-    """Host-side slot mapping of one sequence: slot = block_table[p // Z] × Z + p % Z."""
-    out = []
-    for p in positions:
-        if p // block_size >= len(block_table):
-            raise CacheError(f"position {p} needs logical block {p // block_size}, but the block "
-                             f"table has {len(block_table)} blocks of {block_size}")
-        out.append(block_table[p // block_size] * block_size + p % block_size)
-    return out

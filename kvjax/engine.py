@@ -1,18 +1,30 @@
-"""The decoding engine: continuous batching through the scheduler, block pool, paged cache and a model.
+"""The decoding engine: continuous batching through the scheduler, block pool, KV cache and a model.
+
+This is the only code in kvjax that produces tokens: `kvjax.LLM`, `kvjax decode`, the
+accuracy evaluation and the benchmarks all generate through it.
 
 One engine step is vLLM V1's `EngineCore.step`: the scheduler plans which requests run and
 how many tokens each computes (`kvjax.scheduler`, with the block pool's allocation,
-prefix-cache hits and preemption by recompute), the model runs the plan over the paged cache,
-a token is sampled for every request whose last token was computed, and the scheduler takes
-the tokens back. Prefill is not chunked (vLLM with `enable_chunked_prefill=False`): a waiting
+prefix-cache hits and preemption by recompute), the model runs the plan over the KV cache,
+a token is sampled for every request whose last token was computed (`kvjax.sampling`, each
+request with its own `SamplingParams`), and the scheduler takes the tokens back, finishing
+requests that reached their length or sampled a stop token (EOS unless ignored, or one of
+stop_token_ids). Prefill is not chunked (vLLM with `enable_chunked_prefill=False`): a waiting
 request is admitted only when its whole prompt, less its prefix-cache hit, fits the step's
 token budget, which is therefore at least max_model_len.
+
+Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request
+keeps one row of the step's batch (B = max_num_seqs rows) from admission until it finishes
+or is preempted; empty rows are padding. A paged cache does not care which row a request
+sits in; the contiguous cache (`kv_layout="contiguous"`, kvjax.cache.ContiguousCache, the
+baseline paging is measured against) stores row r's K/V in its row r, so the same modules,
+steps and decode loop serve both layouts.
 
 Two compiled device calls serve every plan; shapes are padded to buckets so that a run
 compiles a handful of programs, never one per step:
 
 * `_ragged_step` — any plan with prefill tokens: the flat ragged batch of vLLM V1's model
-  runner (`BatchMetadata`), T tokens padded to a power of two, B = max_num_seqs rows.
+  runner (`BatchMetadata`), T tokens padded to a power of two, B rows.
 * `_decode_loop` — a plan of one token per request, every request sampling: the decode form
   (T = B; the Pallas kernels with attn_impl "pallas"). It runs that step, then up to K - 1
   more (`steps_per_call`) inside one `lax.while_loop`, with sampling and the functional
@@ -20,12 +32,14 @@ compiles a handful of programs, never one per step:
   and allocates the next token's slot (`pool.allocate_step`), exactly what the host's
   `update` + `schedule` would do between two steps. The loop stops early, and returns to the
   host scheduler, when a request finishes (its blocks are freed and a waiting request may be
-  admitted) or when the next step's blocks do not all fit in the free queue (checked before
-  allocating, so the pool is left as the host expects; the host's next `schedule` repeats the
-  allocation and preempts). Between those events the host scheduler would only have run the
-  same decodes — a waiting request that did not fit cannot fit while blocks are only taken —
-  so K = 8 gives the same schedule, and (with `kvjax.sampling`'s position-keyed draws) the
-  same tokens, as K = 1. A step that preempted runs alone, since the next one may admit.
+  admitted) or when `pool.step_fits` — the rule the host scheduler applies too — says the
+  next step's blocks do not all fit (checked before allocating, so the pool is left as the
+  host expects; the host's next `schedule` repeats the allocation and preempts). Between
+  those events the host scheduler would only have run the same decodes — a waiting request
+  that did not fit cannot fit while blocks are only taken — so K = 8 gives the same schedule,
+  and (with `kvjax.sampling`'s position-keyed draws) the same tokens, as K = 1. A step that
+  preempted runs alone, since the next one may admit. Every `ok` flag the pool returns in
+  the loop is checked; a refusal raises `SchedulerError` naming the request and the counts.
 
 The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
 the reference attention reads every position of the table it is given, so a short batch is
@@ -46,11 +60,13 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from kvjax import pool, sampling
 from kvjax.attention.metadata import build_metadata, decode_metadata
-from kvjax.cache import PagedCache
-from kvjax.scheduler import Scheduler, SchedulerConfig, StepPlan
+from kvjax.cache import ContiguousCache, PagedCache
+from kvjax.sampling import SamplingParams
+from kvjax.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
 
 MIN_TABLE_TOKENS = 64  # smallest block-table width bucket, in tokens
 MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
@@ -58,7 +74,10 @@ DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not give
 
 
 class EngineError(ValueError):
-    """An engine built with values that break a rule; the message names the value."""
+    """An engine built or called with values that break a rule; the message names the value."""
+
+
+KV_LAYOUTS = ("paged", "contiguous")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +89,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # step token budget; None: max(max_model_len, 2048)
     prefix_caching: bool = True
     steps_per_call: int = 1  # K decode steps per device call
-    temperature: float = 0.0  # 0: greedy
-    seed: int = 0
-    policy: str = "fcfs"  # or "priority" (requests then all have priority 0: same as fcfs)
+    seed: int = 0  # the random stream of requests without a seed of their own
+    policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
+    kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "steps_per_call"):
@@ -81,19 +100,25 @@ class EngineConfig:
                 raise EngineError(f"{name} must be a positive integer, got {value!r}")
         if self.num_blocks < 2:
             raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
-        if not self.temperature >= 0:
-            raise EngineError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.policy not in ("fcfs", "priority"):
+            raise EngineError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "contiguous" and self.prefix_caching:
+            raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
+                              "turn prefix caching off")
 
 
 @dataclasses.dataclass
 class RequestResult:
     index: int  # position in the prompts passed to generate
     prompt_tokens: int
-    output: list[int]  # generated token ids
+    output: list[int]  # generated token ids (a stop token included)
+    logprobs: list[float] | None = None  # log-probability of each generated token, when asked
     error: str | None = None  # why this request was refused; None if it ran
-    finish_reason: str | None = None  # "max_tokens", "max_model_len" (clamped), or None on error
+    finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
     preemptions: int = 0
-    prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache, summed over admissions
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled (vLLM's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,71 +183,104 @@ def _pow2_bucket(n: int, lo: int, hi: int) -> int:
 
 # ----------------------------------------------------------------------------------- device calls
 @functools.partial(jax.jit, static_argnames="model", donate_argnames="cache")
-def _ragged_step(model, params, cache, tokens, md, sample_ids, positions, key, temperature):
-    """One ragged step. tokens: i32[T]; sample_ids, positions: i32[B] (the new token's position)
-    → (sampled i32[B], cache)."""
+def _ragged_step(model, params, cache, tokens, md, sampling_rows):
+    """One ragged step. tokens: i32[T]; sampling_rows: `_SamplingRows` → (sampled i32[B],
+    log-probs f32[B], cache)."""
     logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)  # f32[B, V]
-    return sampling.sample(logits, key, sample_ids, positions, temperature), cache
+    r = sampling_rows
+    tokens, logprobs = sampling.sample(logits, r.keys, r.positions, r.temperature, r.top_k, r.top_p)
+    return tokens, logprobs, cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_steps", "width"), donate_argnames="cache")
-def _decode_loop(model, params, state: pool.PoolState, cache, slots, tokens, computed, remaining, sample_ids,
-                 key, temperature, max_steps, *, num_steps: int, width: int):
+def _decode_loop(model, params, state: pool.PoolState, cache, slots, tokens, computed, remaining, stop_ids,
+                 sampling_rows, max_steps, *, num_steps: int, width: int):
     """Up to max_steps (<= num_steps) decode steps of the same requests, in one call.
 
-    slots: i32[B] pool slots, -1 = padding row; tokens: i32[B] each row's last token (its KV is
-    computed now); computed: i32[B] tokens already cached; remaining: i32[B] tokens still to
-    generate. The pool already holds the first step's allocation (the host's `schedule`).
-    → (state, cache, sampled i32[num_steps, B], steps run, blocks in use per step i32[num_steps],
-    refused: the pool refused an allocation that fit — a bug, the host raises).
+    Per row (B): slots i32 pool slots, -1 = empty row; tokens i32 each row's last token (its KV
+    is computed now); computed i32 tokens already cached; remaining i32 tokens still to generate;
+    stop_ids i32[B, X] tokens that end the row's request (-1 padding); sampling_rows the rows'
+    sampling parameters. The pool already holds the first step's allocation (the host's `schedule`).
+    → (state, cache, sampled i32[num_steps, B], log-probs f32[num_steps, B], steps run, blocks in
+    use per step i32[num_steps], refusal): refusal = (rows whose sampled token the pool refused
+    bool[B], rows whose allocation it refused although `step_fits` said it fit bool[B], blocks each
+    row needed i32[B], free blocks i32[]); either refusal is a bug that the host raises.
     """
     active = slots >= 0  # bool[B]
-    rows = jnp.where(active, slots, 0)
-    scatter_at = jnp.where(active, slots, state.max_requests)  # padding rows scatter out of range
+    slot = jnp.where(active, slots, 0)
+    scatter_at = jnp.where(active, slots, state.max_requests)  # empty rows scatter out of range
     usable = state.num_blocks - 1
+    r = sampling_rows
 
     def body(c):
-        i, state, cache, tokens, computed, remaining, out, used, refused, _ = c
+        i, state, cache, tokens, computed, remaining, out, out_lp, used, refusal, _ = c
         used = used.at[i].set(usable - state.num_free)
-        tables = jnp.where(active[:, None], state.block_table[rows, :width], 0)  # i32[B, M]
+        tables = jnp.where(active[:, None], state.block_table[slot, :width], 0)  # i32[B, M]
         md = decode_metadata(tables, computed, active, state.block_size)
         logits, cache = model.apply({"params": params}, tokens, md, cache)  # f32[B, V]
-        new = jnp.where(active, sampling.sample(logits, key, sample_ids, computed + 1, temperature), 0)
+        new, logprobs = sampling.sample(logits, r.keys, computed + 1, r.temperature, r.top_k, r.top_p)
+        new = jnp.where(active, new, 0)
         remaining = remaining - active
-        keep = active & (remaining > 0)  # a request's last token is never appended (Scheduler.update)
+        stopped = (new[:, None] == stop_ids).any(axis=1)
+        keep = active & (remaining > 0) & ~stopped  # a request's last token is never appended (Scheduler.update)
         finished = active & ~keep
         append = jnp.zeros(state.max_requests, jnp.int32).at[scatter_at].set(new, mode="drop")
         mask = jnp.zeros(state.max_requests, bool).at[scatter_at].set(keep, mode="drop")
-        state, _ = pool.append_token_step(state, append, mask)
-        go_on = (i + 1 < max_steps) & ~finished.any()
-        # Allocate the next step's slots only if all of them fit, so that a failure leaves the
-        # pool untouched: a request's next token needs cdiv(computed + 1, Z) - held new blocks
-        # (0 or 1; the pool's own rule) and the requests draw from one free queue. If they
-        # don't fit, stop here: the host's next `schedule` repeats the allocation and preempts.
-        need = jnp.maximum(-(-(state.num_computed[rows] + 1) // state.block_size) - state.num_held[rows], 0)
-        fits = jnp.where(keep, need, 0).sum() <= state.num_free
+        state, appended = pool.append_token_step(state, append, mask)
+        append_refused = keep & ~appended[slot]
+        go_on = (i + 1 < max_steps) & ~finished.any() & ~append_refused.any()
+        # The host scheduler's rule (pool.step_fits): allocate the next step only if all of it
+        # fits, so that stopping leaves the pool as the host's next `schedule` expects.
+        reqs = jnp.where(keep, slots, -1)
+        need, fits = pool.step_fits(state, reqs, keep.astype(jnp.int32))
 
         def allocate(s):
-            s, ok = pool.allocate_step(s, jnp.where(keep, slots, -1), keep.astype(jnp.int32), stop_at_failure=True)
-            return s, jnp.all(ok | ~keep)
+            return pool.allocate_step(s, reqs, keep.astype(jnp.int32), stop_at_failure=True)
 
-        state, ok = jax.lax.cond(go_on & fits, allocate, lambda s: (s, jnp.bool_(True)), state)
-        return (i + 1, state, cache, new, computed + 1, remaining, out.at[i].set(new), used, refused | ~ok,
-                go_on & fits & ok)
+        state, allocated = jax.lax.cond(go_on & fits, allocate,
+                                        lambda s: (s, jnp.ones(reqs.shape, bool)), state)
+        alloc_refused = keep & ~allocated
+        refusal = (refusal[0] | append_refused, refusal[1] | alloc_refused, jnp.where(alloc_refused, need, refusal[2]),
+                   jnp.where(alloc_refused.any(), state.num_free, refusal[3]))
+        return (i + 1, state, cache, new, computed + 1, remaining, out.at[i].set(new), out_lp.at[i].set(logprobs),
+                used, refusal, go_on & fits & ~alloc_refused.any())
 
     b = slots.shape[0]
+    no = jnp.zeros(b, bool)
     init = (jnp.int32(0), state, cache, tokens, computed, remaining, jnp.zeros((num_steps, b), jnp.int32),
-            jnp.zeros(num_steps, jnp.int32), jnp.bool_(False), jnp.bool_(True))
-    n, state, cache, _, _, _, out, used, refused, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
-    return state, cache, out, n, used, refused
+            jnp.zeros((num_steps, b), jnp.float32), jnp.zeros(num_steps, jnp.int32),
+            (no, no, jnp.zeros(b, jnp.int32), jnp.int32(0)), jnp.bool_(True))
+    n, state, cache, _, _, _, out, out_lp, used, refusal, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
+    return state, cache, out, out_lp, n, used, refusal
+
+
+@struct.dataclass
+class _SamplingRows:
+    """Each row's sampling parameters (kvjax.sampling.sample), as arrays: one compile serves any mix."""
+
+    keys: jax.Array  # u32[B, 2] the row's request key
+    positions: jax.Array  # i32[B] the position of the token sampled (ragged steps; decode steps compute it)
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+
+
+@dataclasses.dataclass
+class _Active:
+    """What the engine keeps of a request it runs, beside the scheduler's own record."""
+
+    params: SamplingParams
+    key: np.ndarray  # u32[2]
+    stop_ids: tuple[int, ...]
+    logprobs: list[float]
 
 
 # ----------------------------------------------------------------------------------- the engine
 class Engine:
-    """Batched generation over one model and one paged cache; `generate` may be called again
+    """Batched generation over one model and one KV cache; `generate` may be called again
     (each call starts from an empty pool; compiled steps are reused)."""
 
-    def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None,
+    def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
                  max_position_embeddings: int | None = None, vocab_size: int | None = None):
         model_config = getattr(model, "config", None)
         model_len = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
@@ -233,6 +291,7 @@ class Engine:
             raise EngineError(f"max_model_len={config.max_model_len} must be in [1, {model_len}] "
                               "(the model's max_position_embeddings)")
         self.model, self.params, self.config = model, params, config
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_model_len = config.max_model_len or model_len  # what a request may reach
         self.usable_blocks = config.num_blocks - 1
         z = config.block_size
@@ -245,18 +304,18 @@ class Engine:
             num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
             policy=config.policy, chunked_prefill=False)
-        self.cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
+        if config.kv_layout == "contiguous":
+            self.cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
+        else:
+            self.cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
         self.scheduler: Scheduler | None = None  # the latest run's, for inspection
-        self._rng = jax.random.key(config.seed)
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt: Sequence[int], max_tokens) -> tuple[str | None, int]:
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
         """(why the request is refused or None, tokens it may generate: max_tokens clamped to
-        max_model_len). Rules: max_tokens >= 1; a non-empty prompt of ids in the vocabulary,
-        shorter than max_model_len; prompt + new tokens fit the pool's usable blocks."""
+        max_model_len). Rules: a non-empty prompt of ids in the vocabulary, shorter than
+        max_model_len; prompt + new tokens fit the pool's usable blocks."""
         z, n = self.config.block_size, len(prompt)
-        if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens < 1:
-            return f"max_tokens must be a positive integer, got {max_tokens!r}", 0
         if n == 0:
             return "empty prompt: at least one token is needed", 0
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -265,7 +324,7 @@ class Engine:
         if n >= self.max_model_len:
             return (f"prompt has {n} tokens; the model's max length is {self.max_model_len} tokens "
                     "including at least one generated token"), 0
-        new = min(int(max_tokens), self.max_model_len - n)
+        new = min(params.max_tokens, self.max_model_len - n)
         need = -(-(n + new) // z)
         if need > self.usable_blocks:
             return (f"needs {need} blocks of {z} tokens ({n} prompt + {new} new), but the pool has only "
@@ -273,23 +332,34 @@ class Engine:
         return None, new
 
     # ------------------------------------------------------------------ the loop
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int],
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 *, priorities: Sequence[int] | None = None,
                  progress: Callable[[int], None] | None = None) -> EngineRun:
-        """Generate for every prompt (token id lists). max_tokens: one for all, or one per prompt.
-        A request that breaks a rule gets an error in its result and the others still run.
+        """Generate for every prompt (token id lists). params: one SamplingParams for all, or one
+        per prompt; priorities (policy "priority" only): lower runs first, as in vLLM. A request
+        that breaks a rule gets an error in its result and the others still run.
         progress(n) is called with the number of tokens each device call generated."""
-        if isinstance(max_tokens, (int, np.integer)) and not isinstance(max_tokens, bool):
-            max_tokens = [max_tokens] * len(prompts)
-        if len(max_tokens) != len(prompts):
-            raise EngineError(f"{len(max_tokens)} max_tokens for {len(prompts)} prompts")
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise EngineError(f"give one SamplingParams for all prompts or one per prompt; got {len(params)} "
+                              f"for {len(prompts)} prompts")
+        if priorities is not None and self.config.policy != "priority":
+            raise EngineError("priorities need policy='priority' (the scheduler would ignore them)")
+        if priorities is not None and len(priorities) != len(prompts):
+            raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         sched = self.scheduler = Scheduler(self.scheduler_config)
-        results = []
-        for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
+        results, self._active, self._rows = [], {}, {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
             prompt = [int(t) for t in prompt]
-            error, new = self.check_request(prompt, mt)
-            results.append(RequestResult(i, len(prompt), [], error))
+            error, new = self.check_request(prompt, sp)
+            results.append(RequestResult(i, len(prompt), [], None if sp.logprobs is None else [], error))
             if error is None:
-                sched.add_request(str(i), prompt, new)
+                stop = sp.stop_ids(self.eos_token_ids)
+                sched.add_request(str(i), prompt, new, priority=0 if priorities is None else int(priorities[i]),
+                                  stop_ids=stop)
+                self._active[str(i)] = _Active(sp, sampling.request_key(self.config.seed, i, sp.seed),
+                                               tuple(sorted(stop)), [])
         stats = _Stats(self.usable_blocks)
         start = time.perf_counter()
         while sched.has_unfinished():
@@ -297,13 +367,21 @@ class Engine:
             running = {r.req_id for r in sched.running}
             plan = sched.schedule()
             if plan.num_requests == 0:
-                raise RuntimeError("the scheduler planned an empty step with requests unfinished")
+                raise SchedulerError("the scheduler planned an empty step with requests unfinished")
+            for rid in plan.preempted:
+                self._rows.pop(rid, None)
+            free_rows = sorted(set(range(self.config.max_num_seqs)) - set(self._rows.values()))
+            for rid in plan.req_ids:
+                if rid not in self._rows:
+                    self._rows[rid] = free_rows.pop(0)
             prefill = stats.admissions(sched, plan, running, results)
             decode_form = bool(plan.sample.all() and (plan.num_scheduled == 1).all())
             if decode_form:
-                steps, used = self._decode_call(sched, plan)
+                steps, used, finished = self._decode_call(sched, plan)
             else:
-                steps, used = self._ragged_call(sched, plan), [stats.used(sched)]
+                (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
+            for rid in finished:
+                self._rows.pop(rid)
             generated = int(plan.sample.sum()) + (steps - 1) * plan.num_requests
             decode_tokens = plan.num_requests * steps - len(prefill) if decode_form else \
                 plan.num_requests - len(prefill)
@@ -315,46 +393,79 @@ class Engine:
         for res in results:
             if res.error is None:
                 req = sched.requests[str(res.index)]
-                res.output, res.preemptions = list(req.output), req.num_preemptions
-                res.finish_reason = "max_tokens" if len(req.output) == max_tokens[res.index] else "max_model_len"
+                res.output, res.preemptions, res.finish_reason = list(req.output), req.num_preemptions, \
+                    req.finish_reason
+                if res.logprobs is not None:
+                    res.logprobs = self._active[str(res.index)].logprobs
         return EngineRun(results, stats.summary(results, sched.num_preemptions, wall))
 
-    def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> int:
+    def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> _SamplingRows:
+        """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused)."""
+        b = self.config.max_num_seqs
+        keys, temp = np.zeros((b, 2), np.uint32), np.zeros(b, np.float32)
+        top_k, top_p, positions = np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros(b, np.int32)
+        for rid, row, seq_len in zip(plan.req_ids, rows, plan.seq_lens):
+            a = self._active[rid]
+            keys[row], temp[row], top_k[row], top_p[row] = a.key, a.params.temperature, a.params.top_k, a.params.top_p
+            positions[row] = seq_len  # the index the sampled token takes
+        return _SamplingRows(keys, positions, temp, top_k, top_p)
+
+    def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str]]:
         cfg, z = self.config, self.config.block_size
-        n, total = plan.num_requests, int(plan.num_scheduled.sum())
+        total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
+        rows = [self._rows[r] for r in plan.req_ids]
         width = _pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), sched.max_blocks)
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
                             block_size=z, max_tokens=_pow2_bucket(total, MIN_STEP_TOKENS, budget),
-                            max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width)
-        pad = lambda a, size: np.pad(np.asarray(a, np.int32), (0, size - len(a)))  # noqa: E731
-        ids = pad([int(r) for r in plan.req_ids], cfg.max_num_seqs)
-        sampled, self.cache = _ragged_step(
-            self.model, self.params, self.cache, pad(plan.token_ids, md.num_tokens), md, ids,
-            pad(plan.seq_lens, cfg.max_num_seqs), self._rng, np.float32(cfg.temperature))
-        sched.update(plan, np.asarray(sampled)[:n])
-        return 1
+                            max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width, rows=rows)
+        tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
+        sampled, logprobs, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
+                                                     self._sampling_rows(plan, rows))
+        sampled, logprobs = jax.device_get((sampled, logprobs))
+        for rid, row, do in zip(plan.req_ids, rows, plan.sample):
+            if do:
+                self._active[rid].logprobs.append(float(logprobs[row]))
+        return 1, sched.update(plan, sampled[rows])
 
-    def _decode_call(self, sched: Scheduler, plan: StepPlan):
+    def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[int], list[str]]:
         cfg, z, k = self.config, self.config.block_size, self.config.steps_per_call
-        n, b = plan.num_requests, cfg.max_num_seqs
+        b = cfg.max_num_seqs
         # A step that preempted skipped admission (vLLM does too): the next one may admit.
         max_steps = 1 if plan.preempted else k
         width = _pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
                              sched.max_blocks)
-        reqs = [sched.requests[r] for r in plan.req_ids]
+        rows = [self._rows[r] for r in plan.req_ids]
+        slots = np.full(b, -1, np.int32)
+        tokens, computed, remaining = (np.zeros(b, np.int32) for _ in range(3))
+        width_stop = _pow2_bucket(max(len(self._active[r].stop_ids) for r in plan.req_ids), 1, 1 << 30)
+        stop_ids = np.full((b, width_stop), -1, np.int32)
+        for i, (rid, row) in enumerate(zip(plan.req_ids, rows)):
+            req, a = sched.requests[rid], self._active[rid]
+            slots[row], tokens[row], computed[row] = plan.slots[i], plan.token_ids[i], plan.seq_lens[i] - 1
+            remaining[row] = req.max_new_tokens - len(req.output)
+            stop_ids[row, :len(a.stop_ids)] = a.stop_ids
         # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).
-        pad = lambda a, fill=0: np.pad(np.asarray(a, np.int32), (0, b - n), constant_values=fill)  # noqa: E731
-        state, self.cache, out, steps, used, refused = _decode_loop(
-            self.model, self.params, sched.state, self.cache, pad(plan.slots, -1), pad(plan.token_ids),
-            pad(plan.seq_lens - 1), pad([r.max_new_tokens - len(r.output) for r in reqs]),
-            pad([int(r) for r in plan.req_ids]), self._rng, np.float32(cfg.temperature),
-            np.int32(max_steps), num_steps=k, width=width)
-        out, steps, used, refused = jax.device_get((out, steps, used, refused))  # one transfer
-        if refused:
-            raise RuntimeError("the block pool refused a decode allocation that fit its free blocks")
-        sched.apply_decode_steps(plan, out[:steps, :n], state)
-        return int(steps), [int(u) for u in used[:steps]]
+        state, self.cache, out, out_lp, steps, used, refusal = _decode_loop(
+            self.model, self.params, sched.state, self.cache, slots, tokens, computed, remaining, stop_ids,
+            self._sampling_rows(plan, rows), np.int32(max_steps), num_steps=k, width=width)
+        out, out_lp, steps, used, refusal = jax.device_get((out, out_lp, steps, used, refusal))  # one transfer
+        _raise_refusal(plan, rows, refusal)
+        for rid, row in zip(plan.req_ids, rows):
+            self._active[rid].logprobs.extend(float(x) for x in out_lp[:steps, row])
+        finished = sched.apply_decode_steps(plan, out[:steps][:, rows], state)
+        return int(steps), [int(u) for u in used[:steps]], finished
+
+
+def _raise_refusal(plan: StepPlan, rows: list[int], refusal) -> None:
+    """Raise SchedulerError if the device loop's pool refused a token or an allocation."""
+    append_refused, alloc_refused, need, num_free = refusal
+    for rid, row in zip(plan.req_ids, rows):
+        if append_refused[row]:
+            raise SchedulerError(f"the block pool refused request {rid!r}'s sampled token in the device loop")
+        if alloc_refused[row]:
+            raise SchedulerError(f"the block pool refused {int(need[row])} new block(s) for request {rid!r} in the "
+                                 f"device loop with {int(num_free)} free, although pool.step_fits said the step fit")
 
 
 class _Stats:
@@ -382,7 +493,8 @@ class _Stats:
             hit = int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
             self.queried += req.num_tokens
             self.hits += hit
-            results[int(plan.req_ids[i])].prefix_hit_tokens += hit
+            if req.num_preemptions == 0:  # vLLM's num_cached_tokens: the hit when first scheduled
+                results[int(plan.req_ids[i])].num_cached_tokens = hit
         return rows
 
     def call(self, seconds: float, steps: int, used: list[int], *, prefill_tokens: int, decode_tokens: int) -> None:

@@ -335,10 +335,27 @@ def _cache_full_blocks(state: PoolState, req, num_tokens):
                          num_cached=state.num_cached.at[req].max(full))
 
 
+def blocks_needed(state: PoolState, req, num_new, num_hits=0):
+    """New blocks request slot req must take to hold num_new more tokens after its computed ones
+    (and num_hits prefix-hit blocks on a first allocation): cdiv(computed + hits × Z + new, Z)
+    − held − hits, at least 0 (vLLM `KVCacheManager.allocate_slots`' num_blocks_to_allocate).
+    The one statement of the rule: `allocate_slots`, `allocate_step` and `step_fits` use it."""
+    r = jnp.clip(req, 0, state.max_requests - 1)
+    total = state.num_computed[r] + num_hits * state.block_size + num_new
+    return jnp.maximum(cdiv(total, state.block_size) - state.num_held[r] - num_hits, 0)
+
+
 @jax.jit
-def cache_full_blocks(state: PoolState, req, num_tokens):
-    """Public form of the caching step allocate_slots runs itself. -> state."""
-    return _cache_full_blocks(state, req, num_tokens)
+def step_fits(state: PoolState, reqs, num_new):
+    """Whether one step's allocation for several requests fits the free queue as a whole.
+
+    reqs: i32[B] request slots, -1 = none; num_new: i32[B] tokens each. -> (blocks needed
+    i32[B], fits bool[]). The host scheduler asks this before allocating its running requests,
+    and the device decode loop (kvjax.engine) before each of its steps, so both decide by the
+    same rule; when it fits, `allocate_step` must succeed for every request."""
+    need = jax.vmap(lambda r, n: blocks_needed(state, r, n))(reqs, num_new)
+    need = jnp.where(reqs >= 0, need, 0).astype(jnp.int32)
+    return need, need.sum() <= state.num_free
 
 
 def _allocate(state: PoolState, req, num_new, hits, num_hits, enabled=True):
@@ -348,7 +365,7 @@ def _allocate(state: PoolState, req, num_new, hits, num_hits, enabled=True):
     held, computed = state.num_held[r], state.num_computed[r]
     total = computed + num_hits * z + num_new  # tokens computed once this step runs
     need = cdiv(total, z)
-    num_new_blocks = jnp.maximum(need - held - num_hits, 0)
+    num_new_blocks = blocks_needed(state, req, num_new, num_hits)
     is_hit = jnp.arange(m) < num_hits
     # A hit block nobody holds sits in the free queue: touching it takes it out, so it uses
     # free capacity exactly like a new block.

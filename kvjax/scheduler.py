@@ -20,14 +20,21 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
    its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
-requests run, how many tokens each, token ids, positions, slot mapping, block tables as
-NumPy arrays) that a model runner consumes; `update(plan, sampled)` takes the sampled
-tokens back, appends them (one batched `append_token_step`), and finishes requests that
-reached `max_new_tokens`. The running requests' allocation is one batched
-`allocate_step(..., stop_at_failure=True)` call; after a failure the host preempts and
-resumes from the failed request, which reproduces vLLM's one-request-at-a-time loop.
-`apply_decode_steps(plan, sampled, state)` adopts several decode steps that a device loop ran
-itself with the same pool functions (kvjax.engine, `steps_per_call`).
+requests run, how many tokens each, their token ids and block tables as NumPy arrays) that a
+model runner consumes; `update(plan, sampled)` takes the sampled tokens back, appends them
+(one batched `append_token_step`), and finishes requests (vLLM `check_stop`): "length" when a
+request reached its `max_new_tokens` (the engine clamps it to max_model_len), else "stop" when
+the token is one of its stop ids (its stop_token_ids, and the model's EOS unless it ignores
+EOS). A finished request's blocks return to the pool at once; its full blocks stay cached.
+
+The running requests' allocation asks `pool.step_fits` first — the same rule the engine's
+device decode loop applies before each of its steps — and, when everything fits, is one
+batched `allocate_step` that must then succeed for every request. Otherwise it allocates
+with `stop_at_failure=True`, preempts, and resumes from the failed request, which reproduces
+vLLM's one-request-at-a-time loop. `apply_decode_steps(plan, sampled, state)` adopts several
+decode steps that a device loop ran itself with the same pool functions (kvjax.engine,
+`steps_per_call`). A pool refusal that the accounting says cannot happen raises
+`SchedulerError` (never `assert`, which `python -O` strips).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import hashing, pool
+
+
+class SchedulerError(RuntimeError):
+    """The block pool refused an operation that the scheduler's own accounting said must
+    succeed: a bug in kvjax, not bad input. The message names the request and the counts."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +93,14 @@ class Request:
     max_new_tokens: int
     priority: int = 0
     salt: str | None = None
+    stop_ids: frozenset[int] = frozenset()  # sampling one of these ends the request ("stop")
     arrival: int = 0  # order of add_request calls
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # host mirror of the pool's num_computed
     slot: int | None = None  # pool request slot; kept while preempted
     num_preemptions: int = 0
     status: str = "waiting"  # waiting | running | finished
+    finish_reason: str | None = None  # "length" | "stop" once finished
 
     @property
     def tokens(self) -> list[int]:
@@ -104,10 +118,7 @@ class StepPlan:
     req_ids: tuple[str, ...]  # B, in scheduling order
     slots: np.ndarray  # i32[B] pool request slots
     num_scheduled: np.ndarray  # i32[B] tokens computed this step
-    query_start: np.ndarray  # i32[B + 1] offsets of each request's tokens in the flat arrays
-    token_ids: np.ndarray  # i32[T] tokens whose KV is computed this step
-    positions: np.ndarray  # i32[T] their positions in their sequences
-    slot_mapping: np.ndarray  # i32[T] KV slot = block * Z + position % Z
+    token_ids: np.ndarray  # i32[T] tokens whose KV is computed this step, request after request
     block_tables: np.ndarray  # i32[B, M] each request's block table (0 = null)
     seq_lens: np.ndarray  # i32[B] tokens in the KV cache after this step
     sample: np.ndarray  # bool[B] a token is sampled (the request's last token is computed)
@@ -134,7 +145,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,
-                    priority: int = 0, salt: str | None = None) -> None:
+                    priority: int = 0, salt: str | None = None, stop_ids=frozenset()) -> None:
         if req_id in self.requests:
             raise ValueError(f"request id {req_id!r} already used")
         if not prompt or max_new_tokens < 1:
@@ -145,7 +156,7 @@ class Scheduler:
                              f"> max_model_len={self.config.max_model_len}")
         if min(prompt) < 0:
             raise ValueError(f"request {req_id!r}: token ids must be >= 0, got {min(prompt)}")
-        req = Request(req_id, list(prompt), max_new_tokens, priority, salt, self._arrivals)
+        req = Request(req_id, list(prompt), max_new_tokens, priority, salt, frozenset(stop_ids), self._arrivals)
         self._arrivals += 1
         self.requests[req_id] = req
         self.waiting.append(req)
@@ -165,14 +176,15 @@ class Scheduler:
             if not donors:
                 return False
             self.state, ok = pool.remove_request(self.state, donors[0].slot)
-            assert bool(ok), f"slot of waiting request {donors[0].req_id!r} still holds blocks"
+            _require(ok, f"the pool refused to remove waiting request {donors[0].req_id!r} from slot "
+                         f"{donors[0].slot}: it still holds blocks")
             free, donors[0].slot = [donors[0].slot], None
         toks = np.zeros(self.max_blocks * self.config.block_size, np.int32)
         toks[: req.num_tokens] = req.tokens
         has_salt, key = hashing.salt_key(req.salt)
         self.state, ok = pool.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
                                           has_salt, np.asarray(key, np.uint32))
-        assert bool(ok), f"pool refused request {req.req_id!r} in free slot {free[0]}"
+        _require(ok, f"the pool refused request {req.req_id!r} ({req.num_tokens} tokens) in free slot {free[0]}")
         req.slot = free[0]
         return True
 
@@ -180,7 +192,7 @@ class Scheduler:
         """Free all the victim's blocks, reset it, put it at the front of waiting.
         Returns the token budget it had been given this step (0 if none)."""
         self.state, ok = pool.free(self.state, victim.slot)
-        assert bool(ok), f"free of running request {victim.req_id!r} failed"
+        _require(ok, f"the pool refused to free running request {victim.req_id!r} (slot {victim.slot})")
         self.running.remove(victim)
         victim.num_computed, victim.status = 0, "waiting"
         victim.num_preemptions += 1
@@ -202,15 +214,19 @@ class Scheduler:
                 b -= nums[-1]
             reqs = [r.slot if n > 0 else -1 for r, n in zip(batch, nums)]
             pad = self.config.max_num_seqs - len(reqs)  # one static batch size: one compile
-            self.state, ok = pool.allocate_step(self.state, jnp.asarray(reqs + [-1] * pad, jnp.int32),
-                                                jnp.asarray(nums + [0] * pad, jnp.int32),
-                                                stop_at_failure=True)
+            reqs_a = np.asarray(reqs + [-1] * pad, np.int32)
+            nums_a = np.asarray(nums + [0] * pad, np.int32)
+            need, fits = pool.step_fits(self.state, reqs_a, nums_a)
+            self.state, ok = pool.allocate_step(self.state, reqs_a, nums_a, stop_at_failure=True)
             ok = np.asarray(ok)
             failed = None
-            for r, n, s, k in zip(batch, nums, reqs, ok):
+            for r, n, s, k, blocks in zip(batch, nums, reqs, ok, np.asarray(need)):
                 if s < 0:
                     continue
                 if not k:
+                    if fits:
+                        raise SchedulerError(f"the pool refused {int(blocks)} new block(s) for request {r.req_id!r} "
+                                             f"although the step's {int(need.sum())} fit its free blocks")
                     failed = (r, n)
                     break
                 scheduled[r.req_id], r.num_computed, budget = n, r.num_computed + n, budget - n
@@ -248,32 +264,32 @@ class Scheduler:
         return self._plan(scheduled, preempted)
 
     def _plan(self, scheduled: dict[str, int], preempted: list[str]) -> StepPlan:
-        z = self.config.block_size
         reqs = [self.requests[r] for r in scheduled]
         nums = np.array([scheduled[r.req_id] for r in reqs], np.int32)
         slots = np.array([r.slot for r in reqs], np.int32)
         tables = np.asarray(jax.device_get(self.state.block_table))[slots] if reqs else \
             np.zeros((0, self.max_blocks), np.int32)
         seq_lens = np.array([r.num_computed for r in reqs], np.int32)
-        starts = seq_lens - nums
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens)] or
-                                   [np.zeros(0, np.int64)]).astype(np.int32)
-        row = np.repeat(np.arange(len(reqs)), nums)
-        slot_mapping = (tables[row, positions // z] * z + positions % z).astype(np.int32)
-        token_ids = np.array([t for r, s, e in zip(reqs, starts, seq_lens) for t in r.tokens[s:e]],
-                             np.int32)
+        token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
         return StepPlan(
-            req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums,
-            query_start=np.concatenate([[0], np.cumsum(nums)]).astype(np.int32),
-            token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+            req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums, token_ids=token_ids,
             block_tables=tables, seq_lens=seq_lens,
             sample=np.array([r.num_computed == r.num_tokens for r in reqs], bool),
             preempted=tuple(preempted))
 
+    @staticmethod
+    def _stop_reason(req: Request) -> str | None:
+        """vLLM `check_stop` after a token was appended: the length cap first, then stop ids."""
+        if len(req.output) >= req.max_new_tokens:
+            return "length"
+        if req.output[-1] in req.stop_ids:
+            return "stop"
+        return None
+
     def update(self, plan: StepPlan, sampled) -> list[str]:
         """Take the sampled tokens (i32[B], aligned with plan rows; rows with sample False
-        are ignored), append them, and finish requests that reached max_new_tokens.
-        Returns the finished request ids."""
+        are ignored), append them, and finish requests that reached max_new_tokens or a stop
+        token. Returns the finished request ids."""
         sampled = np.asarray(sampled).reshape(-1)
         if sampled.shape[0] != plan.num_requests:
             raise ValueError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
@@ -285,13 +301,18 @@ class Scheduler:
             if not do or req.status != "running":
                 continue
             req.output.append(int(tok))
-            if len(req.output) >= req.max_new_tokens:
-                finished.append(req)
+            req.finish_reason = self._stop_reason(req)
+            if req.finish_reason:
+                finished.append(req)  # a request's last token is never appended: nothing computes it
             else:
                 tokens[req.slot], mask[req.slot] = tok, True
         if mask.any():
-            self.state, ok = pool.append_token_step(self.state, jnp.asarray(tokens), jnp.asarray(mask))
-            assert bool(np.asarray(ok)[mask].all()), "append_token_step refused a sampled token"
+            self.state, ok = pool.append_token_step(self.state, tokens, mask)
+            refused = np.flatnonzero(mask & ~np.asarray(ok))
+            if refused.size:
+                req = next(r for r in self.running if r.slot == refused[0])
+                raise SchedulerError(f"the pool refused sampled token {int(tokens[refused[0]])} of request "
+                                     f"{req.req_id!r} ({req.num_tokens} tokens)")
         for req in finished:
             self._finish(req)
         return [r.req_id for r in finished]
@@ -299,7 +320,7 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         self.state, ok = pool.free(self.state, req.slot)
         self.state, ok2 = pool.remove_request(self.state, req.slot)
-        assert bool(ok) and bool(ok2), f"finishing {req.req_id!r} failed"
+        _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
         self.running.remove(req)
         req.status, req.slot = "finished", None
 
@@ -309,24 +330,35 @@ class Scheduler:
         `plan` is a decode plan (one token per request, every request samples) that `schedule()`
         returned; the device loop ran it, then n - 1 more steps of the same requests, doing
         what `update` + `schedule` would have done between them with the same pool functions:
-        `append_token_step` of each sampled token (except a request's last), then
-        `allocate_step` of one more token per request. It stopped at the first step where a
-        request finished, before an allocation that failed (the host then preempts as usual),
-        or after its step limit. sampled: i32[n, B] tokens per step and plan row; state: the
-        loop's final pool. Finishes requests that reached max_new_tokens. Returns their ids."""
+        `append_token_step` of each sampled token (except a request's last), then, when
+        `pool.step_fits` says the next step fits, `allocate_step` of one more token per request.
+        It stopped after the first step in which a request finished (length or stop token),
+        before an allocation that did not fit (the host then preempts as usual), or after its
+        step limit. sampled: i32[n, B] tokens per step and plan row; state: the loop's final
+        pool. Finishes the requests that ended. Returns their ids."""
         sampled = np.asarray(sampled)
         if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
             raise ValueError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
         if not (plan.sample.all() and (plan.num_scheduled == 1).all()):
             raise ValueError("apply_decode_steps needs a decode plan: one token per request, all sampling")
         self.state = state
-        finished = []
+        steps, finished = sampled.shape[0], []
         for i, rid in enumerate(plan.req_ids):
             req = self.requests[rid]
-            req.output.extend(int(t) for t in sampled[:, i])
-            req.num_computed += sampled.shape[0] - 1  # the loop allocated one token per extra step
-            if len(req.output) >= req.max_new_tokens:
+            for step, token in enumerate(sampled[:, i]):
+                req.output.append(int(token))
+                req.finish_reason = self._stop_reason(req)
+                if req.finish_reason and step < steps - 1:
+                    raise SchedulerError(f"the device loop ran {steps - 1 - step} step(s) past request {rid!r}'s "
+                                         f"end ({req.finish_reason})")
+            req.num_computed += steps - 1  # the loop allocated one token per extra step
+            if req.finish_reason:
                 finished.append(req)
         for req in finished:
             self._finish(req)
         return [r.req_id for r in finished]
+
+
+def _require(ok, message: str) -> None:
+    if not bool(ok):
+        raise SchedulerError(message)

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from kvjax.attention import mla_paged_attention
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.cache import LatentPages, write_latent
-from models.config import ModelConfig
+from kvjax.cache import ContiguousLatent, LatentPages, write_step
+from kvjax.config import ModelConfig
 from models.layers import CausalLM, RMSNorm, dense
 from models.rope import apply_rope, deepseek_softmax_scale, inv_freq
 
@@ -52,10 +52,11 @@ class MLAAttention(nn.Module):
     attn_impl: str = "reference"
 
     @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LatentPages) -> tuple[jax.Array, LatentPages]:
+    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LatentPages | ContiguousLatent
+                 ) -> tuple[jax.Array, LatentPages | ContiguousLatent]:
         c = self.config
-        if not isinstance(pages, LatentPages):
-            raise TypeError(f"MLA attention needs LatentPages, got {type(pages).__name__}")
+        if not isinstance(pages, (LatentPages, ContiguousLatent)):
+            raise TypeError(f"MLA attention needs LatentPages or ContiguousLatent, got {type(pages).__name__}")
         tokens, n = x.shape[0], c.num_heads
         nope, rope, rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if c.q_lora_rank is None:
@@ -72,7 +73,7 @@ class MLAAttention(nn.Module):
         freq, factor = inv_freq(c.rope, rope, c.max_position_embeddings)
         q_pe = apply_rope(q_pe, md.positions, freq, factor, c.rope.layout)
         k_pe = apply_rope(kv[:, None, rank:], md.positions, freq, factor, c.rope.layout)[:, 0]  # [T, rope]
-        pages = write_latent(pages, jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
+        pages = write_step(pages, md, jnp.concatenate([c_kv, k_pe], axis=-1))
 
         w = KVUpProjection(c, name="kv_b_proj")().astype(jnp.float32)  # [C, N, nope + v]
         w_uk, w_uv = w[..., :nope], w[..., nope:]

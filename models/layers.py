@@ -19,24 +19,47 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.cache import LayerPages, PagedCache
-from models.config import ModelConfig, ModelConfigError
+from kvjax.cache import ContiguousCache, LayerPages, LayerRows, PagedCache
+from kvjax.config import ModelConfig, ModelConfigError
+
+# Model types whose config kvjax parses (to size their KV cache) but whose decoder differs
+# from the Llama / DeepSeek one built here, with what differs.
+_OTHER_DECODERS = {
+    "gemma": "Gemma's RMSNorm scales by (1 + weight) and its embeddings by sqrt(hidden_size)",
+    "phi3": "Phi-3 checkpoints store fused qkv_proj and gate_up_proj weights",
+}
 
 
 class UnsupportedModelError(ModelConfigError):
-    """A checkpoint feature kvjax's models do not implement (MoE layers, sliding windows)."""
+    """A checkpoint feature kvjax's models do not implement (MoE layers, sliding windows, ...)."""
 
 
 def check_supported(config: ModelConfig) -> None:
-    """Refuse features the decoder would otherwise silently compute wrongly."""
+    """Refuse, by name, what the decoder would otherwise compute wrongly or cannot build.
+
+    kvjax.config parses and records these features, so a config that uses them can still size
+    a KV cache; only building a model refuses them.
+    """
+    who = config.name or config.model_type
     if config.moe_layers:
         raise UnsupportedModelError(
-            f"{config.name or config.model_type}: layer {config.moe_layers[0]} is a mixture-of-experts layer "
+            f"{who}: layer {config.moe_layers[0]} is a mixture-of-experts layer "
             f"(MoE layers {list(config.moe_layers)}); kvjax's decoder implements dense MLPs only")
     if config.sliding_layers:
         raise UnsupportedModelError(
-            f"{config.name or config.model_type}: sliding-window attention (window {config.sliding_window}) on "
+            f"{who}: sliding-window attention (window {config.sliding_window}) on "
             f"layer {config.sliding_layers[0]} is not implemented; kvjax attends to the full context")
+    if config.model_type in _OTHER_DECODERS:
+        raise UnsupportedModelError(f"{who}: model_type {config.model_type!r} is not implemented "
+                                    f"({_OTHER_DECODERS[config.model_type]})")
+    if config.hidden_act != "silu":
+        raise UnsupportedModelError(f"{who}: hidden_act {config.hidden_act!r} is not supported (only silu / SwiGLU)")
+    if config.rope.unsupported:
+        raise UnsupportedModelError(f"{who}: {config.rope.unsupported}")
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(config, f) is None]
+    if missing:
+        raise UnsupportedModelError(f"{who}: the config gives no {' and '.join(missing)}, which building "
+                                    "the model needs")
 
 
 def dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.Dense:
@@ -75,7 +98,8 @@ class DecoderLayer(nn.Module):
     attn_impl: str
 
     @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages) -> tuple[jax.Array, LayerPages]:
+    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages | LayerRows
+                 ) -> tuple[jax.Array, LayerPages | LayerRows]:
         c = self.config
         h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)  # [T, D]
         h, pages = self.attention_cls(c, self.attn_impl, name="self_attn")(h, md, pages)
@@ -92,8 +116,8 @@ class CausalLM(nn.Module):
     attention_cls: ClassVar[type]
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, md: BatchMetadata, cache: PagedCache,
-                 logits_indices: jax.Array | None = None) -> tuple[jax.Array, PagedCache]:
+    def __call__(self, tokens: jax.Array, md: BatchMetadata, cache: PagedCache | ContiguousCache,
+                 logits_indices: jax.Array | None = None) -> tuple[jax.Array, PagedCache | ContiguousCache]:
         c = self.config
         check_supported(c)
         if len(cache.layers) != c.num_layers:

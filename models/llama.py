@@ -17,8 +17,8 @@ import jax
 
 from kvjax.attention import paged_attention
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.cache import KVPages, write_kv
-from models.config import ModelConfig
+from kvjax.cache import ContiguousKV, KVPages, write_step
+from kvjax.config import ModelConfig
 from models.layers import CausalLM, RMSNorm, dense
 from models.rope import apply_rope, inv_freq
 
@@ -30,10 +30,11 @@ class GQAAttention(nn.Module):
     attn_impl: str = "reference"
 
     @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: KVPages) -> tuple[jax.Array, KVPages]:
+    def __call__(self, x: jax.Array, md: BatchMetadata, pages: KVPages | ContiguousKV
+                 ) -> tuple[jax.Array, KVPages | ContiguousKV]:
         c = self.config
-        if not isinstance(pages, KVPages):
-            raise TypeError(f"GQA attention needs KVPages, got {type(pages).__name__}")
+        if not isinstance(pages, (KVPages, ContiguousKV)):
+            raise TypeError(f"GQA attention needs KVPages or ContiguousKV, got {type(pages).__name__}")
         tokens = x.shape[0]
         n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
         q = dense(c, n * h, c.qkv_bias, "q_proj")(x).reshape(tokens, n, h)  # [T, N, H]
@@ -45,7 +46,7 @@ class GQAAttention(nn.Module):
         freq, factor = inv_freq(c.rope, h, c.max_position_embeddings)
         q = apply_rope(q, md.positions, freq, factor, c.rope.layout)
         key = apply_rope(key, md.positions, freq, factor, c.rope.layout)
-        pages = write_kv(pages, key, value, md.slot_mapping)
+        pages = write_step(pages, md, key, value)
         out = paged_attention(q, pages, md, scale=h ** -0.5, impl=self.attn_impl)  # [T, N, H]
         return dense(c, c.hidden_size, c.o_bias, "o_proj")(out.reshape(tokens, n * h)), pages
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvjax.attention.metadata import MetadataError, build_metadata, decode_metadata
-from kvjax.cache import (CacheError, KVPages, LatentPages, PagedCache, gather, gather_pages, slots_for_positions,
-                         write, write_kv)
+from kvjax.cache import (CacheError, ContiguousCache, ContiguousKV, ContiguousLatent, KVPages, LatentPages, PagedCache,
+                         gather_pages, write_kv, write_step)
 from kvjax.spec import KVSpec
 
 
@@ -66,7 +66,7 @@ def _write(pages, k, v, slots):
 def test_write_scatters_to_slots_and_padding_to_null_block():
     pages = KVPages(jnp.zeros((5, 4, 2, 3)), jnp.zeros((5, 4, 2, 3)))
     table = [3, 1]
-    slots = slots_for_positions(table, range(5), 4) + [0]  # 5 tokens, then one padding token
+    slots = [table[p // 4] * 4 + p % 4 for p in range(5)] + [0]  # 5 tokens, then one padding token
     assert slots == [12, 13, 14, 15, 4, 0]
     k = jnp.arange(6 * 2 * 3, dtype=jnp.float32).reshape(6, 2, 3) + 1
     old = pages.k
@@ -82,23 +82,23 @@ def test_write_scatters_to_slots_and_padding_to_null_block():
     np.testing.assert_array_equal(gathered[0, :5], k[:5])
 
 
-def test_write_and_gather_whole_cache():
-    cache = PagedCache.create(KVSpec.mla(2, 4, kv_lora_rank=4, qk_rope_head_dim=2), 4, 2)
-    latent = jnp.arange(3 * 6, dtype=jnp.float32).reshape(3, 6)
-    cache = write(cache, 1, latent, None, jnp.asarray([6, 7, 2], jnp.int32))  # table [3, 1]
-    (got,) = gather(cache, 1, jnp.asarray([[3, 1]], jnp.int32))
-    np.testing.assert_array_equal(got[0, :3], latent)
-    assert not np.asarray(cache.layers[0].latent).any(), "layer 0 untouched"
-    with pytest.raises(CacheError, match="MLA latent page"):
-        write(cache, 0, latent, latent, jnp.zeros(3, jnp.int32))
-    gqa = PagedCache.create(KVSpec("gqa", 1, 4, 2, 3), 4, 2)
-    with pytest.raises(CacheError, match="v is required"):
-        write(gqa, 0, jnp.zeros((1, 2, 3)), None, jnp.zeros(1, jnp.int32))
-
-
-def test_slots_for_positions_checks_table_length():
-    with pytest.raises(CacheError, match="position 8 needs logical block 2"):
-        slots_for_positions([5, 6], [7, 8], 4)
+def test_write_step_takes_either_cache_from_the_step_metadata():
+    """Paged layers write through the slot mapping, contiguous rows at (row, position); padding
+    tokens land in the null block of a paged layer and nowhere in a contiguous one."""
+    md = build_metadata([0, 2], [3, 1], [[3, 1], [4, 2]], block_size=2, max_tokens=6, max_seqs=2,
+                        max_blocks_per_seq=2)
+    latent = jnp.arange(6 * 6, dtype=jnp.float32).reshape(6, 6) + 1  # tokens 4, 5 are padding
+    paged = write_step(LatentPages(jnp.zeros((5, 2, 6))), md, latent)
+    np.testing.assert_array_equal(gather_pages(paged.latent, jnp.asarray([[3, 1]]))[0, :3], latent[:3])
+    np.testing.assert_array_equal(paged.latent[2, 0], latent[3])  # sequence 1's position 2: block 2, offset 0
+    rows = write_step(ContiguousLatent(jnp.zeros((2, 4, 6))), md, latent)
+    np.testing.assert_array_equal(rows.latent[0, :3], latent[:3])
+    np.testing.assert_array_equal(rows.latent[1, 2], latent[3])
+    assert int((np.asarray(rows.latent) != 0).sum()) == 4 * 6, "padding tokens wrote into a row"
+    kv = write_step(ContiguousKV(jnp.zeros((2, 4, 1, 6)), jnp.zeros((2, 4, 1, 6))), md, latent[:, None], -latent[:, None])
+    np.testing.assert_array_equal(kv.v[1, 2, 0], -latent[3])
+    with pytest.raises(CacheError, match="unquantized KV only; layer 0 is fp8_e4m3"):
+        ContiguousCache.create(KVSpec("gqa", 1, 4, 2, 3, kv_dtype="fp8"), 2, 8)
 
 
 # --------------------------------------------------------------------------------------------

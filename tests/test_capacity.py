@@ -36,7 +36,7 @@ def _run(num_blocks: int, block_size: int, context: int, prompt_len: int, n: int
     while sched.has_unfinished():
         plan = sched.schedule()
         # A deterministic fake model: next token = (last scheduled token + 1) mod VOCAB.
-        last = plan.token_ids[plan.query_start[1:] - 1] if plan.num_requests else np.zeros(0, np.int32)
+        last = plan.token_ids[np.cumsum(plan.num_scheduled) - 1] if plan.num_requests else np.zeros(0, np.int32)
         sched.update(plan, (last + 1) % VOCAB)
         steps += 1
         assert steps < 500, "the scheduler made no progress"

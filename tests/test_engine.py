@@ -2,9 +2,10 @@
 
 Greedy and temperature sampling give the same tokens with 1 or 8 decode steps per device
 call, with a pool so small that requests are preempted and recomputed, and with prefix
-caching on or off; greedy tokens equal models.generate's minimal generator (contiguous block
-tables, no allocator). Bad requests fail alone. Every run ends with an empty pool.
-(tests/test_engine_hf.py compares against transformers.)
+caching on or off; greedy tokens equal a full recompute (the whole sequence prefilled again
+for every new token, no cache reuse, no scheduler). Bad requests fail alone; stop tokens end
+a request in the device loop exactly where the host loop ends it. Every run ends with an
+empty pool. (tests/test_engine_hf.py compares against transformers.)
 
 The model is tests/hf_fixtures.py's llama-gqa, saved under the same folder name and run with
 the same block size, rows, max_model_len and pool sizes (64 and 10 blocks) as in
@@ -13,15 +14,18 @@ share their compiled steps.
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_fixtures import make_hf_model, save_hf_model
 
 from kvjax import pool
 from kvjax.engine import Engine, EngineConfig, EngineError
+from kvjax.sampling import SamplingParams
 from kvjax.scheduler import Scheduler, SchedulerConfig
+from kvjax.scoring import sequence_logits
 from models import build_model
-from models.generate import greedy_generate
 from models.loader import load_checkpoint
 
 Z = 4
@@ -49,6 +53,25 @@ def prompts(seed=0, lengths=(5, 9, 13, 3, 7, 11), shared=8):
     return [(prefix if i % 2 else []) + list(rng.randint(0, 128, size=n)) for i, n in enumerate(lengths)]
 
 
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, **kw)
+
+
+def full_recompute(tiny, prompts, n):
+    """Greedy continuations by prefilling each whole sequence again for every new token (padded
+    to MAX_LEN, one compile: a causal model's logits at a position ignore what follows it)."""
+    config, model, params = tiny
+    logits_of = jax.jit(lambda t: sequence_logits(model, params, t, config.kv_spec(), Z))
+    outs = []
+    for p in prompts:
+        seq = list(p)
+        for _ in range(n):
+            row = jnp.asarray([seq + [0] * (MAX_LEN - len(seq))], jnp.int32)
+            seq.append(int(jnp.argmax(logits_of(row)[0, len(seq) - 1])))
+        outs.append(seq[len(p):])
+    return outs
+
+
 def outputs(run):
     assert all(r.error is None for r in run.results), [r.error for r in run.results]
     return [r.output for r in run.results]
@@ -61,16 +84,15 @@ def assert_pool_empty(eng: Engine):
     assert not bool(state.active.any()), "request slots leaked"
 
 
-def test_greedy_matches_the_minimal_generator_and_k8_matches_k1(tiny):
-    config, model, params = tiny
+def test_greedy_matches_a_full_recompute_and_k8_matches_k1(tiny):
     ps = prompts()
-    want = greedy_generate(model, params, ps, 10, config.kv_spec(), block_size=Z).tolist()
+    want = full_recompute(tiny, ps, 10)
     for k in (1, 8):
         eng = engine(tiny, steps_per_call=k)
-        run = eng.generate(ps, 10)
+        run = eng.generate(ps, greedy(10))
         assert outputs(run) == want, f"steps_per_call={k}"
         assert run.summary.generated_tokens == 60 and run.summary.preemptions == 0
-        assert all(r.finish_reason == "max_tokens" for r in run.results)
+        assert all(r.finish_reason == "length" for r in run.results)
         assert_pool_empty(eng)
         if k == 8:  # 6 requests, 4 rows: the loop returns to the host when one finishes
             assert run.summary.device_calls < run.summary.steps
@@ -78,10 +100,10 @@ def test_greedy_matches_the_minimal_generator_and_k8_matches_k1(tiny):
 
 def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
     ps = prompts(1)
-    want = outputs(engine(tiny).generate(ps, 12))
+    want = outputs(engine(tiny).generate(ps, greedy(12)))
     for k in (1, 8):
         eng = engine(tiny, num_blocks=SMALL, steps_per_call=k)
-        run = eng.generate(ps, 12)
+        run = eng.generate(ps, greedy(12))
         assert run.summary.preemptions > 0
         assert sum(r.preemptions for r in run.results) == run.summary.preemptions
         assert outputs(run) == want, f"steps_per_call={k}"
@@ -91,55 +113,101 @@ def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
 
 def test_prefix_cache_hits_do_not_change_tokens(tiny):
     ps = prompts(2, shared=12)  # 3 prompts share 3 full blocks
-    on = engine(tiny, steps_per_call=8).generate(ps, 6)
-    off = engine(tiny, prefix_caching=False, steps_per_call=8).generate(ps, 6)
+    on = engine(tiny, steps_per_call=8).generate(ps, greedy(6))
+    off = engine(tiny, prefix_caching=False, steps_per_call=8).generate(ps, greedy(6))
     assert outputs(on) == outputs(off)
     assert off.summary.prefix_hit_tokens == 0 and on.summary.prefix_hit_tokens >= 12
     assert on.summary.prefill_tokens == on.summary.prompt_tokens - on.summary.prefix_hit_tokens
     assert off.summary.prefill_tokens == off.summary.prompt_tokens
     assert 0 < on.summary.prefix_hit_rate < 1
-    assert sum(r.prefix_hit_tokens for r in on.results) == on.summary.prefix_hit_tokens
+    assert sum(r.num_cached_tokens for r in on.results) == on.summary.prefix_hit_tokens  # no preemption
 
 
 def test_temperature_sampling_is_seeded_and_schedule_independent(tiny):
     ps = prompts(3)
-    base = dict(temperature=1.0, seed=7)
-    a = outputs(engine(tiny, steps_per_call=1, **base).generate(ps, 10))
-    b = outputs(engine(tiny, steps_per_call=8, **base).generate(ps, 10))
-    c = engine(tiny, num_blocks=SMALL, steps_per_call=8, **base).generate(ps, 10)
-    d = outputs(engine(tiny, steps_per_call=8, temperature=1.0, seed=8).generate(ps, 10))
+    hot = SamplingParams(max_tokens=10, temperature=1.0)
+    a = outputs(engine(tiny, steps_per_call=1, seed=7).generate(ps, hot))
+    b = outputs(engine(tiny, steps_per_call=8, seed=7).generate(ps, hot))
+    c = engine(tiny, num_blocks=SMALL, steps_per_call=8, seed=7).generate(ps, hot)
+    d = outputs(engine(tiny, steps_per_call=8, seed=8).generate(ps, hot))
     assert a == b, "K=8 must sample what K=1 samples"
     assert c.summary.preemptions > 0 and outputs(c) == a, "recomputation must not change the draws"
     assert d != a, "another seed draws other tokens"
-    greedy = outputs(engine(tiny, steps_per_call=8).generate(ps, 10))
-    assert a != greedy
+    assert a != outputs(engine(tiny, steps_per_call=8).generate(ps, greedy(10)))
+
+
+def test_a_request_seed_fixes_its_tokens_whatever_the_batch(tiny):
+    ps = prompts(3)
+    own = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=123)
+    alone = outputs(engine(tiny, steps_per_call=8, seed=1).generate([ps[2]], own))[0]
+    mixed = [greedy(10), SamplingParams(max_tokens=10, temperature=0.7), own, greedy(4), own, greedy(10)]
+    run = engine(tiny, num_blocks=SMALL, steps_per_call=8, seed=2).generate([ps[0], ps[1], ps[2], ps[3], ps[2], ps[5]],
+                                                                            mixed)
+    assert run.summary.preemptions > 0
+    assert outputs(run)[2] == outputs(run)[4] == alone, "a seeded request draws the same tokens in any batch"
+    assert outputs(run)[0] == full_recompute(tiny, [ps[0]], 10)[0], "greedy rows beside sampled ones stay greedy"
 
 
 def test_bad_requests_fail_alone(tiny):
     eng = engine(tiny, num_blocks=SMALL, steps_per_call=8)  # 9 usable blocks: 36 tokens at most
     good = prompts(4, lengths=(5, 7), shared=0)
-    batch = [good[0], [], list(range(MAX_LEN + 1)), good[1], good[1], list(range(1, 36)), [3, 200], good[0]]
-    max_tokens = [6, 6, 6, 0, -2, 6, 6, 6]
-    run = eng.generate(batch, max_tokens)
+    batch = [good[0], [], list(range(MAX_LEN + 1)), list(range(1, 36)), [3, 200], good[0]]
+    run = eng.generate(batch, greedy(6))
     errors = [r.error for r in run.results]
-    assert errors[0] is None and errors[7] is None
+    assert errors[0] is None and errors[5] is None
     assert "empty prompt" in errors[1]
     assert f"prompt has {MAX_LEN + 1} tokens" in errors[2] and f"max length is {MAX_LEN}" in errors[2]
-    assert "max_tokens must be a positive integer, got 0" in errors[3]
-    assert "got -2" in errors[4]
-    assert "needs 10 blocks of 4 tokens (35 prompt + 5 new), but the pool has only 9 usable blocks" in errors[5]
-    assert "token id 200 is outside the model's vocabulary [0, 128)" in errors[6]
-    assert run.summary.failed == 6 and run.summary.requests == 8
-    alone = outputs(engine(tiny, steps_per_call=8).generate([good[0]], 6))[0]
-    assert run.results[0].output == alone == run.results[7].output
-    assert all(r.output == [] and r.finish_reason is None for r in run.results[1:7])
+    assert "needs 10 blocks of 4 tokens (35 prompt + 5 new), but the pool has only 9 usable blocks" in errors[3]
+    assert "token id 200 is outside the model's vocabulary [0, 128)" in errors[4]
+    assert run.summary.failed == 4 and run.summary.requests == 6
+    alone = outputs(engine(tiny, steps_per_call=8).generate([good[0]], greedy(6)))[0]
+    assert run.results[0].output == alone == run.results[5].output
+    assert all(r.output == [] and r.finish_reason is None for r in run.results[1:5])
     assert_pool_empty(eng)
+    with pytest.raises(EngineError, match="one SamplingParams for all prompts or one per prompt"):
+        eng.generate(batch, [greedy(6)] * 2)
+
+
+def test_stop_tokens_end_requests_in_the_device_loop_as_in_the_host_loop(tiny):
+    ps = prompts(5)
+    free_run = outputs(engine(tiny).generate(ps, greedy(12)))
+    # Stop at a token each request generates part-way: the output ends with it, one request
+    # stops mid-call of the 8-step loop, the others run on.
+    stop = free_run[1][4]
+    want = [out[: out.index(stop) + 1] if stop in out else out for out in free_run]
+    for k in (1, 8):
+        eng = engine(tiny, num_blocks=SMALL, steps_per_call=k)
+        run = eng.generate(ps, greedy(12, stop_token_ids=[stop]))
+        assert outputs(run) == want, f"steps_per_call={k}"
+        # vLLM's check_stop looks at the length first: a stop token that is also the 12th token is "length"
+        assert [r.finish_reason for r in run.results] == ["stop" if stop in out[:-1] else "length" for out in free_run]
+        assert_pool_empty(eng)
+    config, model, params = tiny  # the same stop as the model's EOS id, which ignore_eos skips
+    with_eos = Engine(model, params, config.kv_spec(), EngineConfig(num_blocks=64, block_size=Z, max_num_seqs=4,
+                                                                    max_model_len=MAX_LEN, steps_per_call=8),
+                      eos_token_ids=[stop])
+    assert outputs(with_eos.generate(ps, greedy(12))) == want
+    assert outputs(with_eos.generate(ps, greedy(12, ignore_eos=True))) == free_run
+
+
+def test_logprobs_are_the_models_log_softmax_of_each_chosen_token(tiny):
+    config, model, params = tiny
+    ps = prompts(6)[:2]
+    run = engine(tiny, steps_per_call=8).generate(ps, SamplingParams(max_tokens=5, logprobs=0))
+    logits_of = jax.jit(lambda t: sequence_logits(model, params, t, config.kv_spec(), Z))
+    for p, res in zip(ps, run.results):
+        seq = list(p) + res.output
+        row = jnp.asarray([seq + [0] * (MAX_LEN - len(seq))], jnp.int32)
+        logp = np.asarray(jax.nn.log_softmax(logits_of(row)[0], axis=-1))
+        want = [logp[len(p) - 1 + i, t] for i, t in enumerate(res.output)]
+        np.testing.assert_allclose(res.logprobs, want, rtol=1e-5, atol=1e-5)
+    assert engine(tiny).generate(ps, greedy(3)).results[0].logprobs is None
 
 
 def test_generation_stops_at_max_model_len(tiny):
-    run = engine(tiny, steps_per_call=8).generate([list(range(1, 36))], 20)
+    run = engine(tiny, steps_per_call=8).generate([list(range(1, 36))], greedy(20))
     (res,) = run.results
-    assert res.error is None and len(res.output) == MAX_LEN - 35 and res.finish_reason == "max_model_len"
+    assert res.error is None and len(res.output) == MAX_LEN - 35 and res.finish_reason == "length"
 
 
 def test_engine_config_errors(tiny):
@@ -153,8 +221,8 @@ def test_engine_config_errors(tiny):
 
 def test_second_run_compiles_nothing_and_summary_adds_up(tiny):
     eng = engine(tiny, steps_per_call=8)
-    eng.generate(prompts(5), 8)
-    run = eng.generate(prompts(6), 8)
+    eng.generate(prompts(5), greedy(8))
+    run = eng.generate(prompts(6), greedy(8))
     s = run.summary
     assert s.compile_s == 0.0, "a second run of the same shapes recompiled"
     assert s.steps == len(s.blocks_in_use) and s.peak_blocks_used == max(s.blocks_in_use)

@@ -22,6 +22,7 @@ import torch
 from hf_fixtures import make_hf_model, save_hf_model
 
 from kvjax.engine import Engine, EngineConfig
+from kvjax.sampling import SamplingParams
 from models import build_model
 from models.loader import load_checkpoint
 
@@ -70,7 +71,8 @@ def case(request, tmp_path_factory):
 def run(case, attn_impl="reference", **kw):
     config, params, _ = case
     cfg = EngineConfig(**{"num_blocks": 64, "block_size": Z, "max_num_seqs": 4, "max_model_len": 40, **kw})
-    return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(PROMPTS, MAX_NEW)
+    return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_NEW))
 
 
 def check(case, result):

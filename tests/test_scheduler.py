@@ -1,7 +1,7 @@
 """The scheduler with a fake, deterministic "model" that really reads its KV cache.
 
 FakeModel keeps one int per KV slot (P * Z slots). Each step it writes every scheduled
-token id at its `slot_mapping` slot, then, for each request that samples, reads the
+token id at its slot (block_table[p // Z] × Z + p % Z, worked out here from the plan), then, for each request that samples, reads the
 request's whole sequence back THROUGH ITS BLOCK TABLE (what attention would read) and
 returns crc32(sequence) % VOCAB. A wrong block table, a stale prefix hit, a block reused
 while still in use, or a token written to the wrong slot changes the sequence read back,
@@ -30,7 +30,7 @@ class FakeModel:
         self.kv = np.full(sched.config.num_blocks * Z, -1, np.int64)
 
     def __call__(self, plan):
-        self.kv[plan.slot_mapping] = plan.token_ids  # every layer writes KV before attending
+        self.kv[slot_mapping(plan)] = plan.token_ids  # every layer writes KV before attending
         out = np.zeros(plan.num_requests, np.int32)
         for i, rid in enumerate(plan.req_ids):
             pos = np.arange(plan.seq_lens[i])
@@ -40,6 +40,19 @@ class FakeModel:
                 f"{rid} reads {list(seq)} from its KV, expected {req.tokens[: plan.seq_lens[i]]}")
             out[i] = zlib.crc32(seq.astype(np.int64).tobytes()) % VOCAB
         return out
+
+
+def positions(plan) -> np.ndarray:
+    """i32[T]: the positions of the plan's tokens, request after request."""
+    return np.concatenate([np.arange(e - n, e) for n, e in zip(plan.num_scheduled, plan.seq_lens)] or
+                          [np.zeros(0, np.int64)]).astype(np.int32)
+
+
+def slot_mapping(plan) -> np.ndarray:
+    """i32[T]: where each of the plan's tokens is written, through its request's block table."""
+    row = np.repeat(np.arange(plan.num_requests), plan.num_scheduled)
+    pos = positions(plan)
+    return plan.block_tables[row, pos // Z] * Z + pos % Z
 
 
 def workload(n=24, seed=0):
@@ -135,10 +148,10 @@ def test_preemption_by_hand():
     assert sched.requests["A"].status == "finished" and sched.num_preemptions == 1
     assert p7.req_ids == ("B", "C")
     assert list(p7.num_scheduled) == [5, 4]  # B: 13 tokens - 8 hit
-    assert list(p7.positions[:5]) == [8, 9, 10, 11, 12]
+    assert list(positions(p7)[:5]) == [8, 9, 10, 11, 12]
     assert list(p7.block_tables[0, :4]) == [3, 4, 6, 5]
     assert list(p7.block_tables[1, :1]) == [2]
-    assert list(p7.slot_mapping[:5]) == [6 * Z + 0, 6 * Z + 1, 6 * Z + 2, 6 * Z + 3, 5 * Z + 0]
+    assert list(slot_mapping(p7)[:5]) == [6 * Z + 0, 6 * Z + 1, 6 * Z + 2, 6 * Z + 3, 5 * Z + 0]
     while sched.has_unfinished():
         plan = sched.schedule()
         sched.update(plan, model(plan))
@@ -163,3 +176,41 @@ def test_config_and_request_validation():
     sched.add_request("x", [1], 1)
     with pytest.raises(ValueError, match="already used"):
         sched.add_request("x", [1], 1)
+
+
+def _admission_order(sched: Scheduler, model) -> list[str]:
+    order = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        order += [r for r in plan.req_ids if r not in order]
+        sched.update(plan, model(plan))
+    return order
+
+
+def test_priority_policy_admits_the_most_important_waiting_request_first():
+    """One row at a time: with policy "priority" the waiting request with the lowest (priority,
+    arrival) goes next (vLLM's priority queue); FCFS would run them in arrival order."""
+    sched = Scheduler(config(40, max_num_seqs=1, policy="priority"))
+    for rid, prio in (("late", 2), ("urgent", 0), ("mid", 1), ("urgent2", 0)):
+        sched.add_request(rid, [1, 2, 3], 2, priority=prio)
+    assert _admission_order(sched, FakeModel(sched)) == ["urgent", "urgent2", "mid", "late"]
+
+
+def test_priority_policy_preempts_the_least_important_running_request():
+    """Z=4, 4 usable blocks, 2 rows. A (priority 5) is admitted first, B (priority 0) next, so
+    running = [A, B]. When the pool runs dry, FCFS would preempt running[-1] = B; the priority
+    policy preempts the request with the largest (priority, arrival): A."""
+    for policy, victim in (("priority", "A"), ("fcfs", "B")):
+        sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=Z, max_num_seqs=2, max_num_batched_tokens=64,
+                                          max_model_len=16, policy=policy))
+        model = FakeModel(sched)
+        sched.add_request("A", [1, 2, 3, 4], 12, priority=5)
+        plan = sched.schedule()
+        sched.update(plan, model(plan))
+        sched.add_request("B", [5, 6, 7, 8], 12, priority=0)
+        preempted = []
+        while sched.has_unfinished() and not preempted:
+            plan = sched.schedule()
+            preempted = list(plan.preempted)
+            sched.update(plan, model(plan))
+        assert preempted == [victim], policy

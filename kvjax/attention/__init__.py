@@ -9,9 +9,11 @@ pallas_mla) and ragged steps (prefill, mixed) in the jnp reference, since the ke
 decode-only. The Pallas modules import lazily, on first use. A model built without naming one
 gets `default_impl()`: "pallas" on GPU, "reference" on CPU.
 
-The dispatchers take a layer's whole page pytree (`KVPages` / `LatentPages`), not bare
+The dispatchers take a layer's whole cache pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
-implementation without changing the attention modules.
+implementation without changing the attention modules. A contiguous cache layer
+(`ContiguousKV` / `ContiguousLatent`, the baseline paging is measured against) is read in
+place by the reference forms whatever the implementation, since the kernels read pages.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from typing import Callable
 import jax
 
 from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadata, decode_metadata
+from kvjax.attention import reference as ref
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
-from kvjax.cache import KVPages, LatentPages
+from kvjax.cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +67,6 @@ _IMPLS: dict[str, AttentionImpl] = {
 }
 
 
-def register_impl(name: str, impl: AttentionImpl) -> None:
-    _IMPLS[name] = impl
-
-
 def default_impl(kv_dtype: str | None = None) -> str:
     """The implementation a model gets when none is named: "pallas" on a GPU backend, where its
     kernels compile, unless the pages carry per-token scales (int8_per_token_head, which the
@@ -84,20 +83,29 @@ def get_impl(name: str) -> AttentionImpl:
     return _IMPLS[name]
 
 
-def paged_attention(q: jax.Array, pages: KVPages, md: BatchMetadata, *, scale: float,
+def paged_attention(q: jax.Array, pages: KVPages | ContiguousKV, md: BatchMetadata, *, scale: float,
                     impl: str = "reference") -> jax.Array:
-    """q: [T, N, H]; pages.k, pages.v: [P, Z, K, H] → [T, N, H]."""
+    """q: [T, N, H]; pages.k, pages.v: [P, Z, K, H] (or contiguous rows [B, S, K, H]) → [T, N, H]."""
     fns = get_impl(impl)
+    if isinstance(pages, ContiguousKV):
+        if md.decode:
+            return ref.contiguous_decode_reference(q, pages.k, pages.v, md.context_lens, scale=scale)
+        return ref.contiguous_attention_reference(q, pages.k, pages.v, md, scale=scale)
     scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
     if md.decode:
         return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale, **scales)
     return fns.ragged(q, pages.k, pages.v, md, scale=scale, **scales)
 
 
-def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPages, md: BatchMetadata, *,
-                        scale: float, impl: str = "reference") -> jax.Array:
-    """q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope]; pages.latent: [P, Z, C] → [T, N, kv_lora_rank]."""
+def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPages | ContiguousLatent,
+                        md: BatchMetadata, *, scale: float, impl: str = "reference") -> jax.Array:
+    """q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope]; pages.latent: [P, Z, C] (or contiguous
+    rows [B, S, C]) → [T, N, kv_lora_rank]."""
     fns = get_impl(impl)
+    if isinstance(pages, ContiguousLatent):
+        if md.decode:
+            return ref.mla_contiguous_decode_reference(q_latent, q_rope, pages.latent, md.context_lens, scale=scale)
+        return ref.mla_contiguous_attention_reference(q_latent, q_rope, pages.latent, md, scale=scale)
     if md.decode:
         return fns.mla_decode(q_latent, q_rope, pages.latent, md.block_tables, md.context_lens, scale=scale,
                               latent_scale=pages.scale)
@@ -106,4 +114,4 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPag
 
 __all__ = ["AttentionImpl", "BatchMetadata", "MetadataError", "build_metadata", "decode_metadata",
            "get_impl", "mla_paged_attention", "mla_paged_attention_reference", "mla_paged_decode_reference",
-           "paged_attention", "paged_attention_reference", "paged_decode_reference", "register_impl"]
+           "paged_attention", "paged_attention_reference", "paged_decode_reference"]

@@ -61,7 +61,8 @@ class BatchMetadata:
 
 def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
                    block_tables: Sequence[Sequence[int]], *, block_size: int, max_tokens: int,
-                   max_seqs: int, max_blocks_per_seq: int, decode: bool = False) -> BatchMetadata:
+                   max_seqs: int, max_blocks_per_seq: int, decode: bool = False,
+                   rows: Sequence[int] | None = None) -> BatchMetadata:
     """Host-side metadata for one step (numpy, validated).
 
     Sequence i already has num_computed[i] tokens in the cache and schedules num_new[i] more,
@@ -69,7 +70,9 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
     physical blocks in logical order and must cover every position up to that end. The step's
     tokens are laid out sequence after sequence; the caller passes token ids in that order,
     padded to max_tokens. decode=True requires one new token per sequence and
-    max_tokens == max_seqs.
+    max_tokens == max_seqs. rows: the row of the step's per-sequence arrays each sequence
+    takes (distinct, < max_seqs; default 0, 1, 2, ...): the engine keeps a request in one row
+    while it runs, as vLLM's persistent batch does, and the contiguous cache needs that.
     """
     n = len(num_new)
     if not len(num_computed) == n == len(block_tables):
@@ -77,6 +80,11 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
                             f"({len(block_tables)}) must have one entry per sequence")
     if n > max_seqs:
         raise MetadataError(f"{n} sequences exceed max_seqs {max_seqs}")
+    rows = list(range(n)) if rows is None else [int(r) for r in rows]
+    if len(rows) != n or len(set(rows)) != n or not all(0 <= r < max_seqs for r in rows):
+        raise MetadataError(f"rows {rows} must be {n} distinct rows in [0, {max_seqs})")
+    if decode and rows != list(range(n)):
+        raise MetadataError("a decode step's sequence b is token b: rows must be 0, 1, 2, ...")
     total = sum(num_new)
     if total > max_tokens:
         raise MetadataError(f"{total} scheduled tokens exceed max_tokens {max_tokens}")
@@ -91,7 +99,7 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
     context_lens = np.zeros(max_seqs, np.int32)
     logits_indices = np.zeros(max_seqs, np.int32)
     t = 0
-    for i, (done, new, table) in enumerate(zip(num_computed, num_new, block_tables)):
+    for i, (row, done, new, table) in enumerate(zip(rows, num_computed, num_new, block_tables)):
         if done < 0 or new < 0:
             raise MetadataError(f"sequence {i}: num_computed {done} and num_new {new} must be >= 0")
         end = done + new
@@ -106,14 +114,14 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
             raise MetadataError(f"sequence {i}: block table {list(table[:needed])} uses the null block "
                                 f"{NULL_BLOCK}, which never holds KV")
         width = min(len(table), max_blocks_per_seq)
-        tables[i, :width] = table[:width]
+        tables[row, :width] = table[:width]
         pos = np.arange(done, end, dtype=np.int32)
         positions[t:t + new] = pos
-        slots[t:t + new] = tables[i, pos // block_size] * block_size + pos % block_size
-        seq_ids[t:t + new] = i
+        slots[t:t + new] = tables[row, pos // block_size] * block_size + pos % block_size
+        seq_ids[t:t + new] = row
         valid[t:t + new] = True
-        context_lens[i] = end
-        logits_indices[i] = t + new - 1 if new else 0
+        context_lens[row] = end
+        logits_indices[row] = t + new - 1 if new else 0
         t += new
     return BatchMetadata(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(seq_ids),
                          jnp.asarray(valid), jnp.asarray(tables), jnp.asarray(context_lens),

@@ -23,6 +23,11 @@ the scales the cache keeps beside them (kvjax.cache, kvjax.quant): a static scal
 f32[K] (or one per latent channel f32[C] for MLA; a scalar is a per-tensor scale), or a scale
 per token per head gathered from scale pages f32[P, Z, K] (f32[P, Z] for MLA).
 
+The contiguous cache (kvjax.cache.ContiguousCache) is read by the same masks and the same
+`_attend` / `_attend_shared` products, with its rows [B, S, ...] in place of the gathered pages:
+`contiguous_attention_reference` and friends below. Only the gather differs, which is what a
+paged-vs-contiguous comparison should measure.
+
 Masked positions include the null block 0 and table entries past a sequence's end. Their
 values may be anything (even NaN), so their scores are replaced by -inf and their values by
 zero before use: a zero softmax weight times a NaN value would otherwise still be NaN. A query
@@ -188,6 +193,25 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _attend(q, k, v, _decode_mask(context_lens, k.shape[1]), scale).astype(q.dtype)
 
 
+def contiguous_attention_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, md: BatchMetadata,
+                                   *, scale: float) -> jax.Array:
+    """Ragged causal attention over a contiguous cache. q: [T, N, H]; k_rows, v_rows: [B, S, K, H]
+    (row b is sequence b of md) → [T, N, H]."""
+    _check("q", q, 3, "[T, N, H]")
+    _check_pages(q, k_rows, v_rows)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [B × S, K, H]
+    return _attend_shared(q, flat(k_rows), flat(v_rows), _ragged_mask(md, k_rows.shape[1]), scale).astype(q.dtype)
+
+
+def contiguous_decode_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, context_lens: jax.Array,
+                                *, scale: float) -> jax.Array:
+    """One query per row over a contiguous cache read in place. q: [B, N, H]; k_rows, v_rows:
+    [B, S, K, H]; context_lens: i32[B] → [B, N, H]."""
+    _check("q", q, 3, "[B, N, H]")
+    _check_pages(q, k_rows, v_rows)
+    return _attend(q, k_rows, v_rows, _decode_mask(context_lens, k_rows.shape[1]), scale).astype(q.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # MLA (absorbed)
 # --------------------------------------------------------------------------------------------
@@ -223,3 +247,20 @@ def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pa
     _check("block_tables", block_tables, 2, "[B, M]")
     latent = gather_dequant(latent_pages, latent_scale, block_tables)  # f32[B, S, C]
     return _mla(q_latent, q_rope, latent, _decode_mask(context_lens, latent.shape[1]), scale)
+
+
+def mla_contiguous_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_rows: jax.Array,
+                                       md: BatchMetadata, *, scale: float) -> jax.Array:
+    """Ragged causal MLA over a contiguous cache: latent_rows [B, S, C] → [T, N, kv_lora_rank]."""
+    _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
+    _check_latent(q_latent, q_rope, latent_rows)
+    mask = _ragged_mask(md, latent_rows.shape[1])
+    return _mla(q_latent, q_rope, latent_rows.reshape(-1, latent_rows.shape[-1]), mask, scale, shared=True)
+
+
+def mla_contiguous_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_rows: jax.Array,
+                                    context_lens: jax.Array, *, scale: float) -> jax.Array:
+    """Decode MLA over a contiguous cache read in place: latent_rows [B, S, C] → [B, N, kv_lora_rank]."""
+    _check("q_latent", q_latent, 3, "[B, N, kv_lora_rank]")
+    _check_latent(q_latent, q_rope, latent_rows)
+    return _mla(q_latent, q_rope, latent_rows, _decode_mask(context_lens, latent_rows.shape[1]), scale)
