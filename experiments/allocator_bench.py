@@ -4,7 +4,7 @@ One "op" = one request getting the slot for its next decode token: append the sa
 token (hashing the block it completes) and allocate_slots(1) (a new block every Z tokens,
 cached when full). At N concurrent requests, one decode step is N ops. Three ways:
 
-* oracle    tests/pool_oracle.py, plain Python lists/dicts, one request at a time
+* oracle    kvjax/testing/pool_oracle.py, plain Python lists/dicts, one request at a time
             (vLLM's own allocator is plain Python objects like these);
 * jax-call  pool.append_token_step + pool.allocate_step jitted together, one call per
             step, driven by a host loop (kvjax.scheduler makes calls like these);
@@ -19,11 +19,9 @@ experiments/results/allocator_bench.{json,md}. Run: python -m experiments.alloca
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import pathlib
 import platform
-import sys
 import time
 
 import jax
@@ -31,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import pool
+from kvjax.testing.pool_oracle import OraclePool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "experiments" / "results"
@@ -39,23 +38,14 @@ CONCURRENCY = (1, 64, 512)
 MIN_TIME_S = 0.3  # each measurement repeats from the same start state at least this long
 
 
-def load_oracle():
-    """tests/ is not a package: import the oracle module by path."""
-    spec = importlib.util.spec_from_file_location("pool_oracle", ROOT / "tests" / "pool_oracle.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pool_oracle"] = mod  # dataclasses look their module up while executing it
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def prompts(n: int) -> np.ndarray:
     """i32[n, PROMPT] distinct prompts (no prefix hits: this measures allocation)."""
     return (np.arange(n * PROMPT, dtype=np.int32).reshape(n, PROMPT) + 1) % 30000
 
 
-def bench_oracle(oracle_mod, n: int) -> float:
+def bench_oracle(n: int) -> float:
     m = -(-(PROMPT + 2 * STEPS) // Z)
-    o = oracle_mod.OraclePool(n * m + 1, Z, max_blocks_per_request=m)
+    o = OraclePool(n * m + 1, Z, max_blocks_per_request=m)
     for r, p in enumerate(prompts(n)):
         assert o.add(str(r), p.tolist())["ok"]
     spent, ops = 0.0, 0
@@ -129,11 +119,10 @@ def bench_jax_scan(n: int) -> float:
 
 
 def main() -> dict:
-    oracle_mod = load_oracle()
     rows = []
     for n in CONCURRENCY:
         t0 = time.perf_counter()
-        row = {"concurrency": n, "oracle_ops_s": bench_oracle(oracle_mod, n),
+        row = {"concurrency": n, "oracle_ops_s": bench_oracle(n),
                "jax_call_ops_s": bench_jax_call(n), "jax_scan_ops_s": bench_jax_scan(n)}
         row["call_vs_oracle"] = row["jax_call_ops_s"] / row["oracle_ops_s"]
         row["scan_vs_oracle"] = row["jax_scan_ops_s"] / row["oracle_ops_s"]

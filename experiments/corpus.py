@@ -7,7 +7,7 @@ of each file's path relative to the stdlib folder (crc32 % 20 == 0, about 5% of 
 does not depend on the Python version's file list order. Tokens are bytes (vocab 256).
 
 Because the stdlib differs between Python versions, the held-out text the accuracy experiment
-reads and the calibration text are shipped in `experiments/data/` (written by `write_data`
+reads and the calibration text are shipped in `kvjax/data/` (written by `write_data`
 from the stdlib of the Python that trained the shipped models), not read from the local stdlib.
 """
 from __future__ import annotations
@@ -18,9 +18,7 @@ import zlib
 
 import numpy as np
 
-DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
-HELDOUT = os.path.join(DATA_DIR, "stdlib_heldout.txt")
-CALIB = os.path.join(DATA_DIR, "stdlib_calib.txt")
+from kvjax.data import CALIB, DATA_DIR, HELDOUT  # noqa: F401  where write_data writes
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 MAX_FILE = 256 * 1024
 

@@ -8,7 +8,7 @@ under `models/checkpoints/`:
     small-mla  DeepSeek-V3-style MLA, 4 dense layers, hidden 128, 4 heads, kv_lora_rank 64,
                qk_rope_head_dim 16 (the cache holds 80 lanes per token per layer)
 
-Training runs through the same paged-cache forward the engine serves with (models.scoring),
+Training runs through the same paged-cache forward the engine serves with (kvjax.scoring),
 in float32 with AdamW, on fixed-length windows sampled from the training split (see
 experiments/corpus.py). It reports held-out perplexity per byte on the shipped held-out text.
 
@@ -29,10 +29,9 @@ import numpy as np
 import optax
 
 from experiments import corpus
-from kvjax.commands.common import windows
+from kvjax.scoring import next_token_nll, sequence_logits, windows
 from models import build_model, from_hf_config, init_params
 from models.loader import load_checkpoint, save_checkpoint
-from models.scoring import next_token_nll, sequence_logits
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "checkpoints")
 

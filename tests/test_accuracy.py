@@ -1,4 +1,4 @@
-"""The fp8-vs-bf16 accuracy experiment on a tiny random model: orderings that must hold.
+"""The fp8-vs-bf16 accuracy evaluation (kvjax.accuracy) on a tiny random model: orderings that must hold.
 
 - fp32 KV is closer to bf16 than any 8-bit variant (its distance is bf16 rounding only).
 - With K channels inflated far beyond e4m3's 448 (models.stress: the model's function is
@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import fp8_accuracy
 from experiments.train_small import HF_CONFIGS
+from kvjax import accuracy
+from kvjax.commands.accuracy import write_outputs
 from models import build_model, from_hf_config, init_params
 from models.loader import save_checkpoint
 
@@ -29,7 +30,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def _run(root, outliers):
-    return fp8_accuracy.evaluate(str(root / "model"), str(root / "data.txt"), str(root / "calib.txt"), seq_len=64,
+    return accuracy.evaluate(str(root / "model"), str(root / "data.txt"), str(root / "calib.txt"), seq_len=64,
                                  max_windows=4, prompts=2, prompt_len=16, decode_tokens=6,
                                  outlier_channels=outliers, outlier_factor=2000.0)
 
@@ -49,6 +50,6 @@ def test_outliers_beyond_448_break_unit_scale_not_calibrated(tiny_checkpoint, tm
     unit, calibrated = by["fp8_e4m3 unit"], by["fp8_e4m3 per_tensor"]
     assert unit["kl_vs_bf16"] > 10 * calibrated["kl_vs_bf16"], (unit, calibrated)
     assert unit["top1_agreement"] < calibrated["top1_agreement"]
-    paths = fp8_accuracy.write_outputs(res, str(tmp_path))
+    paths = write_outputs(res, str(tmp_path))
     for p in paths.values():
         assert (tmp_path / p.split("/")[-1]).stat().st_size > 0

@@ -63,7 +63,7 @@ def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
     errs = [r["error"] for r in out["requests"]]
     assert errs[0] is None and errs[4] is None
     assert "prompt has 60 tokens; the model's max length is 40" in errs[1]
-    assert "max_tokens must be a positive integer, got 0" in errs[2]
+    assert "max_tokens must be an integer >= 1, got 0" in errs[2]
     assert "needs 10 blocks of 4 tokens (32 prompt + 8 new), but the pool has only 9 usable blocks" in errs[3]
     assert [len(r["output_tokens"]) for r in out["requests"]] == [5, 0, 0, 0, 3]
 
@@ -81,15 +81,25 @@ def test_synthetic_shared_prefix_hits_and_a_small_pool_preempts(ckpt, capsys):
 
 
 def test_text_output_and_util_sizing(ckpt, capsys):
+    """--util sizes the pool with kvjax.sizing's profile (one prefill of the largest step: 4 rows × 40
+    tokens), so blocks = (ceil(total × util) − weights − activations) // block bytes, worked out here
+    from the profile's own weights and activations."""
+    from kvjax.sizing import profile_and_size
+    from models.hub import load_model
+
     # weights: 90,432 fp32 parameters = 361,728 B; a block: 4 tokens × 2 layers × (K, V) × 2 heads × 16 × 4 B
-    # = 2,048 B. total = int(0.0009181 × 2^30) = 985,799 B; ceil(total × 0.5) = 492,900 B; minus the weights
-    # leaves 131,172 B = 64 blocks (+ 100 B): 63 usable.
+    # = 2,048 B; total = int(0.004 × 2^30) = 4,294,967 B.
     assert main(["decode", "--model", ckpt, "--synthetic", "2", "--max-tokens", "3", "--util", "0.5",
-                 "--total-gib", "0.0009181", "--temperature", "0.8", "--seed", "3", *BASE]) == 0
+                 "--total-gib", "0.004", "--temperature", "0.8", "--seed", "3", *BASE]) == 0
     out = capsys.readouterr().out
     for key in ("prefix-cache hits", "decode tokens/s", "step latency", "peak blocks used", "preemptions"):
         assert key in out
-    assert "of 63 usable" in out
+    m = load_model(ckpt)
+    r = profile_and_size(m.module, m.params, m.config.kv_spec(), util=0.5, total_bytes=4_294_967, block_size=4,
+                         max_num_batched_tokens=160, max_num_seqs=4, max_model_len=40)
+    assert r.weights_bytes == 361_728 and r.activations_bytes > 0
+    blocks = (-(-4_294_967 // 2) - 361_728 - r.activations_bytes) // 2_048
+    assert f"of {blocks - 1} usable" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -106,3 +116,23 @@ def test_bad_flags_exit_2_with_one_line(ckpt, capsys, argv, message):
     assert main(["decode", "--model", ckpt, *argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvjax decode: error: ") and message in err and "\n" not in err
+
+
+def test_stop_token_ids_ignore_eos_and_priority_flags(ckpt, tmp_path, capsys):
+    common = ["--model", ckpt, "--synthetic", "3", "--max-tokens", "8", "--num-blocks", "64", *BASE]
+    free = decode_json(capsys, *common, "--ignore-eos")
+    assert free["config"]["ignore_eos"] and all(r["finish_reason"] == "length" for r in free["requests"])
+    first = free["requests"][0]["output_tokens"]
+    stop = first[3]
+    out = decode_json(capsys, *common, "--ignore-eos", "--stop-token-ids", f"{stop},127", "--logprobs")
+    row = out["requests"][0]
+    assert row["output_tokens"] == first[: first.index(stop) + 1] and row["finish_reason"] == "stop"
+    assert out["config"]["stop_token_ids"] == [stop, 127] and len(row["logprobs"]) == len(row["output_tokens"])
+    path = tmp_path / "prio.jsonl"
+    path.write_text('{"tokens": [1, 2, 3], "priority": 1}\n{"tokens": [4, 5], "priority": 0}\n')
+    prio = decode_json(capsys, "--model", ckpt, "--prompts", str(path), "--max-tokens", "2", "--priority", *BASE)
+    assert prio["config"]["policy"] == "priority" and prio["summary"]["failed"] == 0
+    assert main(["decode", "--model", ckpt, "--prompts", str(path), "--max-tokens", "2", *BASE]) == 2
+    assert "a \"priority\" needs --priority" in capsys.readouterr().err
+    assert main(["decode", *common, "--stop-token-ids", "1,x"]) == 2
+    assert "--stop-token-ids must be comma-separated integers, got '1,x'" in capsys.readouterr().err

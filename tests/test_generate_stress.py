@@ -1,5 +1,5 @@
-"""The experiments' helpers: greedy generation through the paged cache, the outlier stress
-transform, calibration statistics, and `kvjax calibrate`."""
+"""The outlier stress transform, calibration statistics, `kvjax calibrate`, and reading data
+files through a checkpoint's tokenizer."""
 import json
 import subprocess
 import sys
@@ -10,26 +10,11 @@ import numpy as np
 import pytest
 
 from experiments.train_small import HF_CONFIGS
+from kvjax.scoring import cache_amax, prefill_caches, sequence_logits
 from models import build_model, from_hf_config, init_params, preset
-from models.generate import greedy_generate
 from models.loader import save_checkpoint
-from models.scoring import cache_amax, prefill_caches, sequence_logits
 from models.stress import inflate_k_channels, rope_pairs
-
-
-@pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
-def test_greedy_generate_matches_full_recompute(name):
-    cfg = preset(name)
-    model = build_model(cfg)
-    params = init_params(model, jax.random.key(1))
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
-    out = greedy_generate(model, params, prompts, 5, cfg.kv_spec("fp32"), block_size=4)
-    for b, prompt in enumerate(prompts):
-        # teacher-forced over prompt + output in one prefill: greedy means each output token is
-        # the argmax of the logits one position before it
-        seq = jnp.asarray([prompt + out[b].tolist()])
-        logits = sequence_logits(model, params, seq, cfg.kv_spec("fp32"), 4)[0]
-        assert jnp.argmax(logits[len(prompt) - 1:-1], axis=-1).tolist() == out[b].tolist()
+from models.tokenizer import Tokenizer as ModelTokenizer
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
@@ -76,17 +61,16 @@ def test_calibrate_command(tmp_path):
     assert bad.returncode == 2 and "'nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_read_tokens_uses_the_checkpoints_tokenizer(tmp_path):
+def test_data_files_go_through_the_checkpoints_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from kvjax.commands.common import read_tokens
 
     vocab = {"[UNK]": 0, "def": 1, "return": 2, "x": 3}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "data.txt").write_text("def x return y")
-    assert read_tokens(str(tmp_path), str(tmp_path / "data.txt")).tolist() == [1, 3, 2, 0]
+    assert ModelTokenizer(str(tmp_path)).encode_file(str(tmp_path / "data.txt")).tolist() == [1, 3, 2, 0]
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert read_tokens(str(plain), str(tmp_path / "data.txt")).tolist() == list(b"def x return y")
+    assert ModelTokenizer(str(plain)).encode_file(str(tmp_path / "data.txt")).tolist() == list(b"def x return y")
+    assert ModelTokenizer(str(plain)).decode([104, 105, 255]) == "hi\ufffd"

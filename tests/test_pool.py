@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax import hashing, pool
-from pool_oracle import OraclePool
+from kvjax.testing.pool_oracle import OraclePool
 
 Z = 4
 

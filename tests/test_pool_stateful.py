@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvjax import pool
 from kvjax.replay import Replay
-from pool_oracle import OraclePool
+from kvjax.testing.pool_oracle import OraclePool
 
 NUM_BLOCKS, Z = 16, 4
 NAMES = [f"r{i}" for i in range(6)]

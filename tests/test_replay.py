@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from kvjax.replay import ReplayError, iter_trace
-from pool_oracle import OraclePool
+from kvjax.testing.pool_oracle import OraclePool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = [0] * 16 + [1] * 16 + [2] * 16

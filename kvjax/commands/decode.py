@@ -3,18 +3,24 @@
     kvjax decode --model small-gqa --prompts prompts.txt --max-tokens 64
     kvjax decode --model small-gqa --synthetic 32 --shared-prefix 64 --max-tokens 32 --num-blocks 48 --json
 
-Prompts: `--prompts FILE` holds one prompt per line (an empty line is an empty prompt, which
-fails alone); a `.jsonl` file holds one JSON object per line, {"prompt": text} or {"tokens":
-[ids]}, with an optional per-request "max_tokens". Text becomes tokens through the
-checkpoint's tokenizer.json (with the `tokenizers` package) when the folder has one, else as
-UTF-8 bytes (the built-in models' 256-token vocabulary). `--synthetic N` makes N random prompts
-of --prompt-len/2 .. --prompt-len tokens (seeded by --seed), each after the same
---shared-prefix tokens (a fixed system prompt: prefix-cache hits).
+It runs `kvjax.LLM(...).generate` and prints what came back. Prompts: `--prompts FILE` holds
+one prompt per line (an empty line is an empty prompt, which fails alone); a `.jsonl` file
+holds one JSON object per line, {"prompt": text} or {"tokens": [ids]}, with an optional
+per-request "max_tokens" (and "priority" with --priority). Text becomes tokens through the
+checkpoint's tokenizer.json when the folder has one, else as UTF-8 bytes (the built-in models'
+256-token vocabulary). `--synthetic N` makes N random prompts of --prompt-len/2 .. --prompt-len
+tokens (seeded by --seed), each after the same --shared-prefix tokens (a fixed system prompt:
+prefix-cache hits).
 
-Pool size: `--num-blocks K`; or `--util U`, which sizes it the way vLLM does from a memory
-total (`kvjax.budget.plan`: blocks = (ceil(total × U) − weights) // bytes per block, with
-total = --total-gib, default 1 GiB since a CPU has no device memory to profile); else enough
-blocks for --max-num-seqs requests of the longest prompt + --max-tokens, so nothing is preempted.
+Stopping: a request ends at --max-tokens, at the model's max length, or when it samples the
+model's EOS (config.json / generation_config.json `eos_token_id`; --ignore-eos generates past
+it) or one of --stop-token-ids; the stop token is part of the output, as in vLLM.
+
+Pool size: `--num-blocks K`; or `--util U`, which sizes it the way vLLM does
+(kvjax.sizing.profile_and_size: profile one prefill, then blocks = (ceil(total × U) − weights −
+activations) // bytes per block, with total = --total-gib, default 1 GiB since a CPU has no
+device memory to profile); else enough blocks for --max-num-seqs requests of the longest prompt
++ --max-tokens, so nothing is preempted.
 
 A request that breaks a rule (empty prompt, prompt at or over the model's max length,
 max_tokens <= 0, more blocks than the pool has) gets an error in its result and the others
@@ -32,13 +38,11 @@ import sys
 
 import numpy as np
 
-from kvjax.commands.common import load_model, resolve_model, tokenizer
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("decode", help="batched generation through scheduler, pool, paged cache and model",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="small-gqa | small-mla | a Hugging Face folder")
+    p.add_argument("--model", required=True, help="small-gqa | small-mla | a Hugging Face folder | preset:NAME")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt per line (or .jsonl objects)")
     src.add_argument("--synthetic", type=int, metavar="N", help="N random prompts")
@@ -56,12 +60,22 @@ def add_parser(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once (8)")
     p.add_argument("--max-model-len", type=int, help="prompt + generated tokens (default: the model's maximum)")
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   help="tokens per engine step (default: max(max_model_len, 2048)); --util profiles a step this size")
     p.add_argument("--attn-impl", choices=["reference", "pallas"],
                    help="decode attention (default: pallas on GPU, except for int8_per_token_head KV; reference elsewhere)")
     sampling = p.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="argmax sampling (the default)")
     sampling.add_argument("--temperature", type=float, help="sample from softmax(logits / T)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the nucleus of probability p")
     p.add_argument("--seed", type=int, default=0, help="sampling and --synthetic seed (0)")
+    p.add_argument("--stop-token-ids", metavar="IDS", help="comma-separated token ids that end a request, e.g. 1,2")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past the model's EOS token")
+    p.add_argument("--logprobs", action="store_true", help="report each generated token's log-probability (--json)")
+    p.add_argument("--priority", action="store_true",
+                   help="priority scheduling: .jsonl requests' \"priority\" (lower first; default 0) orders "
+                        "admission and preemption")
     p.add_argument("--steps-per-call", type=int, default=1, help="decode steps per device call (1)")
     p.add_argument("--warmup", action="store_true", help="run the workload once first (compiles out of the timings)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -71,81 +85,108 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     try:
         return _run(args)
-    except (ValueError, OSError) as e:  # EngineError, CheckpointError, SpecError, ... all say what broke
+    except (ValueError, OSError) as e:  # LLMError, EngineError, CheckpointError, SpecError, ... all say what broke
         print(f"kvjax decode: error: {e}", file=sys.stderr)
         return 2
 
 
 def _run(args) -> int:
-    import jax
-
-    from kvjax import budget, quant
-    from kvjax.attention import default_impl
-    from kvjax.engine import Engine, EngineConfig
+    from kvjax import budget
+    from kvjax.llm import LLM
+    from kvjax.sampling import SamplingParams, SamplingParamsError
     from kvjax.spec import kv_dtype
+    from models.hub import load_model
 
     _check_flags(args)
-    folder = resolve_model(args.model)
-    attn_impl = args.attn_impl or default_impl(kv_dtype(args.kv_dtype).name if args.kv_dtype else None)
-    config, model, params = load_model(args.model, attn_impl=attn_impl)
-    encode, decode = tokenizer(folder)
-    prompts, max_tokens = _prompts(args, encode, config.vocab_size)
-    spec = config.kv_spec(args.kv_dtype)
-    kv_name = kv_dtype(spec.kv_dtype).name
-    scales = None
-    if args.scales:
-        if not kv_name.startswith("fp8"):
-            raise ValueError(f"--scales are fp8 dequantization scales, but the kv dtype is {kv_name}")
-        scales = quant.KVScales.load(args.scales)
-    max_len = args.max_model_len or config.max_position_embeddings
+    stop_ids = _stop_token_ids(args.stop_token_ids)
+    loaded = load_model(args.model, attn_impl=args.attn_impl, seed=args.seed)
+    requests = _prompts(args, loaded.tokenizer.encode, loaded.config.vocab_size)
+    max_len = args.max_model_len or loaded.config.max_position_embeddings
     z = args.block_size
-    if args.num_blocks is not None:
-        num_blocks = args.num_blocks
-    elif args.util is not None:
-        weights = sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(params))
-        plan = budget.plan(spec, context=max_len, block_size=z, total_bytes=int(args.total_gib * budget.GiB),
-                           util=str(args.util), weights_bytes=weights)
-        num_blocks = plan.num_blocks
-        if num_blocks < 2:
-            raise ValueError(f"--util {args.util} of --total-gib {args.total_gib} leaves {plan.budget_bytes} bytes "
-                             f"after {weights} bytes of weights: no usable block of {plan.bytes_per_block} bytes")
-    else:
-        most = max((t for t in max_tokens if isinstance(t, int)), default=1)
-        longest = min(max((len(p) for p in prompts), default=1) + most, max_len)
+    num_blocks = args.num_blocks
+    if num_blocks is None and args.util is None:
+        most = max((r["max_tokens"] for r in requests if isinstance(r["max_tokens"], int)), default=1)
+        longest = min(max((len(r["tokens"]) for r in requests), default=1) + most, max_len)
         num_blocks = 1 + args.max_num_seqs * math.ceil(longest / z)
-    engine = Engine(model, params, spec, EngineConfig(
-        num_blocks=num_blocks, block_size=z, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        prefix_caching=not args.no_prefix_caching, steps_per_call=args.steps_per_call,
-        temperature=args.temperature or 0.0, seed=args.seed), scales=scales)
+    llm = LLM(loaded, kv_dtype=args.kv_dtype, scales=args.scales, block_size=z, num_blocks=num_blocks,
+              gpu_memory_utilization=args.util, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              enable_prefix_caching=not args.no_prefix_caching, attn_impl=args.attn_impl,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              steps_per_call=args.steps_per_call, seed=args.seed, scheduling_policy="priority" if args.priority
+              else "fcfs", total_memory_bytes=int(args.total_gib * budget.GiB) if args.util is not None else None)
+    errors, runnable = {}, []
+    for i, r in enumerate(requests):  # a request's bad sampling parameters fail it alone
+        try:
+            sp = SamplingParams(max_tokens=r["max_tokens"], temperature=args.temperature or 0.0, top_k=args.top_k,
+                                top_p=args.top_p, stop_token_ids=stop_ids, ignore_eos=args.ignore_eos,
+                                logprobs=0 if args.logprobs else None)
+        except SamplingParamsError as e:
+            errors[i] = str(e)
+            continue
+        runnable.append((i, r["tokens"], sp, r["priority"]))
+    prompts, params = [r[1] for r in runnable], [r[2] for r in runnable]
+    priority = [r[3] for r in runnable] if args.priority else None
     if args.warmup:
-        engine.generate(prompts, max_tokens)
+        llm.generate(prompts, params, priority=priority)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
-        total = sum(engine.check_request(p, t)[1] for p, t in zip(prompts, max_tokens))  # refused ones: 0
+        total = sum(llm.engine.check_request(p, sp)[1] for p, sp in zip(prompts, params))  # refused ones: 0
         bar = tqdm(total=total, unit="tok", file=sys.stderr, desc="decode")
     try:
-        result = engine.generate(prompts, max_tokens, progress=bar.update if bar else None)
+        outs = llm.generate(prompts, params, priority=priority, progress=bar.update if bar else None)
     finally:
         if bar:
             bar.close()
-    rows = [dict(index=r.index, prompt_tokens=r.prompt_tokens, output_tokens=r.output, text=decode(r.output),
-                 finish_reason=r.finish_reason, error=r.error, preemptions=r.preemptions,
-                 prefix_hit_tokens=r.prefix_hit_tokens) for r in result.results]
-    setup = dict(model=args.model, kv_dtype=kv_name, block_size=z, num_blocks=num_blocks,
-                 max_num_seqs=args.max_num_seqs, max_model_len=engine.max_model_len,
-                 prefix_caching=not args.no_prefix_caching, attn_impl=attn_impl,
-                 steps_per_call=args.steps_per_call, temperature=args.temperature or 0.0, seed=args.seed)
+    by_index = {i: out for (i, *_), out in zip(runnable, outs)}
+    rows = []
+    for i, r in enumerate(requests):
+        out = by_index.get(i)
+        row = dict(index=i, prompt_tokens=len(r["tokens"]), output_tokens=out.token_ids if out else [],
+                   text=out.text if out else "", finish_reason=out.finish_reason if out else None,
+                   error=out.error if out else errors[i], preemptions=out.num_preemptions if out else 0,
+                   num_cached_tokens=out.num_cached_tokens if out else 0)
+        if args.logprobs:
+            row["logprobs"] = out.logprobs if out else None
+        rows.append(row)
+    summary = _with_refused(outs.summary, len(requests))
+    setup = dict(model=args.model, kv_dtype=kv_dtype(llm.kv_spec.kv_dtype).name, block_size=z,
+                 num_blocks=llm.num_blocks, max_num_seqs=args.max_num_seqs, max_model_len=llm.engine.max_model_len,
+                 prefix_caching=not args.no_prefix_caching, attn_impl=llm.model.module.attn_impl,
+                 steps_per_call=args.steps_per_call,
+                 temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                 eos_token_ids=list(llm.engine.eos_token_ids), stop_token_ids=list(stop_ids),
+                 ignore_eos=args.ignore_eos, policy="priority" if args.priority else "fcfs")
     if args.json:
-        print(json.dumps({"config": setup, "requests": rows, "summary": result.summary.to_json()}, indent=1))
+        print(json.dumps({"config": setup, "requests": rows, "summary": summary.to_json()}, indent=1))
     else:
-        print(format_run(rows, result.summary, setup))
+        print(format_run(rows, summary, setup))
     return 0
+
+
+def _with_refused(summary, requests: int):
+    """The run's summary counting the requests refused before the run (bad sampling parameters) too."""
+    import dataclasses
+
+    refused = requests - summary.requests
+    return dataclasses.replace(summary, requests=requests, failed=summary.failed + refused)
+
+
+def _stop_token_ids(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"--stop-token-ids must be comma-separated integers, got {text!r}") from None
+    if any(t < 0 for t in ids):
+        raise ValueError(f"--stop-token-ids must be >= 0, got {text!r}")
+    return ids
 
 
 def _check_flags(args) -> None:
     for name in ("max_tokens", "block_size", "max_num_seqs", "steps_per_call", "prompt_len", "synthetic",
-                 "num_blocks", "max_model_len"):
+                 "num_blocks", "max_model_len", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -155,27 +196,35 @@ def _check_flags(args) -> None:
         raise ValueError("--shared-prefix applies to --synthetic prompts")
     if args.temperature is not None and not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0 (use --greedy for argmax), got {args.temperature}")
+    if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):
+        raise ValueError("--top-k and --top-p filter what --temperature samples; greedy decoding ignores them")
     if args.util is not None and not 0 < args.util <= 1:
         raise ValueError(f"--util must be in (0, 1], got {args.util}")
     if not args.total_gib > 0:
         raise ValueError(f"--total-gib must be > 0, got {args.total_gib}")
+    if args.scales:
+        from kvjax.spec import kv_dtype
+
+        kv = kv_dtype(args.kv_dtype).name if args.kv_dtype else "the model's dtype"
+        if not kv.startswith("fp8"):
+            raise ValueError(f"--scales are fp8 dequantization scales, but the kv dtype is {kv}")
 
 
-def _prompts(args, encode, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """(token id lists, max_tokens per request) from --prompts or --synthetic."""
+def _prompts(args, encode, vocab_size: int) -> list[dict]:
+    """One dict per request: tokens, max_tokens, priority; from --prompts or --synthetic."""
     if args.synthetic is not None:
         rng = np.random.default_rng(args.seed)
         prefix = rng.integers(0, vocab_size, args.shared_prefix).tolist()
         lengths = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.synthetic)
-        prompts = [prefix + rng.integers(0, vocab_size, n).tolist() for n in lengths]
-        return prompts, [args.max_tokens] * len(prompts)
+        return [dict(tokens=prefix + rng.integers(0, vocab_size, n).tolist(), max_tokens=args.max_tokens, priority=0)
+                for n in lengths]
     if not os.path.isfile(args.prompts):
         raise ValueError(f"prompts file {args.prompts!r} does not exist")
     with open(args.prompts, encoding="utf-8") as fh:
         lines = fh.read().splitlines()
     if not args.prompts.endswith(".jsonl"):
-        return [encode(line) for line in lines], [args.max_tokens] * len(lines)
-    prompts, max_tokens = [], []
+        return [dict(tokens=encode(line), max_tokens=args.max_tokens, priority=0) for line in lines]
+    requests = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -185,9 +234,11 @@ def _prompts(args, encode, vocab_size: int) -> tuple[list[list[int]], list[int]]
             raise ValueError(f"{args.prompts}:{n}: not JSON ({e.msg})") from None
         if not isinstance(obj, dict) or ("prompt" in obj) == ("tokens" in obj):
             raise ValueError(f"{args.prompts}:{n}: need an object with exactly one of \"prompt\" and \"tokens\"")
-        prompts.append(encode(obj["prompt"]) if "prompt" in obj else [int(t) for t in obj["tokens"]])
-        max_tokens.append(obj.get("max_tokens", args.max_tokens))
-    return prompts, max_tokens
+        if "priority" in obj and not args.priority:
+            raise ValueError(f"{args.prompts}:{n}: a \"priority\" needs --priority (it would be ignored)")
+        requests.append(dict(tokens=encode(obj["prompt"]) if "prompt" in obj else [int(t) for t in obj["tokens"]],
+                             max_tokens=obj.get("max_tokens", args.max_tokens), priority=int(obj.get("priority", 0))))
+    return requests
 
 
 def _rate(x) -> str:

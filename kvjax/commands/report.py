@@ -5,7 +5,7 @@ Sections, each computed in this run (nothing is copied from a stored result):
    with a plot of max concurrency against context length.
 2. A decode run through scheduler, block pool, paged cache and model, with prefix caching on
    and a pool small enough to force preemption; a plot of blocks in use per step.
-3. The fp8 / int8 KV accuracy table for both small models (experiments.fp8_accuracy), and the
+3. The fp8 / int8 KV accuracy table for both small models (kvjax.accuracy), and the
    same for small-gqa with inflated K channels.
 4. The memory reconciliation: analytic vs measured bytes (kvjax memory).
 
@@ -79,17 +79,19 @@ def _plot_concurrency(path: str) -> None:
 
 
 def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
-    from experiments import fp8_accuracy as acc
+    from kvjax.accuracy import evaluate, markdown
+    from kvjax.commands.accuracy import write_outputs
+    from kvjax.data import CALIB, HELDOUT
 
     kw = dict(max_windows=8, prompts=4, decode_tokens=16) if quick else {}
     md = ["## 3. Quantized KV accuracy against bf16 (held-out stdlib text)", ""]
     data = {}
     for model, outliers in (("small-gqa", False), ("small-mla", False), ("small-gqa", True)):
-        res = acc.evaluate(model, outlier_channels=outliers, **kw)
-        paths = acc.write_outputs(res, out)
+        res = evaluate(model, HELDOUT, CALIB, outlier_channels=outliers, **kw)
+        paths = write_outputs(res, out)
         key = model + ("_outliers" if outliers else "")
         data[key] = res
-        md += [acc.markdown(res), f"![accuracy {key}]({os.path.basename(paths['png'])})", ""]
+        md += [markdown(res), f"![accuracy {key}]({os.path.basename(paths['png'])})", ""]
     return "\n".join(md), data
 
 
@@ -128,25 +130,24 @@ def run(args) -> int:
 def _section_decode(out: str, quick: bool) -> tuple[str, dict]:
     """small-gqa serving held-out prompts that share a system prefix, from a pool too small
     for all of them at once: prefix hits, preemption by recompute, blocks in use per step."""
-    from experiments import corpus
-    from kvjax.commands.common import load_model
-    from kvjax.engine import Engine, EngineConfig
+    from kvjax.data import HELDOUT
+    from kvjax.llm import LLM
+    from kvjax.sampling import SamplingParams
 
-    config, model, params = load_model("small-gqa")
-    text = open(corpus.HELDOUT, "rb").read()
+    text = open(HELDOUT, "rb").read()
     system = list(text[:96])  # a shared 96-byte "system prompt": 6 full blocks of 16
     n = 8 if quick else 24
     prompts = [system + list(text[4096 + 200 * i: 4096 + 200 * i + 24 + 8 * (i % 5)]) for i in range(n)]
     max_tokens = 48
     block_size, num_blocks, max_seqs = 16, 1 + 48, 8  # 8 running requests would need up to 96 blocks
-    engine = Engine(model, params, config.kv_spec("bf16"), EngineConfig(
-        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs, prefix_caching=True,
-        steps_per_call=8))
-    engine.generate(prompts, max_tokens)  # compile every step shape once
-    run = engine.generate(prompts, max_tokens)  # the timed run
+    llm = LLM("small-gqa", kv_dtype="bf16", num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
+              enable_prefix_caching=True, steps_per_call=8)
+    params = SamplingParams(max_tokens=max_tokens)
+    llm.generate(prompts, params)  # compile every step shape once
+    run = llm.generate(prompts, params)  # the timed run
     s = run.summary
     _plot_blocks(s, os.path.join(out, "blocks_in_use.png"))
-    sample = run.results[0]
+    sample = run[0]
     rows = [("requests", f"{s.requests} ({s.failed} refused)"),
             ("prompt tokens", f"{s.prompt_tokens:,}"),
             ("prefix-cache hits", f"{s.prefix_hit_tokens:,} of {s.prefix_queried_tokens:,} looked-up tokens "
@@ -163,7 +164,7 @@ def _section_decode(out: str, quick: bool) -> tuple[str, dict]:
           f"for up to {max_seqs} running requests, 8 decode steps per device call (second of two identical runs, "
           "so no step compiles):", "", "| | |", "|---|---|"]
     md += [f"| {a} | {b} |" for a, b in rows]
-    md += ["", f"First request's continuation: `{bytes(sample.output).decode('utf-8', 'replace')!r}`", "",
+    md += ["", f"First request's continuation: `{sample.text!r}`", "",
            "![blocks in use per step](blocks_in_use.png)", ""]
     return "\n".join(md), {"summary": s.to_json(), "config": dict(num_blocks=num_blocks, block_size=block_size,
                                                                    max_num_seqs=max_seqs, requests=n,

@@ -1,4 +1,4 @@
-"""Full-sequence logits through the paged cache: training and perplexity scoring.
+"""Teacher-forced scoring through the paged cache: full-sequence logits, and what calibration reads.
 
 Each sequence of a [B, S] batch is one prefill step over its own fresh cache (block table
 1..S/Z, block 0 null), vmapped over B. Every query therefore attends to keys and values read
@@ -12,9 +12,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
 from kvjax.attention.metadata import build_metadata
 from kvjax.cache import PagedCache
 from kvjax.spec import KVSpec
+
+
+def windows(tokens, seq_len: int, max_windows: int) -> np.ndarray:
+    """Non-overlapping windows i32[W, seq_len] from the start of a token stream."""
+    n = min(max_windows, len(tokens) // seq_len)
+    if n < 1:
+        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of {seq_len}")
+    return np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)
 
 
 def prefill_layout(seq_len: int, block_size: int):

@@ -6,9 +6,8 @@ under test.
 
 `OraclePool` speaks in request NAMES and whole ops (add / append / free /
 reset_prefix_cache), returning the same dict as one output line of `kvjax replay`, so
-tests compare the two line for line. It is also imported by path from
-`experiments/allocator_bench.py` (tests/ is not a package), so it must stay importable on
-its own: no pytest, no JAX.
+tests compare the two line for line. `experiments/allocator_bench.py` times it against the
+jitted pool, so it stays plain Python: no pytest, no JAX.
 """
 
 from __future__ import annotations
