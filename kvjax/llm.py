@@ -33,7 +33,8 @@ from kvjax import quant
 from kvjax.attention import default_impl
 from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
-from kvjax.engine import DEFAULT_BUDGET, Engine, EngineConfig, EngineError, Summary
+from kvjax.engine import DEFAULT_BUDGET, Engine, EngineConfig, EngineError
+from kvjax.stats import Summary
 from kvjax.sampling import SamplingParams
 from kvjax.scoring import sequence_logits
 from kvjax.spec import kv_dtype as lookup_kv_dtype
@@ -91,7 +92,7 @@ class RequestOutput:
 
 class GenerateOutputs(list):
     """The RequestOutputs of one `generate` call, in prompt order, and the run's `summary`
-    (kvjax.engine.Summary: throughput, latencies, prefix hits, preemptions, blocks in use)."""
+    (kvjax.stats.Summary: throughput, latencies, prefix hits, preemptions, blocks in use)."""
 
     def __init__(self, outputs: list[RequestOutput], summary: Summary):
         super().__init__(outputs)

@@ -53,6 +53,11 @@ NULL_BLOCK = 0
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
 
 
+class PoolRefusedError(RuntimeError):
+    """The pool refused an operation that its caller's own bookkeeping said must succeed: a bug
+    in kvjax, never bad input (which the operations report through their `ok` flags)."""
+
+
 @struct.dataclass
 class PoolState:
     """The whole allocator: blocks, the free queue, and the request table."""

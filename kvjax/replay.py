@@ -119,7 +119,8 @@ class Replay:
         slot = self._slot(name)
         s, ok = pool.free(self.state, slot)
         s, ok2 = pool.remove_request(s, slot)
-        assert bool(ok) and bool(ok2), f"free of live request {name!r} failed"
+        if not (bool(ok) and bool(ok2)):
+            raise pool.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
         self.state = s
         del self.slots[name]
         return self.view("free", name, True)

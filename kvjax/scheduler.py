@@ -49,9 +49,10 @@ import numpy as np
 from kvjax import hashing, pool
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(pool.PoolRefusedError):
     """The block pool refused an operation that the scheduler's own accounting said must
-    succeed: a bug in kvjax, not bad input. The message names the request and the counts."""
+    succeed, or the schedule itself went wrong: a bug in kvjax, not bad input. The message
+    names the request and the counts."""
 
 
 @dataclass(frozen=True)

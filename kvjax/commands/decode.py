@@ -26,7 +26,7 @@ A request that breaks a rule (empty prompt, prompt at or over the model's max le
 max_tokens <= 0, more blocks than the pool has) gets an error in its result and the others
 still run. Bad flags exit with status 2 and one line. The progress bar (tokens generated) goes
 to stderr; results and the summary to stdout, as text or, with --json, one JSON object.
-Rates and latencies leave out device calls that compiled (see kvjax.engine.Summary); with
+Rates and latencies leave out device calls that compiled (see kvjax.stats.Summary); with
 --warmup the workload runs once before the measured run so that every step is timed.
 """
 from __future__ import annotations
