@@ -251,10 +251,11 @@ def scatter_slots(page: jax.Array, values: jax.Array, slot_mapping: jax.Array) -
     Padding tokens point into the null block; several of them may hit the same slot, and which
     one wins does not matter because block 0 is never read.
     """
-    num_blocks, block_size = page.shape[:2]
-    flat = page.reshape(num_blocks * block_size, *page.shape[2:])  # [P*Z, ...]
-    flat = flat.at[slot_mapping].set(values.astype(page.dtype))
-    return flat.reshape(page.shape)
+    block_size = page.shape[1]
+    # Indexed as [block, offset] rather than as rows of a [P × Z, ...] view: XLA updates the
+    # donated page in place either way for a batch of slots, but a single slot (batch 1) becomes
+    # a dynamic-update-slice that the reshape made XLA copy the whole page around, up to 4 times.
+    return page.at[slot_mapping // block_size, slot_mapping % block_size].set(values.astype(page.dtype))
 
 
 def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_mapping: jax.Array):

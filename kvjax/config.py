@@ -277,6 +277,11 @@ PRESETS: dict[str, ModelConfig] = {
         "llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
         num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, dtype="bfloat16",
         rope=_LLAMA31_ROPE, name="llama-3-70b", title="Llama-3-70B"),
+    # SmolLM2-135M's shapes (the real weights: `--model smollm2-135m`, a GGUF file; models.hub).
+    "smollm2-135m": ModelConfig(
+        "llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope=RopeConfig(theta=100000.0), dtype="bfloat16", name="smollm2-135m", title="SmolLM2-135M"),
     # 671B parameters in the main model (the HF checkpoint adds a 14B multi-token-prediction module).
     "deepseek-v3": ModelConfig(
         "deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61, num_heads=128,

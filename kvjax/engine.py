@@ -368,9 +368,10 @@ class Engine:
         budget = self.scheduler_config.max_num_batched_tokens
         rows = [self._rows[r] for r in plan.req_ids]
         width = _pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), sched.max_blocks)
+        tokens_bucket = _pow2_bucket(total, MIN_STEP_TOKENS, budget)
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
-                            block_size=z, max_tokens=_pow2_bucket(total, MIN_STEP_TOKENS, budget),
-                            max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width, rows=rows)
+                            block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
+                            rows=rows, max_query_len=_pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket))
         tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
         sampled, logprobs, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
                                                      self._sampling_rows(plan, rows))

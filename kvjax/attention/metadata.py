@@ -13,8 +13,12 @@ Per token t: `positions[t]` (its position in its sequence), `slot_mapping[t]` (w
 written: block_table[p // Z] × Z + p % Z), `seq_ids[t]` (its row in `block_tables`; kvjax keeps
 a per-token sequence index rather than vLLM's query_start_loc because a gather by it is the
 plainest way to give each token its own sequence's keys), `valid[t]`. Per sequence b:
-`block_tables[b]`, `context_lens[b]` (tokens in the cache after this step's writes) and
-`logits_indices[b]` (its last token's index in T, the only logits a generator needs).
+`block_tables[b]`, `context_lens[b]` (tokens in the cache after this step's writes),
+`logits_indices[b]` (its last token's index in T, the only logits a generator needs) and
+`query_start[b]` (its first token's index in T). `max_query_len` (static, Q) bounds the new
+tokens of any one sequence: the reference attention lays each sequence's queries out in a
+[B, Q] grid so that a token scores only its own sequence's positions (vLLM's
+`query_start_loc` and `max_query_len` of FlashAttention's varlen call).
 
 Padding tokens have valid False, position 0, and slots in the null block 0; padding sequences
 have context length 0 and an all-zero block table, so nothing of theirs is ever read.
@@ -48,6 +52,8 @@ class BatchMetadata:
     block_tables: jax.Array  # i32[B, M]
     context_lens: jax.Array  # i32[B]
     logits_indices: jax.Array  # i32[B]
+    query_start: jax.Array  # i32[B]
+    max_query_len: int = struct.field(pytree_node=False, default=1)  # Q
     decode: bool = struct.field(pytree_node=False, default=False)
 
     @property
@@ -62,7 +68,7 @@ class BatchMetadata:
 def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
                    block_tables: Sequence[Sequence[int]], *, block_size: int, max_tokens: int,
                    max_seqs: int, max_blocks_per_seq: int, decode: bool = False,
-                   rows: Sequence[int] | None = None) -> BatchMetadata:
+                   rows: Sequence[int] | None = None, max_query_len: int | None = None) -> BatchMetadata:
     """Host-side metadata for one step (numpy, validated).
 
     Sequence i already has num_computed[i] tokens in the cache and schedules num_new[i] more,
@@ -73,6 +79,8 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
     max_tokens == max_seqs. rows: the row of the step's per-sequence arrays each sequence
     takes (distinct, < max_seqs; default 0, 1, 2, ...): the engine keeps a request in one row
     while it runs, as vLLM's persistent batch does, and the contiguous cache needs that.
+    max_query_len: at least the largest num_new (default max_tokens, 1 for decode); a bucket
+    keeps compiles few.
     """
     n = len(num_new)
     if not len(num_computed) == n == len(block_tables):
@@ -91,6 +99,10 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
     if decode and (max_tokens != max_seqs or any(k != 1 for k in num_new)):
         raise MetadataError(f"a decode step needs one new token per sequence and max_tokens == max_seqs; "
                             f"got num_new {list(num_new)}, max_tokens {max_tokens}, max_seqs {max_seqs}")
+    if max_query_len is None:
+        max_query_len = 1 if decode else max_tokens
+    if max(num_new, default=0) > max_query_len:
+        raise MetadataError(f"a sequence schedules {max(num_new)} tokens, more than max_query_len {max_query_len}")
     positions = np.zeros(max_tokens, np.int32)
     slots = np.full(max_tokens, NULL_BLOCK * block_size, np.int32)
     seq_ids = np.zeros(max_tokens, np.int32)
@@ -98,6 +110,7 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
     tables = np.full((max_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32)
     context_lens = np.zeros(max_seqs, np.int32)
     logits_indices = np.zeros(max_seqs, np.int32)
+    query_start = np.zeros(max_seqs, np.int32)
     t = 0
     for i, (row, done, new, table) in enumerate(zip(rows, num_computed, num_new, block_tables)):
         if done < 0 or new < 0:
@@ -122,10 +135,11 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
         valid[t:t + new] = True
         context_lens[row] = end
         logits_indices[row] = t + new - 1 if new else 0
+        query_start[row] = t
         t += new
     return BatchMetadata(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(seq_ids),
                          jnp.asarray(valid), jnp.asarray(tables), jnp.asarray(context_lens),
-                         jnp.asarray(logits_indices), decode=decode)
+                         jnp.asarray(logits_indices), jnp.asarray(query_start), max_query_len, decode=decode)
 
 
 def decode_metadata(block_tables: jax.Array, num_computed: jax.Array, active: jax.Array,
@@ -144,4 +158,4 @@ def decode_metadata(block_tables: jax.Array, num_computed: jax.Array, active: ja
     return BatchMetadata(positions=positions, slot_mapping=slots.astype(jnp.int32), seq_ids=rows,
                          valid=active, block_tables=block_tables,
                          context_lens=jnp.where(active, num_computed + 1, 0).astype(jnp.int32),
-                         logits_indices=rows, decode=True)
+                         logits_indices=rows, query_start=rows, max_query_len=1, decode=True)

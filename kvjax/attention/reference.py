@@ -24,7 +24,7 @@ f32[K] (or one per latent channel f32[C] for MLA; a scalar is a per-tensor scale
 per token per head gathered from scale pages f32[P, Z, K] (f32[P, Z] for MLA).
 
 The contiguous cache (kvjax.cache.ContiguousCache) is read by the same masks and the same
-`_attend` / `_attend_shared` products, with its rows [B, S, ...] in place of the gathered pages:
+`_attend` / `_attend_blocks` products, with its rows [B, S, ...] in place of the gathered pages:
 `contiguous_attention_reference` and friends below. Only the gather differs, which is what a
 paged-vs-contiguous comparison should measure.
 
@@ -102,21 +102,47 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: fl
     return jnp.diagonal(out, axis1=1, axis2=3).transpose(0, 3, 1, 2).reshape(rows, heads, v.shape[-1])
 
 
-def _attend_shared(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Like `_attend`, but every query row scores the same key set and the mask picks its own.
+def _attend_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Masked softmax attention of each sequence's block of queries over its own keys, in f32.
 
-    q: [R, N, Hk]; k: [X, K, Hk]; v: [X, K, Hv]; mask: bool[R, X] → f32[R, N, Hv]. The ragged
-    form uses it with X = B × S (all sequences' gathered positions): memory R × N × X for the
-    scores instead of a per-token copy of its sequence's keys (R × S × K × H).
+    q: [B, Q, N, Hk]; k: [B, S, K, Hk]; v: [B, S, K, Hv]; mask: bool[B, Q, S] → f32[B, Q, N, Hv].
+    The ragged form lays a step's tokens out this way (`_query_blocks`): work and memory
+    B × Q × S × N instead of every token scoring every sequence's positions (T × B × S × N).
     """
-    rows, heads, _ = q.shape
-    kv_heads = k.shape[1]
-    q = q.astype(jnp.float32).reshape(rows, kv_heads, heads // kv_heads, q.shape[-1])  # [R, K, G, Hk]
-    v = jnp.where(jnp.any(mask, axis=0)[:, None, None], v.astype(jnp.float32), 0.0)  # see `_attend`
-    scores = jnp.einsum("rkgh,xkh->rkgx", q, k.astype(jnp.float32), precision=HIGHEST) * scale  # f32[R, K, G, X]
-    weights = _masked_softmax(scores, mask[:, None, None, :])
-    out = jnp.einsum("rkgx,xkh->rkgh", weights, v, precision=HIGHEST)  # f32[R, K, G, Hv]
-    return out.reshape(rows, heads, v.shape[-1])
+    b, nq, heads, _ = q.shape
+    kv_heads = k.shape[2]
+    q = q.astype(jnp.float32).reshape(b, nq, kv_heads, heads // kv_heads, q.shape[-1])  # [B, Q, K, G, Hk]
+    v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)  # see `_attend`
+    scores = jnp.einsum("bqkgh,bskh->bkgqs", q, k.astype(jnp.float32), precision=HIGHEST) * scale
+    weights = _masked_softmax(scores, mask[:, None, None])  # f32[B, K, G, Q, S]
+    out = jnp.einsum("bkgqs,bskh->bqkgh", weights, v, precision=HIGHEST)  # f32[B, Q, K, G, Hv]
+    return out.reshape(b, nq, heads, v.shape[-1])
+
+
+def _query_blocks(md: BatchMetadata, num_positions: int) -> tuple[jax.Array, jax.Array]:
+    """The step's tokens by sequence: (token i32[B, Q], the index in T of sequence b's j-th new
+    token (clipped), mask bool[B, Q, S]: that token sees positions ≤ its own that b has cached)."""
+    t, q = md.num_tokens, md.max_query_len
+    token = md.query_start[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [B, Q]
+    clipped = jnp.minimum(token, t - 1)
+    own = (token < t) & (md.seq_ids[clipped] == jnp.arange(md.num_seqs, dtype=jnp.int32)[:, None]) & \
+        md.valid[clipped]  # bool[B, Q]
+    s = jnp.arange(num_positions, dtype=jnp.int32)
+    mask = own[..., None] & (s <= md.positions[clipped][..., None]) & (s < md.context_lens[:, None, None])
+    return clipped, mask
+
+
+def _to_tokens(out: jax.Array, md: BatchMetadata) -> jax.Array:
+    """[B, Q, ...] per-sequence outputs back to the flat [T, ...] token axis; padding tokens get 0."""
+    j = jnp.clip(jnp.arange(md.num_tokens, dtype=jnp.int32) - md.query_start[md.seq_ids], 0, md.max_query_len - 1)
+    flat = out[md.seq_ids, j]  # [T, ...]
+    return jnp.where(md.valid.reshape(-1, *[1] * (flat.ndim - 1)), flat, 0.0)
+
+
+def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, md: BatchMetadata, scale: float) -> jax.Array:
+    """Ragged causal attention: q [T, N, Hk]; k, v [B, S, K, H] per sequence → f32[T, N, Hv]."""
+    token, mask = _query_blocks(md, k.shape[1])
+    return _to_tokens(_attend_blocks(q[token], k, v, mask, scale), md)
 
 
 def _check(name: str, array: jax.Array, ndim: int, what: str) -> None:
@@ -144,15 +170,6 @@ def _check_latent(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Arra
                          f"the latent page width {latent_pages.shape[-1]}")
 
 
-def _ragged_mask(md: BatchMetadata, num_positions: int) -> jax.Array:
-    """bool[T, B × S]: token t sees positions ≤ its own that its own sequence has cached."""
-    s = jnp.arange(num_positions, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    own = md.seq_ids[:, None] == jnp.arange(md.num_seqs, dtype=jnp.int32)[None, :]  # bool[T, B]
-    seq_len = md.context_lens[None, :, None]  # i32[1, B, 1]
-    mask = own[:, :, None] & (s <= md.positions[:, None, None]) & (s < seq_len) & md.valid[:, None, None]
-    return mask.reshape(mask.shape[0], -1)
-
-
 def _decode_mask(context_lens: jax.Array, num_positions: int) -> jax.Array:
     """bool[B, S]: a decode query sees every cached position of its sequence."""
     return jnp.arange(num_positions, dtype=jnp.int32)[None, :] < context_lens[:, None]
@@ -166,16 +183,15 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     """Ragged causal attention of a flat token batch over the paged cache.
 
     q: [T, N, H]; k_pages, v_pages: [P, Z, K, H] (this step's K/V already written) → [T, N, H]
-    in q's dtype. Gathers every sequence once ([B, S, K, H]) and lets each token score all
-    B × S positions, masked to its own sequence: memory T × N × B × S (a reference, not a kernel).
+    in q's dtype. Gathers every sequence once ([B, S, K, H]) and each sequence's queries into a
+    [B, Q] block (Q = md.max_query_len), so a token scores only its own sequence's positions:
+    memory B × Q × N × S (a reference, not a kernel).
     """
     _check("q", q, 3, "[T, N, H]")
     _check_pages(q, k_pages, v_pages)
     k = gather_dequant(k_pages, k_scale, md.block_tables)  # f32[B, S, K, H]
     v = gather_dequant(v_pages, v_scale, md.block_tables)
-    mask = _ragged_mask(md, k.shape[1])  # bool[T, B × S]
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [B × S, K, H]
-    return _attend_shared(q, flat(k), flat(v), mask, scale).astype(q.dtype)
+    return _ragged(q, k, v, md, scale).astype(q.dtype)
 
 
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
@@ -199,8 +215,7 @@ def contiguous_attention_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.
     (row b is sequence b of md) → [T, N, H]."""
     _check("q", q, 3, "[T, N, H]")
     _check_pages(q, k_rows, v_rows)
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [B × S, K, H]
-    return _attend_shared(q, flat(k_rows), flat(v_rows), _ragged_mask(md, k_rows.shape[1]), scale).astype(q.dtype)
+    return _ragged(q, k_rows, v_rows, md, scale).astype(q.dtype)
 
 
 def contiguous_decode_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, context_lens: jax.Array,
@@ -215,15 +230,15 @@ def contiguous_decode_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arr
 # --------------------------------------------------------------------------------------------
 # MLA (absorbed)
 # --------------------------------------------------------------------------------------------
-def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, mask: jax.Array, scale: float,
-         shared: bool = False) -> jax.Array:
-    """latent: [R, S, C + rope] per row (or [X, C + rope] shared) → [R, N, C]: MQA with key =
-    latent, value = c_kv."""
+def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: float, *, mask: jax.Array | None = None,
+         md: BatchMetadata | None = None) -> jax.Array:
+    """latent: [B, S, C + rope] per sequence → MQA with key = latent, value = c_kv. Decode:
+    q [B, N, ..], mask bool[B, S] → [B, N, C]; ragged (md given): q [T, N, ..] → [T, N, C]."""
     rank = q_latent.shape[-1]
-    q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [R, N, C + rope]
-    k = latent[..., None, :]  # [R, S, 1, C + rope] or [X, 1, C + rope]
-    attend = _attend_shared if shared else _attend
-    return attend(q, k, k[..., :rank], mask, scale).astype(q_latent.dtype)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [.., N, C + rope]
+    k = latent[..., None, :]  # [B, S, 1, C + rope]
+    out = _ragged(q, k, k[..., :rank], md, scale) if md is not None else _attend(q, k, k[..., :rank], mask, scale)
+    return out.astype(q_latent.dtype)
 
 
 def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
@@ -233,8 +248,7 @@ def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent
     _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
     latent = gather_dequant(latent_pages, latent_scale, md.block_tables)  # f32[B, S, C]
-    mask = _ragged_mask(md, latent.shape[1])  # bool[T, B × S]
-    return _mla(q_latent, q_rope, latent.reshape(-1, latent.shape[-1]), mask, scale, shared=True)
+    return _mla(q_latent, q_rope, latent, scale, md=md)
 
 
 def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
@@ -246,7 +260,7 @@ def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pa
     _check_latent(q_latent, q_rope, latent_pages)
     _check("block_tables", block_tables, 2, "[B, M]")
     latent = gather_dequant(latent_pages, latent_scale, block_tables)  # f32[B, S, C]
-    return _mla(q_latent, q_rope, latent, _decode_mask(context_lens, latent.shape[1]), scale)
+    return _mla(q_latent, q_rope, latent, scale, mask=_decode_mask(context_lens, latent.shape[1]))
 
 
 def mla_contiguous_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_rows: jax.Array,
@@ -254,8 +268,7 @@ def mla_contiguous_attention_reference(q_latent: jax.Array, q_rope: jax.Array, l
     """Ragged causal MLA over a contiguous cache: latent_rows [B, S, C] → [T, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_rows)
-    mask = _ragged_mask(md, latent_rows.shape[1])
-    return _mla(q_latent, q_rope, latent_rows.reshape(-1, latent_rows.shape[-1]), mask, scale, shared=True)
+    return _mla(q_latent, q_rope, latent_rows, scale, md=md)
 
 
 def mla_contiguous_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_rows: jax.Array,
@@ -263,4 +276,4 @@ def mla_contiguous_decode_reference(q_latent: jax.Array, q_rope: jax.Array, late
     """Decode MLA over a contiguous cache read in place: latent_rows [B, S, C] → [B, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[B, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_rows)
-    return _mla(q_latent, q_rope, latent_rows, _decode_mask(context_lens, latent_rows.shape[1]), scale)
+    return _mla(q_latent, q_rope, latent_rows, scale, mask=_decode_mask(context_lens, latent_rows.shape[1]))
