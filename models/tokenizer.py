@@ -1,9 +1,10 @@
-"""Text ↔ token ids for a checkpoint: its `tokenizer.json`, or UTF-8 bytes for the built-in models.
+"""Text ↔ token ids for a checkpoint: its `tokenizer.json`, a GGUF's vocabulary, or UTF-8 bytes.
 
 A Hugging Face folder with a `tokenizer.json` is read with the `tokenizers` library (the fast
-tokenizer transformers itself wraps). The built-in small models have a 256-token byte
-vocabulary and no tokenizer file: a text is its UTF-8 bytes, and ids decode back to bytes
-(invalid UTF-8 shown as U+FFFD).
+tokenizer transformers itself wraps); a GGUF file's tokenizer is rebuilt from its metadata by
+models.gguf as the same library's object and passed in as `backend`. The built-in small models
+have a 256-token byte vocabulary and no tokenizer file: a text is its UTF-8 bytes, and ids
+decode back to bytes (invalid UTF-8 shown as U+FFFD).
 """
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import numpy as np
 class Tokenizer:
     """encode(text) → ids, decode(ids) → text, encode_file(path) → ids i32[N]."""
 
-    def __init__(self, folder: str | None = None):
+    def __init__(self, folder: str | None = None, *, backend=None):
+        """folder: a checkpoint folder (its tokenizer.json, if it has one); backend: a
+        `tokenizers.Tokenizer` built elsewhere. Neither: the byte vocabulary."""
         path = None if folder is None else os.path.join(folder, "tokenizer.json")
-        self._tok = None
-        if path is not None and os.path.exists(path):
+        self._tok = backend
+        if backend is None and path is not None and os.path.exists(path):
             from tokenizers import Tokenizer as HFTokenizer
 
             self._tok = HFTokenizer.from_file(path)
@@ -35,6 +38,17 @@ class Tokenizer:
         if self._tok is None:
             return bytes(int(t) for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
         return self._tok.decode([int(t) for t in ids])
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token spelled as the vocabulary spells it (e.g. "<|im_end|>"), or None."""
+        if self._tok is None:
+            return None
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if self._tok is None:
+            return None
+        return self._tok.id_to_token(int(token_id))
 
     def encode_file(self, path: str) -> np.ndarray:
         """Token ids i32[N] of a text file (the byte vocabulary takes its bytes as they are)."""

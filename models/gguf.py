@@ -1,0 +1,393 @@
+"""A llama-architecture GGUF file (llama.cpp's format) read as a Hugging Face checkpoint.
+
+GGUF (llama.cpp `docs/gguf.md`) is one file: a header of typed key-value metadata (the model's
+hyper-parameters under `{architecture}.*`, its tokenizer under `tokenizer.ggml.*`), then tensor
+infos (name, dims in ggml order — innermost first —, ggml type, offset) and the tensor data,
+many of them block-quantized (Q8_0: 32 int8 values and one f16 scale per block; Q4_1: 32 4-bit
+values, an f16 scale and an f16 minimum; ...). It is read with the `gguf` library (llama.cpp's
+own Python package): `GGUFReader` for the layout, `gguf.quants.dequantize` for the values.
+
+`GGUFFile` turns one into what models.loader reads from a Hugging Face folder, the way
+transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`,
+`integrations/ggml.py` GGUF_CONFIG_MAPPING["llama"], `integrations/gguf/gguf_tokenizer_mapping.py`):
+
+- `hf_config()`: the `llama.*` metadata as a config.json dict (block_count → num_hidden_layers,
+  embedding_length → hidden_size, rope.dimension_count → head_dim, ...; tied embeddings when
+  the file has no `output.weight`), parsed by kvjax.config.from_hf_config like any other config;
+- a `TensorSource`: `blk.N.attn_q.weight` → `model.layers.N.self_attn.q_proj.weight`, etc.,
+  dequantized to f32 in torch's [out, in] layout (ggml's dims reversed), so models.loader's
+  `load_params` fills the Flax tree with its own name mapping and shape checks. llama.cpp's
+  converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) reorders the rows of each head of
+  attn_q and attn_k so that its rotary embedding rotates adjacent pairs (GPT-J style); reading
+  undoes it (transformers' `LlamaTensorProcessor._reverse_permute_weights`), back to the
+  rotate-half layout of Hugging Face Llama and of models.rope;
+- `tokenizer()`: the byte-level BPE of `tokenizer.ggml.model = gpt2` rebuilt with the
+  `tokenizers` library from the file's tokens and merges, exactly as transformers'
+  `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it (so ids equal
+  `AutoTokenizer.from_pretrained(folder, gguf_file=name)`'s); `eos_token_ids`, `chat_template`.
+
+Refused, each with its own GGUFError subclass (a models.loader.CheckpointError, so a ValueError):
+not a GGUF file, or one truncated or corrupt (GGUFFormatError); an architecture other than
+llama, or a llama feature kvjax's model does not implement — experts, per-layer head counts,
+rope scaling other than linear, llama.cpp's `rope_freqs` factors (GGUFArchitectureError); a
+tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf library does not know
+(GGUFTensorTypeError); a tokenizer model other than gpt2, or a pre-tokenizer whose split is not
+reproduced here (GGUFTokenizerError).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from models.loader import CheckpointError, TensorSource
+
+ARCHITECTURE = "llama"
+MAGIC = b"GGUF"
+
+# GGUF's standardized tensor names (ggml docs/gguf.md, "Standardized tensor names"; gguf's
+# TensorNameMap for MODEL_ARCH.LLAMA) → Hugging Face Llama names.
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+# Pre-tokenizer splits of `tokenizer.ggml.pre`, as transformers' GGUF_PRE_TOKENIZER_SPLITS has
+# them. A name transformers does not list gets GPT-2's ByteLevel regex there; of those, kvjax
+# accepts only the two checked against transformers. (llama.cpp itself splits "smollm" text
+# with `\p{N}` first — each digit alone —, which transformers' conversion does not.)
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_SPLITS: dict[str, str | None] = {
+    "gpt2": None, "smollm": None,  # None: GPT-2's ByteLevel regex
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+}
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file kvjax will not load; subclasses say why."""
+
+
+class GGUFFormatError(GGUFError):
+    """Not a GGUF file, a truncated or corrupt one, or one without a field the model needs."""
+
+
+class GGUFArchitectureError(GGUFError):
+    """An architecture other than llama, or a llama feature kvjax's model does not implement."""
+
+
+class GGUFTensorTypeError(GGUFError):
+    """A tensor type the gguf library does not know or cannot dequantize."""
+
+
+class GGUFTokenizerError(GGUFError):
+    """A tokenizer this module does not rebuild exactly."""
+
+
+class GGUFFile(TensorSource):
+    """One GGUF file: metadata, config, tokenizer, and its tensors as a models.loader.TensorSource.
+
+    Opening reads the header and the tensor infos (the data stays memory-mapped); a tensor is
+    dequantized when `read` asks for it, so loading holds one f32 tensor at a time beside the
+    model's parameters."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.where = path = os.fspath(path)
+        self.name = os.path.splitext(os.path.basename(path))[0]
+        self._reader = _open_reader(path)
+        self._meta: dict[str, Any] = {}
+        self.architecture = self.meta("general.architecture", None)
+        if self.architecture != ARCHITECTURE:
+            raise GGUFArchitectureError(
+                f"GGUF file {path!r} holds a {self.architecture!r} model (general.architecture); kvjax loads "
+                f"only {ARCHITECTURE!r} GGUF files")
+        by_type: dict[Any, list[str]] = {}
+        for t in self._reader.tensors:
+            by_type.setdefault(t.tensor_type, []).append(t.name)
+        for qtype, names in by_type.items():
+            if not _dequantizable(qtype):
+                raise GGUFTensorTypeError(
+                    f"GGUF file {path!r}: tensor {names[0]!r} has ggml type {qtype.name}, which gguf "
+                    f"{_version()} cannot dequantize ({len(names)} tensor(s) of that type)")
+        self._tensors = {hf_tensor_name(t.name): t for t in self._reader.tensors}
+
+    # ------------------------------------------------------------------ metadata
+    def meta(self, key: str, default: Any = ...) -> Any:
+        """A metadata value as Python (str, int, float, bool, or a list of them); `default` when
+        absent (GGUFFormatError if no default is given)."""
+        if key not in self._meta:
+            field = self._reader.fields.get(key)
+            if field is None:
+                if default is ...:
+                    raise GGUFFormatError(f"GGUF file {self.where!r} has no metadata field {key!r}")
+                return default
+            try:
+                self._meta[key] = _field_value(field)
+            except (ValueError, IndexError) as e:
+                raise GGUFFormatError(f"GGUF file {self.where!r}: metadata field {key!r} is unreadable ({e})") from None
+        return self._meta[key]
+
+    def hf_config(self) -> dict:
+        """The `llama.*` metadata as a Hugging Face config.json dict (transformers'
+        GGUF_CONFIG_MAPPING["llama"]), dtype float32: the weights dequantize to it."""
+        def m(key, default=...):
+            return self.meta(f"{ARCHITECTURE}.{key}", default)
+
+        heads, kv_heads = m("attention.head_count"), m("attention.head_count_kv", None)
+        for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
+            if isinstance(value, list):
+                raise GGUFArchitectureError(f"GGUF file {self.where!r}: {ARCHITECTURE}.{key} is per layer "
+                                            f"({value[:4]}...); kvjax's llama has one head count for all layers")
+        experts = m("expert_count", 0)
+        if experts:
+            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {ARCHITECTURE}.expert_count is {experts}, a "
+                                        "mixture-of-experts model, which kvjax's llama does not implement")
+        if "rope_freqs.weight" in self._tensors:
+            raise GGUFArchitectureError(
+                f"GGUF file {self.where!r} has rope_freqs.weight, llama.cpp's per-dimension rope frequency factors "
+                "(Llama-3.1-style rope scaling), which kvjax does not read from GGUF files")
+        rope = {"rope_type": "default", "rope_theta": m("rope.freq_base", 10000.0)}  # llama.cpp's default base
+        scaling = m("rope.scaling.type", "none")
+        if scaling == "linear":
+            rope.update(rope_type="linear", factor=m("rope.scaling.factor"))
+        elif scaling != "none":
+            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {ARCHITECTURE}.rope.scaling.type {scaling!r} is "
+                                        "not supported (only none and linear)")
+        vocab = m("vocab_size", None)
+        if vocab is None and "tokenizer.ggml.tokens" in self._reader.fields:
+            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)  # transformers' fallback
+        cfg = {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+            "hidden_size": m("embedding_length"), "intermediate_size": m("feed_forward_length"),
+            "num_hidden_layers": m("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": heads if kv_heads is None else kv_heads,
+            "max_position_embeddings": m("context_length", 2048),  # LlamaConfig's default
+            "rms_norm_eps": m("attention.layer_norm_rms_epsilon", 1e-5), "rope_parameters": rope,
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "dtype": "float32",
+        }
+        # transformers takes head_dim from rope.dimension_count; llama.cpp writes key_length when a
+        # head is not hidden / heads wide, and a smaller rope.dimension_count for partial rotary.
+        head_dim = m("attention.key_length", None) or m("rope.dimension_count", None)
+        if head_dim is not None:
+            cfg["head_dim"] = head_dim
+            rotary = m("rope.dimension_count", head_dim)
+            if rotary != head_dim:
+                cfg["partial_rotary_factor"] = rotary / head_dim  # recorded; models.build_model refuses it
+        for key in ("bos_token_id", "eos_token_id"):
+            value = self.meta(f"tokenizer.ggml.{key}", None)
+            if value is not None:
+                cfg[key] = value
+        return cfg
+
+    def config(self, dtype: str | None = None):
+        """The kvjax ModelConfig (kvjax.config.from_hf_config of `hf_config()`), named after the file."""
+        from kvjax.config import from_hf_config
+
+        return from_hf_config(self.hf_config(), dtype=dtype).replace(name=self.name)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.meta("tokenizer.ggml.eos_token_id", None)
+        return () if eos is None else (int(eos),)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.meta("tokenizer.chat_template", None)
+
+    # ------------------------------------------------------------------ tensors (TensorSource)
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # ggml dims are innermost first
+
+    def read(self, name: str) -> np.ndarray:
+        """f32 values of one tensor in torch's layout (attn_q / attn_k un-permuted, see the module docstring)."""
+        import gguf
+
+        t = self._tensors[name]
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        if ".attn_q." in t.name:
+            values = unpermute_rotary(values, self.meta(f"{ARCHITECTURE}.attention.head_count"))
+        elif ".attn_k." in t.name:
+            heads = self.meta(f"{ARCHITECTURE}.attention.head_count")
+            values = unpermute_rotary(values, self.meta(f"{ARCHITECTURE}.attention.head_count_kv", heads))
+        return values
+
+    def origin(self, name: str) -> str:
+        t = self._tensors[name]
+        return f"{os.path.basename(self.where)} ({t.name}, {t.tensor_type.name})"
+
+    def close(self) -> None:
+        self._tensors, self._reader = {}, None  # drops the memory map
+
+    # ------------------------------------------------------------------ tokenizer
+    def tokenizer(self):
+        """A `tokenizers.Tokenizer` rebuilt from the metadata, as transformers' GGUF conversion
+        builds it for `tokenizer.ggml.model = gpt2` (byte-level BPE)."""
+        model = self.meta("tokenizer.ggml.model", None)
+        if model != "gpt2":
+            raise GGUFTokenizerError(f"GGUF file {self.where!r}: tokenizer.ggml.model {model!r} is not supported "
+                                     "(kvjax rebuilds only 'gpt2', byte-level BPE)")
+        pre = self.meta("tokenizer.ggml.pre", "gpt2")
+        if pre not in PRE_SPLITS:
+            raise GGUFTokenizerError(f"GGUF file {self.where!r}: tokenizer.ggml.pre {pre!r} is not one kvjax "
+                                     f"reproduces ({', '.join(PRE_SPLITS)})")
+        tokens = self.meta("tokenizer.ggml.tokens")
+        ids = {k: self.meta(f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "eos", "unknown", "padding")}
+        # transformers passes these four to the tokenizer as its bos/eos/unk/pad tokens, which makes them special.
+        specials = sorted({i for i in ids.values() if i is not None})
+        add_bos = self.meta("tokenizer.ggml.add_bos_token", False)
+        add_eos = self.meta("tokenizer.ggml.add_eos_token", False)
+        return byte_level_bpe(tokens, self.meta("tokenizer.ggml.merges"),
+                              self.meta("tokenizer.ggml.token_type", [1] * len(tokens)), PRE_SPLITS[pre],
+                              special_ids=specials, bos_id=ids["bos"] if add_bos else None,
+                              eos_id=ids["eos"] if add_eos else None)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """A GGUF tensor name → its Hugging Face Llama name; a name outside the table is kept as it is
+    (models.loader then refuses it as a tensor the model does not use, by that name)."""
+    base, dot, suffix = gguf_name.rpartition(".")
+    if not dot or suffix not in ("weight", "bias"):
+        return gguf_name
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.{suffix}"
+    return gguf_name
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `LlamaModel.permute` of a q or k projection f32[n_heads × H, ...].
+
+    llama.cpp stores row i of each head's first half and row i of its second half next to
+    each other (rows (h, 2, H/2) → (h, H/2, 2)); this swaps them back."""
+    h = w.shape[0] // n_heads
+    return w.reshape(n_heads, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], split: str | None, *,
+                   special_ids: list[int] = (), bos_id: int | None = None, eos_id: int | None = None):
+    """transformers' GGUF byte-level BPE (`byte_level_tokenizer`, `add_gguf_special_tokens`,
+    `set_split_regex`, GPT2Tokenizer's pre-tokenizer and decoder) on the `tokenizers` library.
+
+    Tokens outside the byte alphabet are respelled byte by byte; control tokens (type 3) and the
+    bos/eos/unk/pad tokens are special added tokens, user-defined ones (type 4) plain added
+    tokens; split None is GPT-2's ByteLevel regex, else that regex, then ByteLevel without one."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+                        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it.
+    special = [i for i, t in enumerate(token_types) if t == CONTROL and set(tokens[i]) <= alphabet]
+    special += [i for i in special_ids if i not in special]
+    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in special])
+    user = [t for t, kind in zip(tokens, token_types) if kind == USER_DEFINED and t in vocab]
+    if user:
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    if bos_id is not None or eos_id is not None:  # tokenizer.ggml.add_bos_token / add_eos_token
+        pre = [] if bos_id is None else [(tokens[bos_id], bos_id)]
+        post = [] if eos_id is None else [(tokens[eos_id], eos_id)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=[t for t, _ in pre] + ["$A"] + [t for t, _ in post], special_tokens=pre + post)
+    return tok
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+def _open_reader(path: str):
+    """gguf.GGUFReader(path), with what can go wrong named: a missing file, wrong magic, a
+    truncated or corrupt file, a tensor type the library does not know."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise GGUFFormatError(f"GGUF file {path!r} does not exist")
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != MAGIC:
+        raise GGUFFormatError(f"{path!r} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r}")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))  # "np.uint32(99) is not ..."
+        if unknown:
+            raise GGUFTensorTypeError(f"GGUF file {path!r} has a tensor of ggml type {unknown.group(1)}, which gguf "
+                                      f"{_version()} does not know") from None
+        # The reader maps the file and slices it where the header says; past the end of a cut-off
+        # file it gets short arrays, and a reshape or an index fails.
+        raise GGUFFormatError(f"GGUF file {path!r} ({size:,} bytes) is truncated or corrupt: the reader failed "
+                              f"with {type(e).__name__}: {e}") from None
+
+
+def _field_value(field) -> Any:
+    """A ReaderField's value, read from its parts, data indices and types as transformers'
+    `_gguf_parse_value` does (`ReaderField.contents()` arrived only in gguf 0.16)."""
+    from gguf import GGUFValueType
+
+    def scalar(part, kind):
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        value = part[0].item()
+        return bool(value) if kind == GGUFValueType.BOOL else value
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _dequantizable(qtype) -> bool:
+    """Whether gguf.quants.dequantize implements `qtype`: asked of one zero block of it."""
+    import gguf
+
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    is_float = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    probe = np.zeros((1, block), {4: np.float32, 2: np.float16}[type_size]) if is_float else \
+        np.zeros((1, type_size), np.uint8)
+    try:
+        gguf.quants.dequantize(probe, qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (every byte-level BPE vocabulary is spelled in it)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:  # unprintable bytes and space take the code points from 256 on
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
