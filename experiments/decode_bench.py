@@ -20,6 +20,9 @@ neighbour slows both alike):
 Targets (CPU, issue 8): paged >= 0.9 × contiguous tokens/s; the 8-step device loop >= 2 × the
 host loop at batch 8 on a small model.
 
+`--vs-transformers` runs kvjax against transformers on the same fp32 weights, batch 1 and 8
+(experiments/vs_transformers.py; `--model smollm2-135m` for the real model).
+
 `--sweep-kv` instead runs the engine (K = 8) on a random-weight Llama-3-8B-shaped model in bf16
 (`kvjax.config.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
 pallas attention: decode tokens/s and step latency per variant, results rewritten after each
@@ -260,10 +263,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep-kv", action="store_true", help="bf16/fp8 KV × reference/pallas on Llama-3-8B shapes")
     parser.add_argument("--layers", type=int, default=32, help="--sweep-kv: layers of the 8B-shaped model")
     parser.add_argument("--time-budget", type=float, default=1e9, help="--sweep-kv: seconds; later variants skipped")
+    parser.add_argument("--vs-transformers", action="store_true",
+                        help="kvjax against transformers on the same fp32 weights (experiments/vs_transformers.py)")
     args = parser.parse_args(argv)
     out_dir = pathlib.Path(args.out or os.environ.get("OUT") or ROOT / "experiments" / "results")
     if args.sweep_kv:
         return sweep_kv(args, out_dir)
+    if args.vs_transformers:
+        from experiments import vs_transformers
+
+        name = "preset:tiny" if args.tiny else args.model
+        sizes = dict(batches=(1, 2), prompt_len=16, new_tokens=8, repeats=1) if args.tiny else dict(
+            repeats=args.repeats)
+        result = {"meta": _meta(), **vs_transformers.compare(load_model(name, dtype="float32"), **sizes)}
+        _write(out_dir, "vs_transformers", result, vs_transformers.markdown(result))
+        return result
 
     rng = np.random.default_rng(0)
     name = "preset:tiny" if args.tiny else args.model

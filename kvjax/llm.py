@@ -219,6 +219,21 @@ class LLM:
                                          [completion], res.num_cached_tokens, res.preemptions, res.error))
         return GenerateOutputs(outputs, run.summary)
 
+    def chat(self, conversations, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **kwargs) -> GenerateOutputs:
+        """Generate the assistant's reply to one conversation or a list of them (vLLM `LLM.chat`):
+        each is a list of {"role", "content"} messages, rendered with the model's chat template
+        (models.tokenizer.render_chat). Other arguments as `generate`."""
+        from models.tokenizer import render_chat
+
+        template = self.model.chat_template
+        if not template:
+            raise LLMError(f"model {self.model.name!r} has no chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [render_chat(template, list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)
+
     # ------------------------------------------------------------------ scoring
     def score(self, token_windows, batch_size: int = 8) -> np.ndarray:
         """Teacher-forced log-probabilities f32[W, S, V] of token_windows i32[W, S]: position s

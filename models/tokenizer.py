@@ -59,3 +59,31 @@ class Tokenizer:
                 return np.frombuffer(fh.read(), np.uint8).astype(np.int32)
         with open(path, encoding="utf-8") as fh:
             return np.asarray(self.encode(fh.read()), np.int32)
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot render the given messages; the message says why."""
+
+
+def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True, **variables) -> str:
+    """A conversation as the prompt text its model was trained on: the checkpoint's Jinja chat
+    template rendered the way transformers' `apply_chat_template` does (a sandboxed environment
+    with trim_blocks and lstrip_blocks, `raise_exception` available to the template).
+    messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]; variables: e.g.
+    bos_token and eos_token, which some templates use."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ChatTemplateError(f"message {i} must be {{'role': str, 'content': str}}, got {m!r:.80}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **variables)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not render: {e}") from None

@@ -136,3 +136,9 @@ def test_stop_token_ids_ignore_eos_and_priority_flags(ckpt, tmp_path, capsys):
     assert "a \"priority\" needs --priority" in capsys.readouterr().err
     assert main(["decode", *common, "--stop-token-ids", "1,x"]) == 2
     assert "--stop-token-ids must be comma-separated integers, got '1,x'" in capsys.readouterr().err
+
+
+def test_chat_needs_a_chat_template(ckpt, prompts_file, capsys):
+    assert main(["decode", "--model", ckpt, "--prompts", prompts_file, "--chat", "--max-tokens", "2", *BASE]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvjax decode: error: --chat: model") and "has no chat template" in err

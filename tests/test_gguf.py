@@ -457,3 +457,29 @@ def test_smollm_greedy_through_the_paged_engine(smollm):
         compared += n
     assert compared >= 0.9 * MAX_NEW * len(PROMPTS), "too many near-ties to compare"
     assert outs[0].text.startswith(" Paris")
+
+
+def test_smollm_chat_renders_as_transformers_and_stops_at_its_eos(smollm):
+    """LLM.chat: the GGUF's chat template rendered as transformers' apply_chat_template does,
+    and the reply ends at EOS (<|im_end|>) with finish_reason "stop", as transformers' greedy
+    generate with the same EOS ends it."""
+    import kvjax
+    from models.tokenizer import render_chat
+
+    loaded, hf, tok = smollm
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "You answer in one word."},
+                      {"role": "user", "content": "Name a primary color."}]]
+    for c in conversations:
+        assert render_chat(loaded.chat_template, c) == tok.apply_chat_template(c, tokenize=False,
+                                                                               add_generation_prompt=True)
+    llm = kvjax.LLM(loaded, max_num_seqs=2, max_model_len=128, block_size=16, steps_per_call=8)
+    outs = llm.chat(conversations, kvjax.SamplingParams(max_tokens=40))
+    hf.generation_config.eos_token_id = 2
+    for c, out in zip(conversations, outs):
+        x = torch.tensor([loaded.tokenizer.encode(render_chat(loaded.chat_template, c))])
+        with torch.no_grad():
+            want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False,
+                               pad_token_id=2)[0, x.shape[1]:].tolist()
+        assert out.token_ids == want and out.finish_reason == "stop" and out.token_ids[-1] == 2
+    assert outs[0].text.startswith("The capital of France is Paris")

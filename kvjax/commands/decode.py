@@ -7,8 +7,10 @@ It runs `kvjax.LLM(...).generate` and prints what came back. Prompts: `--prompts
 one prompt per line (an empty line is an empty prompt, which fails alone); a `.jsonl` file
 holds one JSON object per line, {"prompt": text} or {"tokens": [ids]}, with an optional
 per-request "max_tokens" (and "priority" with --priority). Text becomes tokens through the
-checkpoint's tokenizer.json when the folder has one, else as UTF-8 bytes (the built-in models'
-256-token vocabulary). `--synthetic N` makes N random prompts of --prompt-len/2 .. --prompt-len
+checkpoint's tokenizer (tokenizer.json, or a GGUF's vocabulary), else as UTF-8 bytes (the
+built-in models' 256-token vocabulary); with --chat each line is a user message rendered with
+the model's chat template first (SmolLM2's adds the same system prompt to every request:
+prefix-cache hits). `--synthetic N` makes N random prompts of --prompt-len/2 .. --prompt-len
 tokens (seeded by --seed), each after the same --shared-prefix tokens (a fixed system prompt:
 prefix-cache hits).
 
@@ -42,9 +44,12 @@ import numpy as np
 def add_parser(sub) -> None:
     p = sub.add_parser("decode", help="batched generation through scheduler, pool, paged cache and model",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="small-gqa | small-mla | a Hugging Face folder | preset:NAME")
+    p.add_argument("--model", required=True,
+                   help="small-gqa | small-mla | smollm2-135m | a Hugging Face folder | PATH.gguf | preset:NAME")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt per line (or .jsonl objects)")
+    p.add_argument("--chat", action="store_true",
+                   help="each text prompt is a user message, rendered with the model's chat template")
     src.add_argument("--synthetic", type=int, metavar="N", help="N random prompts")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="LEN", help="synthetic: shared first LEN tokens")
     p.add_argument("--prompt-len", type=int, default=32, help="synthetic: longest prompt after the prefix (32)")
@@ -100,7 +105,17 @@ def _run(args) -> int:
     _check_flags(args)
     stop_ids = _stop_token_ids(args.stop_token_ids)
     loaded = load_model(args.model, attn_impl=args.attn_impl, seed=args.seed)
-    requests = _prompts(args, loaded.tokenizer.encode, loaded.config.vocab_size)
+    encode = loaded.tokenizer.encode
+    if args.chat:
+        from models.tokenizer import render_chat
+
+        if not loaded.chat_template:
+            raise ValueError(f"--chat: model {args.model!r} has no chat template")
+        if args.synthetic is not None:
+            raise ValueError("--chat applies to --prompts text, not --synthetic token ids")
+        encode = lambda text: loaded.tokenizer.encode(  # noqa: E731
+            render_chat(loaded.chat_template, [{"role": "user", "content": text}]))
+    requests = _prompts(args, encode, loaded.config.vocab_size)
     max_len = args.max_model_len or loaded.config.max_position_embeddings
     z = args.block_size
     num_blocks = args.num_blocks
