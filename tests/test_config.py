@@ -35,7 +35,7 @@ def test_dense_presets_are_counted_not_looked_up():
 
 def test_preset_registry():
     assert list(kc.PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "llama-2-7b", "llama-3-8b",
-                                "llama-3-70b", "deepseek-v3"]
+                                "llama-3-70b", "smollm2-135m", "deepseek-v3"]
     assert preset("Llama-3-8B") is preset("llama-3-8b")
     assert [preset(n).title for n in PUBLISHED_PARAMS] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B", "DeepSeek-V3"]
     with pytest.raises(ModelConfigError, match="unknown model preset 'llama-9'; choose one of tiny, "):
