@@ -5,6 +5,7 @@ runs it like `kvjax accuracy` does, writing into experiments/results/ by default
 
     python -m experiments.fp8_accuracy --model small-gqa
     python -m experiments.fp8_accuracy --model small-mla --outlier-channels
+    python -m experiments.fp8_accuracy --model smollm2-135m     # the full suite (README: "fp8 KV accuracy on SmolLM2-135M")
 """
 from __future__ import annotations
 

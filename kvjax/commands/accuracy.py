@@ -2,30 +2,57 @@
 
     kvjax accuracy --model small-gqa
     kvjax accuracy --model small-mla --outlier-channels --out results/
+    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: ~20 min on 2 cores)
 
-Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table.
+Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table; the full
+suite (a real LLM) also writes _positions.png (KL by context position), _layers.png (layer
+sensitivity) and _amax.png (the outlier heatmap).
+
+--suite picks the defaults of every option left unset: "basic" (the built-in byte-level models:
+one stdlib window set, the fixed skip 0,L-1 variant) or "full" (kvjax.accuracy.FULL_SUITE: code
+and prose, outlier map, layer sensitivity choosing the skip variants, long windows for KL by
+position); "auto" is basic for small-gqa / small-mla and full for every other model.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-
-from kvjax.data import CALIB, HELDOUT
+import sys
+import time
 
 DEFAULT_OUT = "results"
+SMALL_MODELS = ("small-gqa", "small-mla")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="small-gqa", help="small-gqa | small-mla | a Hugging Face folder")
-    ap.add_argument("--data", default=HELDOUT, help="held-out text (default: the shipped stdlib held-out split)")
-    ap.add_argument("--calib", default=CALIB, help="calibration text (default: the shipped calibration excerpt)")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--max-windows", type=int, default=32)
+    ap.add_argument("--model", default="small-gqa", help="small-gqa | small-mla | smollm2-135m | PATH.gguf | "
+                                                         "a Hugging Face folder | preset:NAME")
+    ap.add_argument("--suite", choices=("auto", "basic", "full"), default="auto",
+                    help="defaults for unset options (auto: basic for the built-in small models, else full)")
+    ap.add_argument("--data", nargs="+", help="held-out text files (basic: the shipped stdlib held-out split; "
+                                              "full: that and the shipped English prose)")
+    ap.add_argument("--calib", help="calibration text (default: the shipped calibration split)")
+    ap.add_argument("--seq-len", type=int, help="tokens per scored window (256)")
+    ap.add_argument("--max-windows", type=int,
+                    help="scored windows, split between the --data files (basic 32, full 64)")
+    ap.add_argument("--calib-windows", type=int, help="calibration windows (basic: --max-windows, full 8)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--outlier-channels", action="store_true", help="inflate K channels 0 and 5 (and RoPE partners)")
     ap.add_argument("--outlier-factor", type=float, default=200.0)
+    ap.add_argument("--outlier-map", action=argparse.BooleanOptionalAction,
+                    help="per layer × kv head max |K|, |V| and channel ratios on the calibration text (full: on)")
+    ap.add_argument("--sensitivity-windows", type=int,
+                    help="calibration windows for layer sensitivity, 0 = off (basic 0, full 2)")
+    ap.add_argument("--sensitivity-variant", help="the format whose per-layer KL is measured (fp8_e4m3 unit)")
+    ap.add_argument("--skip-counts", type=int, nargs="+",
+                    help="one skip variant per count: that many most sensitive layers in bf16 (1 3)")
+    ap.add_argument("--long-windows", type=int, help="windows of the model's context for KL by position, "
+                                                     "0 = off (basic 0, full 2)")
+    ap.add_argument("--long-chunk", type=int, help="prefill chunk of the long windows (1024)")
+    ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16 "
+                                                       "(fp8_e4m3 unit)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT}/)")
 
 
@@ -36,11 +63,41 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
 
 
-def plot(res: dict, path: str) -> None:
+def evaluate_kwargs(args) -> dict:
+    """evaluate()'s keyword arguments: what the user gave, the suite's defaults for the rest."""
+    from kvjax.accuracy import FULL_SUITE
+    from kvjax.data import CALIB, HELDOUT
+
+    suite = args.suite if args.suite != "auto" else ("basic" if args.model in SMALL_MODELS else "full")
+    defaults = dict(FULL_SUITE) if suite == "full" else dict(data=(HELDOUT,), seq_len=256, max_windows=32)
+    given = dict(data=args.data, seq_len=args.seq_len, max_windows=args.max_windows, calib_windows=args.calib_windows,
+                 outlier_map=args.outlier_map, sensitivity_windows=args.sensitivity_windows,
+                 sensitivity_variant=args.sensitivity_variant, skip_counts=args.skip_counts,
+                 long_windows=args.long_windows, long_chunk=args.long_chunk, long_variants=args.long_variants)
+    kw = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    for name in ("seq_len", "max_windows", "prompts", "decode_tokens"):
+        value = kw.get(name, getattr(args, name, None))
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    data = list(kw.pop("data"))
+    kw["data"] = data[0] if len(data) == 1 else data
+    for name in ("skip_counts", "long_variants"):
+        if name in kw:
+            kw[name] = tuple(kw[name])
+    return dict(kw, calib=args.calib or CALIB, prompts=args.prompts, decode_tokens=args.decode_tokens,
+                outlier_channels=args.outlier_channels, outlier_factor=args.outlier_factor)
+
+
+# ------------------------------------------------------------------ plots
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def plot(res: dict, path: str) -> None:
+    plt = _pyplot()
     rs = [r for r in res["results"] if r["variant"] != "bf16"]
     names = [r["variant"] for r in rs]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -56,8 +113,78 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_positions(res: dict, path: str) -> None:
+    """KL by position bucket: long windows solid, the short windows of the main table dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for label, per_variant, style in ((f"{res['long']['seq_len']:,}-token windows",
+                                       {k: v["buckets"] for k, v in res["long"]["variants"].items()}, "-o"),
+                                      (f"{res['seq_len']}-token windows", res["positions"]["variants"], "--x")):
+        for name, buckets in per_variant.items():
+            if name == "bf16":
+                continue
+            mids = [(b["start"] + b["end"]) / 2 for b in buckets]
+            ax.plot(mids, [max(b["kl_vs_bf16"], 1e-12) for b in buckets], style, label=f"{name} ({label})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("context position (bucket midpoint)")
+    ax.set_ylabel("mean KL(bf16 ‖ variant), nats")
+    ax.set_title(f"{res['model']}: quantized-KV error by context position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_layers(res: dict, path: str) -> None:
+    """Layer sensitivity: KL when only layer i's KV is quantized; skipped layers highlighted."""
+    plt = _pyplot()
+    sens = res["sensitivity"]
+    skipped = set(max(sens["skip_sets"], key=len)) if sens["skip_sets"] else set()
+    rows = sens["layers"]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.bar([r["layer"] for r in rows], [max(r["kl_vs_bf16"], 1e-12) for r in rows],
+           color=["tab:red" if r["layer"] in skipped else "tab:blue" for r in rows])
+    ax.set_yscale("log")
+    ax.set_xlabel("layer (red: kept in bf16 by the largest skip variant)")
+    ax.set_ylabel("KL(bf16 ‖ only this layer quantized)")
+    ax.set_title(f"{res['model']}: layer sensitivity of {sens['variant']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_amax(res: dict, path: str) -> None:
+    """The outlier map: four layer × kv head heatmaps (max |K|, max |V|, channel ratios)."""
+    import numpy as np
+
+    plt = _pyplot()
+    o = res["outliers"]
+    panels = [("max |K|", o["k_amax"]), ("max |V|", o["v_amax"]),
+              ("K: top channel / median channel", o["k_channel_ratio"]),
+              ("V: top channel / median channel", o["v_channel_ratio"])]
+    panels = [(t, np.asarray(m, float)) for t, m in panels if m and len(m[0])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels) + 1, 0.22 * len(o["k_amax"]) + 2),
+                             squeeze=False)
+    for ax, (title, m) in zip(axes[0], panels):
+        im = ax.imshow(m, aspect="auto", cmap="magma", interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("kv head")
+        ax.set_xticks(range(m.shape[1]))
+        fig.colorbar(im, ax=ax, fraction=0.08)
+    axes[0][0].set_ylabel("layer")
+    sat = o["saturated_layers"]
+    where = "layers " + ", ".join(map(str, sat)) if sat else "no layer"
+    fig.suptitle(f"{res['model']}: K/V outlier map on calibration text; unit-scale {o['format']} saturates "
+                 f"(> {o['format_max']:g}) in {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_outputs(res: dict, out_dir: str) -> dict:
-    """accuracy_<model>[_outliers].{json,md,png} in out_dir; returns their paths."""
+    """accuracy_<model>[_outliers].{json,md,png} in out_dir, plus the full suite's
+    _positions.png, _layers.png and _amax.png when measured; returns their paths."""
     from kvjax.accuracy import markdown
 
     os.makedirs(out_dir, exist_ok=True)
@@ -69,18 +196,24 @@ def write_outputs(res: dict, out_dir: str) -> dict:
     with open(paths["md"], "w") as fh:
         fh.write(markdown(res))
     plot(res, paths["png"])
+    for key, fn, needs in (("positions", plot_positions, "long"), ("layers", plot_layers, "sensitivity"),
+                           ("amax", plot_amax, "outliers")):
+        if needs in res:
+            paths[key] = f"{stem}_{key}.png"
+            fn(res, paths[key])
     return paths
 
 
 def run_from_args(args) -> dict:
     from kvjax.accuracy import evaluate
 
-    for name in ("seq_len", "max_windows", "prompts", "decode_tokens"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    res = evaluate(args.model, args.data, args.calib, seq_len=args.seq_len, max_windows=args.max_windows,
-                   prompts=args.prompts, decode_tokens=args.decode_tokens, outlier_channels=args.outlier_channels,
-                   outlier_factor=args.outlier_factor)
+    kw = evaluate_kwargs(args)
+    start = time.time()
+
+    def progress(message: str) -> None:
+        print(f"[{time.time() - start:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+    res = evaluate(args.model, kw.pop("data"), kw.pop("calib"), progress=progress, **kw)
     res["outputs"] = write_outputs(res, args.out)
     return res
 

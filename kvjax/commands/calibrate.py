@@ -10,7 +10,8 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="fp8 KV scales from a model run over calibration text",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="small-gqa | small-mla | a Hugging Face folder")
+    p.add_argument("--model", required=True,
+                   help="small-gqa | small-mla | smollm2-135m | PATH.gguf | a Hugging Face folder")
     p.add_argument("--data", required=True, help="calibration text file")
     p.add_argument("--mode", choices=["per_tensor", "per_head"], default="per_tensor")
     p.add_argument("--format", choices=["fp8_e4m3", "fp8_e5m2"], default="fp8_e4m3")
