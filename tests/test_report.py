@@ -1,4 +1,5 @@
-"""`kvjax report` end to end, in its quick form (the accuracy and memory sections have their own tests)."""
+"""`kvjax report` end to end, in its quick form (the accuracy and memory sections have their own tests),
+and its real-model section on SmolLM2-135M (the GGUF fetched once into $KVJAX_CACHE, as in test_gguf)."""
 import json
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import sys
 
 def test_quick_report_writes_markdown_plots_and_json(tmp_path):
     out = tmp_path / "rep"
-    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", "accuracy,memory",
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", "accuracy,memory,smollm",
                         "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     text = (out / "REPORT.md").read_text()
@@ -26,3 +27,22 @@ def test_report_rejects_unknown_sections(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--skip", "tables", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "tables" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_quick_report_real_model_section(tmp_path):
+    out = tmp_path / "rep"
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", "decode,accuracy,memory",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    text = (out / "REPORT.md").read_text()
+    assert "## 5. A real pretrained LLM: SmolLM2-135M-Instruct" in text
+    data = json.loads((out / "report.json").read_text())["smollm"]
+    s = data["decode"]["summary"]
+    assert s["requests"] == 4 and s["failed"] == 0 and 0 < s["generated_tokens"] <= 4 * 24
+    assert s["prefix_hit_tokens"] > 0  # the chat template's system prompt, shared by every request
+    assert data["accuracy"] is None and "the cut-down accuracy table is left out" in text  # --quick
+    rows = {r["name"]: r for r in data["memory"]["rows"]}
+    for item in ("weights", "kv pages", "total resident"):
+        assert rows[item]["analytic"] == rows[item]["measured"], rows[item]
+    per_block = 64 * 2 * 30 * 3 * 64 * 4  # block 64 × (K, V) × 30 layers × 3 kv heads × 64 × fp32 bytes
+    assert rows["kv pages"]["analytic"] % per_block == 0 and rows["kv pages"]["analytic"] // per_block > 400

@@ -8,6 +8,9 @@ Sections, each computed in this run (nothing is copied from a stored result):
 3. The fp8 / int8 KV accuracy table for both small models (kvjax.accuracy), and the
    same for small-gqa with inflated K channels.
 4. The memory reconciliation: analytic vs measured bytes (kvjax memory).
+5. A real pretrained LLM, SmolLM2-135M-Instruct (GGUF, fetched and cached on first use): chat
+   requests sharing its system prompt (prefix hits), a cut-down fp8 accuracy table, and the
+   memory reconciliation. The full accuracy suite is `kvjax accuracy --model smollm2-135m`.
 
 Writes `results/REPORT.md` beside its PNG plots and a `report.json` with every number.
 """
@@ -26,7 +29,8 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: results/)")
     p.add_argument("--quick", action="store_true", help="fewer windows and requests (a smoke run)")
-    p.add_argument("--skip", default="", help="comma-separated sections to leave out: decode,accuracy,memory")
+    p.add_argument("--skip", default="", help="comma-separated sections to leave out: "
+                                              "decode,accuracy,memory,smollm")
 
 
 def _section_tables(out: str) -> tuple[str, dict]:
@@ -99,15 +103,17 @@ def run(args) -> int:
     out = args.out
     os.makedirs(out, exist_ok=True)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = skip - {"decode", "accuracy", "memory"}
+    unknown = skip - {"decode", "accuracy", "memory", "smollm"}
     if unknown:
-        raise ValueError(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; choose from decode, accuracy, memory")
+        raise ValueError(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; "
+                         "choose from decode, accuracy, memory, smollm")
     start = time.time()
     sections: list[str] = []
     data: dict[str, Any] = {}
     text, data["tables"] = _section_tables(out)
     sections.append(text)
-    for name, fn in (("decode", _section_decode), ("accuracy", _section_accuracy), ("memory", _section_memory)):
+    for name, fn in (("decode", _section_decode), ("accuracy", _section_accuracy), ("memory", _section_memory),
+                     ("smollm", _section_smollm)):
         if name in skip:
             continue
         t0 = time.time()
@@ -189,11 +195,20 @@ def _plot_blocks(summary, path: str) -> None:
     plt.close(fig)
 
 
-def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
-    """`kvjax memory` in a fresh process per model, so that only its own arrays are live."""
+def _memory_json(args: list[str]) -> dict:
+    """`kvjax memory ARGS --json` in a fresh process, so that only its own arrays are live."""
     import subprocess
     import sys
 
+    cmd = [sys.executable, "-m", "kvjax.cli", "memory", *args, "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:])} failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
+    """`kvjax memory` in a fresh process per model."""
     from kvjax.commands.memory import render
 
     md = ["## 4. Analytic KV bytes against what the device holds (`kvjax memory`)", "",
@@ -203,14 +218,68 @@ def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
           "analysis).", ""]
     data = {}
     for model, extra in (("small-gqa", []), ("small-mla", []), ("small-gqa", ["--kv-dtype", "fp8", "--tp", "2"])):
-        cmd = [sys.executable, "-m", "kvjax.cli", "memory", "--model", model, "--total-gib", "0.046875",
-               "--max-num-batched-tokens", "512", "--max-num-seqs", "16", *extra, "--json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[2:])} failed: {proc.stderr.strip()[-500:]}")
-        r = json.loads(proc.stdout)
+        r = _memory_json(["--model", model, "--total-gib", "0.046875", "--max-num-batched-tokens", "512",
+                          "--max-num-seqs", "16", *extra])
         key = " ".join([model, *extra])
         data[key] = r
         md += [f"### `kvjax memory --model {key} --total-gib 0.046875 --max-num-batched-tokens 512`", "", "```",
                render(r), "```", ""]
     return "\n".join(md), data
+
+
+def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
+    """SmolLM2-135M-Instruct: chat decoding with prefix hits, a cut-down accuracy table, memory."""
+    from kvjax.accuracy import evaluate, markdown
+    from kvjax.commands.accuracy import write_outputs
+    from kvjax.commands.memory import render
+    from kvjax.data import CALIB, CHAT_PROMPTS, HELDOUT, PROSE
+    from kvjax.llm import LLM
+    from kvjax.sampling import SamplingParams
+    from models.hub import load_model
+
+    model = "smollm2-135m"
+    loaded = load_model(model)  # fetched and verified on first use ($KVJAX_CACHE)
+    questions = [q for q in open(CHAT_PROMPTS).read().splitlines() if q][:4 if quick else 8]
+    max_tokens = 24 if quick else 48
+    # max_model_len bounds each sequence's block table, which decode attention reads in full
+    llm = LLM(loaded, kv_dtype="bf16", block_size=16, num_blocks=1 + 8 * 512 // 16, max_num_seqs=8, max_model_len=512,
+              enable_prefix_caching=True, steps_per_call=8)
+    run = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(max_tokens=max_tokens))
+    s = run.summary
+    stops = sum(o.finish_reason == "stop" for o in run)
+    rows = [("requests", f"{s.requests} chat requests ({stops} ended at EOS, the rest at {max_tokens} tokens)"),
+            ("prompt tokens", f"{s.prompt_tokens:,}"),
+            ("prefix-cache hits", f"{s.prefix_hit_tokens:,} of {s.prefix_queried_tokens:,} looked-up tokens "
+                                  f"({100 * s.prefix_hit_rate:.1f}%): the chat template's system prompt"),
+            ("generated tokens", f"{s.generated_tokens:,}"),
+            ("decode tokens/s (compiled steps only)", f"{s.decode_tokens_per_s:,.1f}"),
+            ("compile time", f"{s.compile_s:.1f} s"),
+            ("peak blocks used", f"{s.peak_blocks_used} of {s.usable_blocks} usable")]
+    md = ["## 5. A real pretrained LLM: SmolLM2-135M-Instruct (GGUF)", "",
+          f"`{model}`: 30 layers, 9 query / 3 kv heads × 64, vocabulary 49,152; the Q4_1/Q8_0 GGUF dequantized "
+          "to fp32 weights, bf16 KV, block size 16, max_model_len 512, greedy, one run (rates leave out the "
+          "device calls that compiled).", "", "### Chat decoding with prefix caching", "", "| | |", "|---|---|"]
+    md += [f"| {a} | {b} |" for a, b in rows]
+    md += ["", "| question | answer |", "|---|---|"]
+    cell = lambda text: " ".join(text.split()).replace("|", "\\|").replace("`", "'")  # noqa: E731  one table row
+    md += [f"| {q} | {cell(o.text)} |" for q, o in zip(questions, run)]
+    del llm
+
+    acc = None
+    if quick:  # every variant compiles its own scoring and decode steps: minutes on a 30-layer model
+        md += ["", "(`--quick`: the cut-down accuracy table is left out.)", ""]
+    else:
+        acc = evaluate(loaded, (HELDOUT, PROSE), CALIB, calib_windows=2, max_windows=4, prompts=2, decode_tokens=16,
+                       seq_len=256)
+        paths = write_outputs(acc, out)
+        md += ["", "### Quantized KV accuracy against bf16 (cut down)", "",
+               "A few windows of code and prose; the full suite (16K tokens, KL by position up to 8K, outlier map, "
+               "layer sensitivity) is `kvjax accuracy --model smollm2-135m` (README).", "", markdown(acc),
+               f"![accuracy {model}]({os.path.basename(paths['png'])})", ""]
+
+    memory_args = ["--model", model, "--total-gib", "2", "--max-num-batched-tokens", "512"]
+    mem = _memory_json(memory_args)
+    md += ["### Analytic KV bytes against what the device holds", "",
+           f"`kvjax memory {' '.join(memory_args)}`:", "", "```", render(mem), "```", ""]
+    return "\n".join(md), {"decode": dict(summary=s.to_json(), questions=questions,
+                                           answers=[o.text for o in run]), "accuracy": acc, "memory": mem}
