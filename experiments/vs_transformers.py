@@ -8,10 +8,11 @@ models.loader.save_checkpoint, the inverse of the loader), so the weights are id
 construction; the greedy tokens are compared too.
 
 Measured per batch size (1 and 8; 128-token prompts, 128 new tokens):
-- prefill tokens/s: kvjax's Summary (prefill steps of a warm run); transformers: one forward
-  over the batch of prompts;
+- prefill tokens/s: kvjax's Summary (the prefill step of each warm run; the ratio takes the
+  median over the warm runs of both step counts, whose prefill is the same step);
+  transformers: one forward over the batch of prompts;
 - decode tokens/s: kvjax's Summary (decode-only steps of a warm run); transformers: (generate
-  time − that prefill time) per generated token after the first;
+  time − that prefill time) per generated token after the first; medians of `repeats` runs;
 - compile: kvjax's first run of each shape compiles its steps (reported separately), and the
   time to the first token of a fresh `LLM` (its prefill compile included when the process has
   not compiled that shape yet: the first kvjax row of each batch size).
@@ -80,8 +81,10 @@ def transformers_run(hf, prompts: np.ndarray, new_tokens: int) -> dict:
             "tokens": out[:, ids.shape[1]:].tolist()}
 
 
-def kvjax_run(model: LoadedModel, prompts: np.ndarray, new_tokens: int, steps_per_call: int) -> dict:
-    """A fresh LLM: time to its first token (compiling the prefill), then a warm run's rates."""
+def kvjax_run(model: LoadedModel, prompts: np.ndarray, new_tokens: int, steps_per_call: int,
+              repeats: int = 3) -> dict:
+    """A fresh LLM: time to its first token (compiling the prefill), then the median rates of
+    `repeats` warm runs (and every warm run's prefill rate: a batch's prefill is one step)."""
     b, p = prompts.shape
     settings = dict(max_num_seqs=b, max_model_len=p + new_tokens, block_size=16, steps_per_call=steps_per_call,
                     enable_prefix_caching=False)
@@ -91,12 +94,13 @@ def kvjax_run(model: LoadedModel, prompts: np.ndarray, new_tokens: int, steps_pe
     ttft = time.perf_counter() - t0
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     cold = llm.generate(prompts.tolist(), params)  # compiles the decode steps
-    warm = llm.generate(prompts.tolist(), params)
-    s = warm.summary
-    return {"steps_per_call": steps_per_call, "prefill_tok_s": s.prefill_tokens_per_s,
-            "decode_tok_s": s.decode_tokens_per_s, "step_p50_ms": s.step_latency_p50_ms,
+    warm = [llm.generate(prompts.tolist(), params) for _ in range(repeats)]
+    prefill = [w.summary.prefill_tokens_per_s for w in warm]
+    median = lambda key: statistics.median(getattr(w.summary, key) for w in warm)  # noqa: E731
+    return {"steps_per_call": steps_per_call, "prefill_tok_s": statistics.median(prefill), "prefill_samples": prefill,
+            "decode_tok_s": median("decode_tokens_per_s"), "step_p50_ms": median("step_latency_p50_ms"),
             "first_token_s": ttft, "compile_s": first.summary.compile_s + cold.summary.compile_s,
-            "tokens": [o.token_ids for o in warm]}
+            "tokens": [o.token_ids for o in warm[0]]}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -118,7 +122,7 @@ def compare(model: LoadedModel, batches=(1, 8), prompt_len: int = 128, new_token
     rows = []
     for b in batches:
         prompts = rng.integers(3, model.config.vocab_size, (b, prompt_len))
-        kv = {k: kvjax_run(model, prompts, new_tokens, k) for k in (1, 8)}
+        kv = {k: kvjax_run(model, prompts, new_tokens, k, repeats) for k in (1, 8)}
         transformers_run(hf, prompts, min(new_tokens, 4))  # warm-up: torch's first calls allocate
         tf_runs = [transformers_run(hf, prompts, new_tokens) for _ in range(repeats)]
         tf = {key: statistics.median(r[key] for r in tf_runs) for key in ("prefill_tok_s", "decode_tok_s")}
@@ -127,7 +131,8 @@ def compare(model: LoadedModel, batches=(1, 8), prompt_len: int = 128, new_token
             "transformers": tf, "kvjax": {k: {key: v for key, v in r.items() if key != "tokens"} for k, r in kv.items()},
             "token_agreement": {k: agreement(r["tokens"], tf_runs[0]["tokens"]) for k, r in kv.items()},
             "ratios": {f"decode_K{k}": r["decode_tok_s"] / tf["decode_tok_s"] for k, r in kv.items()}
-            | {"prefill": kv[1]["prefill_tok_s"] / tf["prefill_tok_s"]}})
+            | {"prefill": statistics.median(kv[1]["prefill_samples"] + kv[8]["prefill_samples"])
+               / tf["prefill_tok_s"]}})
     return {"model": model.name, "rows": rows}
 
 
