@@ -5,12 +5,17 @@ import subprocess
 import sys
 
 
+def _quick_report(out, skip: str) -> str:
+    """`kvjax report --quick --skip SKIP --out OUT` in a fresh process; REPORT.md's text."""
+    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", skip, "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    return (out / "REPORT.md").read_text()
+
+
 def test_quick_report_writes_markdown_plots_and_json(tmp_path):
     out = tmp_path / "rep"
-    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", "accuracy,memory,smollm",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    text = (out / "REPORT.md").read_text()
+    text = _quick_report(out, "accuracy,memory,smollm")
     assert "Table 1" in text and "Simulator group C" in text and "concurrency 0" in text
     assert "## 2. Decoding" in text and "preemptions" in text
     for png in ("concurrency_vs_context.png", "blocks_in_use.png"):
@@ -31,10 +36,7 @@ def test_report_rejects_unknown_sections(tmp_path):
 
 def test_quick_report_real_model_section(tmp_path):
     out = tmp_path / "rep"
-    p = subprocess.run([sys.executable, "-m", "kvjax.cli", "report", "--quick", "--skip", "decode,accuracy,memory",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr
-    text = (out / "REPORT.md").read_text()
+    text = _quick_report(out, "decode,accuracy,memory")
     assert "## 5. A real pretrained LLM: SmolLM2-135M-Instruct" in text
     data = json.loads((out / "report.json").read_text())["smollm"]
     s = data["decode"]["summary"]

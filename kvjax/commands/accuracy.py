@@ -96,6 +96,12 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(res: dict, path: str) -> None:
     plt = _pyplot()
     rs = [r for r in res["results"] if r["variant"] != "bf16"]
@@ -108,9 +114,7 @@ def plot(res: dict, path: str) -> None:
     axes[1].set_xlabel("top-1 disagreement with bf16 (%)")
     axes[1].set_yticks([])
     fig.suptitle(f"{res['model']}: quantized KV vs bf16" + (" (outlier K channels)" if res["outlier_channels"] else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_positions(res: dict, path: str) -> None:
@@ -131,9 +135,7 @@ def plot_positions(res: dict, path: str) -> None:
     ax.set_ylabel("mean KL(bf16 ‖ variant), nats")
     ax.set_title(f"{res['model']}: quantized-KV error by context position")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_layers(res: dict, path: str) -> None:
@@ -149,9 +151,7 @@ def plot_layers(res: dict, path: str) -> None:
     ax.set_xlabel("layer (red: kept in bf16 by the largest skip variant)")
     ax.set_ylabel("KL(bf16 ‖ only this layer quantized)")
     ax.set_title(f"{res['model']}: layer sensitivity of {sens['variant']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_amax(res: dict, path: str) -> None:
@@ -177,9 +177,7 @@ def plot_amax(res: dict, path: str) -> None:
     where = "layers " + ", ".join(map(str, sat)) if sat else "no layer"
     fig.suptitle(f"{res['model']}: K/V outlier map on calibration text; unit-scale {o['format']} saturates "
                  f"(> {o['format_max']:g}) in {where}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_outputs(res: dict, out_dir: str) -> dict:
