@@ -238,8 +238,9 @@ def _markdown(r: dict) -> str:
               "about 1 ms per step here, but not the step itself. K=8 / K=1 is therefore about "
               "(step + host) / step: large for a cheap model (the tiny preset) and near 2 when the model step "
               "costs as much as the host work, as small-gqa's does on two shared CPU cores.",
-              "- Prefix caching skips the hit blocks' prefill; its wall-time gain is larger than the token "
-              "ratio because the reference ragged attention of a step costs T × B × S."]
+              "- Prefix caching skips the hit blocks' prefill. Its wall-time gain is smaller than the ratio of "
+              "prefill tokens: each prefill step also pays the host's scheduling and the call's dispatch, "
+              "which do not shrink with the tokens and are a large part of a step on a model this small."]
     return "\n".join(lines) + "\n"
 
 
