@@ -31,3 +31,17 @@ def test_tiny_kv_sweep_writes_every_variant(tmp_path):
     # The Pallas kernel (interpreted on CPU) and the reference decode the same greedy tokens.
     assert rows["bf16", "pallas"]["outputs_head"] == rows["bf16", "reference"]["outputs_head"]
     assert (tmp_path / "decode_sweep.md").exists()
+
+
+def test_tiny_vs_transformers_decodes_the_same_tokens(tmp_path):
+    """kvjax and transformers (torch eager, its own KV cache) greedily decode the same tokens from
+    the same random tiny-preset weights, and the benchmark writes both rates and their ratio."""
+    result = decode_bench.main(["--vs-transformers", "--tiny", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "vs_transformers.json").read_text())
+    assert [row["batch"] for row in saved["rows"]] == [1, 2]
+    for row in saved["rows"]:
+        assert row["token_agreement"] == {"1": 1.0, "8": 1.0}
+        assert row["transformers"]["decode_tok_s"] > 0 and all(r["decode_tok_s"] > 0 for r in row["kvjax"].values())
+        assert len(row["kvjax"]["1"]["prefill_samples"]) == 1  # --tiny: one warm run
+    md = (tmp_path / "vs_transformers.md").read_text()
+    assert f"{result['rows'][0]['ratios']['decode_K8']:.2f}× (K=8)" in md
