@@ -2,7 +2,7 @@
 
     kvjax accuracy --model small-gqa
     kvjax accuracy --model small-mla --outlier-channels --out results/
-    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: ~20 min on 2 cores)
+    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: 23 min on 2 cores)
 
 Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table; the full
 suite (a real LLM) also writes _positions.png (KL by context position), _layers.png (layer
