@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention.metadata import build_metadata
 from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
+from kvjax.scoring import prefill_layout
 
 BUCKETS = (0, 128, 512, 2048, 8192)  # position bucket edges: [0, 128), [128, 512), [512, 2K), [2K, 8K)
 
@@ -96,15 +96,9 @@ def chunk_layouts(seq_len: int, chunk: int, block_size: int) -> tuple[list, int]
     covers positions < its own end only: what it may attend to."""
     if chunk <= 0 or seq_len <= 0:
         raise ValueError(f"seq_len {seq_len} and chunk {chunk} must be positive")
-    blocks = cdiv(seq_len, block_size)
-    layouts = []
-    for start in range(0, seq_len, chunk):
-        n = min(chunk, seq_len - start)
-        width = cdiv(start + n, block_size)
-        md = build_metadata([start], [n], [list(range(1, width + 1))], block_size=block_size, max_tokens=n,
-                            max_seqs=1, max_blocks_per_seq=width)
-        layouts.append((start, md))
-    return layouts, blocks + 1
+    layouts = [(start, prefill_layout(min(start + chunk, seq_len), block_size, start)[0])
+               for start in range(0, seq_len, chunk)]
+    return layouts, cdiv(seq_len, block_size) + 1
 
 
 class ChunkedScorer:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention.metadata import build_metadata
+from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
 from kvjax.spec import KVSpec
 
@@ -27,11 +28,12 @@ def windows(tokens, seq_len: int, max_windows: int) -> np.ndarray:
     return np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)
 
 
-def prefill_layout(seq_len: int, block_size: int):
-    """(metadata, num_blocks) for one sequence of seq_len tokens in blocks 1..cdiv(S, Z)."""
-    blocks = -(-seq_len // block_size)
-    md = build_metadata([0], [seq_len], [list(range(1, blocks + 1))], block_size=block_size,
-                        max_tokens=seq_len, max_seqs=1, max_blocks_per_seq=blocks)
+def prefill_layout(seq_len: int, block_size: int, start: int = 0):
+    """(metadata, num_blocks) for prefilling positions start..seq_len-1 of one sequence in blocks
+    1..cdiv(seq_len, Z), positions before start already cached (a chunk of a chunked prefill)."""
+    blocks = cdiv(seq_len, block_size)
+    md = build_metadata([start], [seq_len - start], [list(range(1, blocks + 1))], block_size=block_size,
+                        max_tokens=seq_len - start, max_seqs=1, max_blocks_per_seq=blocks)
     return md, blocks + 1
 
 

@@ -79,8 +79,6 @@ def evaluate_kwargs(args) -> dict:
         value = kw.get(name, getattr(args, name, None))
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    data = list(kw.pop("data"))
-    kw["data"] = data[0] if len(data) == 1 else data
     for name in ("skip_counts", "long_variants"):
         if name in kw:
             kw[name] = tuple(kw[name])
