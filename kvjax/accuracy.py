@@ -55,6 +55,7 @@ from kvjax.data import HELDOUT, PROSE
 from kvjax.llm import LLM
 from kvjax.sampling import SamplingParams
 from kvjax.scoring import windows
+from kvjax.errors import KvjaxError
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
 # sized to finish within 30 minutes on 2 CPU cores for SmolLM2-135M (README).
@@ -97,13 +98,13 @@ def _sources(tokenizer, data, seq_len: int, max_windows: int, long_windows: int,
         tokens = tokenizer.encode_file(path)
         quota = max_windows // n + (s < max_windows % n)
         if quota == 0:
-            raise ValueError(f"max_windows {max_windows} leaves no window for {n} data sources")
+            raise KvjaxError(f"max_windows {max_windows} leaves no window for {n} data sources")
         mine = windows(tokens, seq_len, quota)
         used = len(mine) * seq_len
         n_long = len(range(s, long_windows, n))
         if n_long:
             if len(tokens) - used < n_long * long_len:
-                raise ValueError(f"{path}: {len(tokens):,} tokens hold {len(mine)} windows of {seq_len} but not "
+                raise KvjaxError(f"{path}: {len(tokens):,} tokens hold {len(mine)} windows of {seq_len} but not "
                                  f"{n_long} more of {long_len} (long windows)")
             long.append(np.asarray(tokens[used:used + n_long * long_len]).reshape(n_long, long_len))
             used += n_long * long_len
@@ -142,23 +143,29 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     for name, value in (("seq_len", seq_len), ("max_windows", max_windows), ("prompts", prompts),
                         ("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("long_chunk", long_chunk)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise KvjaxError(f"{name} must be a positive integer, got {value!r}")
     for name, value in (("long_windows", long_windows), ("sensitivity_windows", sensitivity_windows)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            raise KvjaxError(f"{name} must be a non-negative integer, got {value!r}")
     start = time.time()
     phases = {}
     say = progress or (lambda message: None)
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     model_name = loaded.name
     config = loaded.config
+    known = {v["name"]: v for v in variants(config.num_layers)}
+    for name in (sensitivity_variant, *long_variants):
+        if name not in known:
+            raise KvjaxError(f"unknown variant {name!r}; choose one of {', '.join(known)}")
+    if seq_len > config.max_position_embeddings:
+        raise KvjaxError(f"seq_len {seq_len} exceeds the model's maximum length {config.max_position_embeddings}")
     if outlier_channels:
         from models.stress import inflate_k_channels
         params = inflate_k_channels(config, loaded.params, (0, 5), outlier_factor)
         loaded = loaded.replace(params=jax.tree_util.tree_map(jnp.asarray, params))
     long_len = long_len or min(config.max_position_embeddings, BUCKETS[-1])
     if long_windows and not seq_len < long_len <= min(config.max_position_embeddings, BUCKETS[-1]):
-        raise ValueError(f"long_len {long_len} must exceed seq_len {seq_len} and stay within the model's context "
+        raise KvjaxError(f"long_len {long_len} must exceed seq_len {seq_len} and stay within the model's context "
                          f"{config.max_position_embeddings} and the last position bucket {BUCKETS[-1]}")
     eval_windows, long_set, prompt_list, sources = _sources(loaded.tokenizer, data, seq_len, max_windows,
                                                             long_windows, long_len, prompts, prompt_len)
@@ -166,10 +173,6 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     phases["load"] = time.time() - start
 
     # Scales, outliers and layer sensitivity all read the calibration split only.
-    known = {v["name"]: v for v in variants(config.num_layers)}
-    for name in (sensitivity_variant, *long_variants):
-        if name not in known:
-            raise ValueError(f"unknown variant {name!r}; choose one of {', '.join(known)}")
     calibrated = {}
 
     def scales_for(v):

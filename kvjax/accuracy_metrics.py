@@ -30,6 +30,7 @@ import numpy as np
 from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
 from kvjax.scoring import prefill_layout
+from kvjax.errors import KvjaxError
 
 BUCKETS = (0, 128, 512, 2048, 8192)  # position bucket edges: [0, 128), [128, 512), [512, 2K), [2K, 8K)
 
@@ -95,7 +96,7 @@ def chunk_layouts(seq_len: int, chunk: int, block_size: int) -> tuple[list, int]
     chunk tokens at a time into blocks 1..cdiv(seq_len, Z) (block 0 null). Chunk c's block table
     covers positions < its own end only: what it may attend to."""
     if chunk <= 0 or seq_len <= 0:
-        raise ValueError(f"seq_len {seq_len} and chunk {chunk} must be positive")
+        raise KvjaxError(f"seq_len {seq_len} and chunk {chunk} must be positive")
     layouts = [(start, prefill_layout(min(start + chunk, seq_len), block_size, start)[0])
                for start in range(0, seq_len, chunk)]
     return layouts, cdiv(seq_len, block_size) + 1
@@ -112,7 +113,7 @@ class ChunkedScorer:
 
     def __init__(self, llm, seq_len: int, chunk: int):
         if seq_len > llm.config.max_position_embeddings:
-            raise ValueError(f"windows of {seq_len} tokens exceed the model's max_position_embeddings "
+            raise KvjaxError(f"windows of {seq_len} tokens exceed the model's max_position_embeddings "
                              f"{llm.config.max_position_embeddings}")
         self.llm, self.seq_len = llm, seq_len
         self.layouts, self.num_blocks = chunk_layouts(seq_len, chunk, llm.block_size)

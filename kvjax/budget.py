@@ -25,11 +25,13 @@ import math
 from fractions import Fraction
 from typing import Any
 
+from kvjax.errors import MAX_GIB
 from kvjax.spec import KVSpec, SpecError
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_UTIL = Fraction("0.92")
 DEFAULT_BLOCK_SIZE = 64
+MAX_EXACT = 10**18  # bound on exact() inputs: parameters, GiB, utilization
 
 WEIGHT_DTYPE_BYTES = {"fp32": Fraction(4), "bf16": Fraction(2), "fp16": Fraction(2), "fp8": Fraction(1),
                       "int8": Fraction(1), "int4": Fraction(1, 2)}
@@ -39,7 +41,7 @@ class BudgetError(SpecError):
     """A budget input that breaks a rule; the message names the value."""
 
 
-def exact(value: Any, name: str = "value") -> Fraction:
+def exact(value: Any, name: str = "value", limit: int | None = MAX_EXACT) -> Fraction:
     """An exact rational from an int, a decimal string, a float (read as its shortest decimal) or a Fraction."""
     if isinstance(value, bool):
         raise BudgetError(f"{name} must be a number, got {value!r}")
@@ -51,14 +53,17 @@ def exact(value: Any, name: str = "value") -> Fraction:
         result = Fraction(str(value)) if isinstance(value, (float, str)) else Fraction(value)
     except (ValueError, TypeError, ZeroDivisionError):
         raise BudgetError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(float(result)):
-        raise BudgetError(f"{name} must be finite, got {value!r}")
+    if limit is not None and abs(result) > limit:  # "1e400" is an exact Fraction, but no kvjax quantity is near it
+        raise BudgetError(f"{name} must be at most {limit:.0e} in magnitude, got {str(value)[:40]!r}")
     return result
 
 
 def gib(value: Any, name: str = "size") -> int:
-    """GiB (1024³ bytes) → whole bytes, rounding a fractional byte up."""
-    return math.ceil(exact(value, name) * GiB)
+    """GiB (1024³ bytes) in [0, MAX_GIB] → whole bytes, rounding a fractional byte up."""
+    x = exact(value, name, limit=None)
+    if not 0 <= x <= MAX_GIB:
+        raise BudgetError(f"{name} must be in [0, {MAX_GIB:,}] GiB, got {str(value)[:40]!r}")
+    return math.ceil(x * GiB)
 
 
 def weight_bytes(params: Any, dtype: str = "bf16") -> int:

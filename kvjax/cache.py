@@ -48,12 +48,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import quant
+from kvjax.errors import KvjaxError
 from kvjax.spec import KVSpec
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 
 
-class CacheError(ValueError):
+class CacheError(KvjaxError):
     """A cache built or used with sizes that break a rule; the message names the value."""
 
 

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 from kvjax import budget as bud
 from kvjax.config import PRESETS, from_hf_config, preset
-from kvjax.spec import KV_DTYPES, KVSpec, SpecError
+from kvjax.errors import KvjaxError, UsageError, check_output_file, int_arg, one_line
+from kvjax.spec import KV_DTYPES, KVSpec
 
 # Subcommands implemented in their own modules, each with add_parser(sub) and run(args); a module
 # is imported only when its command runs (they import JAX), the others show their help line.
@@ -32,15 +33,11 @@ _MODULE_COMMANDS = {
 }
 
 
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but errors are one line (no usage dump) so scripts can read them."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        raise UsageError(f"{self.prog}: error: {message}")
+        raise UsageError(message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,11 +54,11 @@ def _add_plan(sub) -> None:
     src.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
     src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json (or its folder)")
     src.add_argument("--kind", help="mha | gqa | mqa | mla, with --layers --heads --kv-heads --head-dim")
-    for flag in ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim"):
-        src.add_argument(flag, type=int)
+    for flag in _SHAPE_FLAGS:
+        src.add_argument(flag, type=int_arg(1))
     p.add_argument("--kv-dtype", help=f"one of {', '.join(KV_DTYPES)} (default bf16)")
-    p.add_argument("--context", type=int, help="tokens per request (default 8192)")
-    p.add_argument("--block-size", type=int, help="tokens per block (default 64)")
+    p.add_argument("--context", type=int_arg(1), help="tokens per request (default 8192)")
+    p.add_argument("--block-size", type=int_arg(1), help="tokens per block (default 64)")
     mem = p.add_argument_group("memory")
     mem.add_argument("--gpu-gib", help="memory of one GPU in GiB (1024³)")
     mem.add_argument("--util", help="gpu_memory_utilization in (0, 1] (default 0.92)")
@@ -72,10 +69,29 @@ def _add_plan(sub) -> None:
     mem.add_argument("--activations-gib", help="peak activations (default 0)")
     mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
     mem.add_argument("--kv-cache-memory-gib", help="explicit KV cache size: overrides the whole budget")
-    mem.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    mem.add_argument("--tp", type=int_arg(1), help="tensor-parallel size (default 1)")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="plot max concurrency vs context for bf16 and fp8")
+
+
+_SHAPE_FLAGS = ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim")
+_MLA_ONLY, _NOT_MLA = ("--kv-lora-rank", "--qk-rope-head-dim"), ("--kv-heads", "--head-dim")
+
+
+def _check_plan_flags(args) -> None:
+    """Refuse flags that the chosen model source would ignore, before any work."""
+    given = [f for f in _SHAPE_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
+    if given and not args.kind:
+        source = (f"--preset {args.preset}" if args.preset else f"--hf-config {args.hf_config}" if args.hf_config
+                  else f"--group {args.group}" if args.group else "no --kind")
+        raise UsageError(f"{given[0]} describes a custom model (--kind); {source} fixes the model's shape")
+    if args.kind:
+        wrong = [f for f in given if f in (_NOT_MLA if args.kind.lower() == "mla" else _MLA_ONLY)]
+        if wrong:
+            raise UsageError(f"{wrong[0]} does not apply to --kind {args.kind}")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
 
 
 def _resolve_plan_inputs(args) -> dict[str, Any]:
@@ -84,6 +100,7 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     model_flags = [f for f in ("preset", "hf_config", "kind") if getattr(args, f)]
     if len(model_flags) > 1:
         raise UsageError(f"choose one model source, got --{' and --'.join(f.replace('_', '-') for f in model_flags)}")
+    _check_plan_flags(args)
     kv_dtype = args.kv_dtype or g.get("kv_dtype", "bf16")
     params = None
     if args.preset or (g and not model_flags):
@@ -100,6 +117,14 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     spec.replace(kv_dtype=kv_dtype)  # validates the dtype
     tp = args.tp if args.tp is not None else g.get("tp", 1)
     weight_dtype = args.weight_dtype or "bf16"
+    if weight_dtype not in bud.WEIGHT_DTYPE_BYTES:
+        raise UsageError(f"--weight-dtype {weight_dtype!r}: choose one of {', '.join(bud.WEIGHT_DTYPE_BYTES)}")
+    if args.weights_gib is not None and args.params_b is not None:
+        raise UsageError("give --weights-gib or --params-b, not both")
+    counted = args.params_b is not None or (args.weights_gib is None and "weights_gib" not in g and params is not None)
+    if args.weight_dtype is not None and not counted:
+        raise UsageError("--weight-dtype converts a parameter count (--params-b or a preset's) to bytes; "
+                         "here the weights are given in GiB, so it would be ignored")
     warnings = []
     if args.weights_gib is not None:
         weights = bud.gib(args.weights_gib, "--weights-gib")
@@ -112,6 +137,8 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     else:
         weights = 0
         warnings.append("no --weights-gib or --params-b: weights counted as 0")
+    if args.util is not None and not 0 < bud.exact(args.util, "--util") <= 1:
+        raise UsageError(f"--util must be in (0, 1], got {args.util!r}")
     gpu = args.gpu_gib if args.gpu_gib is not None else g.get("gpu_gib")
     util = args.util if args.util is not None else (None if args.extensible else g.get("util"))
     return dict(spec=spec, title=g.get("title", title), warnings=warnings, kw=dict(
@@ -255,18 +282,19 @@ _RUNNERS = {"plan": _run_plan, "tables": _run_tables}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. The bad-input contract lives here, once for every command: a KvjaxError
+    (kvjax.errors; every reader and validator raises one) is printed as one line
+    `kvjax CMD: error: ...` and the exit status is 2. Anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    known = command in _RUNNERS or command in _MODULE_COMMANDS
     try:
-        args = build_parser(command).parse_args(argv)
+        args = build_parser(command if known else None).parse_args(argv)
         if args.command in _RUNNERS:
             return _RUNNERS[args.command](args)
         return importlib.import_module(_MODULE_COMMANDS[args.command][0]).run(args)
-    except UsageError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except (SpecError, ValueError) as e:  # SpecError/BudgetError: bad values with their rule
-        print(f"kvjax {command}: error: {e}", file=sys.stderr)
+    except KvjaxError as e:
+        print(f"kvjax{' ' + command if known else ''}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -65,6 +65,7 @@ from flax import struct
 from kvjax import pool, sampling
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.cache import ContiguousCache, PagedCache
+from kvjax.errors import KvjaxError
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
 from kvjax.stats import RunStats, Summary
@@ -74,7 +75,7 @@ MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
 DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
 
 
-class EngineError(ValueError):
+class EngineError(KvjaxError):
     """An engine built or called with values that break a rule; the message names the value."""
 
 

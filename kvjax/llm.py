@@ -34,6 +34,7 @@ from kvjax.attention import default_impl
 from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
 from kvjax.engine import DEFAULT_BUDGET, Engine, EngineConfig, EngineError
+from kvjax.errors import INT32_MAX, KvjaxError
 from kvjax.stats import Summary
 from kvjax.sampling import SamplingParams
 from kvjax.scoring import sequence_logits
@@ -42,7 +43,7 @@ from kvjax.spec import kv_dtype as lookup_kv_dtype
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
 
 
-class LLMError(ValueError):
+class LLMError(KvjaxError):
     """An LLM built or called with values that break a rule; the message names the value."""
 
 
@@ -143,15 +144,28 @@ class LLM:
             scales = quant.KVScales.load(scales)
         if scales is not None and not lookup_kv_dtype(self.kv_spec.kv_dtype).name.startswith("fp8"):
             raise LLMError(f"scales are fp8 dequantization scales, but the kv dtype is {self.kv_spec.kv_dtype}")
+        if scales is not None:
+            scales.check_kv_dtype(lookup_kv_dtype(self.kv_spec.kv_dtype).name)
         self.scales = scales
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
+                raise LLMError(f"{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
         self.block_size = block_size
-        self.max_model_len = max_model_len or loaded.config.max_position_embeddings
+        model_len = loaded.config.max_position_embeddings
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or not 1 <= max_model_len <= model_len):
+            raise LLMError(f"max_model_len must be an integer in [1, {model_len}] (the model's maximum length), "
+                           f"got {max_model_len!r}")
+        self.max_model_len = max_model_len or model_len
         if num_blocks is None:
             num_blocks = self._size(gpu_memory_utilization, total_memory_bytes, max_num_seqs, max_num_batched_tokens)
         self.engine_config = EngineConfig(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, prefix_caching=enable_prefix_caching,
             steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy, kv_layout=kv_layout)
+        from kvjax.sizing import check_cache_fits
+
+        check_cache_fits(self.kv_spec, num_blocks, block_size)  # before allocating the pages
         self.engine = Engine(loaded.module, loaded.params, self.kv_spec, self.engine_config, scales=scales,
                              eos_token_ids=loaded.eos_token_ids)
         self._score_fn = None

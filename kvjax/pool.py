@@ -48,6 +48,7 @@ from flax import struct
 
 from kvjax import hashing
 from kvjax.budget import cdiv
+from kvjax.errors import KvjaxError
 
 NULL_BLOCK = 0
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
@@ -111,9 +112,9 @@ def init(num_blocks: int, block_size: int, max_requests: int,
                              ("block_size", block_size, 1, ""), ("max_requests", max_requests, 1, ""),
                              ("max_blocks_per_request", max_blocks_per_request, 1, "")):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}{why}, got {v!r}")
+            raise KvjaxError(f"{name} must be an int >= {lo}{why}, got {v!r}")
     if max_blocks_per_request * block_size >= 2**31:
-        raise ValueError(f"max_blocks_per_request * block_size = {max_blocks_per_request * block_size}"
+        raise KvjaxError(f"max_blocks_per_request * block_size = {max_blocks_per_request * block_size}"
                          " overflows int32 token positions")
     p, r, m, z = int(num_blocks), int(max_requests), int(max_blocks_per_request), int(block_size)
     ids = np.arange(p + 2, dtype=np.int32)

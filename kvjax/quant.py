@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.spec import read_json_object
+from kvjax.errors import InputFileError, KvjaxError, json_type, read_json_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ SCALE_MODES = ("unit", "per_tensor", "per_head")
 def quant_format(name: str) -> QuantFormat:
     key = "fp8_e4m3" if name == "fp8" else name
     if key not in FORMATS:
-        raise ValueError(f"kv dtype {name!r} is not a quantized format; choose one of fp8, {', '.join(FORMATS)}")
+        raise KvjaxError(f"kv dtype {name!r} is not a quantized format; choose one of fp8, {', '.join(FORMATS)}")
     return FORMATS[key]
 
 
@@ -146,18 +146,57 @@ class KVScales:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "KVScales":
-        d = read_json_object(path, "scales file", ValueError)
+        """A scales file as `save` writes it; every field is checked (InputFileError naming the
+        field and layer): format a known fp8 format, mode a known mode, k (and v) one non-empty
+        list of finite positive scales per layer, amax_k / amax_v finite and ≥ 0, no other keys."""
+        d = read_json_object(path, "scales file")
+        bad = lambda msg: InputFileError(path, msg)  # noqa: E731
+        unknown = sorted(set(d) - {"format", "mode", "k", "v", "amax_k", "amax_v"})
+        if unknown:
+            raise bad(f"unknown key(s) {unknown}; a scales file has format, mode, k, v, amax_k, amax_v")
         missing = [key for key in ("format", "mode", "k") if key not in d]
         if missing:
-            raise ValueError(f"scales file {os.fspath(path)!r} lacks {', '.join(missing)}")
-        arr = lambda xs: tuple(np.asarray(x, np.float32) for x in xs)  # noqa: E731
-        scales = cls(d["format"], d["mode"], arr(d["k"]), arr(d.get("v", [])), arr(d.get("amax_k", [])),
-                     arr(d.get("amax_v", [])))
-        for layer, s in enumerate(scales.k + scales.v):
-            if not np.all(np.isfinite(s)) or np.any(s <= 0):
-                raise ValueError(f"scales file {os.fspath(path)!r}: layer {layer % max(1, len(scales.k))} has a "
-                                 f"non-positive or non-finite scale {s.tolist()}")
-        return scales
+            raise bad(f"lacks {', '.join(missing)}")
+        if d["format"] not in FP8_FORMATS:
+            raise bad(f'"format" must be one of {", ".join(FP8_FORMATS)}, got {json.dumps(d["format"])[:40]}')
+        if d["mode"] not in SCALE_MODES:
+            raise bad(f'"mode" must be one of {", ".join(SCALE_MODES)}, got {json.dumps(d["mode"])[:40]}')
+        layers = {key: _layer_vectors(d.get(key, []), key, bad, positive=key in ("k", "v"))
+                  for key in ("k", "v", "amax_k", "amax_v")}
+        if not layers["k"]:
+            raise bad('"k" holds no layers')
+        if d["mode"] == "unit" and any(np.any(s != 1.0) for s in layers["k"] + layers["v"]):
+            raise bad('mode "unit" means every scale is 1.0')
+        return cls(d["format"], d["mode"], layers["k"], layers["v"], layers["amax_k"], layers["amax_v"])
+
+    def check_kv_dtype(self, kv_dtype: str) -> None:
+        """Scales made for one fp8 format are wrong for another (e5m2's max is 128× e4m3's)."""
+        if kv_dtype != self.format:
+            raise KvjaxError(f"the scales are for {self.format} but the kv cache dtype is {kv_dtype}")
+
+
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _layer_vectors(value, key: str, bad, positive: bool) -> tuple[np.ndarray, ...]:
+    """A scales file's per-layer lists of numbers, checked (see KVScales.load)."""
+    if not isinstance(value, list):
+        raise bad(f'"{key}" must be a list with one list of numbers per layer, got a JSON {json_type(value)}')
+    out = []
+    for layer, xs in enumerate(value):
+        if not isinstance(xs, list) or not xs:
+            raise bad(f'"{key}" layer {layer} must be a non-empty list of numbers, got {json.dumps(xs)[:40]}')
+        for x in xs:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (0 < x if positive else 0 <= x) \
+                    or x > _F32_MAX:
+                rule = "positive" if positive else "≥ 0"
+                raise bad(f'"{key}" layer {layer} holds {json.dumps(x)[:40]}: values must be {rule} float32 numbers')
+        arr = np.asarray(xs, np.float32)
+        if positive and np.any(arr <= 0):
+            raise bad(f'"{key}" layer {layer} holds a scale that is 0 in float32')
+        out.append(arr)
+    return tuple(out)
 
 
 def scales_from_amax(amax_k, amax_v, fmt: QuantFormat, mode: str, mla_rank: int | None = None) -> KVScales:
@@ -168,7 +207,7 @@ def scales_from_amax(amax_k, amax_v, fmt: QuantFormat, mode: str, mla_rank: int 
     scales per layer, one for the latent channels [:mla_rank] and one for the rope key [mla_rank:].
     """
     if mode not in SCALE_MODES:
-        raise ValueError(f"unknown scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
+        raise KvjaxError(f"unknown scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
 
     def make(amax):
         amax = np.asarray(amax, np.float32)

@@ -17,8 +17,10 @@ req, ok, hit_blocks, hit_tokens, new_blocks, blocks (the request's whole table),
 free_queue (head -> tail), num_free, ref_cnt (non-zero only), cached (ids holding a hash),
 usage. A failed op prints "ok": false and the unchanged state (a failed add leaves no
 request behind, so a later op on that name is an unknown request). Blank lines are skipped.
-Bad input (malformed JSON, unknown op or key, unknown request, double free, a token that
-is not a non-negative int32) stops the replay with one error line naming the line number.
+Bad input (malformed or non-UTF-8 lines, JSON nested deeper than 32 levels, unknown op or
+key, unknown request, double free, a token that is not a non-negative int32, a pool over
+65,536 blocks or 2**20 tokens per request) stops the replay with one error line naming the
+file and line number.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import hashing, pool
+from kvjax.errors import KvjaxError, loads
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
 _KEYS = {"init": {"num_blocks", "block_size", "prefix_caching"}, "add": {"req", "tokens", "salt"},
          "append": {"req", "tokens"}, "free": {"req"}, "reset_prefix_cache": set()}
 
 
-class ReplayError(ValueError):
+class ReplayError(KvjaxError):
     """Bad trace input; `run` prints it with the line number."""
 
 
@@ -187,10 +190,31 @@ class Replay:
 
 
 # ---------------------------------------------------------------------------- trace input
-def _int(v, what: str, lo: int) -> int:
+MAX_BLOCKS = 2**16  # replay is for reading pools, not for sizing them: small limits keep its tables small
+MAX_REQUEST_TOKENS = 2**20
+
+
+def _int(v, what: str, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ReplayError(f"{what} must be an int >= {lo}, got {json.dumps(v)}")
+    if v > hi:
+        raise ReplayError(f"{what} must be at most {hi:,}, got {v:,}")
     return v
+
+
+def _utf8(line: bytes) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ReplayError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
+
+
+def _json(line: str):
+    """One op's JSON (errors.loads: nesting limit, finite numbers), as a ReplayError."""
+    try:
+        return loads(line)
+    except KvjaxError as e:
+        raise ReplayError(str(e)) from None
 
 
 def _tokens(op: dict) -> list[int]:
@@ -219,10 +243,9 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
         if not line.strip():
             continue
         try:
-            try:
-                op = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReplayError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            if isinstance(line, bytes):
+                line = _utf8(line)
+            op = _json(line)
             if not isinstance(op, dict):
                 raise ReplayError(f"expected a JSON object, got {json.dumps(op)[:40]}")
             kind = op.get("op")
@@ -235,8 +258,12 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
                 pc = op.get("prefix_caching", True)
                 if not isinstance(pc, bool):
                     raise ReplayError(f"prefix_caching must be true or false, got {json.dumps(pc)}")
-                replay = Replay(_int(op.get("num_blocks"), "num_blocks", 2),
-                                _int(op.get("block_size"), "block_size", 1), pc)
+                num_blocks = _int(op.get("num_blocks"), "num_blocks", 2, MAX_BLOCKS)
+                block_size = _int(op.get("block_size"), "block_size", 1, MAX_REQUEST_TOKENS)
+                if (num_blocks - 1) * block_size > MAX_REQUEST_TOKENS:
+                    raise ReplayError(f"(num_blocks - 1) × block_size = {(num_blocks - 1) * block_size:,} tokens: "
+                                      f"replay keeps every request's tokens, at most {MAX_REQUEST_TOKENS:,} each")
+                replay = Replay(num_blocks, block_size, pc)
                 freed_on = {}
                 out = replay.view("init", None, True)
             elif replay is None:
@@ -254,6 +281,8 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
                     salt = op.get("salt")
                     if salt is not None and not isinstance(salt, str):
                         raise ReplayError(f"'salt' must be a string, got {json.dumps(salt)}")
+                    if salt is not None and not salt.encode("utf-8", "replace").decode("utf-8") == salt:
+                        raise ReplayError("'salt' holds a lone UTF-16 surrogate (it has no UTF-8 bytes to hash)")
                     out = replay.add(name, _tokens(op), salt)
                     if out["ok"]:
                         freed_on.pop(name, None)
@@ -278,12 +307,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print one JSON line per op; on bad input print one error line, return 2."""
-    try:
-        f = sys.stdin if args.trace == "-" else open(args.trace, encoding="utf-8")
-    except OSError as e:
-        print(f"kvjax replay: error: cannot read {args.trace}: {e.strerror}", file=sys.stderr)
-        return 2
+    """Print one JSON line per op; bad input raises ReplayError naming the file and line (the
+    CLI prints it as one line, exit status 2). Lines are read as bytes and decoded one at a time,
+    so `kvjax replay -` streams."""
+    name = "<stdin>" if args.trace == "-" else args.trace
+    if args.trace != "-":
+        try:
+            f = open(args.trace, "rb")
+        except IsADirectoryError:
+            raise ReplayError(f"trace {args.trace!r} is a folder, not a file") from None
+        except OSError as e:
+            raise ReplayError(f"cannot read trace {args.trace!r}: {e.strerror}") from None
+    else:
+        f = sys.stdin.buffer
     with f:
         try:
             for out, replay in iter_trace(f):
@@ -292,15 +328,13 @@ def run(args: argparse.Namespace) -> int:
                     print(replay.draw(), flush=True)
         except ReplayError as e:
             sys.stdout.flush()
-            print(f"kvjax replay: error: {e}", file=sys.stderr)
-            return 2
+            raise ReplayError(f"{name}: {e}") from None
         except BrokenPipeError:  # e.g. `kvjax replay t.jsonl | head`: stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
     return 0
 
-
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="kvjax")
-    add_parser(_parser.add_subparsers(dest="command", required=True))
-    sys.exit(run(_parser.parse_args(["replay", *sys.argv[1:]])))
+    from kvjax.cli import main
+
+    sys.exit(main(["replay", *sys.argv[1:]]))

@@ -36,8 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.errors import KvjaxError
 
-class SamplingParamsError(ValueError):
+
+class SamplingParamsError(KvjaxError):
     """A sampling parameter outside its range; the message names it and the rule."""
 
 

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import hashing, pool
+from kvjax.errors import KvjaxError
 
 
 class SchedulerError(pool.PoolRefusedError):
@@ -69,22 +70,22 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+            raise KvjaxError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise KvjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
         if -(-self.max_model_len // self.block_size) > self.num_blocks - 1:
             # Otherwise a lone request could preempt itself forever.
-            raise ValueError(f"a max_model_len={self.max_model_len} request needs "
+            raise KvjaxError(f"a max_model_len={self.max_model_len} request needs "
                              f"{-(-self.max_model_len // self.block_size)} blocks but the pool "
                              f"has only {self.num_blocks - 1} usable")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # vLLM's rule too: otherwise a long prompt could never be admitted whole.
-            raise ValueError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
+            raise KvjaxError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
                              f"must be >= max_model_len={self.max_model_len}")
         if self.max_requests is not None and self.max_requests < self.max_num_seqs:
-            raise ValueError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
+            raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
 
 
 @dataclass
@@ -148,15 +149,15 @@ class Scheduler:
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,
                     priority: int = 0, salt: str | None = None, stop_ids=frozenset()) -> None:
         if req_id in self.requests:
-            raise ValueError(f"request id {req_id!r} already used")
+            raise KvjaxError(f"request id {req_id!r} already used")
         if not prompt or max_new_tokens < 1:
-            raise ValueError(f"request {req_id!r}: need a non-empty prompt and max_new_tokens >= 1, "
+            raise KvjaxError(f"request {req_id!r}: need a non-empty prompt and max_new_tokens >= 1, "
                              f"got {len(prompt)} tokens, max_new_tokens={max_new_tokens}")
         if len(prompt) + max_new_tokens > self.config.max_model_len:
-            raise ValueError(f"request {req_id!r}: {len(prompt)} prompt + {max_new_tokens} new tokens "
+            raise KvjaxError(f"request {req_id!r}: {len(prompt)} prompt + {max_new_tokens} new tokens "
                              f"> max_model_len={self.config.max_model_len}")
         if min(prompt) < 0:
-            raise ValueError(f"request {req_id!r}: token ids must be >= 0, got {min(prompt)}")
+            raise KvjaxError(f"request {req_id!r}: token ids must be >= 0, got {min(prompt)}")
         req = Request(req_id, list(prompt), max_new_tokens, priority, salt, frozenset(stop_ids), self._arrivals)
         self._arrivals += 1
         self.requests[req_id] = req

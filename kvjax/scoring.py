@@ -18,13 +18,14 @@ from kvjax.attention.metadata import build_metadata
 from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
 from kvjax.spec import KVSpec
+from kvjax.errors import KvjaxError
 
 
 def windows(tokens, seq_len: int, max_windows: int) -> np.ndarray:
     """Non-overlapping windows i32[W, seq_len] from the start of a token stream."""
     n = min(max_windows, len(tokens) // seq_len)
     if n < 1:
-        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of {seq_len}")
+        raise KvjaxError(f"the data holds {len(tokens)} tokens, fewer than one window of {seq_len}")
     return np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)
 
 

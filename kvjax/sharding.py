@@ -42,6 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import KVPages, LatentPages, PagedCache
+from kvjax.errors import KvjaxError
 from kvjax.spec import KVSpec
 
 AXIS = "tp"
@@ -54,7 +55,7 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
-class ShardingError(ValueError):
+class ShardingError(KvjaxError):
     """A tensor-parallel size or a tensor that cannot be split as asked; the message names it."""
 
 

@@ -23,15 +23,14 @@ A named or Hugging Face model's layout comes from its parsed config: kvjax.confi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
+from kvjax.errors import INT32_MAX, KvjaxError
 
 KINDS = ("mha", "gqa", "mqa", "mla")
 
 
-class SpecError(ValueError):
+class SpecError(KvjaxError):
     """A model layout or dtype that breaks a rule; the message names the value and the rule."""
 
 
@@ -125,8 +124,8 @@ class KVSpec:
             raise SpecError(f"unknown attention kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise SpecError(f"{field} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT32_MAX:
+                raise SpecError(f"{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
         kv_dtype(self.kv_dtype), kv_dtype(self.model_dtype)  # raise on unknown names
         if self.kind == "mla":
             if not self.kv_lora_rank or not self.qk_rope_head_dim:
@@ -173,7 +172,7 @@ class KVSpec:
     @property
     def bytes_per_token(self) -> int:
         """f × L × Hkv × D × b, summed layer by layer (skip layers at their own width)."""
-        return sum(self.layer_bytes_per_token(i) for i in range(self.num_layers))
+        return self._sum_layers(self.layer_bytes_per_token)
 
     def page_bytes(self, layer: int, block_size: int) -> int:
         """vLLM's page for one layer: num_heads × block_size × (head_size + head_size_v) × dtype."""
@@ -182,7 +181,14 @@ class KVSpec:
 
     def bytes_per_block(self, block_size: int) -> int:
         """One block of the (single) KV cache group: the sum of its layers' pages."""
-        return sum(self.page_bytes(i, block_size) for i in range(self.num_layers))
+        return self._sum_layers(lambda layer: self.page_bytes(layer, block_size))
+
+    def _sum_layers(self, per_layer) -> int:
+        """per_layer(i) summed over the layers: the skip layers one by one, the others (which all
+        have the kv dtype's width) as one product, so that any layer count sums instantly."""
+        skipped = sorted(set(self.skip_layers))
+        plain = next(i for i in range(len(skipped) + 1) if i not in skipped)  # a layer at the kv dtype
+        return sum(per_layer(i) for i in skipped) + (self.num_layers - len(skipped)) * per_layer(plain)
 
     def bytes_per_request(self, num_tokens: int) -> int:
         return self.bytes_per_token * num_tokens
@@ -239,22 +245,4 @@ class KVSpec:
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise SpecError(f"{name} must be a positive integer, got {value!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# JSON files
-# --------------------------------------------------------------------------------------------
-def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = SpecError) -> dict[str, Any]:
-    """A JSON object from a file; a missing file, bad JSON or a non-object raise `error` naming the file."""
-    path = os.fspath(path)
-    try:
-        with open(path) as fh:
-            obj = json.load(fh)
-    except FileNotFoundError:
-        raise error(f"{what} {path!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(obj, dict):
-        raise error(f"{what} {path!r} holds a {type(obj).__name__}, not a JSON object")
-    return obj
 

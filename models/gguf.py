@@ -177,6 +177,12 @@ class GGUFFile(TensorSource):
         # transformers takes head_dim from rope.dimension_count; llama.cpp writes key_length when a
         # head is not hidden / heads wide, and a smaller rope.dimension_count for partial rotary.
         head_dim = m("attention.key_length", None) or m("rope.dimension_count", None)
+        for key in ("attention.key_length", "rope.dimension_count"):
+            value = m(key, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value <= 0):
+                raise GGUFFormatError(f"GGUF file {self.where!r}: {ARCHITECTURE}.{key} must be a positive integer, "
+                                      f"got {str(value)[:40]!r}")
         if head_dim is not None:
             cfg["head_dim"] = head_dim
             rotary = m("rope.dimension_count", head_dim)
@@ -332,7 +338,7 @@ def _open_reader(path: str):
         raise GGUFFormatError(f"{path!r} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r}")
     try:
         return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError) as e:
+    except Exception as e:  # the gguf library's reader raises whatever its parse hits: convert at this boundary
         unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))  # "np.uint32(99) is not ..."
         if unknown:
             raise GGUFTensorTypeError(f"GGUF file {path!r} has a tensor of ggml type {unknown.group(1)}, which gguf "

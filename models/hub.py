@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any
 import jax
 
 from kvjax.config import ModelConfig, preset
+from kvjax.errors import KvjaxError, read_json_object, read_text
 from models.tokenizer import Tokenizer
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
@@ -64,15 +64,15 @@ REGISTRY = {
 }
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(KvjaxError):
     """A --model that names nothing kvjax can load."""
 
 
-class FetchError(ValueError):
+class FetchError(KvjaxError):
     """A registry model could not be downloaded; the message says how to pass the file instead."""
 
 
-class ChecksumError(ValueError):
+class ChecksumError(KvjaxError):
     """A downloaded or cached file whose size or sha256 is not the one recorded in REGISTRY."""
 
 
@@ -115,8 +115,7 @@ def eos_token_ids(folder: str) -> tuple[int, ...]:
         path = os.path.join(folder, name)
         if not os.path.exists(path):
             continue
-        with open(path) as fh:
-            value = json.load(fh).get("eos_token_id")
+        value = read_json_object(path, name).get("eos_token_id")
         values = value if isinstance(value, list) else [value]
         ids |= {v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
     return tuple(sorted(ids))
@@ -127,12 +126,10 @@ def chat_template(folder: str) -> str | None:
     tokenizer_config.json's `chat_template` string."""
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
+        return read_text(path, "chat template")
     path = os.path.join(folder, "tokenizer_config.json")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            template = json.load(fh).get("chat_template")
+        template = read_json_object(path, "tokenizer_config.json").get("chat_template")
         return template if isinstance(template, str) else None
     return None
 

@@ -33,10 +33,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from kvjax.config import ModelConfig, from_hf_config
+from kvjax.errors import KvjaxError, one_line, read_json_object
 from models import build_model, param_shapes
 
 SAFETENSORS = "model.safetensors"
@@ -44,7 +45,7 @@ INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(KvjaxError):
     """A checkpoint folder kvjax will not load; subclasses say why."""
 
 
@@ -103,8 +104,11 @@ class SafetensorsSource(TensorSource):
         self.where = folder
         self._files = _tensor_files(folder)  # HF name → file
         self._stack = contextlib.ExitStack()
-        self._handles = {f: self._stack.enter_context(safe_open(f, framework="numpy"))
-                         for f in sorted(set(self._files.values()))}
+        try:
+            self._handles = {f: self._stack.enter_context(_safe_open(f)) for f in sorted(set(self._files.values()))}
+        except BaseException:
+            self._stack.close()
+            raise
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -113,7 +117,10 @@ class SafetensorsSource(TensorSource):
         return tuple(self._handles[self._files[name]].get_slice(name).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        return self._handles[self._files[name]].get_tensor(name)
+        try:
+            return self._handles[self._files[name]].get_tensor(name)
+        except (SafetensorError, TypeError, ValueError) as e:  # e.g. a dtype numpy lacks, or truncated data
+            raise CheckpointError(f"{self._files[name]!r}: tensor {name!r} cannot be read: {one_line(e)[:200]}") from None
 
     def origin(self, name: str) -> str:
         return os.path.basename(self._files[name])
@@ -234,23 +241,33 @@ def _tensor_files(folder: str) -> dict[str, str]:
     index = os.path.join(folder, INDEX)
     single = os.path.join(folder, SAFETENSORS)
     if os.path.exists(index):
-        with open(index) as fh:
-            try:
-                weight_map = json.load(fh)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index!r} is not a safetensors index with a weight_map: {e}") from None
+        try:
+            weight_map = read_json_object(index, "safetensors index").get("weight_map")
+        except KvjaxError as e:
+            raise CheckpointError(str(e)) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index!r} is not a safetensors index: it needs a weight_map of tensor → file")
         files = {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not os.path.exists(shard):
                 raise CheckpointError(f"{index!r} names shard {os.path.basename(shard)!r}, which is missing")
         return files
     if os.path.exists(single):
-        with safe_open(single, framework="numpy") as fh:
+        with _safe_open(single) as fh:
             return {name: single for name in fh.keys()}
     pickled = sorted(f for f in glob.glob(os.path.join(folder, "*")) if f.endswith(PICKLE_SUFFIXES))
     if pickled:
         raise _pickled(pickled)
     raise CheckpointError(f"checkpoint {folder!r} has neither {SAFETENSORS} nor {INDEX}")
+
+
+def _safe_open(path: str):
+    """safetensors' safe_open, its own errors (a corrupt, truncated or non-safetensors file: e.g.
+    a pickle renamed) converted to CheckpointError naming the file. It never unpickles."""
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path!r} is not a readable safetensors file: {one_line(e)[:200]}") from None
 
 
 def _pickled(files: list[str]) -> PickledWeightsError:

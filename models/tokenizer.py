@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from kvjax.errors import KvjaxError, decode_utf8, one_line, read_bytes
+
 
 class Tokenizer:
     """encode(text) → ids, decode(ids) → text, encode_file(path) → ids i32[N]."""
@@ -24,7 +26,10 @@ class Tokenizer:
         if backend is None and path is not None and os.path.exists(path):
             from tokenizers import Tokenizer as HFTokenizer
 
-            self._tok = HFTokenizer.from_file(path)
+            try:
+                self._tok = HFTokenizer.from_file(path)
+            except Exception as e:  # the tokenizers library raises its own Exception: name the file
+                raise KvjaxError(f"tokenizer file {path!r} cannot be read: {one_line(e)[:200]}") from None
 
     @property
     def is_bytes(self) -> bool:
@@ -52,16 +57,13 @@ class Tokenizer:
 
     def encode_file(self, path: str) -> np.ndarray:
         """Token ids i32[N] of a text file (the byte vocabulary takes its bytes as they are)."""
-        if not os.path.isfile(path):
-            raise ValueError(f"data file {path!r} does not exist")
+        data = read_bytes(path, "data file")
         if self._tok is None:
-            with open(path, "rb") as fh:
-                return np.frombuffer(fh.read(), np.uint8).astype(np.int32)
-        with open(path, encoding="utf-8") as fh:
-            return np.asarray(self.encode(fh.read()), np.int32)
+            return np.frombuffer(data, np.uint8).astype(np.int32)
+        return np.asarray(self.encode(decode_utf8(data, path, "data file")), np.int32)
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KvjaxError):
     """A chat template that cannot render the given messages; the message says why."""
 
 

@@ -101,7 +101,7 @@ def test_tables_json_order_and_values():
     (["--group", "A", "--util", "0"], "util"),
     (["--group", "A", "--util", "abc"], "abc"),
     (["--group", "A", "--context", "0"], "context"),
-    (["--group", "A", "--block-size", "-64"], "block_size"),
+    (["--group", "A", "--block-size", "-64"], "--block-size"),
     (["--group", "A", "--gpu-gib", "-1"], "-1"),
     (["--kind", "gqa", "--layers", "4", "--heads", "8", "--kv-heads", "3", "--head-dim", "64"], "num_kv_heads 3"),
     (["--kind", "gqa", "--layers", "4", "--heads", "8"], "--kv-heads"),

@@ -103,14 +103,14 @@ def test_text_output_and_util_sizing(ckpt, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--synthetic", "2", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["--synthetic", "2", "--max-tokens", "0"], "argument --max-tokens: must be in [1, 2147483647], got '0'"),
     (["--prompts", "/nonexistent.txt", "--max-tokens", "2"], "prompts file '/nonexistent.txt' does not exist"),
     (["--synthetic", "2", "--max-tokens", "2", "--scales", "s.json"], "--scales are fp8 dequantization scales"),
-    (["--synthetic", "2", "--max-tokens", "2", "--num-blocks", "1"], "num_blocks=1 leaves no usable block"),
-    (["--synthetic", "2", "--max-tokens", "2", "--util", "2"], "--util must be in (0, 1], got 2.0"),
-    (["--synthetic", "2", "--max-tokens", "2", "--temperature", "0"], "--temperature must be > 0"),
+    (["--synthetic", "2", "--max-tokens", "2", "--num-blocks", "1"], "argument --num-blocks: must be in [2, 2147483647], got '1'"),
+    (["--synthetic", "2", "--max-tokens", "2", "--util", "2"], "argument --util: must be in (0, 1], got '2'"),
+    (["--synthetic", "2", "--max-tokens", "2", "--temperature", "0"], "argument --temperature: must be in (0, 10000], got '0'"),
     (["--synthetic", "2", "--max-tokens", "2", "--kv-dtype", "fp9"], "unknown kv dtype 'fp9'"),
-    (["--synthetic", "2", "--max-tokens", "2", "--max-model-len", "99999"], "max_model_len=99999 must be in"),
+    (["--synthetic", "2", "--max-tokens", "2", "--max-model-len", "99999"], "--max-model-len 99999 exceeds the model's maximum length"),
 ])
 def test_bad_flags_exit_2_with_one_line(ckpt, capsys, argv, message):
     assert main(["decode", "--model", ckpt, *argv, "--no-progress"]) == 2

@@ -56,8 +56,8 @@ def test_calibrate_command(tmp_path):
     assert scales["mode"] == "per_head" and len(scales["k"]) == 2 and len(scales["k"][0]) == 2
     amax = np.asarray(scales["amax_k"][0])
     np.testing.assert_allclose(scales["k"][0], amax / 448.0, rtol=1e-6)
-    bad = subprocess.run([sys.executable, "-m", "kvjax.cli", "calibrate", "--model", "nope", "--data", "x",
-                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "kvjax.cli", "calibrate", "--model", "nope", "--data",
+                          str(tmp_path / "calib.txt"), "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "'nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 

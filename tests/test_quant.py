@@ -115,7 +115,7 @@ def test_scales_file_round_trip_and_errors(tmp_path):
     np.testing.assert_allclose(back.k[0], [0.01, 0.02], rtol=1e-6)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "fp8_e4m3", "mode": "per_head", "k": [[0.0, 1.0]]}))
-    with pytest.raises(ValueError, match="non-positive or non-finite scale"):
+    with pytest.raises(ValueError, match=r'"k" layer 0 holds 0.0: values must be positive'):
         quant.KVScales.load(bad)
     bad.write_text(json.dumps({"mode": "per_head"}))
     with pytest.raises(ValueError, match="lacks format, k"):

@@ -285,7 +285,8 @@ def test_bad_input_through_the_command(tmp_path):
     res = run_cli(ops, tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        "kvjax replay: error: line 4: double free or use after free of request 'a' (freed on line 3)"]
+        f"kvjax replay: error: {tmp_path / 'trace.jsonl'}: line 4: double free or use after free of request 'a' "
+        "(freed on line 3)"]
     assert "Traceback" not in res.stderr
     assert len(res.stdout.splitlines()) == 3  # the good lines were printed
 

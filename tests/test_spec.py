@@ -114,7 +114,7 @@ def test_tp_rules():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(kind="gqa", num_layers=2, num_heads=8, num_kv_heads=3, head_dim=64), "num_kv_heads 3 does not divide"),
-    (dict(kind="gqa", num_layers=0, num_heads=8, num_kv_heads=2, head_dim=64), "num_layers must be a positive"),
+    (dict(kind="gqa", num_layers=0, num_heads=8, num_kv_heads=2, head_dim=64), r"num_layers must be an integer in \[1, 2147483647\], got 0"),
     (dict(kind="mha", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64), "kind 'mha' does not match"),
     (dict(kind="xqa", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64), "unknown attention kind 'xqa'"),
     (dict(kind="gqa", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, kv_dtype="fp6"), "unknown kv dtype 'fp6'"),

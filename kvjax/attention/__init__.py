@@ -27,6 +27,7 @@ from kvjax.attention import reference as ref
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
 from kvjax.cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
+from kvjax.errors import KvjaxError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_len
 
 def _static_scale_only(scale) -> None:
     if scale is not None and scale.ndim > 1:
-        raise ValueError("attn_impl 'pallas' reads static (per-tensor / per-head / per-channel) scales only; "
+        raise KvjaxError("attn_impl 'pallas' reads static (per-tensor / per-head / per-channel) scales only; "
                          "int8_per_token_head pages need attn_impl 'reference'")
 
 
@@ -79,7 +80,7 @@ def default_impl(kv_dtype: str | None = None) -> str:
 def get_impl(name: str) -> AttentionImpl:
     """The implementation called `name`; unknown names raise ValueError listing the known ones."""
     if name not in _IMPLS:
-        raise ValueError(f"unknown attn_impl {name!r}; available: {', '.join(sorted(_IMPLS))}")
+        raise KvjaxError(f"unknown attn_impl {name!r}; available: {', '.join(sorted(_IMPLS))}")
     return _IMPLS[name]
 
 

@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from kvjax.errors import UsageError, check_input_file, check_output_dir, float_arg, int_arg
+
 DEFAULT_OUT = "results"
 SMALL_MODELS = ("small-gqa", "small-mla")
 
@@ -33,24 +35,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", nargs="+", help="held-out text files (basic: the shipped stdlib held-out split; "
                                               "full: that and the shipped English prose)")
     ap.add_argument("--calib", help="calibration text (default: the shipped calibration split)")
-    ap.add_argument("--seq-len", type=int, help="tokens per scored window (256)")
-    ap.add_argument("--max-windows", type=int,
+    ap.add_argument("--seq-len", type=int_arg(1), help="tokens per scored window (256)")
+    ap.add_argument("--max-windows", type=int_arg(1),
                     help="scored windows, split between the --data files (basic 32, full 64)")
-    ap.add_argument("--calib-windows", type=int, help="calibration windows (basic: --max-windows, full 8)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--calib-windows", type=int_arg(1), help="calibration windows (basic: --max-windows, full 8)")
+    ap.add_argument("--prompts", type=int_arg(1, 4096), default=8)
+    ap.add_argument("--decode-tokens", type=int_arg(1), default=32)
     ap.add_argument("--outlier-channels", action="store_true", help="inflate K channels 0 and 5 (and RoPE partners)")
-    ap.add_argument("--outlier-factor", type=float, default=200.0)
+    ap.add_argument("--outlier-factor", type=float_arg(0, 1e6, lo_open=True),
+                    help="with --outlier-channels: the factor (200)")
     ap.add_argument("--outlier-map", action=argparse.BooleanOptionalAction,
                     help="per layer × kv head max |K|, |V| and channel ratios on the calibration text (full: on)")
-    ap.add_argument("--sensitivity-windows", type=int,
+    ap.add_argument("--sensitivity-windows", type=int_arg(0),
                     help="calibration windows for layer sensitivity, 0 = off (basic 0, full 2)")
     ap.add_argument("--sensitivity-variant", help="the format whose per-layer KL is measured (fp8_e4m3 unit)")
-    ap.add_argument("--skip-counts", type=int, nargs="+",
+    ap.add_argument("--skip-counts", type=int_arg(1), nargs="+",
                     help="one skip variant per count: that many most sensitive layers in bf16 (1 3)")
-    ap.add_argument("--long-windows", type=int, help="windows of the model's context for KL by position, "
+    ap.add_argument("--long-windows", type=int_arg(0), help="windows of the model's context for KL by position, "
                                                      "0 = off (basic 0, full 2)")
-    ap.add_argument("--long-chunk", type=int, help="prefill chunk of the long windows (1024)")
+    ap.add_argument("--long-chunk", type=int_arg(1), help="prefill chunk of the long windows (1024)")
     ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16 "
                                                        "(fp8_e4m3 unit)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT}/)")
@@ -75,15 +78,17 @@ def evaluate_kwargs(args) -> dict:
                  sensitivity_variant=args.sensitivity_variant, skip_counts=args.skip_counts,
                  long_windows=args.long_windows, long_chunk=args.long_chunk, long_variants=args.long_variants)
     kw = {**defaults, **{k: v for k, v in given.items() if v is not None}}
-    for name in ("seq_len", "max_windows", "prompts", "decode_tokens"):
-        value = kw.get(name, getattr(args, name, None))
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.outlier_factor is not None and not args.outlier_channels:
+        raise UsageError("--outlier-factor applies with --outlier-channels (it would be ignored)")
+    for path in kw["data"]:
+        check_input_file(path, "--data")
+    check_input_file(args.calib or CALIB, "--calib")
     for name in ("skip_counts", "long_variants"):
         if name in kw:
             kw[name] = tuple(kw[name])
     return dict(kw, calib=args.calib or CALIB, prompts=args.prompts, decode_tokens=args.decode_tokens,
-                outlier_channels=args.outlier_channels, outlier_factor=args.outlier_factor)
+                outlier_channels=args.outlier_channels,
+                outlier_factor=200.0 if args.outlier_factor is None else args.outlier_factor)
 
 
 # ------------------------------------------------------------------ plots
@@ -204,6 +209,7 @@ def run_from_args(args) -> dict:
     from kvjax.accuracy import evaluate
 
     kw = evaluate_kwargs(args)
+    check_output_dir(args.out, "--out")
     start = time.time()
 
     def progress(message: str) -> None:

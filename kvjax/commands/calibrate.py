@@ -6,6 +6,8 @@ The scales file this writes is what `kvjax decode --scales` and `kvjax.LLM(scale
 """
 from __future__ import annotations
 
+from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="fp8 KV scales from a model run over calibration text",
@@ -15,8 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", required=True, help="calibration text file")
     p.add_argument("--mode", choices=["per_tensor", "per_head"], default="per_tensor")
     p.add_argument("--format", choices=["fp8_e4m3", "fp8_e5m2"], default="fp8_e4m3")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--max-windows", type=int, default=32)
+    p.add_argument("--seq-len", type=int_arg(1), default=256)
+    p.add_argument("--max-windows", type=int_arg(1), default=32)
     p.add_argument("--out", required=True, help="scales file to write (JSON)")
 
 
@@ -25,11 +27,17 @@ def run(args) -> int:
     from kvjax.scoring import windows
     from models.hub import load_model
 
-    for name in ("seq_len", "max_windows"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_output_file(args.out, "--out")
+    check_input_file(args.data, "--data")
     loaded = load_model(args.model)
-    toks = windows(loaded.tokenizer.encode_file(args.data), args.seq_len, args.max_windows)
+    if args.seq_len > loaded.config.max_position_embeddings:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's maximum length "
+                         f"{loaded.config.max_position_embeddings}")
+    tokens = loaded.tokenizer.encode_file(args.data)
+    if len(tokens) < args.seq_len:
+        raise UsageError(f"--data {args.data!r} holds {len(tokens)} tokens, fewer than one window of --seq-len "
+                         f"{args.seq_len}")
+    toks = windows(tokens, args.seq_len, args.max_windows)
     scales = calibrate(loaded.config, loaded.module, loaded.params, toks, args.format, args.mode)
     scales.save(args.out)
     print(f"wrote {args.format} {args.mode} scales for {loaded.config.num_layers} layers from {len(toks)} windows "

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 
 import numpy as np
+
+from kvjax.errors import (INT32_MAX, MAX_GIB, InputFileError, KvjaxError, UsageError, check_int, float_arg,
+                          int_arg, json_type, read_jsonl, read_text)
 
 
 def add_parser(sub) -> None:
@@ -50,72 +52,74 @@ def add_parser(sub) -> None:
     src.add_argument("--prompts", metavar="FILE", help="one prompt per line (or .jsonl objects)")
     p.add_argument("--chat", action="store_true",
                    help="each text prompt is a user message, rendered with the model's chat template")
-    src.add_argument("--synthetic", type=int, metavar="N", help="N random prompts")
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="LEN", help="synthetic: shared first LEN tokens")
-    p.add_argument("--prompt-len", type=int, default=32, help="synthetic: longest prompt after the prefix (32)")
-    p.add_argument("--max-tokens", type=int, required=True, help="tokens to generate per request")
+    src.add_argument("--synthetic", type=int_arg(1, 2**20), metavar="N", help="N random prompts")
+    p.add_argument("--shared-prefix", type=int_arg(0), default=0, metavar="LEN", help="synthetic: shared first LEN tokens")
+    p.add_argument("--prompt-len", type=int_arg(1), default=32, help="synthetic: longest prompt after the prefix (32)")
+    p.add_argument("--max-tokens", type=int_arg(1), required=True, help="tokens to generate per request")
     p.add_argument("--kv-dtype", help="KV cache dtype (default: the model's): bf16, fp8_e4m3, fp8_e5m2, "
                                       "int8_per_token_head, ...")
     p.add_argument("--scales", metavar="FILE", help="fp8 scales from `kvjax calibrate` (default 1.0)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    p.add_argument("--block-size", type=int_arg(1), default=16, help="tokens per block (16)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, help="pool size, null block included")
-    size.add_argument("--util", type=float, help="size the pool from --total-gib × U (vLLM's gpu_memory_utilization)")
-    p.add_argument("--total-gib", type=float, default=1.0, help="memory total for --util (default 1)")
+    size.add_argument("--num-blocks", type=int_arg(2), help="pool size, null block included")
+    size.add_argument("--util", type=float_arg(0, 1, lo_open=True), help="size the pool from --total-gib × U (vLLM's gpu_memory_utilization)")
+    p.add_argument("--total-gib", type=float_arg(0, MAX_GIB, lo_open=True), default=1.0, help="memory total for --util (default 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once (8)")
-    p.add_argument("--max-model-len", type=int, help="prompt + generated tokens (default: the model's maximum)")
-    p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+    p.add_argument("--max-num-seqs", type=int_arg(1, 2**16), default=8, help="requests running at once (8)")
+    p.add_argument("--max-model-len", type=int_arg(1), help="prompt + generated tokens (default: the model's maximum)")
+    p.add_argument("--max-num-batched-tokens", type=int_arg(1), metavar="N",
                    help="tokens per engine step (default: max(max_model_len, 2048)); --util profiles a step this size")
     p.add_argument("--attn-impl", choices=["reference", "pallas"],
                    help="decode attention (default: pallas on GPU, except for int8_per_token_head KV; reference elsewhere)")
     sampling = p.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="argmax sampling (the default)")
-    sampling.add_argument("--temperature", type=float, help="sample from softmax(logits / T)")
-    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the nucleus of probability p")
-    p.add_argument("--seed", type=int, default=0, help="sampling and --synthetic seed (0)")
+    sampling.add_argument("--temperature", type=float_arg(0, 1e4, lo_open=True), help="sample from softmax(logits / T)")
+    p.add_argument("--top-k", type=int_arg(0), default=0, help="with --temperature: keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float_arg(0, 1, lo_open=True), default=1.0, help="with --temperature: keep the nucleus of probability p")
+    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="sampling and --synthetic seed (0)")
     p.add_argument("--stop-token-ids", metavar="IDS", help="comma-separated token ids that end a request, e.g. 1,2")
     p.add_argument("--ignore-eos", action="store_true", help="generate past the model's EOS token")
     p.add_argument("--logprobs", action="store_true", help="report each generated token's log-probability (--json)")
     p.add_argument("--priority", action="store_true",
                    help="priority scheduling: .jsonl requests' \"priority\" (lower first; default 0) orders "
                         "admission and preemption")
-    p.add_argument("--steps-per-call", type=int, default=1, help="decode steps per device call (1)")
+    p.add_argument("--steps-per-call", type=int_arg(1, 1024), default=1, help="decode steps per device call (1)")
     p.add_argument("--warmup", action="store_true", help="run the workload once first (compiles out of the timings)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
-    try:
-        return _run(args)
-    except (ValueError, OSError) as e:  # LLMError, EngineError, CheckpointError, SpecError, ... all say what broke
-        print(f"kvjax decode: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
     from kvjax import budget
     from kvjax.llm import LLM
     from kvjax.sampling import SamplingParams, SamplingParamsError
     from kvjax.spec import kv_dtype
     from models.hub import load_model
 
-    _check_flags(args)
+    _check_flags(args)  # everything that needs no model is checked before loading one
     stop_ids = _stop_token_ids(args.stop_token_ids)
+    raw = read_prompts(args.prompts, allow_priority=args.priority) if args.prompts else None
+    scales = _scales(args)
     loaded = load_model(args.model, attn_impl=args.attn_impl, seed=args.seed)
+    if args.max_model_len is not None and args.max_model_len > loaded.config.max_position_embeddings:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's maximum length "
+                         f"{loaded.config.max_position_embeddings}")
     encode = loaded.tokenizer.encode
     if args.chat:
         from models.tokenizer import render_chat
 
         if not loaded.chat_template:
-            raise ValueError(f"--chat: model {args.model!r} has no chat template")
-        if args.synthetic is not None:
-            raise ValueError("--chat applies to --prompts text, not --synthetic token ids")
+            raise UsageError(f"--chat: model {args.model!r} has no chat template")
         encode = lambda text: loaded.tokenizer.encode(  # noqa: E731
             render_chat(loaded.chat_template, [{"role": "user", "content": text}]))
-    requests = _prompts(args, encode, loaded.config.vocab_size)
+    limit = args.max_model_len or loaded.config.max_position_embeddings
+    if args.synthetic is not None and args.shared_prefix + args.prompt_len >= limit:
+        raise UsageError(f"--shared-prefix {args.shared_prefix} + --prompt-len {args.prompt_len} leave no room to "
+                         f"generate within the max length {limit}")
+    requests = _synthetic(args, loaded.config.vocab_size) if raw is None else [
+        dict(r, tokens=encode(r["prompt"]) if r["prompt"] is not None else r["tokens"]) for r in raw]
+    for r in requests:
+        r["max_tokens"] = args.max_tokens if r["max_tokens"] is None else r["max_tokens"]
     max_len = args.max_model_len or loaded.config.max_position_embeddings
     z = args.block_size
     num_blocks = args.num_blocks
@@ -123,12 +127,13 @@ def _run(args) -> int:
         most = max((r["max_tokens"] for r in requests if isinstance(r["max_tokens"], int)), default=1)
         longest = min(max((len(r["tokens"]) for r in requests), default=1) + most, max_len)
         num_blocks = 1 + args.max_num_seqs * math.ceil(longest / z)
-    llm = LLM(loaded, kv_dtype=args.kv_dtype, scales=args.scales, block_size=z, num_blocks=num_blocks,
+    llm = LLM(loaded, kv_dtype=args.kv_dtype, scales=scales, block_size=z, num_blocks=num_blocks,
               gpu_memory_utilization=args.util, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enable_prefix_caching=not args.no_prefix_caching, attn_impl=args.attn_impl,
               max_num_batched_tokens=args.max_num_batched_tokens,
               steps_per_call=args.steps_per_call, seed=args.seed, scheduling_policy="priority" if args.priority
-              else "fcfs", total_memory_bytes=int(args.total_gib * budget.GiB) if args.util is not None else None)
+              else "fcfs", total_memory_bytes=budget.gib(args.total_gib, "--total-gib") if args.util is not None
+              else None)
     errors, runnable = {}, []
     for i, r in enumerate(requests):  # a request's bad sampling parameters fail it alone
         try:
@@ -193,67 +198,101 @@ def _stop_token_ids(text: str | None) -> tuple[int, ...]:
     try:
         ids = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise ValueError(f"--stop-token-ids must be comma-separated integers, got {text!r}") from None
-    if any(t < 0 for t in ids):
-        raise ValueError(f"--stop-token-ids must be >= 0, got {text!r}")
+        raise UsageError(f"--stop-token-ids must be comma-separated integers, got {text[:60]!r}") from None
+    if any(not 0 <= t <= INT32_MAX for t in ids):
+        raise UsageError(f"--stop-token-ids must be in [0, {INT32_MAX}], got {text[:60]!r}")
     return ids
 
 
 def _check_flags(args) -> None:
-    for name in ("max_tokens", "block_size", "max_num_seqs", "steps_per_call", "prompt_len", "synthetic",
-                 "num_blocks", "max_model_len", "max_num_batched_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.shared_prefix < 0:
-        raise ValueError(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+    """Flag rules that need no model: conflicts are refused, never ignored."""
     if args.shared_prefix and args.synthetic is None:
-        raise ValueError("--shared-prefix applies to --synthetic prompts")
-    if args.temperature is not None and not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0 (use --greedy for argmax), got {args.temperature}")
+        raise UsageError("--shared-prefix applies to --synthetic prompts")
+    if args.prompt_len != 32 and args.synthetic is None:
+        raise UsageError("--prompt-len applies to --synthetic prompts")
+    if args.chat and args.synthetic is not None:
+        raise UsageError("--chat applies to --prompts text, not --synthetic token ids")
     if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):
-        raise ValueError("--top-k and --top-p filter what --temperature samples; greedy decoding ignores them")
-    if args.util is not None and not 0 < args.util <= 1:
-        raise ValueError(f"--util must be in (0, 1], got {args.util}")
-    if not args.total_gib > 0:
-        raise ValueError(f"--total-gib must be > 0, got {args.total_gib}")
-    if args.scales:
-        from kvjax.spec import kv_dtype
-
-        kv = kv_dtype(args.kv_dtype).name if args.kv_dtype else "the model's dtype"
-        if not kv.startswith("fp8"):
-            raise ValueError(f"--scales are fp8 dequantization scales, but the kv dtype is {kv}")
+        raise UsageError("--top-k and --top-p filter what --temperature samples; greedy decoding ignores them")
+    if args.total_gib != 1.0 and args.util is None:
+        raise UsageError("--total-gib is the memory --util takes a share of; without --util it would be ignored")
+    if args.scales and not (args.kv_dtype and kv_dtype_name(args.kv_dtype).startswith("fp8")):
+        kv = kv_dtype_name(args.kv_dtype) if args.kv_dtype else "the model's dtype"
+        raise UsageError(f"--scales are fp8 dequantization scales, but the kv dtype is {kv}")
 
 
-def _prompts(args, encode, vocab_size: int) -> list[dict]:
-    """One dict per request: tokens, max_tokens, priority; from --prompts or --synthetic."""
-    if args.synthetic is not None:
-        rng = np.random.default_rng(args.seed)
-        prefix = rng.integers(0, vocab_size, args.shared_prefix).tolist()
-        lengths = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.synthetic)
-        return [dict(tokens=prefix + rng.integers(0, vocab_size, n).tolist(), max_tokens=args.max_tokens, priority=0)
-                for n in lengths]
-    if not os.path.isfile(args.prompts):
-        raise ValueError(f"prompts file {args.prompts!r} does not exist")
-    with open(args.prompts, encoding="utf-8") as fh:
-        lines = fh.read().splitlines()
-    if not args.prompts.endswith(".jsonl"):
-        return [dict(tokens=encode(line), max_tokens=args.max_tokens, priority=0) for line in lines]
+def kv_dtype_name(name: str) -> str:
+    from kvjax.spec import kv_dtype
+
+    return kv_dtype(name).name
+
+
+def _scales(args):
+    """The --scales file, read and checked against --kv-dtype before any model is loaded."""
+    if not args.scales:
+        return None
+    from kvjax.quant import KVScales
+
+    scales = KVScales.load(args.scales)
+    try:
+        scales.check_kv_dtype(kv_dtype_name(args.kv_dtype))
+    except KvjaxError as e:
+        raise UsageError(f"--scales {args.scales}: {e}") from None
+    return scales
+
+
+_JSONL_KEYS = {"prompt", "tokens", "max_tokens", "priority"}
+
+
+def read_prompts(path: str, allow_priority: bool = False) -> list[dict]:
+    """A prompts file, checked line by line before any model is loaded. One dict per request:
+    prompt (text, or None), tokens (ids, or None), max_tokens (None: the flag's), priority.
+
+    Plain text: one prompt per line. `.jsonl`: one object per non-blank line with exactly one of
+    "prompt" (a string) and "tokens" (a list of ints in [0, 2**31)), optional "max_tokens" (an
+    int; one ≤ 0 fails that request alone, as vLLM's would) and "priority" (an int, with
+    --priority). Anything else is an InputFileError naming the line."""
+    if not path.endswith(".jsonl"):
+        return [dict(prompt=line, tokens=None, max_tokens=None, priority=0)
+                for line in read_text(path, "prompts file").splitlines()]
     requests = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, obj in read_jsonl(path, "prompts file"):
+        bad = lambda msg: InputFileError(path, msg, n)  # noqa: E731
+        if not isinstance(obj, dict):
+            raise bad(f"expected a JSON object, got a JSON {json_type(obj)}")
+        unknown = sorted(set(obj) - _JSONL_KEYS)
+        if unknown:
+            raise bad(f"unknown key(s) {unknown}; a request has {', '.join(sorted(_JSONL_KEYS))}")
+        if ("prompt" in obj) == ("tokens" in obj):
+            raise bad('need exactly one of "prompt" and "tokens"')
+        if "prompt" in obj and not isinstance(obj["prompt"], str):
+            raise bad(f'"prompt" must be a string, got a JSON {json_type(obj["prompt"])}')
+        tokens = obj.get("tokens")
+        if "tokens" in obj:
+            if not isinstance(tokens, list):
+                raise bad(f'"tokens" must be a list of token ids, got a JSON {json_type(tokens)}')
+            for i, t in enumerate(tokens):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
+                    raise bad(f'token {i} is {json.dumps(t)[:40]}: token ids are ints in [0, 2**31)')
+        if "priority" in obj and not allow_priority:
+            raise bad('a "priority" needs --priority (it would be ignored)')
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{args.prompts}:{n}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or ("prompt" in obj) == ("tokens" in obj):
-            raise ValueError(f"{args.prompts}:{n}: need an object with exactly one of \"prompt\" and \"tokens\"")
-        if "priority" in obj and not args.priority:
-            raise ValueError(f"{args.prompts}:{n}: a \"priority\" needs --priority (it would be ignored)")
-        requests.append(dict(tokens=encode(obj["prompt"]) if "prompt" in obj else [int(t) for t in obj["tokens"]],
-                             max_tokens=obj.get("max_tokens", args.max_tokens), priority=int(obj.get("priority", 0))))
+            max_tokens = None if "max_tokens" not in obj else \
+                check_int(obj["max_tokens"], '"max_tokens"', -INT32_MAX, INT32_MAX)
+            priority = check_int(obj.get("priority", 0), '"priority"', -INT32_MAX, INT32_MAX)
+        except KvjaxError as e:
+            raise bad(str(e)) from None
+        requests.append(dict(prompt=obj.get("prompt"), tokens=tokens, max_tokens=max_tokens, priority=priority))
     return requests
+
+
+def _synthetic(args, vocab_size: int) -> list[dict]:
+    """--synthetic N random prompts after the same --shared-prefix tokens (seeded by --seed)."""
+    rng = np.random.default_rng(args.seed)
+    prefix = rng.integers(0, vocab_size, args.shared_prefix).tolist()
+    lengths = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.synthetic)
+    return [dict(tokens=prefix + rng.integers(0, vocab_size, n).tolist(), max_tokens=None, priority=0)
+            for n in lengths]
 
 
 def _rate(x) -> str:

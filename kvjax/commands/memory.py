@@ -28,6 +28,7 @@ import json
 import os
 
 from kvjax import budget as bud
+from kvjax.errors import UsageError, int_arg
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
 # name of XLA_PYTHON_CLIENT_MEM_FRACTION).
@@ -47,27 +48,25 @@ def add_parser(sub) -> None:
     p.add_argument("--util", help="gpu_memory_utilization in (0, 1] (default 0.92)")
     p.add_argument("--kv-dtype", help="kv cache dtype (default: the weights dtype): fp32, bf16, fp16, fp8, "
                                       "fp8_e5m2, int8_per_token_head")
-    p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="tokens per block (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULTS["max_num_batched_tokens"],
+    p.add_argument("--block-size", type=int_arg(1), default=DEFAULTS["block_size"], help="tokens per block (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int_arg(1), default=DEFAULTS["max_num_batched_tokens"],
                    help="tokens in the profiling forward (default 2048)")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"],
+    p.add_argument("--max-num-seqs", type=int_arg(1, 2**16), default=DEFAULTS["max_num_seqs"],
                    help="rows of the block tables (default 256)")
-    p.add_argument("--max-model-len", type=int,
+    p.add_argument("--max-model-len", type=int_arg(1),
                    help="tokens per request: block-table width and the plan's context (default: "
                         "min(max_position_embeddings, 8192))")
-    p.add_argument("--tp", type=int, default=DEFAULTS["tp"], help="tensor-parallel size (devices)")
+    p.add_argument("--tp", type=int_arg(1, 256), default=DEFAULTS["tp"], help="tensor-parallel size (devices)")
     p.add_argument("--total-gib", help="memory of one device in GiB (required on CPU; default: bytes_limit)")
-    p.add_argument("--seed", type=int, default=0, help="seed of preset:NAME's random weights")
+    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="seed of preset:NAME's random weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
-    for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tp"):
-        value = getattr(args, name)
-        if value is None or value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.max_model_len is not None and args.max_model_len <= 0:
-        raise ValueError(f"--max-model-len must be a positive integer, got {args.max_model_len}")
+    if args.total_gib is not None:
+        bud.gib(args.total_gib, "--total-gib")  # checked before any work
+    if args.util is not None and not 0 < bud.exact(args.util, "--util") <= 1:
+        raise UsageError(f"--util must be in (0, 1], got {args.util!r}")
     _ask_for_cpu_devices(args.tp)
     report = measure(args)
     print(json.dumps(report, indent=1) if args.json else render(report))
@@ -149,6 +148,18 @@ class _Setup:
         from models import build_model, param_shapes
 
         self.config, self.folder, self.name = _config(args)
+        if self.folder is not None:
+            from models.loader import open_tensors
+
+            with open_tensors(self.folder):  # a corrupt or pickled checkpoint is refused before any work
+                pass
+        model_len = self.config.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > model_len:
+            raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's maximum length {model_len}")
+        most = args.max_num_seqs * (args.max_model_len or min(model_len, 8192))
+        if args.max_num_batched_tokens > most:
+            raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} exceeds --max-num-seqs × "
+                             f"max model length = {most}: no step can hold that many tokens")
         self.spec = self.config.kv_spec(args.kv_dtype)
         self.layout = shd.tp_layout(self.spec, args.tp)
         self.mesh = shd.make_mesh(args.tp)
@@ -174,7 +185,7 @@ def measure(args) -> dict:
         total = (bud.gib(args.total_gib, "--total-gib") if args.total_gib is not None
                  else sizing.device_total_bytes(devices[0]))
     except sizing.NoMemoryLimitError:
-        raise ValueError(f"the {platform} device reports no memory limit: pass --total-gib") from None
+        raise UsageError(f"the {platform} device reports no memory limit: pass --total-gib") from None
 
     # Compiled from shapes before any weight is on the device (see sizing.compile_profile).
     step = sizing.compile_profile(setup.model, setup.shapes, setup.spec, mesh=setup.mesh,
@@ -191,7 +202,7 @@ def measure(args) -> dict:
             weights_bytes=[b - a for a, b in zip(start, loaded)], step=step)
     except sizing.NoUsableBlockError as e:  # the library's message, in the command's flags
         p, non_kv = e.plan, e.plan.weights_bytes + e.plan.activations_bytes
-        raise ValueError(f"the budget leaves {p.num_blocks} blocks of {p.bytes_per_block:,} B (requested "
+        raise UsageError(f"the budget leaves {p.num_blocks} blocks of {p.bytes_per_block:,} B (requested "
                          f"{p.requested_bytes:,} B, non-KV {non_kv:,} B): no usable block; raise --total-gib or "
                          "--util, or lower --max-num-batched-tokens") from None
     check = sizing.reconcile(sized, baseline=start)

@@ -21,6 +21,8 @@ import os
 import time
 from typing import Any
 
+from kvjax.errors import UsageError, check_output_dir
+
 DEFAULT_OUT = "results"
 
 
@@ -100,13 +102,13 @@ def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
 
 
 def run(args) -> int:
-    out = args.out
-    os.makedirs(out, exist_ok=True)
+    out = check_output_dir(args.out, "--out")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = skip - {"decode", "accuracy", "memory", "smollm"}
     if unknown:
-        raise ValueError(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; "
+        raise UsageError(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; "
                          "choose from decode, accuracy, memory, smollm")
+    os.makedirs(out, exist_ok=True)
     start = time.time()
     sections: list[str] = []
     data: dict[str, Any] = {}

@@ -1,0 +1,281 @@
+"""The bad-input contract: kvjax's own error types and the checks every reader and command shares.
+
+Every rule a user's input can break raises a `KvjaxError` whose message names the value (flag,
+file and line) and the rule. The command line (kvjax.cli.main) turns one into a single stderr
+line `kvjax CMD: error: ...` and exit status 2; any other exception is a bug and keeps its
+traceback. The library's specific errors (SpecError, LLMError, CheckpointError, ...) are
+subclasses, and every `KvjaxError` is a ValueError, so Python callers can catch either.
+
+What is checked before any work, so that a refused command has written nothing:
+- numbers: finite, and within limits that follow from int32 indexing (token ids, positions,
+  slots and block ids are int32 on the device) and from memory (`MAX_GIB`);
+- files: exists, is a file, is UTF-8 (the error says which line is not), JSON nested at most
+  `MAX_JSON_DEPTH` deep with finite numbers only;
+- outputs: the file's folder exists and is writable, the path is not a folder (or, for an output
+  folder, the nearest existing ancestor is a writable folder).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any, Iterator
+
+INT32_MAX = 2**31 - 1  # device indices (tokens, positions, slots, blocks) are int32
+MAX_GIB = 2**20  # 1 PiB: far above any device or host, far below float overflow
+MAX_JSON_DEPTH = 32  # the deepest any kvjax file nests is 3 (a scales file's per-layer lists)
+MAX_INPUT_BYTES = 2**30  # a prompts file, trace, config or scales file larger than 1 GiB is refused
+
+
+class KvjaxError(ValueError):
+    """Bad input: the message names the value and the rule it broke (exit status 2 on the CLI)."""
+
+
+class UsageError(KvjaxError):
+    """A command-line flag, or a combination of flags, that breaks a rule."""
+
+
+class InputFileError(KvjaxError):
+    """A file's content breaks a rule; the message starts with `path:line:` when a line is known."""
+
+    def __init__(self, path: str | os.PathLike, message: str, line: int | None = None):
+        self.path, self.line = os.fspath(path), line
+        super().__init__(f"{self.path}:{line}: {message}" if line is not None else f"{self.path}: {message}")
+
+
+class OutputPathError(KvjaxError):
+    """An output path that cannot be written: checked before any work starts."""
+
+
+def one_line(message: str) -> str:
+    """The message on one line (the contract promises exactly one stderr line)."""
+    return " ".join(str(message).split())
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------
+def check_int(value: Any, name: str, lo: int = 0, hi: int = INT32_MAX) -> int:
+    """An int (not a bool, not a float) in [lo, hi], else a KvjaxError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KvjaxError(f"{name} must be an integer, got {_show(value)}")
+    if not lo <= value <= hi:
+        raise KvjaxError(f"{name} must be in [{lo}, {hi}], got {_show(value)}")
+    return value
+
+
+def check_float(value: Any, name: str, lo: float = -math.inf, hi: float = math.inf, *,
+                lo_open: bool = False) -> float:
+    """A finite number in [lo, hi] (or (lo, hi] with lo_open), else a KvjaxError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KvjaxError(f"{name} must be a number, got {_show(value)}")
+    try:
+        x = float(value)
+    except OverflowError:
+        raise KvjaxError(f"{name} must be finite, got {_show(value)}") from None
+    if not math.isfinite(x):
+        raise KvjaxError(f"{name} must be finite, got {_show(value)}")
+    if not (lo < x if lo_open else lo <= x) or not x <= hi:
+        raise KvjaxError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {_show(value)}")
+    return x
+
+
+def int_arg(lo: int = 1, hi: int = INT32_MAX):
+    """An argparse `type` for an integer flag in [lo, hi] (argparse names the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {_clip(text)}")
+        return value
+    return parse
+
+
+def float_arg(lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False):
+    """An argparse `type` for a finite float flag in [lo, hi] (or (lo, hi] with lo_open)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {_clip(text)}") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"must be finite, got {_clip(text)}")
+        if not (lo < x if lo_open else lo <= x) or not x <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {_clip(text)}")
+        return x
+    return parse
+
+
+def _clip(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# Input files
+# --------------------------------------------------------------------------------------------
+def read_bytes(path: str | os.PathLike, what: str) -> bytes:
+    """A file's bytes; a missing file, a folder, an unreadable or oversized file raise naming it."""
+    path = os.fspath(path)
+    try:
+        if os.path.getsize(path) > MAX_INPUT_BYTES:
+            raise InputFileError(path, f"{what} is larger than {MAX_INPUT_BYTES // 2**20} MiB")
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise KvjaxError(f"{what} {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise KvjaxError(f"{what} {path!r} is a folder, not a file") from None
+    except OSError as e:
+        raise KvjaxError(f"{what} {path!r} cannot be read: {e.strerror or e}") from None
+
+
+def check_input_file(path: str | os.PathLike, what: str) -> str:
+    """An input file that exists and can be read, checked before any work (read later)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise KvjaxError(f"{what} {path!r} is a folder, not a file")
+    if not os.path.isfile(path):
+        raise KvjaxError(f"{what} {path!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise KvjaxError(f"{what} {path!r} cannot be read")
+    return path
+
+
+def decode_utf8(data: bytes, path: str | os.PathLike, what: str) -> str:
+    """UTF-8 text, or an InputFileError naming the line and column of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputFileError(path, f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at column {col})",
+                             line) from None
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """A UTF-8 text file (see read_bytes and decode_utf8 for what is refused)."""
+    return decode_utf8(read_bytes(path, what), path, what)
+
+
+def loads(text: str) -> Any:
+    """One JSON value: valid JSON, nested at most MAX_JSON_DEPTH deep, finite numbers only
+    (NaN, Infinity and 1e400 are refused rather than read as floats no rule can check).
+    A KvjaxError says what is wrong; parse_json adds the file and line."""
+    def bad_number(token: str):
+        raise KvjaxError(f"the number {_clip(token)} is not finite (JSON numbers must be)")
+
+    def parse_float(token: str) -> float:
+        x = float(token)
+        return x if math.isfinite(x) else bad_number(token)
+
+    def parse_int(token: str) -> int:
+        if len(token) > 19:  # beyond int64: no kvjax value is that large (and Python caps int() at 4300 digits)
+            raise KvjaxError(f"the integer {_clip(token, 20)} has more than 64 bits")
+        return int(token)
+
+    try:
+        obj = json.loads(text, parse_constant=bad_number, parse_float=parse_float, parse_int=parse_int)
+    except RecursionError:
+        raise KvjaxError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as e:
+        raise KvjaxError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise KvjaxError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return obj
+
+
+def parse_json(text: str, path: str | os.PathLike, what: str, line: int | None = None) -> Any:
+    """loads(text), its error an InputFileError naming the file (and line, for JSON lines)."""
+    try:
+        return loads(text)
+    except KvjaxError as e:
+        raise InputFileError(path, f"{what}: {e}", line) from None
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, d = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """A JSON file (see parse_json for what is refused)."""
+    return parse_json(read_text(path, what), path, what)
+
+
+def read_json_object(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """A JSON file that must hold an object."""
+    obj = read_json(path, what)
+    if not isinstance(obj, dict):
+        raise InputFileError(path, f"{what} holds a JSON {_json_type(obj)}, not an object")
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike, what: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) for each non-blank line of a JSON-lines file."""
+    for n, line in enumerate(read_text(path, what).split("\n"), 1):  # not splitlines: U+2028 is no line end
+        if line.strip():
+            yield n, parse_json(line, path, what, n)
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "number", float: "number"}.get(type(value), type(value).__name__)
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages ("array", "null", ...)."""
+    return _json_type(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Output paths
+# --------------------------------------------------------------------------------------------
+def check_output_file(path: str | os.PathLike, flag: str) -> str:
+    """An output file that can be written: its folder exists and is writable, and the path is not
+    a folder. Checked before any work, so a refused command writes nothing."""
+    path = os.fspath(path)
+    if not path:
+        raise UsageError(f"{flag} is an empty path")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path!r} is not writable")
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> str:
+    """An output folder that exists and is writable, or can be created: its nearest existing
+    ancestor is a writable folder (not a file)."""
+    path = os.fspath(path)
+    if not path:
+        raise UsageError(f"{flag} is an empty path")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path!r}: {probe!r} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r}: {probe!r} is not writable")
+    return path

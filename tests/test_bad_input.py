@@ -1,0 +1,335 @@
+"""The bad-input contract of every `kvjax` command, checked by a table of hostile inputs.
+
+For each case (built here: corrupt, truncated and pickled checkpoints, non-UTF-8 and deeply
+nested files, numbers at the edge of floats and ints, unwritable outputs, conflicting flags):
+exit status 2, exactly one stderr line `kvjax CMD: error: ...` that names the offending flag
+or file (the expected fragment in the table), no traceback, nothing written to the working
+folder, no pickle ever run (a pickled payload would create a marker file), and an answer
+within seconds. The cases run in-process through `kvjax.cli.main` (a hang trips an alarm);
+a few also run through the installed `kvjax` script to check the real entry point.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import pickle
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvjax.cli import main
+
+TINY_CONFIG = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 256}
+MARKER = "PICKLE_RAN"  # created only if some reader unpickles a payload
+
+
+class _Payload:
+    """Unpickling this creates MARKER in the working folder (builtins.open(MARKER, "w"))."""
+
+    def __reduce__(self):
+        return builtins.open, (MARKER, "w")
+
+
+def _write(root, name: str, data) -> None:
+    path = os.path.join(root, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb" if isinstance(data, bytes) else "w") as fh:
+        fh.write(data)
+
+
+def _checkpoint(root, name: str, files: dict) -> None:
+    _write(root, f"{name}/config.json", json.dumps(TINY_CONFIG))
+    for fname, data in files.items():
+        _write(root, f"{name}/{fname}", data)
+
+
+def _safetensors_header_only() -> bytes:
+    """A safetensors header announcing a tensor whose bytes are missing (a truncated download)."""
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [128, 64],
+                                                       "data_offsets": [0, 128 * 64 * 4]}}).encode()
+    return struct.pack("<Q", len(header)) + header + b"\0" * 100
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("bad_input"))
+    pickled = pickle.dumps(_Payload())
+    files = {
+        "ok.txt": "hello\n",
+        "ok.jsonl": '{"prompt": "hi"}\n',
+        "deep.json": "[" * 200_000,
+        "deep.jsonl": "[" * 200_000 + "\n",
+        "bin.txt": b"\xff\xfe\x00abc\n\x80\x81",
+        "bin.jsonl": b'{"prompt": "ok"}\n{"prompt": "\xff"}\n',
+        "list.json": "[1, 2]",
+        "nan_config.json": '{"model_type": NaN}',
+        "p_tokens5.jsonl": '{"tokens": 5}\n',
+        "p_null.jsonl": '{"tokens": [null]}\n',
+        "p_inf.jsonl": '{"tokens": [1e400]}\n',
+        "p_prompt123.jsonl": '{"prompt": 123}\n',
+        "p_float.jsonl": '{"tokens": [65.9, 66.2]}\n',
+        "p_unknown.jsonl": '{"prompt": "a", "temperature": 1}\n',
+        "p_both.jsonl": '{"prompt": "a", "tokens": [1]}\n',
+        "p_priority.jsonl": '{"prompt": "a", "priority": 1}\n',
+        "p_bigint.jsonl": '{"tokens": [1099511627776]}\n',
+        "p_line3.jsonl": '{"prompt": "a"}\n{"tokens": [1, 2]}\n{"tokens": "abc"}\n',
+        "p_array.jsonl": '[1, 2, 3]\n',
+        "p_maxtok.jsonl": '{"prompt": "a", "max_tokens": 2.5}\n',
+        "s_k5.json": '{"format": "fp8_e4m3", "mode": "per_tensor", "k": 5}',
+        "s_banana.json": json.dumps({"format": "banana", "mode": "per_tensor", "k": [[1.0]], "v": [[1.0]]}),
+        "s_e5m2.json": json.dumps({"format": "fp8_e5m2", "mode": "per_tensor", "k": [[1.0, 1.0]] * 4,
+                                   "v": [[1.0, 1.0]] * 4}),
+        "s_negative.json": json.dumps({"format": "fp8_e4m3", "mode": "per_tensor", "k": [[-1.0]], "v": [[1.0]]}),
+        "s_mode.json": json.dumps({"format": "fp8_e4m3", "mode": "per_channel", "k": [[1.0]], "v": [[1.0]]}),
+        "s_extra.json": json.dumps({"format": "fp8_e4m3", "mode": "unit", "k": [[1.0]], "scale": 2}),
+        "t_init_float.jsonl": '{"op": "init", "num_blocks": 1e20, "block_size": 16}\n',
+        "t_init_huge.jsonl": '{"op": "init", "num_blocks": 1000000000000, "block_size": 16}\n',
+        "t_nan.jsonl": '{"op": "init", "num_blocks": NaN, "block_size": 16}\n',
+        "t_unknown.jsonl": '{"op": "explode"}\n',
+        "fake.gguf": pickled,
+        "trunc.gguf": b"GGUF\x03\x00\x00\x00" + b"\x01" * 7,
+    }
+    for name, data in files.items():
+        _write(root, name, data)
+    os.makedirs(os.path.join(root, "folder", "config.json"))  # a config path that is a folder
+    _checkpoint(root, "ckpt_corrupt", {"model.safetensors": b"\x10\0\0\0\0\0\0\0{garbage"})
+    _checkpoint(root, "ckpt_pickle_st", {"model.safetensors": pickled})
+    _checkpoint(root, "ckpt_pickle_bin", {"pytorch_model.bin": pickled})
+    _checkpoint(root, "ckpt_truncated", {"model.safetensors": _safetensors_header_only()})
+    _checkpoint(root, "ckpt_index", {"model.safetensors.index.json": '{"weight_map": 7}'})
+    _write(root, "ckpt_deep_config/config.json", "[" * 100_000)
+    return root
+
+
+# (command line, a fragment the one error line must contain). "{w}" is the working folder.
+GPU_A = "plan --group A"
+DECODE = "decode --model small-gqa --max-tokens 2"
+DECODE_OK = DECODE + " --prompts ok.txt"
+CASES = [
+    # plan: numbers at the edge of floats and ints, conflicting and ignored flags, files, outputs
+    (GPU_A + " --gpu-gib 1e400", "--gpu-gib"),
+    (GPU_A + " --kv-cache-memory-gib 1e307", "--kv-cache-memory-gib"),
+    (GPU_A + " --gpu-gib inf", "--gpu-gib"),
+    (GPU_A + " --gpu-gib nan", "--gpu-gib"),
+    (GPU_A + " --gpu-gib -80", "--gpu-gib"),
+    (GPU_A + " --util 1.5", "util"),
+    (GPU_A + " --util nan", "util"),
+    (GPU_A + " --params-b 1e400", "--params-b"),
+    (GPU_A + " --weight-dtype int3", "int3"),
+    (GPU_A + " --kv-dtype fp4", "fp4"),
+    (GPU_A + " --context 0", "--context"),
+    (GPU_A + " --block-size 4294967296", "--block-size"),
+    (GPU_A + " --tp 0", "--tp"),
+    ("plan --kind gqa --layers " + "1" * 31 + " --kv-heads 8 --head-dim 128", "--layers"),
+    ("plan --kind gqa --layers 1e30 --kv-heads 8 --head-dim 128", "--layers"),
+    ("plan --preset llama-3-8b --layers 4", "--layers"),
+    (GPU_A + " --heads 8", "--heads"),
+    ("plan --kind mla --layers 4 --kv-lora-rank 512 --qk-rope-head-dim 64 --kv-heads 8", "--kv-heads"),
+    ("plan --kind mla --layers 4 --kv-lora-rank 512 --qk-rope-head-dim 64 --head-dim 3", "--head-dim"),
+    ("plan --kind gqa --layers 4 --kv-heads 8 --head-dim 128 --kv-lora-rank 5", "--kv-lora-rank"),
+    ("plan --kind gqa --layers 4 --kv-heads 3 --heads 8 --head-dim 128", "num_kv_heads 3"),
+    ("plan --preset llama-9", "llama-9"),
+    ("plan --preset tiny --kind gqa", "choose one model source"),
+    ("plan --hf-config folder", "folder"),
+    ("plan --hf-config deep.json", "deep.json"),
+    ("plan --hf-config bin.txt", "bin.txt:1"),
+    ("plan --hf-config missing.json", "missing.json"),
+    ("plan --hf-config list.json", "list.json"),
+    ("plan --hf-config nan_config.json", "nan_config.json"),
+    (GPU_A + " --plot nodir/x.png", "--plot"),
+    (GPU_A + " --plot ok.txt/x.png", "--plot"),
+    (GPU_A + " --plot folder", "--plot"),
+    ("plan", "no model"),
+    ("tables --bogus", "--bogus"),
+    # replay: malformed traces and pools too large to be a reading exercise
+    ("replay deep.jsonl", "deep.jsonl: line 1"),
+    ("replay bin.txt", "bin.txt: line 1"),
+    ("replay folder", "folder"),
+    ("replay missing.jsonl", "missing.jsonl"),
+    ("replay t_init_float.jsonl", "num_blocks"),
+    ("replay t_init_huge.jsonl", "num_blocks"),
+    ("replay t_nan.jsonl", "NaN"),
+    ("replay t_unknown.jsonl", "explode"),
+    # decode: flags
+    (DECODE_OK + " --num-blocks 1e20", "--num-blocks"),
+    (DECODE_OK + " --num-blocks 100000000000000000000", "--num-blocks"),
+    (DECODE_OK + " --block-size 4294967296", "--block-size"),
+    (DECODE_OK + " --util 0.5 --total-gib inf", "--total-gib"),
+    (DECODE_OK + " --total-gib 2", "--total-gib"),
+    (DECODE_OK + " --util 0", "--util"),
+    (DECODE_OK + " --temperature nan", "--temperature"),
+    (DECODE_OK + " --temperature 1 --top-p 2", "--top-p"),
+    (DECODE_OK + " --top-k 5", "--top-k"),
+    (DECODE_OK + " --seed -1", "--seed"),
+    (DECODE_OK + " --max-num-seqs 4294967296", "--max-num-seqs"),
+    (DECODE_OK + " --stop-token-ids 1,x", "--stop-token-ids"),
+    (DECODE_OK + " --stop-token-ids 99999999999", "--stop-token-ids"),
+    (DECODE_OK + " --shared-prefix 4", "--shared-prefix"),
+    (DECODE + " --synthetic 0", "--synthetic"),
+    (DECODE + " --synthetic 2 --chat", "--chat"),
+    (DECODE + " --max-tokens 0 --prompts ok.txt", "--max-tokens"),
+    # decode: prompts files
+    (DECODE + " --prompts deep.jsonl", "deep.jsonl:1"),
+    (DECODE + " --prompts bin.txt", "bin.txt:1"),
+    (DECODE + " --prompts bin.jsonl", "bin.jsonl:2"),
+    (DECODE + " --prompts missing.txt", "missing.txt"),
+    (DECODE + " --prompts folder", "folder"),
+    (DECODE + " --prompts p_tokens5.jsonl", "p_tokens5.jsonl:1"),
+    (DECODE + " --prompts p_null.jsonl", "p_null.jsonl:1"),
+    (DECODE + " --prompts p_inf.jsonl", "p_inf.jsonl:1"),
+    (DECODE + " --prompts p_prompt123.jsonl", "p_prompt123.jsonl:1"),
+    (DECODE + " --prompts p_float.jsonl", "p_float.jsonl:1"),
+    (DECODE + " --prompts p_unknown.jsonl", "temperature"),
+    (DECODE + " --prompts p_both.jsonl", "p_both.jsonl:1"),
+    (DECODE + " --prompts p_priority.jsonl", "--priority"),
+    (DECODE + " --prompts p_bigint.jsonl", "p_bigint.jsonl:1"),
+    (DECODE + " --prompts p_line3.jsonl", "p_line3.jsonl:3"),
+    (DECODE + " --prompts p_array.jsonl", "p_array.jsonl:1"),
+    (DECODE + " --prompts p_maxtok.jsonl", "max_tokens"),
+    # decode: scales files and their match with the cache
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_k5.json", "s_k5.json"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_banana.json", "banana"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_e5m2.json", "fp8_e5m2"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_negative.json", "s_negative.json"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_mode.json", "per_channel"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_extra.json", "scale"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales deep.json", "deep.json"),
+    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales missing.json", "missing.json"),
+    (DECODE_OK + " --scales s_e5m2.json", "--scales"),
+    # decode: checkpoints (corrupt, truncated, pickled) and limits that need the model
+    ("decode --model ckpt_corrupt --max-tokens 2 --prompts ok.txt", "model.safetensors"),
+    ("decode --model ckpt_pickle_st --max-tokens 2 --prompts ok.txt", "model.safetensors"),
+    ("decode --model ckpt_pickle_bin --max-tokens 2 --prompts ok.txt", "pickled"),
+    ("decode --model ckpt_truncated --max-tokens 2 --prompts ok.txt", "ckpt_truncated"),
+    ("decode --model ckpt_index --max-tokens 2 --prompts ok.txt", "weight_map"),
+    ("decode --model ckpt_deep_config --max-tokens 2 --prompts ok.txt", "config.json"),
+    ("decode --model fake.gguf --max-tokens 2 --prompts ok.txt", "fake.gguf"),
+    ("decode --model trunc.gguf --max-tokens 2 --prompts ok.txt", "trunc.gguf"),
+    ("decode --model nowhere --max-tokens 2 --prompts ok.txt", "nowhere"),
+    (DECODE_OK + " --max-model-len 100000000", "--max-model-len"),
+    (DECODE_OK + " --num-blocks 2000000000", "int32"),
+    (DECODE_OK + " --num-blocks 100000000", "more than the device"),
+    (DECODE + " --synthetic 2 --prompt-len 5000", "--prompt-len"),
+    (DECODE_OK + " --chat", "chat template"),
+    # calibrate
+    ("calibrate --model small-gqa --data ok.txt --out nodir/s.json", "--out"),
+    ("calibrate --model small-gqa --data ok.txt --out folder", "--out"),
+    ("calibrate --model small-gqa --data missing.txt --out s.json", "missing.txt"),
+    ("calibrate --model small-gqa --data ok.txt --seq-len 100000 --out s.json", "--seq-len"),
+    ("calibrate --model small-gqa --data ok.txt --seq-len 0 --out s.json", "--seq-len"),
+    ("calibrate --model small-gqa --data ok.txt --out s.json", "ok.txt"),
+    ("calibrate --model small-gqa --data ok.txt --mode per_channel --out s.json", "--mode"),
+    # accuracy
+    ("accuracy --outlier-channels --outlier-factor nan", "--outlier-factor"),
+    ("accuracy --outlier-factor 5", "--outlier-channels"),
+    ("accuracy --out ok.txt", "--out"),
+    ("accuracy --data missing.txt", "missing.txt"),
+    ("accuracy --seq-len -5", "--seq-len"),
+    ("accuracy --max-windows 1e9", "--max-windows"),
+    # memory
+    ("memory --model small-gqa --total-gib inf", "--total-gib"),
+    ("memory --model small-gqa --total-gib 1e400", "--total-gib"),
+    ("memory --model small-gqa --total-gib 1 --util 2", "--util"),
+    ("memory --model small-gqa --total-gib 1 --max-model-len 100000000", "--max-model-len"),
+    ("memory --model small-gqa --total-gib 1 --max-num-batched-tokens 1000000000", "--max-num-batched-tokens"),
+    ("memory --model small-gqa --total-gib 1 --tp 0", "--tp"),
+    ("memory --model ckpt_pickle_st --total-gib 1", "model.safetensors"),
+    ("memory --model preset:nope --total-gib 1", "nope"),
+    # report and the top level
+    ("report --out ok.txt/x", "--out"),
+    ("report --skip bogus", "bogus"),
+    ("", "the following arguments are required"),
+    ("explode", "explode"),
+]
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout
+
+
+def _listing(root: str) -> dict[str, float]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = os.stat(path).st_mtime_ns
+    return out
+
+
+def test_the_table_is_large():
+    assert len(CASES) >= 60 and len({c for c, _ in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("command,fragment", CASES, ids=[c or "(none)" for c, _ in CASES])
+def test_bad_input_exits_2_with_one_line(command, fragment, workdir, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    before = _listing(workdir)
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(60)
+    start = time.perf_counter()
+    try:
+        rc = main(command.split())
+    except _Timeout:
+        pytest.fail(f"kvjax {command} ran for 60 s without answering")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    name = command.split()[0] if command else ""
+    prefix = f"kvjax {name}: error: " if name in ("plan", "tables", "replay", "decode", "calibrate", "accuracy",
+                                                   "memory", "report") else "kvjax: error: "
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(prefix), lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert not os.path.exists(os.path.join(workdir, MARKER)), "a pickle was unpickled"
+    assert _listing(workdir) == before, "a refused command wrote to the working folder"
+    assert elapsed < 30, f"{elapsed:.1f} s before refusing"
+
+
+@pytest.mark.parametrize("command,fragment", [
+    ("decode --model ckpt_pickle_st --max-tokens 2 --prompts ok.txt", "model.safetensors"),
+    ("decode --model ckpt_pickle_bin --max-tokens 2 --prompts ok.txt", "pickled"),
+    ("plan --group A --gpu-gib 1e400", "--gpu-gib"),
+    ("replay deep.jsonl", "deep.jsonl: line 1"),
+])
+def test_the_installed_script_keeps_the_contract(command, fragment, workdir):
+    """The real entry point (a fresh process, the console script's exit status)."""
+    script = shutil.which("kvjax", path=os.path.dirname(sys.executable)) or shutil.which("kvjax")
+    argv = [script] if script else [sys.executable, "-m", "kvjax.cli"]
+    proc = subprocess.run(argv + command.split(), cwd=workdir, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and fragment in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not os.path.exists(os.path.join(workdir, MARKER))
+
+
+def test_replay_keeps_state_after_a_refused_op(tmp_path, capsys):
+    """Errors stop a replay, but every op before them printed the exact state (kept from before)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"op":"init","num_blocks":6,"block_size":4}\n{"op":"add","req":"a","tokens":[1,2,3,4,5]}\n'
+                     '{"op":"add","req":"b","tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}\n'
+                     '{"op":"add","req":"c","tokens":[1e400]}\n')
+    assert main(["replay", str(trace)]) == 2
+    out, err = capsys.readouterr()
+    states = [json.loads(line) for line in out.splitlines()]
+    assert [s["ok"] for s in states] == [True, True, False]
+    # the refused add of b left a's blocks and the free queue exactly as after a's add
+    assert states[2]["free_queue"] == states[1]["free_queue"] and states[2]["num_free"] == states[1]["num_free"]
+    assert err.startswith(f"kvjax replay: error: {trace}: line 4:") and len(err.splitlines()) == 1
