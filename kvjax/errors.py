@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 from typing import Any, Iterator
 
 INT32_MAX = 2**31 - 1  # device indices (tokens, positions, slots, blocks) are int32
@@ -248,8 +249,9 @@ def json_type(value: Any) -> str:
 # Output paths
 # --------------------------------------------------------------------------------------------
 def check_output_file(path: str | os.PathLike, flag: str) -> str:
-    """An output file that can be written: its folder exists and is writable, and the path is not
-    a folder. Checked before any work, so a refused command writes nothing."""
+    """An output file that can be written: its folder exists, the path is not a folder, and opening
+    it for appending succeeds (a file this creates is removed again, so a refused command leaves
+    nothing behind). Checked before any work."""
     path = os.fspath(path)
     if not path:
         raise UsageError(f"{flag} is an empty path")
@@ -260,14 +262,21 @@ def check_output_file(path: str | os.PathLike, flag: str) -> str:
         raise UsageError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"{flag} {path!r} is not writable")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+    finally:
+        if not existed and os.path.exists(path):
+            os.remove(path)
     return path
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> str:
     """An output folder that exists and is writable, or can be created: its nearest existing
-    ancestor is a writable folder (not a file)."""
+    ancestor is a folder (not a file) in which a file can be created (and is removed again)."""
     path = os.fspath(path)
     if not path:
         raise UsageError(f"{flag} is an empty path")
@@ -276,6 +285,9 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> str:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {path!r}: {probe!r} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r}: {probe!r} is not writable")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path!r}: {probe!r} is not writable ({e.strerror or e})") from None
     return path

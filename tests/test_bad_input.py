@@ -222,6 +222,7 @@ CASES = [
     # calibrate
     ("calibrate --model small-gqa --data ok.txt --out nodir/s.json", "--out"),
     ("calibrate --model small-gqa --data ok.txt --out folder", "--out"),
+    ("calibrate --model small-gqa --data ok.txt --out /proc/kvjax_scales.json", "cannot be written"),
     ("calibrate --model small-gqa --data missing.txt --out s.json", "missing.txt"),
     ("calibrate --model small-gqa --data ok.txt --seq-len 100000 --out s.json", "--seq-len"),
     ("calibrate --model small-gqa --data ok.txt --seq-len 0 --out s.json", "--seq-len"),

@@ -57,7 +57,7 @@ def test_prompts_file_json_and_same_tokens_for_1_and_8_steps_per_call(ckpt, prom
 def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
     path = tmp_path / "reqs.jsonl"
     rows = [{"prompt": "import os"}, {"prompt": "x" * 60}, {"tokens": [1, 2, 3], "max_tokens": 0},
-            {"tokens": list(range(32)), "max_tokens": 8}, {"tokens": [5, 6, 7], "max_tokens": 3}]
+            {"tokens": list(range(32)), "max_tokens": 8}, {"tokens": [5, 6, 7], "max_tokens": 3}, {"tokens": [1, 500]}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     out = decode_json(capsys, "--model", ckpt, "--prompts", str(path), "--max-tokens", "5", "--num-blocks", "10", *BASE)
     errs = [r["error"] for r in out["requests"]]
@@ -65,7 +65,8 @@ def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
     assert "prompt has 60 tokens; the model's max length is 40" in errs[1]
     assert "max_tokens must be an integer >= 1, got 0" in errs[2]
     assert "needs 10 blocks of 4 tokens (32 prompt + 8 new), but the pool has only 9 usable blocks" in errs[3]
-    assert [len(r["output_tokens"]) for r in out["requests"]] == [5, 0, 0, 0, 3]
+    assert "token id 500 is outside the model's vocabulary [0, 128)" in errs[5]
+    assert [len(r["output_tokens"]) for r in out["requests"]] == [5, 0, 0, 0, 3, 0]
 
 
 def test_synthetic_shared_prefix_hits_and_a_small_pool_preempts(ckpt, capsys):
