@@ -9,9 +9,15 @@ prefix-cache hits and preemption by recompute), the model runs the plan over the
 a token is sampled for every request whose last token was computed (`kvjax.sampling`, each
 request with its own `SamplingParams`), and the scheduler takes the tokens back, finishing
 requests that reached their length or sampled a stop token (EOS unless ignored, or one of
-stop_token_ids). Prefill is not chunked (vLLM with `enable_chunked_prefill=False`): a waiting
-request is admitted only when its whole prompt, less its prefix-cache hit, fits the step's
-token budget, which is therefore at least max_model_len.
+stop_token_ids).
+
+Chunked prefill is on by default, as in vLLM V1: the running requests are scheduled first (a
+decode takes one token of the step's budget, `max_num_batched_tokens`, default 2048), then
+waiting requests fill what remains; a prompt longer than what remains is prefilled over
+several steps and samples only when its last chunk runs (the scheduler's `sample` flag), and
+a prefix-cache hit followed by a chunked rest works the same way. With `chunked_prefill=False`
+(vLLM's `enable_chunked_prefill=False`) a waiting request is admitted only when its whole
+prompt, less its prefix-cache hit, fits the budget, which is therefore at least max_model_len.
 
 Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request
 keeps one row of the step's batch (B = max_num_seqs rows) from admission until it finishes
@@ -88,7 +94,8 @@ class EngineConfig:
     block_size: int = 16  # Z
     max_num_seqs: int = 8  # B: requests running at once (rows of every step)
     max_model_len: int | None = None  # prompt + generated tokens; None: the model's max_position_embeddings
-    max_num_batched_tokens: int | None = None  # step token budget; None: max(max_model_len, 2048)
+    max_num_batched_tokens: int | None = None  # step token budget; None: 2048 (unchunked: ≥ max_model_len)
+    chunked_prefill: bool = True  # False: a prompt is prefilled in one step (vLLM enable_chunked_prefill)
     prefix_caching: bool = True
     steps_per_call: int = 1  # K decode steps per device call
     seed: int = 0  # the random stream of requests without a seed of their own
@@ -250,13 +257,14 @@ class Engine:
         z = config.block_size
         # The scheduler's table width: the longest request the pool could ever hold.
         sched_len = min(self.max_model_len, self.usable_blocks * z)
-        # vLLM's default budget (2048): enough to admit a batch of prompts in one step; never
-        # below max_model_len, since prompts are not chunked.
-        budget = config.max_num_batched_tokens or max(sched_len, config.max_num_seqs, DEFAULT_BUDGET)
+        # vLLM's default budget (2048), at least one token per row; without chunking never below
+        # max_model_len, or a long prompt could never be admitted.
+        budget = config.max_num_batched_tokens or max(config.max_num_seqs, DEFAULT_BUDGET,
+                                                      0 if config.chunked_prefill else sched_len)
         self.scheduler_config = SchedulerConfig(
             num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
-            policy=config.policy, chunked_prefill=False)
+            policy=config.policy, chunked_prefill=config.chunked_prefill)
         if config.kv_layout == "contiguous":
             self.cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
         else:
@@ -327,7 +335,8 @@ class Engine:
             for rid in plan.req_ids:
                 if rid not in self._rows:
                     self._rows[rid] = free_rows.pop(0)
-            prefill = stats.admissions(sched, plan, running, results)
+            stats.admissions(sched, plan, running, results)
+            prefill = _prefill_rows(sched, plan)
             decode_form = bool(plan.sample.all() and (plan.num_scheduled == 1).all())
             if decode_form:
                 steps, used, finished = self._decode_call(sched, plan)
@@ -409,6 +418,14 @@ class Engine:
             self._active[rid].logprobs.extend(float(x) for x in out_lp[:steps, row])
         finished = sched.apply_decode_steps(plan, out[:steps][:, rows], state)
         return int(steps), [int(u) for u in used[:steps]], finished
+
+
+def _prefill_rows(sched: Scheduler, plan: StepPlan) -> list[int]:
+    """Plan rows that prefill (a prompt or a chunk of one, or a preempted request's recompute);
+    the other rows decode: they compute the one token sampled last."""
+    reqs = [sched.requests[rid] for rid in plan.req_ids]
+    return [i for i, r in enumerate(reqs)
+            if not r.output or plan.seq_lens[i] - plan.num_scheduled[i] < r.num_tokens - 1]
 
 
 def _raise_refusal(plan: StepPlan, rows: list[int], refusal) -> None:

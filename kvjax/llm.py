@@ -107,7 +107,8 @@ class LLM:
                  num_blocks: int | None = None, gpu_memory_utilization: float | None = None, max_num_seqs: int = 8,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, attn_impl: str | None = None,
                  steps_per_call: int = 1, seed: int = 0, dtype: str | None = None,
-                 max_num_batched_tokens: int | None = None, scheduling_policy: str = "fcfs",
+                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+                 scheduling_policy: str = "fcfs",
                  kv_layout: str = "paged", kv_skip_layers: Sequence[int] = (), kv_skip_dtype: str | None = None,
                  total_memory_bytes: int | None = None):
         """model: a built-in name, a checkpoint folder, `preset:NAME`, or a models.hub.LoadedModel.
@@ -116,6 +117,8 @@ class LLM:
         kv_skip_layers keep kv_skip_dtype (default the model dtype: vLLM's
         kv_cache_dtype_skip_layers). kv_layout "contiguous" is the unpaged baseline (needs
         enable_prefix_caching=False). scheduling_policy "priority" lets generate take priorities.
+        max_num_batched_tokens: the step's token budget (default 2048); enable_chunked_prefill
+        (default on, as in vLLM V1) prefills a prompt longer than the budget over several steps.
         Other arguments as vLLM's, plus steps_per_call (decode steps per device call) and
         total_memory_bytes (the memory gpu_memory_utilization takes a share of, on a CPU)."""
         from models.hub import LoadedModel, load_model
@@ -158,10 +161,12 @@ class LLM:
                            f"got {max_model_len!r}")
         self.max_model_len = max_model_len or model_len
         if num_blocks is None:
-            num_blocks = self._size(gpu_memory_utilization, total_memory_bytes, max_num_seqs, max_num_batched_tokens)
+            num_blocks = self._size(gpu_memory_utilization, total_memory_bytes, max_num_seqs, max_num_batched_tokens,
+                                    enable_chunked_prefill)
         self.engine_config = EngineConfig(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
+            prefix_caching=enable_prefix_caching,
             steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy, kv_layout=kv_layout)
         from kvjax.sizing import check_cache_fits
 
@@ -170,16 +175,15 @@ class LLM:
                              eos_token_ids=loaded.eos_token_ids)
         self._score_fn = None
 
-    def _size(self, util, total_bytes, max_num_seqs: int, max_num_batched_tokens) -> int:
+    def _size(self, util, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
         """num_blocks when none was given (see the module docstring)."""
         if util is None and jax.default_backend() == "cpu":
             return 1 + max_num_seqs * cdiv(self.max_model_len, self.block_size)
         from kvjax.sizing import profile_and_size
 
         # Profile the largest step the engine can schedule: its token budget (kvjax.engine's
-        # default), or all rows prefilling max_model_len tokens if that is less (prompts are
-        # never chunked, so a step holds at most one prompt per row).
-        budget = max_num_batched_tokens or max(self.max_model_len, max_num_seqs, DEFAULT_BUDGET)
+        # default), or all rows prefilling max_model_len tokens if that is less.
+        budget = max_num_batched_tokens or max(max_num_seqs, DEFAULT_BUDGET, 0 if chunked else self.max_model_len)
         report = profile_and_size(self.model.module, self.model.params, self.kv_spec,
                                   util=DEFAULT_UTIL if util is None else util, total_bytes=total_bytes,
                                   block_size=self.block_size,

@@ -15,9 +15,11 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
 2. If nothing was preempted this step, WAITING requests are admitted in order (FCFS, or
    by (priority, arrival)) while fewer than `max_num_seqs` run and budget remains: prefix
    hits from `get_computed_blocks`, then `allocate_slots` for (a chunk of) the rest. The
-   first one that does not fit stops admission. With `chunked_prefill=False` (vLLM's
-   `enable_chunked_prefill=False`; kvjax.engine runs so) a request is admitted only if all of
-   its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
+   first one that does not fit stops admission. A prompt longer than the remaining budget is
+   admitted with a chunk and continues, as a running request, in the next steps (chunked
+   prefill, kvjax.engine's default); it samples only once its last token is computed. With
+   `chunked_prefill=False` (vLLM's `enable_chunked_prefill=False`) a request is admitted only
+   if all of its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
 requests run, how many tokens each, their token ids and block tables as NumPy arrays) that a

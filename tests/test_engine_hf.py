@@ -97,6 +97,16 @@ def test_matches_transformers_with_preemption(case, k):
     check(case, result)
 
 
+@pytest.mark.parametrize("budget", [8, 5])
+def test_matches_transformers_with_chunked_prefill(case, budget):
+    """Prompts split over several steps (a budget below most prompt lengths), a prefix hit followed
+    by a chunked rest, and preemption: transformers' greedy tokens still."""
+    result = run(case, num_blocks=10, max_num_batched_tokens=budget)
+    assert result.summary.preemptions > 0 and result.summary.prefix_hit_tokens > 0
+    assert result.summary.steps > run(case, num_blocks=10, chunked_prefill=False).summary.steps
+    check(case, result)
+
+
 def test_matches_transformers_with_pallas_decode(case):
     result = run(case, attn_impl="pallas", num_blocks=10, steps_per_call=8)
     assert result.summary.preemptions > 0

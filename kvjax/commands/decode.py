@@ -65,10 +65,14 @@ def add_parser(sub) -> None:
     size.add_argument("--util", type=float_arg(0, 1, lo_open=True), help="size the pool from --total-gib × U (vLLM's gpu_memory_utilization)")
     p.add_argument("--total-gib", type=float_arg(0, MAX_GIB, lo_open=True), default=1.0, help="memory total for --util (default 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step (vLLM enable_chunked_prefill=False); the budget then "
+                        "covers the longest prompt")
     p.add_argument("--max-num-seqs", type=int_arg(1, 2**16), default=8, help="requests running at once (8)")
     p.add_argument("--max-model-len", type=int_arg(1), help="prompt + generated tokens (default: the model's maximum)")
     p.add_argument("--max-num-batched-tokens", type=int_arg(1), metavar="N",
-                   help="tokens per engine step (default: max(max_model_len, 2048)); --util profiles a step this size")
+                   help="tokens per engine step (default 2048; with --no-chunked-prefill at least max_model_len); "
+                        "--util profiles a step this size")
     p.add_argument("--attn-impl", choices=["reference", "pallas"],
                    help="decode attention (default: pallas on GPU, except for int8_per_token_head KV; reference elsewhere)")
     sampling = p.add_mutually_exclusive_group()
@@ -130,7 +134,7 @@ def run(args) -> int:
     llm = LLM(loaded, kv_dtype=args.kv_dtype, scales=scales, block_size=z, num_blocks=num_blocks,
               gpu_memory_utilization=args.util, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enable_prefix_caching=not args.no_prefix_caching, attn_impl=args.attn_impl,
-              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
               steps_per_call=args.steps_per_call, seed=args.seed, scheduling_policy="priority" if args.priority
               else "fcfs", total_memory_bytes=budget.gib(args.total_gib, "--total-gib") if args.util is not None
               else None)
@@ -173,6 +177,8 @@ def run(args) -> int:
     setup = dict(model=args.model, kv_dtype=kv_dtype(llm.kv_spec.kv_dtype).name, block_size=z,
                  num_blocks=llm.num_blocks, max_num_seqs=args.max_num_seqs, max_model_len=llm.engine.max_model_len,
                  prefix_caching=not args.no_prefix_caching, attn_impl=llm.model.module.attn_impl,
+                 chunked_prefill=not args.no_chunked_prefill,
+                 max_num_batched_tokens=llm.engine.scheduler_config.max_num_batched_tokens,
                  steps_per_call=args.steps_per_call,
                  temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  eos_token_ids=list(llm.engine.eos_token_ids), stop_token_ids=list(stop_ids),
