@@ -21,6 +21,11 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
    `chunked_prefill=False` (vLLM's `enable_chunked_prefill=False`) a request is admitted only
    if all of its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
+`schedule()` reads as those steps: `_schedule_running` (with `_preempt_for` when the pool is
+short), then `_admit_waiting`, then `_plan`. Each piece of request state has one owner: the
+host `Request` holds tokens, output and status; the pool holds block tables and how many
+tokens each request has computed (the plan's `seq_lens` are read from it, never mirrored).
+
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
 requests run, how many tokens each, their token ids and block tables as NumPy arrays) that a
 model runner consumes; `update(plan, sampled)` takes the sampled tokens back, appends them
@@ -100,7 +105,6 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # sampling one of these ends the request ("stop")
     arrival: int = 0  # order of add_request calls
     output: list[int] = field(default_factory=list)
-    num_computed: int = 0  # host mirror of the pool's num_computed
     slot: int | None = None  # pool request slot; kept while preempted
     num_preemptions: int = 0
     status: str = "waiting"  # waiting | running | finished
@@ -133,7 +137,23 @@ class StepPlan:
         return len(self.req_ids)
 
 
+@dataclass
+class _Step:
+    """What one `schedule()` call has planned so far."""
+
+    budget: int  # tokens left in this step
+    scheduled: dict[str, int] = field(default_factory=dict)  # req_id -> tokens; insertion = scheduling order
+    preempted: list[str] = field(default_factory=list)
+
+    def take(self, req: Request, n: int) -> None:
+        self.scheduled[req.req_id] = n
+        self.budget -= n
+
+
 class Scheduler:
+    """Requests, their queues, and the block pool state (the one owner of block tables and of
+    how many tokens each request has computed); see the module docstring."""
+
     def __init__(self, config: SchedulerConfig):
         self.config = config
         z = config.block_size
@@ -192,39 +212,52 @@ class Scheduler:
         req.slot = free[0]
         return True
 
-    def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
-        """Free all the victim's blocks, reset it, put it at the front of waiting.
-        Returns the token budget it had been given this step (0 if none)."""
+    def _preempt(self, victim: Request, step: "_Step") -> None:
+        """Free all the victim's blocks (the pool resets its computed tokens), put it at the
+        front of waiting, and give back any budget it had been given this step."""
         self.state, ok = pool.free(self.state, victim.slot)
         _require(ok, f"the pool refused to free running request {victim.req_id!r} (slot {victim.slot})")
         self.running.remove(victim)
-        victim.num_computed, victim.status = 0, "waiting"
+        victim.status = "waiting"
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
-        return scheduled.pop(victim.req_id, 0)
+        step.budget += step.scheduled.pop(victim.req_id, 0)
+        step.preempted.append(victim.req_id)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepPlan:
-        cfg, z = self.config, self.config.block_size
-        budget = cfg.max_num_batched_tokens
-        scheduled: dict[str, int] = {}  # req_id -> tokens, insertion = scheduling order
-        preempted: list[str] = []
+        """Plan one engine step: running requests first (preempting until they fit), then, if
+        nothing was preempted, admit waiting requests into what is left of the token budget."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step, self._computed())
+        if not step.preempted:
+            self._admit_waiting(step)
+        return self._plan(step)
+
+    def _computed(self) -> np.ndarray:
+        """Tokens computed per pool slot, i32[R]: the pool owns this count (one copy, read once)."""
+        return np.asarray(jax.device_get(self.state.num_computed))
+
+    def _schedule_running(self, step: "_Step", computed: np.ndarray) -> None:
+        """Give every running request min(its unscheduled tokens, remaining budget), in order.
+        The batch is one `allocate_step` when `pool.step_fits` says it fits; otherwise requests
+        are allocated one by one up to the first refusal, which `_preempt_for` resolves, and
+        the rest continue after it (vLLM's request-at-a-time loop, batched where it can be)."""
         i = 0
-        while i < len(self.running) and budget > 0:
-            batch, nums, b = self.running[i:], [], budget
-            for r in batch:
-                nums.append(min(r.num_tokens - r.num_computed, b))
-                b -= nums[-1]
+        while i < len(self.running) and step.budget > 0:
+            batch, nums, left = self.running[i:], [], step.budget
+            for r in batch:  # each running request is allocated once per step: `computed` stays valid
+                nums.append(min(r.num_tokens - int(computed[r.slot]), left))
+                left -= nums[-1]
             reqs = [r.slot if n > 0 else -1 for r, n in zip(batch, nums)]
             pad = self.config.max_num_seqs - len(reqs)  # one static batch size: one compile
             reqs_a = np.asarray(reqs + [-1] * pad, np.int32)
             nums_a = np.asarray(nums + [0] * pad, np.int32)
             need, fits = pool.step_fits(self.state, reqs_a, nums_a)
             self.state, ok = pool.allocate_step(self.state, reqs_a, nums_a, stop_at_failure=True)
-            ok = np.asarray(ok)
             failed = None
-            for r, n, s, k, blocks in zip(batch, nums, reqs, ok, np.asarray(need)):
+            for r, n, s, k, blocks in zip(batch, nums, reqs, np.asarray(ok), np.asarray(need)):
                 if s < 0:
                     continue
                 if not k:
@@ -233,53 +266,59 @@ class Scheduler:
                                              f"although the step's {int(need.sum())} fit its free blocks")
                     failed = (r, n)
                     break
-                scheduled[r.req_id], r.num_computed, budget = n, r.num_computed + n, budget - n
+                step.take(r, n)
             if failed is None:
-                break
+                return
             req, n = failed
-            while True:
-                victim = max(self.running, key=self._key) if cfg.policy == "priority" else self.running[-1]
-                budget += self._preempt(victim, scheduled)
-                preempted.append(victim.req_id)
-                if victim is req:
-                    break
-                self.state, ok1 = pool.allocate_slots(self.state, req.slot, n)
-                if bool(ok1):
-                    scheduled[req.req_id], req.num_computed, budget = n, req.num_computed + n, budget - n
-                    break
+            self._preempt_for(req, n, step)
             i = self.running.index(req) + 1 if req in self.running else len(self.running)
 
-        while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+    def _preempt_for(self, req: Request, n: int, step: "_Step") -> None:
+        """Preempt (policy's victim first) until req's n tokens fit, or req itself is preempted."""
+        while True:
+            victim = max(self.running, key=self._key) if self.config.policy == "priority" else self.running[-1]
+            self._preempt(victim, step)
+            if victim is req:
+                return
+            self.state, ok = pool.allocate_slots(self.state, req.slot, n)
+            if bool(ok):
+                step.take(req, n)
+                return
+
+    def _admit_waiting(self, step: "_Step") -> None:
+        """Admit waiting requests in order while rows and budget remain: prefix hits, then a
+        chunk of the rest (all of it without chunked prefill). The first that does not fit stops."""
+        cfg, z = self.config, self.config.block_size
+        while self.waiting and len(self.running) < cfg.max_num_seqs and step.budget > 0:
             req = min(self.waiting, key=self._key) if cfg.policy == "priority" else self.waiting[0]
             if req.slot is None and not self._put_in_pool(req):
-                break
+                return
             hits, nh = pool.get_computed_blocks(self.state, req.slot)
-            nh = int(nh)
-            if not cfg.chunked_prefill and req.num_tokens - nh * z > budget:
-                break  # vLLM without chunked prefill: wait for a step with room for the whole prompt
-            n = min(req.num_tokens - nh * z, budget)
+            rest = req.num_tokens - int(nh) * z
+            if not cfg.chunked_prefill and rest > step.budget:
+                return  # vLLM without chunked prefill: wait for a step with room for the whole prompt
+            n = min(rest, step.budget)
             self.state, ok = pool.allocate_slots(self.state, req.slot, n, hits, nh)
             if not bool(ok):
-                break
+                return
             self.waiting.remove(req)
             self.running.append(req)
-            req.status, req.num_computed = "running", nh * z + n
-            scheduled[req.req_id], budget = n, budget - n
-        return self._plan(scheduled, preempted)
+            req.status = "running"
+            step.take(req, n)
 
-    def _plan(self, scheduled: dict[str, int], preempted: list[str]) -> StepPlan:
-        reqs = [self.requests[r] for r in scheduled]
-        nums = np.array([scheduled[r.req_id] for r in reqs], np.int32)
+    def _plan(self, step: "_Step") -> StepPlan:
+        reqs = [self.requests[r] for r in step.scheduled]
+        nums = np.array([step.scheduled[r.req_id] for r in reqs], np.int32)
         slots = np.array([r.slot for r in reqs], np.int32)
-        tables = np.asarray(jax.device_get(self.state.block_table))[slots] if reqs else \
-            np.zeros((0, self.max_blocks), np.int32)
-        seq_lens = np.array([r.num_computed for r in reqs], np.int32)
+        tables, computed = jax.device_get((self.state.block_table, self.state.num_computed))
+        tables = np.asarray(tables)[slots] if reqs else np.zeros((0, self.max_blocks), np.int32)
+        seq_lens = np.asarray(computed)[slots].astype(np.int32) if reqs else np.zeros(0, np.int32)
         token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
         return StepPlan(
             req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums, token_ids=token_ids,
             block_tables=tables, seq_lens=seq_lens,
-            sample=np.array([r.num_computed == r.num_tokens for r in reqs], bool),
-            preempted=tuple(preempted))
+            sample=np.array([e == r.num_tokens for r, e in zip(reqs, seq_lens)], bool),
+            preempted=tuple(step.preempted))
 
     @staticmethod
     def _stop_reason(req: Request) -> str | None:
@@ -296,7 +335,7 @@ class Scheduler:
         token. Returns the finished request ids."""
         sampled = np.asarray(sampled).reshape(-1)
         if sampled.shape[0] != plan.num_requests:
-            raise ValueError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
+            raise SchedulerError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
         tokens = np.zeros(self.num_slots, np.int32)
         mask = np.zeros(self.num_slots, bool)
         finished = []
@@ -342,9 +381,9 @@ class Scheduler:
         pool. Finishes the requests that ended. Returns their ids."""
         sampled = np.asarray(sampled)
         if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
-            raise ValueError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
+            raise SchedulerError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
         if not (plan.sample.all() and (plan.num_scheduled == 1).all()):
-            raise ValueError("apply_decode_steps needs a decode plan: one token per request, all sampling")
+            raise SchedulerError("apply_decode_steps needs a decode plan: one token per request, all sampling")
         self.state = state
         steps, finished = sampled.shape[0], []
         for i, rid in enumerate(plan.req_ids):
@@ -355,7 +394,6 @@ class Scheduler:
                 if req.finish_reason and step < steps - 1:
                     raise SchedulerError(f"the device loop ran {steps - 1 - step} step(s) past request {rid!r}'s "
                                          f"end ({req.finish_reason})")
-            req.num_computed += steps - 1  # the loop allocated one token per extra step
             if req.finish_reason:
                 finished.append(req)
         for req in finished:
