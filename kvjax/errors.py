@@ -45,7 +45,7 @@ class InputFileError(KvjaxError):
         super().__init__(f"{self.path}:{line}: {message}" if line is not None else f"{self.path}: {message}")
 
 
-class OutputPathError(KvjaxError):
+class OutputPathError(UsageError):
     """An output path that cannot be written: checked before any work starts."""
 
 
@@ -254,20 +254,20 @@ def check_output_file(path: str | os.PathLike, flag: str) -> str:
     nothing behind). Checked before any work."""
     path = os.fspath(path)
     if not path:
-        raise UsageError(f"{flag} is an empty path")
+        raise OutputPathError(f"{flag} is an empty path")
     if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a folder; give a file name")
+        raise OutputPathError(f"{flag} {path!r} is a folder; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
+        raise OutputPathError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+        raise OutputPathError(f"{flag} {path!r}: the folder {folder!r} does not exist")
     existed = os.path.lexists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as e:
-        raise UsageError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+        raise OutputPathError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
     finally:
         if not existed and os.path.exists(path):
             os.remove(path)
@@ -279,15 +279,15 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> str:
     ancestor is a folder (not a file) in which a file can be created (and is removed again)."""
     path = os.fspath(path)
     if not path:
-        raise UsageError(f"{flag} is an empty path")
+        raise OutputPathError(f"{flag} is an empty path")
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise UsageError(f"{flag} {path!r}: {probe!r} is a file, not a folder")
+        raise OutputPathError(f"{flag} {path!r}: {probe!r} is a file, not a folder")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        raise UsageError(f"{flag} {path!r}: {probe!r} is not writable ({e.strerror or e})") from None
+        raise OutputPathError(f"{flag} {path!r}: {probe!r} is not writable ({e.strerror or e})") from None
     return path
