@@ -66,6 +66,14 @@ def gib(value: Any, name: str = "size") -> int:
     return math.ceil(x * GiB)
 
 
+def utilization(value: Any, name: str = "util") -> Fraction:
+    """gpu_memory_utilization as an exact rational in (0, 1]."""
+    util = exact(value, name)
+    if not 0 < util <= 1:
+        raise BudgetError(f"{name} must be in (0, 1], got {float(util):g}")
+    return util
+
+
 def weight_bytes(params: Any, dtype: str = "bf16") -> int:
     """Weights = parameter count × bytes per parameter (params may be fractional billions × 1e9)."""
     if dtype not in WEIGHT_DTYPE_BYTES:
@@ -144,9 +152,7 @@ def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
         raise BudgetError(f"kv_cache_memory_bytes must be positive, got {kv_cache_memory_bytes}")
     if util is not None:
-        util = exact(util, "util")
-        if not 0 < util <= 1:
-            raise BudgetError(f"util must be in (0, 1], got {float(util):g}")
+        util = utilization(util)
     elif not extensible:
         util = DEFAULT_UTIL
     else:

@@ -137,8 +137,8 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     else:
         weights = 0
         warnings.append("no --weights-gib or --params-b: weights counted as 0")
-    if args.util is not None and not 0 < bud.exact(args.util, "--util") <= 1:
-        raise UsageError(f"--util must be in (0, 1], got {args.util!r}")
+    if args.util is not None:
+        bud.utilization(args.util, "--util")  # named by its flag before plan() checks it again
     gpu = args.gpu_gib if args.gpu_gib is not None else g.get("gpu_gib")
     util = args.util if args.util is not None else (None if args.extensible else g.get("util"))
     return dict(spec=spec, title=g.get("title", title), warnings=warnings, kw=dict(

@@ -66,22 +66,6 @@ def check_int(value: Any, name: str, lo: int = 0, hi: int = INT32_MAX) -> int:
     return value
 
 
-def check_float(value: Any, name: str, lo: float = -math.inf, hi: float = math.inf, *,
-                lo_open: bool = False) -> float:
-    """A finite number in [lo, hi] (or (lo, hi] with lo_open), else a KvjaxError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KvjaxError(f"{name} must be a number, got {_show(value)}")
-    try:
-        x = float(value)
-    except OverflowError:
-        raise KvjaxError(f"{name} must be finite, got {_show(value)}") from None
-    if not math.isfinite(x):
-        raise KvjaxError(f"{name} must be finite, got {_show(value)}")
-    if not (lo < x if lo_open else lo <= x) or not x <= hi:
-        raise KvjaxError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {_show(value)}")
-    return x
-
-
 def int_arg(lo: int = 1, hi: int = INT32_MAX):
     """An argparse `type` for an integer flag in [lo, hi] (argparse names the flag)."""
     def parse(text: str) -> int:
@@ -224,7 +208,7 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict[str, Any]:
     """A JSON file that must hold an object."""
     obj = read_json(path, what)
     if not isinstance(obj, dict):
-        raise InputFileError(path, f"{what} holds a JSON {_json_type(obj)}, not an object")
+        raise InputFileError(path, f"{what} holds a JSON {json_type(obj)}, not an object")
     return obj
 
 
@@ -235,14 +219,10 @@ def read_jsonl(path: str | os.PathLike, what: str) -> Iterator[tuple[int, Any]]:
             yield n, parse_json(line, path, what, n)
 
 
-def _json_type(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
-            int: "number", float: "number"}.get(type(value), type(value).__name__)
-
-
 def json_type(value: Any) -> str:
     """The JSON name of a parsed value's type, for messages ("array", "null", ...)."""
-    return _json_type(value)
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "number", float: "number"}.get(type(value), type(value).__name__)
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ import numpy as np
 from kvjax.errors import (INT32_MAX, MAX_GIB, InputFileError, KvjaxError, UsageError, check_int, float_arg,
                           int_arg, json_type, read_jsonl, read_text)
 
+PROMPT_LEN = 32  # --prompt-len's default (given with --prompts, it would be ignored)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("decode", help="batched generation through scheduler, pool, paged cache and model",
@@ -54,7 +56,8 @@ def add_parser(sub) -> None:
                    help="each text prompt is a user message, rendered with the model's chat template")
     src.add_argument("--synthetic", type=int_arg(1, 2**20), metavar="N", help="N random prompts")
     p.add_argument("--shared-prefix", type=int_arg(0), default=0, metavar="LEN", help="synthetic: shared first LEN tokens")
-    p.add_argument("--prompt-len", type=int_arg(1), default=32, help="synthetic: longest prompt after the prefix (32)")
+    p.add_argument("--prompt-len", type=int_arg(1), default=PROMPT_LEN,
+                   help=f"synthetic: longest prompt after the prefix ({PROMPT_LEN})")
     p.add_argument("--max-tokens", type=int_arg(1), required=True, help="tokens to generate per request")
     p.add_argument("--kv-dtype", help="KV cache dtype (default: the model's): bf16, fp8_e4m3, fp8_e5m2, "
                                       "int8_per_token_head, ...")
@@ -214,7 +217,7 @@ def _check_flags(args) -> None:
     """Flag rules that need no model: conflicts are refused, never ignored."""
     if args.shared_prefix and args.synthetic is None:
         raise UsageError("--shared-prefix applies to --synthetic prompts")
-    if args.prompt_len != 32 and args.synthetic is None:
+    if args.prompt_len != PROMPT_LEN and args.synthetic is None:
         raise UsageError("--prompt-len applies to --synthetic prompts")
     if args.chat and args.synthetic is not None:
         raise UsageError("--chat applies to --prompts text, not --synthetic token ids")

@@ -65,8 +65,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.total_gib is not None:
         bud.gib(args.total_gib, "--total-gib")  # checked before any work
-    if args.util is not None and not 0 < bud.exact(args.util, "--util") <= 1:
-        raise UsageError(f"--util must be in (0, 1], got {args.util!r}")
+    if args.util is not None:
+        bud.utilization(args.util, "--util")
     _ask_for_cpu_devices(args.tp)
     report = measure(args)
     print(json.dumps(report, indent=1) if args.json else render(report))
