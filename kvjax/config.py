@@ -198,9 +198,9 @@ class ModelConfig:
             value = getattr(self, field)
             if not _is_positive_int(value):
                 raise ModelConfigError(f"{field} must be a positive integer, got {value!r}")
-            if value > (MAX_LAYERS if field == "num_layers" else INT32_MAX):
-                raise ModelConfigError(f"{field} {value:,} is beyond kvjax's limit "
-                                       f"{MAX_LAYERS if field == 'num_layers' else INT32_MAX:,}")
+            limit = MAX_LAYERS if field == "num_layers" else INT32_MAX
+            if value > limit:
+                raise ModelConfigError(f"{field} {value:,} is beyond kvjax's limit {limit:,}")
         for field in ("vocab_size", "intermediate_size", "q_lora_rank", "sliding_window", "published_params"):
             value = getattr(self, field)
             if value is not None and not _is_positive_int(value):

@@ -209,6 +209,14 @@ def _utf8(line: bytes) -> str:
         raise ReplayError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _json(line: str):
     """One op's JSON (errors.loads: nesting limit, finite numbers), as a ReplayError."""
     try:
@@ -281,7 +289,7 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
                     salt = op.get("salt")
                     if salt is not None and not isinstance(salt, str):
                         raise ReplayError(f"'salt' must be a string, got {json.dumps(salt)}")
-                    if salt is not None and not salt.encode("utf-8", "replace").decode("utf-8") == salt:
+                    if salt is not None and not _encodable(salt):
                         raise ReplayError("'salt' holds a lone UTF-16 surrogate (it has no UTF-8 bytes to hash)")
                     out = replay.add(name, _tokens(op), salt)
                     if out["ok"]:
