@@ -110,6 +110,8 @@ class Replay:
 
     def append(self, name: str, tokens: list[int]) -> dict:
         slot = self._slot(name)
+        if int(self.state.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
+            return self.view("append", name, False)  # longer than the pool: a failed append
         held = int(self.state.num_held[slot])
         s, ok = pool.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
         s, ok2 = pool.allocate_slots(s, slot, len(tokens))

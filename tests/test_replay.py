@@ -303,3 +303,11 @@ def test_more_requests_than_initial_slots():
     assert all(o["ok"] for o in outs)
     assert outs[10]["num_free"] == 0 and outs[10]["blocks"] == [10] and outs[-1]["num_free"] == 10
     assert outs == run_oracle(ops)
+
+
+def test_append_longer_than_the_pool_fails_like_the_oracle():
+    """Found by the reader fuzz: an append past the pool's token capacity is a failed op."""
+    ops = [init(2, 1), add("a", [0]), append("a", [0, 0]), free("a")]
+    outs = run_lib(ops)
+    assert [o["ok"] for o in outs] == [True, True, False, True]
+    assert outs == run_oracle(ops)
