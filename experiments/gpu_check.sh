@@ -14,6 +14,7 @@
 #   kernel_bench  experiments/kernel_bench.py on the GPU shapes, target shapes first, with a time budget
 #   memory_*      kvjax memory on a small model and on Llama-3-8B-shaped random weights (issue 7)
 #   decode_sweep  the engine on Llama-3-8B-shaped random bf16 weights: bf16 vs fp8 KV, pallas vs reference (issue 8)
+#   allocator_step one decode step's block allocation for 64 and 512 requests (issue 15: <= 100 us at 512)
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -39,7 +40,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 }
 
 step env 15 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
-step kernel_tests 120 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
+step kernel_tests 100 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
   --junitxml="$OUT_DIR/kernel_tests.xml"
 step kernel_bench 60 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 40
 
@@ -79,6 +80,12 @@ step memory_llama8b 50 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMO
 # CPU smoke run: KVJAX_DECODE_ARGS=--tiny bash experiments/gpu_check.sh
 step decode_sweep 30 "$PY" -m experiments.decode_bench --sweep-kv --layers 2 --time-budget 20 --out "$OUT_DIR" \
   ${KVJAX_DECODE_ARGS:-}
+
+# ---- allocator (issue 15) ------------------------------------------------------------------------
+# One decode step's append + allocate_step for 64 and 512 requests: per jitted call and per step
+# inside lax.scan (the device loop's cost), in $OUT_DIR/allocator_step.json; exit 1 if the scan
+# step at 512 requests takes over 100 us. (kernel_tests 120 → 100 s made room.)
+step allocator_step 20 "$PY" -m experiments.allocator_bench --device-step --out "$OUT_DIR"
 
 echo "=== status"
 cat "$STATUS"

@@ -34,11 +34,11 @@ compiles a handful of programs, never one per step:
 * `_decode_loop` — a plan of one token per request, every request sampling: the decode form
   (T = B; the Pallas kernels with attn_impl "pallas"). It runs that step, then up to K - 1
   more (`steps_per_call`) inside one `lax.while_loop`, with sampling and the functional
-  block pool in the carry: each iteration appends the sampled tokens (`pool.append_token_step`)
-  and allocates the next token's slot (`pool.allocate_step`), exactly what the host's
+  block pool in the carry: each iteration appends the sampled tokens (`manager.append_token_step`)
+  and allocates the next token's slot (`manager.allocate_step`), exactly what the host's
   `update` + `schedule` would do between two steps. The loop stops early, and returns to the
   host scheduler, when a request finishes (its blocks are freed and a waiting request may be
-  admitted) or when `pool.step_fits` — the rule the host scheduler applies too — says the
+  admitted) or when `manager.step_fits` — the rule the host scheduler applies too — says the
   next step's blocks do not all fit (checked before allocating, so the pool is left as the
   host expects; the host's next `schedule` repeats the allocation and preempts). Between
   those events the host scheduler would only have run the same decodes — a waiting request
@@ -68,7 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import pool, sampling
+from kvjax import kv_cache_manager as manager
+from kvjax import sampling
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.cache import ContiguousCache, PagedCache
 from kvjax.errors import KvjaxError
@@ -153,7 +154,7 @@ def _ragged_step(model, params, cache, tokens, md, sampling_rows):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_steps", "width"), donate_argnames="cache")
-def _decode_loop(model, params, state: pool.PoolState, cache, slots, tokens, computed, remaining, stop_ids,
+def _decode_loop(model, params, state: manager.KVCacheManager, cache, slots, tokens, computed, remaining, stop_ids,
                  sampling_rows, max_steps, *, num_steps: int, width: int):
     """Up to max_steps (<= num_steps) decode steps of the same requests, in one call.
 
@@ -168,15 +169,15 @@ def _decode_loop(model, params, state: pool.PoolState, cache, slots, tokens, com
     """
     active = slots >= 0  # bool[B]
     slot = jnp.where(active, slots, 0)
-    scatter_at = jnp.where(active, slots, state.max_requests)  # empty rows scatter out of range
-    usable = state.num_blocks - 1
+    scatter_at = jnp.where(active, slots, state.reqs.max_requests)  # empty rows scatter out of range
+    usable = state.pool.num_blocks - 1
     r = sampling_rows
 
     def body(c):
         i, state, cache, tokens, computed, remaining, out, out_lp, used, refusal, _ = c
-        used = used.at[i].set(usable - state.num_free)
-        tables = jnp.where(active[:, None], state.block_table[slot, :width], 0)  # i32[B, M]
-        md = decode_metadata(tables, computed, active, state.block_size)
+        used = used.at[i].set(usable - state.pool.num_free)
+        tables = jnp.where(active[:, None], state.reqs.block_table[slot, :width], 0)  # i32[B, M]
+        md = decode_metadata(tables, computed, active, state.reqs.block_size)
         logits, cache = model.apply({"params": params}, tokens, md, cache)  # f32[B, V]
         new, logprobs = sampling.sample(logits, r.keys, computed + 1, r.temperature, r.top_k, r.top_p)
         new = jnp.where(active, new, 0)
@@ -184,24 +185,24 @@ def _decode_loop(model, params, state: pool.PoolState, cache, slots, tokens, com
         stopped = (new[:, None] == stop_ids).any(axis=1)
         keep = active & (remaining > 0) & ~stopped  # a request's last token is never appended (Scheduler.update)
         finished = active & ~keep
-        append = jnp.zeros(state.max_requests, jnp.int32).at[scatter_at].set(new, mode="drop")
-        mask = jnp.zeros(state.max_requests, bool).at[scatter_at].set(keep, mode="drop")
-        state, appended = pool.append_token_step(state, append, mask)
+        append = jnp.zeros(state.reqs.max_requests, jnp.int32).at[scatter_at].set(new, mode="drop")
+        mask = jnp.zeros(state.reqs.max_requests, bool).at[scatter_at].set(keep, mode="drop")
+        state, appended = manager.append_token_step(state, append, mask)
         append_refused = keep & ~appended[slot]
         go_on = (i + 1 < max_steps) & ~finished.any() & ~append_refused.any()
-        # The host scheduler's rule (pool.step_fits): allocate the next step only if all of it
+        # The host scheduler's rule (manager.step_fits): allocate the next step only if all of it
         # fits, so that stopping leaves the pool as the host's next `schedule` expects.
         reqs = jnp.where(keep, slots, -1)
-        need, fits = pool.step_fits(state, reqs, keep.astype(jnp.int32))
+        need, fits = manager.step_fits(state, reqs, keep.astype(jnp.int32))
 
         def allocate(s):
-            return pool.allocate_step(s, reqs, keep.astype(jnp.int32), stop_at_failure=True)
+            return manager.allocate_step(s, reqs, keep.astype(jnp.int32))
 
         state, allocated = jax.lax.cond(go_on & fits, allocate,
                                         lambda s: (s, jnp.ones(reqs.shape, bool)), state)
         alloc_refused = keep & ~allocated
         refusal = (refusal[0] | append_refused, refusal[1] | alloc_refused, jnp.where(alloc_refused, need, refusal[2]),
-                   jnp.where(alloc_refused.any(), state.num_free, refusal[3]))
+                   jnp.where(alloc_refused.any(), state.pool.num_free, refusal[3]))
         return (i + 1, state, cache, new, computed + 1, remaining, out.at[i].set(new), out_lp.at[i].set(logprobs),
                 used, refusal, go_on & fits & ~alloc_refused.any())
 
@@ -436,4 +437,4 @@ def _raise_refusal(plan: StepPlan, rows: list[int], refusal) -> None:
             raise SchedulerError(f"the block pool refused request {rid!r}'s sampled token in the device loop")
         if alloc_refused[row]:
             raise SchedulerError(f"the block pool refused {int(need[row])} new block(s) for request {rid!r} in the "
-                                 f"device loop with {int(num_free)} free, although pool.step_fits said the step fit")
+                                 f"device loop with {int(num_free)} free, although manager.step_fits said the step fit")

@@ -102,12 +102,9 @@ def block_token_state(block_tokens: jax.Array) -> jax.Array:
     toks = block_tokens.astype(jnp.uint32)  # i32 ids are >= 0, so this is a plain reinterpretation
     z = toks.shape[-1]
     h = jnp.broadcast_to(jnp.array(SEEDS, jnp.uint32), toks.shape[:-1] + (2,))
-
-    def body(i, h):
-        t = jax.lax.dynamic_index_in_dim(toks, i, axis=-1, keepdims=True)  # u32[..., 1]
-        return _mix(h, t)
-
-    return jax.lax.fori_loop(0, z, body, h)
+    for i in range(z):  # Z is static: straight-line code, no loop on the device
+        h = _mix(h, toks[..., i:i + 1])
+    return h
 
 
 def block_hash_finish(token_state, parent, has_extra, extra, block_size: int) -> jax.Array:

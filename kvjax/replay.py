@@ -1,8 +1,8 @@
 """`kvjax replay TRACE.jsonl`: drive the jitted block pool with a trace, print its state.
 
-A teaching and testing tool for the vLLM V1 block pool semantics reproduced in
-`kvjax/pool.py` (vLLM `core/kv_cache_manager.py` get_computed_blocks / allocate_slots /
-free, `core/block_pool.py`). One JSON op per line:
+A teaching and testing tool for the vLLM V1 allocator semantics reproduced in
+`kvjax/kv_cache_manager.py` (vLLM `core/kv_cache_manager.py` get_computed_blocks /
+allocate_slots / free) and `kvjax/block_pool.py` (`core/block_pool.py`). One JSON op per line:
 
     {"op":"init","num_blocks":11,"block_size":16,"prefix_caching":true}
     {"op":"add","req":"r0","tokens":[...],"salt":"optional cache salt"}
@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import hashing, pool
+from kvjax import block_pool, hashing
+from kvjax import kv_cache_manager as manager
 from kvjax.errors import KvjaxError, loads
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
@@ -53,12 +54,12 @@ class Replay:
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
                  max_requests: int = 8):
-        self.state = pool.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
+        self.state = manager.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
         self.slots: dict[str, int] = {}
 
     @property
     def capacity_tokens(self) -> int:
-        return self.state.max_blocks_per_request * self.state.block_size
+        return self.state.reqs.max_blocks_per_request * self.state.reqs.block_size
 
     def _pad(self, tokens: list[int]) -> jax.Array:
         a = np.zeros(self.capacity_tokens, np.int32)  # one static length: compiled once
@@ -67,23 +68,18 @@ class Replay:
 
     def _free_slot(self) -> int:
         used = set(self.slots.values())
-        for r in range(self.state.max_requests):
+        for r in range(self.state.reqs.max_requests):
             if r not in used:
                 return r
         self._grow()
         return self._free_slot()
 
     def _grow(self) -> None:
-        """Double the request slots (a new static size, so one more compile)."""
-        old, r = self.state, self.state.max_requests
-        new = pool.init(old.num_blocks, old.block_size, 2 * r, old.max_blocks_per_request,
-                        old.prefix_caching)
-        per_req = {"active", "tokens", "num_tokens", "has_salt", "salt", "req_hash", "num_hashed",
-                   "block_table", "num_held", "num_computed", "num_cached"}
-        fields = {f: (getattr(new, f).at[:r].set(getattr(old, f)) if f in per_req else getattr(old, f))
-                  for f in per_req | {"ref_cnt", "block_hash", "has_hash", "cached_at",
-                                      "cache_clock", "next", "prev", "num_free"}}
-        self.state = new.replace(**fields)
+        """Double the request slots (a new static size, so one more compile); the pool is kept."""
+        old = self.state.reqs
+        new = manager.request_table(old.block_size, 2 * old.max_requests, old.max_blocks_per_request)
+        rows = [n.at[: o.shape[0]].set(o) for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
+        self.state = self.state.replace(reqs=jax.tree.unflatten(jax.tree.structure(new), rows))
 
     def _slot(self, name: str) -> int:
         if name not in self.slots:
@@ -97,72 +93,73 @@ class Replay:
             return self.view("add", name, False)
         slot = self._free_slot()
         has_salt, key = hashing.salt_key(salt)
-        s, ok = pool.add_request(self.state, slot, self._pad(tokens), len(tokens), has_salt,
+        s, ok = manager.add_request(self.state, slot, self._pad(tokens), len(tokens), has_salt,
                                  np.asarray(key, np.uint32))
-        hits, nh = pool.get_computed_blocks(s, slot)
+        hits, nh = manager.get_computed_blocks(s, slot)
         nh = int(nh)
-        s, ok2 = pool.allocate_slots(s, slot, len(tokens) - nh * self.state.block_size, hits, nh)
+        s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * self.state.reqs.block_size, hits, nh)
         if not (bool(ok) and bool(ok2)):
             return self.view("add", name, False)
         self.state, self.slots[name] = s, slot
-        blocks = pool.request_blocks(s, slot)
+        blocks = manager.request_blocks(s, slot)
         return self.view("add", name, True, blocks[:nh], blocks[nh:])
 
     def append(self, name: str, tokens: list[int]) -> dict:
         slot = self._slot(name)
-        if int(self.state.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
+        if int(self.state.reqs.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
             return self.view("append", name, False)  # longer than the pool: a failed append
-        held = int(self.state.num_held[slot])
-        s, ok = pool.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
-        s, ok2 = pool.allocate_slots(s, slot, len(tokens))
+        held = int(self.state.reqs.num_held[slot])
+        s, ok = manager.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
+        s, ok2 = manager.allocate_slots(s, slot, len(tokens))
         if not (bool(ok) and bool(ok2)):
             return self.view("append", name, False)
         self.state = s
-        return self.view("append", name, True, [], pool.request_blocks(s, slot)[held:])
+        return self.view("append", name, True, [], manager.request_blocks(s, slot)[held:])
 
     def free(self, name: str) -> dict:
         slot = self._slot(name)
-        s, ok = pool.free(self.state, slot)
-        s, ok2 = pool.remove_request(s, slot)
+        s, ok = manager.free(self.state, slot)
+        s, ok2 = manager.remove_request(s, slot)
         if not (bool(ok) and bool(ok2)):
-            raise pool.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
+            raise manager.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
         self.state = s
         del self.slots[name]
         return self.view("free", name, True)
 
     def reset_prefix_cache(self) -> dict:
-        s, ok = pool.reset_prefix_cache(self.state)
+        s, ok = manager.reset_prefix_cache(self.state)
         self.state = s
         return self.view("reset_prefix_cache", None, bool(ok))
 
     # ------------------------------------------------------------------ views
     def view(self, op: str, name: str | None, ok: bool, hits=(), new=()) -> dict:
         s = jax.device_get(self.state)
-        z = s.block_size
+        p, z = s.pool, s.reqs.block_size
         slot = self.slots.get(name) if name is not None else None
-        num_free = int(s.num_free)
+        num_free = int(p.num_free)
         return {
             "op": op, "req": name, "ok": ok,
             "hit_blocks": [int(b) for b in hits], "hit_tokens": len(hits) * z,
             "new_blocks": [int(b) for b in new],
-            "blocks": pool.request_blocks(s, slot) if slot is not None else [],
-            "free_queue": pool.free_queue(s), "num_free": num_free,
-            "ref_cnt": {str(b): int(c) for b, c in enumerate(s.ref_cnt) if c},
-            "cached": [int(b) for b in np.nonzero(s.has_hash)[0]],
-            "usage": round(1.0 - num_free / (s.num_blocks - 1), 6),
+            "blocks": manager.request_blocks(s, slot) if slot is not None else [],
+            "free_queue": block_pool.free_queue(p), "num_free": num_free,
+            "ref_cnt": {str(b): int(c) for b, c in enumerate(p.ref_cnt) if c},
+            "cached": [int(b) for b in np.nonzero(p.has_hash)[0]],
+            "usage": round(1.0 - num_free / (p.num_blocks - 1), 6),
         }
 
     def full_state(self) -> dict:
         """Everything the stateful test compares with the oracle, keyed by request name."""
         s = jax.device_get(self.state)
+        p, t = s.pool, s.reqs
         return {
-            "free_queue": pool.free_queue(s),
-            "ref_cnt": [int(c) for c in s.ref_cnt],
-            "block_hash": {int(b): (int(s.block_hash[b, 0]), int(s.block_hash[b, 1]))
-                           for b in np.nonzero(s.has_hash)[0]},
-            "requests": {n: {"blocks": pool.request_blocks(s, r),
-                             "num_computed": int(s.num_computed[r]),
-                             "num_tokens": int(s.num_tokens[r])}
+            "free_queue": block_pool.free_queue(p),
+            "ref_cnt": [int(c) for c in p.ref_cnt],
+            "block_hash": {int(b): (int(p.block_hash[b, 0]), int(p.block_hash[b, 1]))
+                           for b in np.nonzero(p.has_hash)[0]},
+            "requests": {n: {"blocks": manager.request_blocks(s, r),
+                             "num_computed": int(t.num_computed[r]),
+                             "num_tokens": int(t.num_tokens[r])}
                          for n, r in self.slots.items()},
         }
 
@@ -170,24 +167,25 @@ class Replay:
         """The pool as text: per physical block its ref count, whether it is cached, and
         which logical block of each request maps to it."""
         s = jax.device_get(self.state)
-        ids = range(1, s.num_blocks)
-        w = max(3, len(str(s.num_blocks - 1)) + 1)
+        p = s.pool
+        ids = range(1, p.num_blocks)
+        w = max(3, len(str(p.num_blocks - 1)) + 1)
         names = sorted(self.slots, key=self.slots.get)
         lw = max([5] + [len(n) for n in names])
 
         def row(label, cells):
             return f"{label:<{lw}} |" + "".join(f"{c:>{w}}" for c in cells)
 
-        lines = [f"pool: {s.num_blocks} blocks x {s.block_size} tokens (block 0 = null), "
+        lines = [f"pool: {p.num_blocks} blocks x {s.reqs.block_size} tokens (block 0 = null), "
                  f"prefix caching {'on' if s.prefix_caching else 'off'}, "
-                 f"{int(s.num_free)} free, usage {1.0 - int(s.num_free) / (s.num_blocks - 1):.3f}",
+                 f"{int(p.num_free)} free, usage {1.0 - int(p.num_free) / (p.num_blocks - 1):.3f}",
                  row("block", ids),
-                 row("ref", [int(s.ref_cnt[b]) or "." for b in ids]),
-                 row("hash", ["#" if s.has_hash[b] else "." for b in ids])]
+                 row("ref", [int(p.ref_cnt[b]) or "." for b in ids]),
+                 row("hash", ["#" if p.has_hash[b] else "." for b in ids])]
         for n in names:
-            where = {b: j for j, b in enumerate(pool.request_blocks(s, self.slots[n]))}
+            where = {b: j for j, b in enumerate(manager.request_blocks(s, self.slots[n]))}
             lines.append(row(n, [where.get(b, ".") for b in ids]))
-        lines.append("free queue (head -> tail): " + (" ".join(map(str, pool.free_queue(s))) or "empty"))
+        lines.append("free queue (head -> tail): " + (" ".join(map(str, block_pool.free_queue(p))) or "empty"))
         return "\n".join(lines)
 
 

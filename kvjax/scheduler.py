@@ -1,6 +1,7 @@
 """Continuous batching with preemption by recompute (vLLM V1 `core/sched/scheduler.py`).
 
-Host-side Python around the jitted block pool (`kvjax/pool.py`). Each `schedule()` call
+Host-side Python around the jitted KV cache manager and its block pool
+(`kvjax/kv_cache_manager.py`, `kvjax/block_pool.py`). Each `schedule()` call
 plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
 
 1. RUNNING requests first, in admission order: each gets min(its unscheduled tokens,
@@ -34,11 +35,11 @@ request reached its `max_new_tokens` (the engine clamps it to max_model_len), el
 the token is one of its stop ids (its stop_token_ids, and the model's EOS unless it ignores
 EOS). A finished request's blocks return to the pool at once; its full blocks stay cached.
 
-The running requests' allocation asks `pool.step_fits` first — the same rule the engine's
+The running requests' allocation asks `manager.step_fits` first — the same rule the engine's
 device decode loop applies before each of its steps — and, when everything fits, is one
-batched `allocate_step` that must then succeed for every request. Otherwise it allocates
-with `stop_at_failure=True`, preempts, and resumes from the failed request, which reproduces
-vLLM's one-request-at-a-time loop. `apply_decode_steps(plan, sampled, state)` adopts several
+batched `allocate_step` that must then succeed for every request. Otherwise the same call
+allocates up to the first refusal, the scheduler preempts and resumes from the refused request,
+which reproduces vLLM's one-request-at-a-time loop. `apply_decode_steps(plan, sampled, state)` adopts several
 decode steps that a device loop ran itself with the same pool functions (kvjax.engine,
 `steps_per_call`). A pool refusal that the accounting says cannot happen raises
 `SchedulerError` (never `assert`, which `python -O` strips).
@@ -53,11 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import hashing, pool
+from kvjax import hashing
+from kvjax import kv_cache_manager as manager
 from kvjax.errors import KvjaxError
 
 
-class SchedulerError(pool.PoolRefusedError):
+class SchedulerError(manager.PoolRefusedError):
     """The block pool refused an operation that the scheduler's own accounting said must
     succeed, or the schedule itself went wrong: a bug in kvjax, not bad input. The message
     names the request and the counts."""
@@ -159,7 +161,7 @@ class Scheduler:
         z = config.block_size
         self.max_blocks = -(-config.max_model_len // z)
         self.num_slots = config.max_requests or 2 * config.max_num_seqs
-        self.state = pool.init(config.num_blocks, z, self.num_slots, self.max_blocks,
+        self.state = manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,
                                config.prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
@@ -199,14 +201,14 @@ class Scheduler:
             donors = [r for r in reversed(self.waiting) if r.slot is not None and r is not req]
             if not donors:
                 return False
-            self.state, ok = pool.remove_request(self.state, donors[0].slot)
+            self.state, ok = manager.remove_request(self.state, donors[0].slot)
             _require(ok, f"the pool refused to remove waiting request {donors[0].req_id!r} from slot "
                          f"{donors[0].slot}: it still holds blocks")
             free, donors[0].slot = [donors[0].slot], None
         toks = np.zeros(self.max_blocks * self.config.block_size, np.int32)
         toks[: req.num_tokens] = req.tokens
         has_salt, key = hashing.salt_key(req.salt)
-        self.state, ok = pool.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
+        self.state, ok = manager.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
                                           has_salt, np.asarray(key, np.uint32))
         _require(ok, f"the pool refused request {req.req_id!r} ({req.num_tokens} tokens) in free slot {free[0]}")
         req.slot = free[0]
@@ -215,7 +217,7 @@ class Scheduler:
     def _preempt(self, victim: Request, step: "_Step") -> None:
         """Free all the victim's blocks (the pool resets its computed tokens), put it at the
         front of waiting, and give back any budget it had been given this step."""
-        self.state, ok = pool.free(self.state, victim.slot)
+        self.state, ok = manager.free(self.state, victim.slot)
         _require(ok, f"the pool refused to free running request {victim.req_id!r} (slot {victim.slot})")
         self.running.remove(victim)
         victim.status = "waiting"
@@ -237,13 +239,13 @@ class Scheduler:
 
     def _computed(self) -> np.ndarray:
         """Tokens computed per pool slot, i32[R]: the pool owns this count (one copy, read once)."""
-        return np.asarray(jax.device_get(self.state.num_computed))
+        return np.asarray(jax.device_get(self.state.reqs.num_computed))
 
     def _schedule_running(self, step: "_Step", computed: np.ndarray) -> None:
         """Give every running request min(its unscheduled tokens, remaining budget), in order.
-        The batch is one `allocate_step` when `pool.step_fits` says it fits; otherwise requests
-        are allocated one by one up to the first refusal, which `_preempt_for` resolves, and
-        the rest continue after it (vLLM's request-at-a-time loop, batched where it can be)."""
+        The batch is one `allocate_step`, which allocates up to the first refusal (all of it when
+        `manager.step_fits` says it fits); `_preempt_for` resolves the refusal and the rest
+        continue after it (vLLM's request-at-a-time loop, batched where it can be)."""
         i = 0
         while i < len(self.running) and step.budget > 0:
             batch, nums, left = self.running[i:], [], step.budget
@@ -254,8 +256,8 @@ class Scheduler:
             pad = self.config.max_num_seqs - len(reqs)  # one static batch size: one compile
             reqs_a = np.asarray(reqs + [-1] * pad, np.int32)
             nums_a = np.asarray(nums + [0] * pad, np.int32)
-            need, fits = pool.step_fits(self.state, reqs_a, nums_a)
-            self.state, ok = pool.allocate_step(self.state, reqs_a, nums_a, stop_at_failure=True)
+            need, fits = manager.step_fits(self.state, reqs_a, nums_a)
+            self.state, ok = manager.allocate_step(self.state, reqs_a, nums_a)
             failed = None
             for r, n, s, k, blocks in zip(batch, nums, reqs, np.asarray(ok), np.asarray(need)):
                 if s < 0:
@@ -280,7 +282,7 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is req:
                 return
-            self.state, ok = pool.allocate_slots(self.state, req.slot, n)
+            self.state, ok = manager.allocate_slots(self.state, req.slot, n)
             if bool(ok):
                 step.take(req, n)
                 return
@@ -293,12 +295,12 @@ class Scheduler:
             req = min(self.waiting, key=self._key) if cfg.policy == "priority" else self.waiting[0]
             if req.slot is None and not self._put_in_pool(req):
                 return
-            hits, nh = pool.get_computed_blocks(self.state, req.slot)
+            hits, nh = manager.get_computed_blocks(self.state, req.slot)
             rest = req.num_tokens - int(nh) * z
             if not cfg.chunked_prefill and rest > step.budget:
                 return  # vLLM without chunked prefill: wait for a step with room for the whole prompt
             n = min(rest, step.budget)
-            self.state, ok = pool.allocate_slots(self.state, req.slot, n, hits, nh)
+            self.state, ok = manager.allocate_slots(self.state, req.slot, n, hits, nh)
             if not bool(ok):
                 return
             self.waiting.remove(req)
@@ -310,7 +312,7 @@ class Scheduler:
         reqs = [self.requests[r] for r in step.scheduled]
         nums = np.array([step.scheduled[r.req_id] for r in reqs], np.int32)
         slots = np.array([r.slot for r in reqs], np.int32)
-        tables, computed = jax.device_get((self.state.block_table, self.state.num_computed))
+        tables, computed = jax.device_get((self.state.reqs.block_table, self.state.reqs.num_computed))
         tables = np.asarray(tables)[slots] if reqs else np.zeros((0, self.max_blocks), np.int32)
         seq_lens = np.asarray(computed)[slots].astype(np.int32) if reqs else np.zeros(0, np.int32)
         token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
@@ -350,7 +352,7 @@ class Scheduler:
             else:
                 tokens[req.slot], mask[req.slot] = tok, True
         if mask.any():
-            self.state, ok = pool.append_token_step(self.state, tokens, mask)
+            self.state, ok = manager.append_token_step(self.state, tokens, mask)
             refused = np.flatnonzero(mask & ~np.asarray(ok))
             if refused.size:
                 req = next(r for r in self.running if r.slot == refused[0])
@@ -361,20 +363,20 @@ class Scheduler:
         return [r.req_id for r in finished]
 
     def _finish(self, req: Request) -> None:
-        self.state, ok = pool.free(self.state, req.slot)
-        self.state, ok2 = pool.remove_request(self.state, req.slot)
+        self.state, ok = manager.free(self.state, req.slot)
+        self.state, ok2 = manager.remove_request(self.state, req.slot)
         _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
         self.running.remove(req)
         req.status, req.slot = "finished", None
 
-    def apply_decode_steps(self, plan: StepPlan, sampled, state: pool.PoolState) -> list[str]:
+    def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager) -> list[str]:
         """Adopt n decode steps that a device loop ran itself (kvjax.engine, --steps-per-call).
 
         `plan` is a decode plan (one token per request, every request samples) that `schedule()`
         returned; the device loop ran it, then n - 1 more steps of the same requests, doing
         what `update` + `schedule` would have done between them with the same pool functions:
         `append_token_step` of each sampled token (except a request's last), then, when
-        `pool.step_fits` says the next step fits, `allocate_step` of one more token per request.
+        `manager.step_fits` says the next step fits, `allocate_step` of one more token per request.
         It stopped after the first step in which a request finished (length or stop token),
         before an allocation that did not fit (the host then preempts as usual), or after its
         step limit. sampled: i32[n, B] tokens per step and plan row; state: the loop's final

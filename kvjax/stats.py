@@ -79,7 +79,7 @@ class RunStats:
         self._compile_start = self._compile_mark = COMPILE_S[0]
 
     def used(self, sched) -> int:
-        return self.usable - int(sched.state.num_free)
+        return self.usable - int(sched.state.pool.num_free)
 
     def admissions(self, sched, plan, running: set[str], results) -> list[int]:
         """Rows of requests admitted by this plan; records their prefix-cache lookups."""

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import pool
+from kvjax import kv_cache_manager as manager
 from kvjax.config import preset
 from kvjax.engine import Engine, EngineConfig
 from kvjax.sampling import SamplingParams
@@ -46,8 +46,8 @@ def generate(tiny, **kw):
     run = eng.generate(prompts(), SamplingParams(max_tokens=NEW))
     assert all(r.error is None for r in run.results), [r.error for r in run.results]
     state = eng.scheduler.state
-    pool.check_invariants(state)
-    assert int(state.num_free) == cfg.num_blocks - 1 and not bool(state.active.any()), "leaked blocks or slots"
+    manager.check_invariants(state)
+    assert int(state.pool.num_free) == cfg.num_blocks - 1 and not bool(state.reqs.active.any()), "leaked blocks or slots"
     return run
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from hf_fixtures import make_hf_model, save_hf_model
 
-from kvjax import pool
+from kvjax import kv_cache_manager as manager
 from kvjax.engine import Engine, EngineConfig, EngineError
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler import Scheduler, SchedulerConfig
@@ -79,9 +79,9 @@ def outputs(run):
 
 def assert_pool_empty(eng: Engine):
     state = eng.scheduler.state
-    pool.check_invariants(state)
-    assert int(state.num_free) == eng.config.num_blocks - 1, "blocks leaked"
-    assert not bool(state.active.any()), "request slots leaked"
+    manager.check_invariants(state)
+    assert int(state.pool.num_free) == eng.config.num_blocks - 1, "blocks leaked"
+    assert not bool(state.reqs.active.any()), "request slots leaked"
 
 
 def test_greedy_matches_a_full_recompute_and_k8_matches_k1(tiny):

@@ -89,7 +89,7 @@ def test_eos_stops_as_transformers_does(eos_case):
         for out, (tokens, near) in zip(ignoring, free):
             assert out.token_ids[:near] == tokens[:near] and out.finish_reason == "length"
         state = llm.engine.scheduler.state
-        assert int(state.num_free) == llm.num_blocks - 1, "a stopped request's blocks did not return"
+        assert int(state.pool.num_free) == llm.num_blocks - 1, "a stopped request's blocks did not return"
 
 
 def test_stop_token_ids_stop_and_are_kept(eos_case):

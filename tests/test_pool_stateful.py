@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax import pool
+from kvjax import block_pool
+from kvjax import kv_cache_manager as manager
 from kvjax.replay import Replay
 from kvjax.testing.pool_oracle import OraclePool
 
@@ -81,27 +82,27 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_invariants(self):
         s = jax.device_get(self.lib.state)
-        ref = np.asarray(s.ref_cnt)
+        ref = np.asarray(s.pool.ref_cnt)
         assert (ref >= 0).all()
-        queue = pool.free_queue(s)
+        queue = block_pool.free_queue(s.pool)
         assert set(queue) == {b for b in range(1, NUM_BLOCKS) if ref[b] == 0}, "in queue iff ref_cnt 0"
         assert len(queue) + int((ref[1:] > 0).sum()) == NUM_BLOCKS - 1, "free + held != P - 1"
         # A block in several tables must be a cached prefix block, at one logical position,
         # and every table holding it counts in ref_cnt.
         where = collections.defaultdict(list)
         for name, r in self.lib.slots.items():
-            for j, b in enumerate(pool.request_blocks(s, r)):
+            for j, b in enumerate(manager.request_blocks(s, r)):
                 where[b].append(j)
         for b, js in where.items():
             assert len(js) == ref[b]
             if len(js) > 1:
-                assert s.has_hash[b] and len(set(js)) == 1, f"block {b} shared at {js} without a hit"
-        pool.check_invariants(s)  # the library's own checker: links, null block, counts
+                assert s.pool.has_hash[b] and len(set(js)) == 1, f"block {b} shared at {js} without a hit"
+        manager.check_invariants(s)  # the library's own checker: queue keys, null block, counts
 
     def teardown(self):
         for name in self.live():
             self.compare(self.lib.free(name), self.ref.free(name))
-        s = self.lib.state
+        s = self.lib.state.pool
         assert int(s.num_free) == NUM_BLOCKS - 1 and not bool(s.ref_cnt.any()), "blocks leaked"
         assert self.lib.full_state() == self.ref.full_state()
 

@@ -1,5 +1,5 @@
 """`kvjax replay`: the issue-3 acceptance trace through the command, plus scenarios worked
-out on paper from the rules in kvjax/pool.py's docstring. Every expected value below was
+out on paper from the rules in kvjax/block_pool.py's docstring. Every expected value below was
 written by hand (the derivation is in the comments), never produced by the code.
 """
 

@@ -17,7 +17,8 @@ import zlib
 import numpy as np
 import pytest
 
-from kvjax import pool
+from kvjax import block_pool
+from kvjax import kv_cache_manager as manager
 from kvjax.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50
@@ -78,18 +79,18 @@ def run(cfg: SchedulerConfig, reqs, check_every_step=True, arrive_every=2):
         step += 1
         assert step < 5000, "no progress"
         if check_every_step:
-            pool.check_invariants(sched.state)
+            manager.check_invariants(sched.state)
             s = sched.state
             for i, rid in enumerate(plan.req_ids):  # the plan's lengths are what the pool computed
                 r = sched.requests[rid]
                 if r.status == "running":
-                    assert int(s.num_computed[r.slot]) == plan.seq_lens[i]
+                    assert int(s.reqs.num_computed[r.slot]) == plan.seq_lens[i]
             for r in sched.running:  # the pool holds the host's tokens
-                assert int(s.num_tokens[r.slot]) == r.num_tokens
+                assert int(s.reqs.num_tokens[r.slot]) == r.num_tokens
     assert all(r.status == "finished" for r in sched.requests.values())
     s = sched.state
-    assert int(s.num_free) == cfg.num_blocks - 1 and not bool(s.ref_cnt.any()), "leaked blocks"
-    assert not bool(s.active.any()), "leaked request slots"
+    assert int(s.pool.num_free) == cfg.num_blocks - 1 and not bool(s.pool.ref_cnt.any()), "leaked blocks"
+    assert not bool(s.reqs.active.any()), "leaked request slots"
     return {rid: r.output for rid, r in sched.requests.items()}, sched
 
 
@@ -141,7 +142,7 @@ def test_preemption_by_hand():
         sched.update(plans[-1], model(plans[-1]))
         if len(plans) == 6:
             assert [r.req_id for r in sched.waiting] == ["B", "C"]
-            assert pool.free_queue(sched.state) == [6, 4, 3, 5, 2, 1]
+            assert block_pool.free_queue(sched.state.pool) == [6, 4, 3, 5, 2, 1]
     p1, p2, p6, p7 = plans[0], plans[1], plans[5], plans[6]
     assert p1.req_ids == ("A", "B") and list(p1.num_scheduled) == [8, 8]
     assert [list(t[:2]) for t in p1.block_tables] == [[1, 2], [3, 4]]
@@ -158,7 +159,7 @@ def test_preemption_by_hand():
     while sched.has_unfinished():
         plan = sched.schedule()
         sched.update(plan, model(plan))
-    assert int(sched.state.num_free) == 6
+    assert int(sched.state.pool.num_free) == 6
 
 
 def test_chunked_prefill_under_a_small_token_budget():

@@ -1,6 +1,6 @@
 """Plain-Python oracle of the kvjax block pool (issue 3), written independently of
-`kvjax/pool.py`: lists, dicts and a Python list for the free queue (head = index 0), the
-way vLLM V1's `core/block_pool.py` holds them. Only the block hash is shared with the
+`kvjax/block_pool.py` and `kvjax/kv_cache_manager.py`: lists, dicts and a Python list for the
+free queue (head = index 0), the way vLLM V1's `core/block_pool.py` holds them. Only the block hash is shared with the
 library (`kvjax.hashing.block_hash_np`): the hash is a definition, not the thing
 under test.
 

@@ -1,6 +1,6 @@
-"""Unit tests of kvjax/pool.py and kvjax/hashing.py: each primitive against hand-worked
-expectations, the batched decode step against the one-request form and the oracle, and the
-decode step inside `lax.scan`."""
+"""Unit tests of kvjax/kv_cache_manager.py and kvjax/hashing.py: each operation against
+hand-worked expectations, the batched decode step against the one-request form and the oracle,
+and the decode step inside `lax.scan`. (The block pool's own primitives: test_block_pool.py.)"""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import hashing, pool
+from kvjax import block_pool, hashing
+from kvjax import kv_cache_manager as pool
 from kvjax.testing.pool_oracle import OraclePool
 
 Z = 4
 
 
 def pad(tokens, state):
-    a = np.zeros(state.max_blocks_per_request * state.block_size, np.int32)
+    a = np.zeros(state.reqs.max_blocks_per_request * state.reqs.block_size, np.int32)
     a[: len(tokens)] = tokens
     return jnp.asarray(a)
 
@@ -26,7 +27,7 @@ def add(state, slot, tokens):
     s, ok = pool.add_request(state, slot, pad(tokens, state), len(tokens))
     assert bool(ok)
     hits, nh = pool.get_computed_blocks(s, slot)
-    s, ok = pool.allocate_slots(s, slot, len(tokens) - int(nh) * state.block_size, hits, nh)
+    s, ok = pool.allocate_slots(s, slot, len(tokens) - int(nh) * state.reqs.block_size, hits, nh)
     return s, bool(ok)
 
 
@@ -69,51 +70,18 @@ def test_pool_hashes_equal_the_definition():
                                        jnp.array([False, True]))
         assert bool(ok[1]) and not bool(ok[0])
     want = hashing.request_block_hashes_np(toks, Z, salt="k")
-    assert int(s.num_hashed[1]) == 3
-    assert [tuple(map(int, h)) for h in np.asarray(s.req_hash[1, :3])] == want
+    assert int(s.reqs.num_hashed[1]) == 3
+    assert [tuple(map(int, h)) for h in np.asarray(s.reqs.req_hash[1, :3])] == want
 
 
-# ---------------------------------------------------------------------------- primitives
-def test_init():
-    s = pool.init(6, Z, 3)
-    assert pool.free_queue(s) == [1, 2, 3, 4, 5]
-    assert int(s.num_free) == 5 and float(pool.usage(s)) == 0.0
-    assert s.max_blocks_per_request == 5
-    pool.check_invariants(s)
-    with pytest.raises(ValueError, match="num_blocks must be an int >= 2"):
-        pool.init(1, Z, 3)
-    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
-        pool.init(6, 0, 3)
-
-
-def test_get_new_blocks_pops_the_head_and_fails_atomically():
-    s = pool.init(6, Z, 1)
-    s, blocks, ok = pool.get_new_blocks(s, 2, max_n=5)
-    assert bool(ok) and list(np.asarray(blocks)) == [1, 2, 0, 0, 0]
-    assert pool.free_queue(s) == [3, 4, 5] and list(np.asarray(s.ref_cnt)) == [0, 1, 1, 0, 0, 0]
-    s2, blocks, ok = pool.get_new_blocks(s, 4, max_n=5)
-    assert not bool(ok) and same(s, s2)
-    s3, blocks, ok = pool.get_new_blocks(s, 3, max_n=5)
-    assert bool(ok) and list(np.asarray(blocks))[:3] == [3, 4, 5] and int(s3.num_free) == 0
-
-
-def test_touch_removes_from_anywhere_in_the_queue():
-    s = pool.init(6, Z, 1)
-    s, ok = pool.touch(s, jnp.array([3, 5, 3]), 3)  # middle, tail, then again (ref 1 -> 2)
-    assert bool(ok)
-    assert pool.free_queue(s) == [1, 2, 4]
-    assert list(np.asarray(s.ref_cnt)) == [0, 0, 0, 2, 0, 1]
-    s2, ok = pool.touch(s, jnp.array([2, 0]), 2)  # the null block is never touched
-    assert not bool(ok) and same(s, s2)
-
-
+# ---------------------------------------------------------------------------- requests
 def test_free_puts_unhashed_blocks_at_the_head_in_release_order():
     s = pool.init(8, Z, 2, prefix_caching=False)
     s, ok = add(s, 0, list(range(12)))  # blocks 1, 2, 3
     s, ok = add(s, 1, [7])  # block 4
     s, ok = pool.free(s, 0)
     # released 3, 2, 1 -> head reads 3, 2, 1 (first released is first reused)
-    assert pool.free_queue(s) == [3, 2, 1, 5, 6, 7]
+    assert block_pool.free_queue(s.pool) == [3, 2, 1, 5, 6, 7]
     pool.check_invariants(s)
 
 
@@ -121,12 +89,12 @@ def test_free_keeps_tokens_and_hashes_for_a_preempted_request():
     s = pool.init(8, Z, 1)
     s, _ = add(s, 0, list(range(9)))  # blocks 1, 2, 3; 1 and 2 cached
     s, ok = pool.free(s, 0)
-    assert bool(ok) and int(s.num_held[0]) == 0 and int(s.num_computed[0]) == 0
-    assert int(s.num_tokens[0]) == 9 and int(s.num_hashed[0]) == 2
+    assert bool(ok) and int(s.reqs.num_held[0]) == 0 and int(s.reqs.num_computed[0]) == 0
+    assert int(s.reqs.num_tokens[0]) == 9 and int(s.reqs.num_hashed[0]) == 2
     hits, nh = pool.get_computed_blocks(s, 0)  # re-admission hits its own prefix
     assert int(nh) == 2 and list(np.asarray(hits))[:2] == [1, 2]
     s2, ok = pool.remove_request(s, 0)
-    assert bool(ok) and not bool(s2.active[0])
+    assert bool(ok) and not bool(s2.reqs.active[0])
 
 
 def test_allocate_slots_rejects_bad_requests_without_change():
@@ -146,16 +114,16 @@ def test_reset_prefix_cache_needs_an_empty_pool():
     assert not bool(ok) and same(s, s2)
     s, _ = pool.free(s, 0)
     s, ok = pool.reset_prefix_cache(s)
-    assert bool(ok) and not bool(s.has_hash.any())
+    assert bool(ok) and not bool(s.pool.has_hash.any())
 
 
 def test_check_invariants_catches_corruption():
     s = pool.init(6, Z, 1)
     s, _ = add(s, 0, list(range(8)))
     with pytest.raises(AssertionError, match="ref_cnt != table occurrences"):
-        pool.check_invariants(s.replace(ref_cnt=s.ref_cnt.at[1].set(2)))
+        pool.check_invariants(s.replace(pool=s.pool.replace(ref_cnt=s.pool.ref_cnt.at[1].set(2))))
     with pytest.raises(AssertionError, match="num_free"):
-        pool.check_invariants(s.replace(num_free=s.num_free + 1))
+        pool.check_invariants(s.replace(pool=s.pool.replace(num_free=s.pool.num_free + 1)))
 
 
 # ---------------------------------------------------------------------------- batched step
@@ -170,6 +138,9 @@ def _decode_setup(n_req=5, num_blocks=14):
 
 
 def test_allocate_step_equals_one_at_a_time_and_oracle():
+    """Decode steps until the pool runs out: the batched step leaves exactly the state of
+    allocate_slots one request at a time (and the oracle's), and at the step that runs out it
+    grants the requests before the first refusal and attempts none after it."""
     s, o = _decode_setup()
     seq = s
     order = jnp.array([3, 0, -1, 4, 1, 2, -1, -1], jnp.int32)
@@ -181,17 +152,21 @@ def test_allocate_step_equals_one_at_a_time_and_oracle():
         oks = []
         for r in [3, 0, 4, 1, 2]:
             seq, _ = pool.append_tokens(seq, r, jnp.array([100 * step + r], jnp.int32), 1)
+            if oks and not oks[-1]:
+                oks.append(False)  # not attempted after a refusal
+                continue
             seq, ok1 = pool.allocate_slots(seq, r, 1)
             oks.append(bool(ok1))
-            assert o.append(str(r), [100 * step + r])["ok"] == bool(ok1)
         # the batched step reports the same per-request outcome (in `order`'s positions)
         assert [bool(ok[i]) for i in (0, 1, 3, 4, 5)] == oks
-        if not all(oks):  # after a failure the token stays appended here, not in the oracle
-            break
-        assert same(s, seq)
-        assert pool.free_queue(s) == o.free_queue
+        assert same(s, seq), f"step {step}"
         pool.check_invariants(s)
-    assert not all(oks), "the pool should have run out during this test"
+        if not all(oks):
+            break
+        for r in [3, 0, 4, 1, 2]:
+            assert o.append(str(r), [100 * step + r])["ok"]
+        assert block_pool.free_queue(s.pool) == o.free_queue
+    assert not all(oks) and any(oks), "the pool should run out in the middle of a step"
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -217,33 +192,35 @@ def test_allocate_step_in_lockstep_equals_one_at_a_time(prefix_caching):
         assert list(np.asarray(ok)) == [True, False, True, True, True, False]
         assert same(s, seq), f"step {step}"
         pool.check_invariants(s)
-    assert int(s.num_cached.max()) == (4 + 4 * Z) // Z if prefix_caching else int(s.num_cached.max()) == 0
+    assert int(s.reqs.num_cached.max()) == (4 + 4 * Z) // Z if prefix_caching else int(s.reqs.num_cached.max()) == 0
 
 
-def test_allocate_step_serves_a_repeated_request_twice():
+def test_allocate_step_refuses_a_slot_listed_twice():
     s = pool.init(10, Z, 4)
     s, _ = add(s, 1, [7] * 5)
+    s, _ = add(s, 2, [8] * 2)
     s, _ = pool.append_tokens(s, 1, jnp.array([8, 9], jnp.int32), 2)
-    seq = s
-    for _ in range(2):
-        seq, ok1 = pool.allocate_slots(seq, 1, 1)
-        assert bool(ok1)
-    s, ok = pool.allocate_step(s, jnp.array([1, 1, -1], jnp.int32), jnp.array([1, 1, 0], jnp.int32))
-    assert list(np.asarray(ok)) == [True, True, False] and int(s.num_computed[1]) == 7
-    assert same(s, seq)
+    s, _ = pool.append_tokens(s, 2, jnp.array([8], jnp.int32), 1)
+    s2, ok = pool.allocate_step(s, jnp.array([1, 1, 2], jnp.int32), jnp.array([1, 1, 1], jnp.int32))
+    assert list(np.asarray(ok)) == [True, False, False]  # the repeat is refused; nothing after it runs
+    want, _ = pool.allocate_slots(s, 1, 1)
+    assert same(s2, want)
 
 
-def test_allocate_step_stop_at_failure():
+def test_allocate_step_stops_at_the_first_refusal():
     s = pool.init(5, Z, 4, 4)  # 4 usable blocks
     for r in range(3):
         s, _ = pool.add_request(s, r, pad([1, 2, 3, 4], s), 4)
     s, _ = pool.allocate_step(s, jnp.array([0, 1, 2, -1]), jnp.array([4, 4, 4, 0]))
-    assert int(s.num_free) == 1
+    assert int(s.pool.num_free) == 1
     for r in range(3):
         s, _ = pool.append_tokens(s, r, jnp.array([9], jnp.int32), 1)
-    # request 0 gets the last block, 1 fails; 2 would fail anyway, but with stop it is not tried
-    _, ok = pool.allocate_step(s, jnp.array([0, 1, 2, -1]), jnp.array([1, 1, 1, 0]),
-                               stop_at_failure=True)
+    # request 0 gets the last block, 1 fails; 2 would fail anyway, but it is not tried
+    _, ok = pool.allocate_step(s, jnp.array([0, 1, 2, -1]), jnp.array([1, 1, 1, 0]))
+    assert list(np.asarray(ok)) == [True, False, False, False]
+    # a request that needs no new block is not tried either once one before it was refused
+    assert bool(pool.allocate_slots(s, 2, 0)[1])
+    _, ok = pool.allocate_step(s, jnp.array([0, 1, 2, -1]), jnp.array([1, 1, 0, 0]))
     assert list(np.asarray(ok)) == [True, False, False, False]
 
 
@@ -267,6 +244,41 @@ def test_decode_steps_run_inside_lax_scan():
             assert o.append(str(r), [1000 + t])["ok"]
     assert bool(oks[:, :4].all())
     assert same(s_scan, s_loop)
-    assert pool.free_queue(s_scan) == o.free_queue
+    assert block_pool.free_queue(s_scan.pool) == o.free_queue
     assert [pool.request_blocks(s_scan, r) for r in range(4)] == [o.requests[str(r)].table for r in range(4)]
     pool.check_invariants(s_scan)
+
+
+def test_allocate_step_equals_allocate_slots_in_order_on_random_batches():
+    """The vector form against the one-request statement of the rule: random requests (shared
+    prefixes, so hits and shared blocks), random batches in random order with random token
+    counts (including too many, a skipped row and refusals for lack of blocks)."""
+    rng = np.random.default_rng(0)
+    p, r, m, b = 24, 6, 8, 6
+    base = pool.init(p, Z, r, m)
+    for trial in range(12):
+        s = base
+        for slot in range(r):  # prompts of 1-16 tokens, half of them starting with a shared block
+            toks = ([1, 2, 3, 4] if rng.random() < 0.5 else []) + list(rng.integers(0, 50, rng.integers(1, 13)))
+            s, ok = add(s, slot, toks[: m * Z])
+            if ok:  # then more tokens to schedule: up to 12
+                extra = jnp.asarray(rng.integers(0, 50, 12), jnp.int32)
+                s, _ = pool.append_tokens(s, slot, extra, int(rng.integers(0, 13)))
+            else:
+                s, _ = pool.remove_request(s, slot)
+        reqs = rng.permutation(r)[:b].astype(np.int32)
+        reqs[rng.integers(b)] = -1
+        nums = rng.integers(0, 10, b).astype(np.int32)
+        got, ok = pool.allocate_step(s, jnp.asarray(reqs), jnp.asarray(nums))
+        want, oks, stopped = s, [], False
+        for q, n in zip(reqs, nums):
+            if q < 0:
+                oks.append(False)
+                continue
+            if not stopped:
+                want, ok1 = pool.allocate_slots(want, int(q), int(n))
+                stopped = not bool(ok1)
+            oks.append(not stopped)
+        assert list(np.asarray(ok)) == oks, (trial, reqs, nums)
+        assert same(got, want), trial
+        pool.check_invariants(got)
