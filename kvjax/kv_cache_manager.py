@@ -234,25 +234,35 @@ def _grant(state: KVCacheManager, reqs, num_new, ok) -> KVCacheManager:
     r = jnp.clip(reqs, 0, t.max_requests - 1)
     held, total = t.num_held[r], t.num_computed[r] + num_new
     need = jnp.where(ok, blocks_needed(state, reqs, num_new), 0)
-    pool, order, starts = block_pool.take(state.pool, need)
-    j = jnp.arange(m)[None, :]  # the new blocks go to table positions held .. held + need - 1
-    fresh = (j >= held[:, None]) & (j < (held + need)[:, None])
-    rows = jnp.where(fresh, order[jnp.clip(starts[:, None] + j - held[:, None], 0, pool.num_blocks - 1)],
-                     t.block_table[r])  # i32[B, M]
     at = jnp.where(ok, r, t.max_requests)  # refused rows scatter out of range
-    t = t.replace(block_table=t.block_table.at[at].set(rows, mode="drop"),
-                  num_held=t.num_held.at[at].set(held + need, mode="drop"),
-                  num_computed=t.num_computed.at[at].set(total, mode="drop"))
-    if state.prefix_caching:  # vLLM cache_full_blocks: blocks num_cached .. full - 1, never past held ones
-        full = jnp.minimum(jnp.minimum(total // z, t.num_hashed[r]), held + need)
-        cached = t.num_cached[r]
+    j = jnp.arange(m)[None, :]
+
+    def take(s):  # the new blocks go to table positions held .. held + need - 1
+        pool, order, starts = block_pool.take(s.pool, need)
+        fresh = (j >= held[:, None]) & (j < (held + need)[:, None])
+        rows = jnp.where(fresh, order[jnp.clip(starts[:, None] + j - held[:, None], 0, pool.num_blocks - 1)],
+                         s.reqs.block_table[r])  # i32[B, M]
+        return s.replace(pool=pool, reqs=s.reqs.replace(block_table=s.reqs.block_table.at[at].set(rows, mode="drop")))
+
+    # Most decode steps take no block and fill none (one in Z does): skip those parts then.
+    state = jax.lax.cond(need.any(), take, lambda s: s, state)
+    t = state.reqs.replace(num_held=state.reqs.num_held.at[at].set(held + need, mode="drop"),
+                           num_computed=state.reqs.num_computed.at[at].set(total, mode="drop"))
+    if not state.prefix_caching:
+        return state.replace(reqs=t)
+    # vLLM cache_full_blocks: blocks num_cached .. full - 1, never past the held ones
+    full = jnp.minimum(jnp.minimum(total // z, t.num_hashed[r]), held + need)
+    cached = t.num_cached[r]
+    count = jnp.where(ok, jnp.maximum(full - cached, 0), 0)  # each row's run of newly full blocks
+
+    def cache(pool):
         newly = ok[:, None] & (j >= cached[:, None]) & (j < full[:, None])  # bool[B, M]
-        count = jnp.where(ok, jnp.maximum(full - cached, 0), 0)  # each row's run of newly full blocks
         rank = (jnp.cumsum(count) - count)[:, None] + j - cached[:, None]  # caching order: rows, then blocks
-        pool = block_pool.cache(pool, rows.reshape(-1), t.req_hash[r].reshape(-1, 2), newly.reshape(-1),
-                                rank.reshape(-1).astype(jnp.int32))
-        t = t.replace(num_cached=t.num_cached.at[at].max(full, mode="drop"))
-    return state.replace(pool=pool, reqs=t)
+        return block_pool.cache(pool, t.block_table[r].reshape(-1), t.req_hash[r].reshape(-1, 2),
+                                newly.reshape(-1), rank.reshape(-1).astype(jnp.int32))
+
+    pool = jax.lax.cond(count.any(), cache, lambda p: p, state.pool)
+    return state.replace(pool=pool, reqs=t.replace(num_cached=t.num_cached.at[at].max(full, mode="drop")))
 
 
 @jax.jit
