@@ -23,7 +23,7 @@ This is the API layer: it imports `models/` (lazily), which the core modules nev
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
