@@ -285,16 +285,18 @@ def allocate_slots(state: KVCacheManager, req, num_new_tokens, hit_blocks=None, 
           & ((num_hits == 0) | (first_alloc & state.prefix_caching))
           & (blocks_needed(state, req, num_new_tokens, num_hits) + evictable <= state.pool.num_free))
 
-    def do(s):
-        q = s.reqs  # the hits first: touched, at the head of the table, counted computed and cached
-        s = s.replace(pool=block_pool.touch(s.pool, hits, is_hit), reqs=q.replace(
+    def take_hits(s):  # a first allocation: the hits head the table, touched, computed and cached
+        q = s.reqs
+        return s.replace(pool=block_pool.touch(s.pool, hits, is_hit), reqs=q.replace(
             block_table=q.block_table.at[r].set(jnp.where(is_hit, hits, q.block_table[r])),
             num_held=q.num_held.at[r].set(num_hits), num_computed=q.num_computed.at[r].set(num_hits * z),
             num_cached=q.num_cached.at[r].max(num_hits)))
+
+    def do(s):
+        s = jax.lax.cond(num_hits > 0, take_hits, lambda s: s, s)
         return _grant(s, r[None], jnp.asarray(num_new_tokens, jnp.int32)[None], jnp.ones(1, bool))
 
-    no_hits = lambda s: _grant(s, r[None], jnp.asarray(num_new_tokens, jnp.int32)[None], jnp.ones(1, bool))  # noqa: E731
-    return jax.lax.cond(ok, lambda s: jax.lax.cond(num_hits > 0, do, no_hits, s), lambda s: s, state), ok
+    return jax.lax.cond(ok, do, lambda s: s, state), ok
 
 
 @jax.jit
