@@ -19,7 +19,7 @@ import pytest
 
 from experiments.train_small import HF_CONFIGS
 from kvjax import LLM, accuracy
-from kvjax.accuracy_layers import kv_outliers, layer_sensitivity, most_sensitive
+from kvjax.accuracy_layers import kv_outliers, most_sensitive
 from kvjax.accuracy_metrics import ChunkedScorer, Tally, chunk_layouts
 from kvjax.commands.accuracy import write_outputs
 from kvjax.scoring import cache_amax, prefill_caches
@@ -30,6 +30,10 @@ from models.stress import rope_pairs
 
 HF = dict(HF_CONFIGS["gqa"], num_hidden_layers=3, hidden_size=64, intermediate_size=128, head_dim=16)
 HOT_LAYER = 1  # the layer whose K channels the "hot" checkpoint inflates
+# The hot checkpoint's folder has the plain one's name: a config's name is its folder's, and the model
+# module (a static argument of every jitted step) compares configs, so the hot model reuses the plain
+# one's compiled engine steps (same shapes) instead of compiling each variant's again.
+HOT = "hot/model"
 
 
 def _inflate_one_layer(config, params, layer: int, factor: float):
@@ -52,7 +56,7 @@ def tiny_checkpoint(tmp_path_factory):
     config = from_hf_config(HF)
     params = init_params(build_model(config), jax.random.key(3))
     save_checkpoint(root / "model", HF, params)
-    save_checkpoint(root / "hot", HF, _inflate_one_layer(config, params, HOT_LAYER, 2000.0))
+    save_checkpoint(root / HOT, HF, _inflate_one_layer(config, params, HOT_LAYER, 2000.0))
     rng = np.random.default_rng(0)
     text = bytes(rng.integers(32, 127, 4096).astype(np.uint8))
     (root / "data.txt").write_bytes(text)
@@ -121,10 +125,12 @@ def test_chunked_scoring_matches_one_step(tiny_checkpoint):
     np.testing.assert_allclose(chunked, one_step, atol=1e-4)
 
 
-def test_sensitivity_ranks_the_inflated_layer_first(tiny_checkpoint):
-    loaded = load_model(str(tiny_checkpoint / "hot"))
-    text = np.frombuffer((tiny_checkpoint / "calib.txt").read_bytes()[:128], np.uint8).astype(np.int32)
-    rows = layer_sensitivity(loaded, text.reshape(2, 64), "fp8_e4m3")  # unit scale: layer 1's |K| > 448 saturates
+def test_sensitivity_ranks_the_inflated_layer_first(full_suite):
+    """On the full suite's own layer_sensitivity rows: the hot model, the calibration text's first 128
+    bytes as 2 windows of 64, fp8_e4m3 at unit scale (layer 1's |K| > 448 saturates)."""
+    sens = full_suite["sensitivity"]
+    assert (sens["variant"], sens["windows"], sens["seq_len"]) == ("fp8_e4m3 unit", 2, 64)
+    rows = sens["layers"]
     kl = [r["kl_vs_bf16"] for r in rows]
     assert [r["layer"] for r in rows] == [0, 1, 2]
     assert int(np.argmax(kl)) == HOT_LAYER and kl[HOT_LAYER] > 2 * max(kl[:HOT_LAYER] + kl[HOT_LAYER + 1:]), kl
@@ -133,11 +139,15 @@ def test_sensitivity_ranks_the_inflated_layer_first(tiny_checkpoint):
 
 
 def test_outlier_map_against_cache_amax(tiny_checkpoint):
-    loaded = load_model(str(tiny_checkpoint / "hot"))
+    loaded = load_model(str(tiny_checkpoint / HOT))
     windows = np.frombuffer((tiny_checkpoint / "calib.txt").read_bytes()[:3 * 64], np.uint8).astype(np.int32)
     windows = windows.reshape(3, 64)
     got = kv_outliers(loaded.config, loaded.module, loaded.params, windows, batch=2)  # two batches: 2 + 1
-    caches = prefill_caches(loaded.module, loaded.params, jnp.asarray(windows), loaded.config.kv_spec("bf16"))
+    # Every row is prefilled alone into its own cache, so prefilling the same 2 + 1 rows and stacking the
+    # caches is prefilling all 3 (and reuses the op-by-op compilations of kv_outliers' two batches).
+    caches = jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *(
+        prefill_caches(loaded.module, loaded.params, jnp.asarray(w), loaded.config.kv_spec("bf16"))
+        for w in (windows[:2], windows[2:])))
     amax_k, amax_v = cache_amax(caches)
     for i, layer in enumerate(caches.layers):
         np.testing.assert_allclose(got["k_amax"][i], np.asarray(amax_k[i]), rtol=0)
@@ -151,14 +161,21 @@ def test_outlier_map_against_cache_amax(tiny_checkpoint):
     assert min(got["k_channel_ratio"][HOT_LAYER]) > 100  # the inflated channels stand out
 
 
-def test_full_suite(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def full_suite(tiny_checkpoint):
+    """The full suite on the hot checkpoint, run once: test_full_suite checks it, and
+    test_sensitivity_ranks_the_inflated_layer_first its layer sensitivity rows."""
+    root = tiny_checkpoint
+    return accuracy.evaluate(str(root / HOT), [str(root / "data.txt"), str(root / "prose.txt")],
+                             str(root / "calib.txt"), seq_len=64, max_windows=4, calib_windows=2, prompts=2,
+                             prompt_len=16, decode_tokens=4, outlier_map=True, sensitivity_windows=2,
+                             skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640)
+
+
+def test_full_suite(full_suite, tiny_checkpoint, tmp_path):
     """Two sources, outlier map, sensitivity-chosen skip variants, a long window's position buckets
     against KL computed here in numpy from LLM.score, and every output file."""
-    root = tiny_checkpoint
-    res = accuracy.evaluate(str(root / "hot"), [str(root / "data.txt"), str(root / "prose.txt")],
-                            str(root / "calib.txt"), seq_len=64, max_windows=4, calib_windows=2, prompts=2,
-                            prompt_len=16, decode_tokens=4, outlier_map=True, sensitivity_windows=1,
-                            skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640)
+    root, res = tiny_checkpoint, full_suite
     assert [s["windows"] for s in res["sources"]] == [2, 2] and res["windows"] == 4
     names = [r["variant"] for r in res["results"]]
     skips = res["sensitivity"]["skip_sets"]
@@ -169,7 +186,7 @@ def test_full_suite(tiny_checkpoint, tmp_path):
 
     # the long window is source 0's tokens right after its two 64-token windows
     window = np.frombuffer((root / "data.txt").read_bytes()[128:128 + 640], np.uint8).astype(np.int32)
-    loaded = load_model(str(root / "hot"))
+    loaded = load_model(str(root / HOT))
     base, var = (LLM(loaded, kv_dtype=dt, max_num_seqs=1, max_model_len=16).score(window[None])[0, :-1]
                  .astype(np.float64) for dt in ("bf16", "fp8_e4m3"))  # [639, V] each
     kl = np.sum(np.exp(base) * (base - var), axis=-1)

@@ -396,13 +396,38 @@ MAX_NEW = 24
 MARGIN = 1e-4
 
 
+def _memo(fn):
+    """fn with its results kept by arguments (for read-only results)."""
+    kept = {}
+    return lambda *args: kept[args] if args in kept else kept.setdefault(args, fn(*args))
+
+
 @pytest.fixture(scope="module")
 def smollm():
-    """(kvjax's LoadedModel, transformers' model, transformers' tokenizer), each loaded once."""
+    """(kvjax's LoadedModel, transformers' model, transformers' tokenizer), each loaded once.
+
+    transformers parses the whole GGUF header (49,152 tokens, 30,000 merges) anew for the config,
+    the weights and the tokenizer, and rebuilds gguf's TensorNameMap for every submodule: while it
+    loads, gguf.GGUFReader and gguf.get_tensor_name_map keep their (read-only) results per file and
+    per (arch, layers), so the file is parsed once. What transformers computes from them is
+    unchanged; kvjax's own loader runs before, untouched."""
     loaded = hub.load_model("smollm2-135m")
     folder, name = os.path.split(loaded.folder)
-    hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return loaded, hf, tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", _memo(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", _memo(gguf.get_tensor_name_map))
+        hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return loaded, hf, tok
+
+
+@pytest.fixture(scope="module")
+def smollm_llm(smollm):
+    """One kvjax.LLM over the loaded SmolLM2 for the greedy and the chat test, so that their common
+    step shapes (30 layers) compile once: 8 decode steps per device call, as `kvjax report` serves."""
+    import kvjax
+
+    return kvjax.LLM(smollm[0], max_num_seqs=4, max_model_len=128, block_size=16, steps_per_call=8)
 
 
 def test_smollm_config_and_tokenizer_match_transformers(smollm):
@@ -433,7 +458,7 @@ def test_smollm_logits_of_a_64_token_window(smollm):
     assert (got.argmax(-1) == want32.argmax(-1)).all()
 
 
-def test_smollm_greedy_through_the_paged_engine(smollm):
+def test_smollm_greedy_through_the_paged_engine(smollm, smollm_llm):
     import kvjax
 
     loaded, hf, _ = smollm
@@ -448,8 +473,7 @@ def test_smollm_greedy_through_the_paged_engine(smollm):
         margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in out.scores]
         near = [i for i, m in enumerate(margins) if m < MARGIN]
         want.append((out.sequences[0, len(prompt):].tolist(), near[0] if near else MAX_NEW))
-    llm = kvjax.LLM(loaded, max_num_seqs=4, max_model_len=128, block_size=16)
-    outs = llm.generate(ids, kvjax.SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    outs = smollm_llm.generate(ids, kvjax.SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     compared = 0
     for prompt, out, (tokens, n) in zip(PROMPTS, outs, want):
         assert out.error is None, out.error
@@ -459,7 +483,7 @@ def test_smollm_greedy_through_the_paged_engine(smollm):
     assert outs[0].text.startswith(" Paris")
 
 
-def test_smollm_chat_renders_as_transformers_and_stops_at_its_eos(smollm):
+def test_smollm_chat_renders_as_transformers_and_stops_at_its_eos(smollm, smollm_llm):
     """LLM.chat: the GGUF's chat template rendered as transformers' apply_chat_template does,
     and the reply ends at EOS (<|im_end|>) with finish_reason "stop", as transformers' greedy
     generate with the same EOS ends it."""
@@ -473,8 +497,7 @@ def test_smollm_chat_renders_as_transformers_and_stops_at_its_eos(smollm):
     for c in conversations:
         assert render_chat(loaded.chat_template, c) == tok.apply_chat_template(c, tokenize=False,
                                                                                add_generation_prompt=True)
-    llm = kvjax.LLM(loaded, max_num_seqs=2, max_model_len=128, block_size=16, steps_per_call=8)
-    outs = llm.chat(conversations, kvjax.SamplingParams(max_tokens=40))
+    outs = smollm_llm.chat(conversations, kvjax.SamplingParams(max_tokens=40))
     hf.generation_config.eos_token_id = 2
     for c, out in zip(conversations, outs):
         x = torch.tensor([loaded.tokenizer.encode(render_chat(loaded.chat_template, c))])
