@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, require
 
 NULL_BLOCK = 0
 _OUT = np.iinfo(np.int32).max  # queue_pos of a block that is not in the free queue
@@ -192,11 +192,6 @@ def free_queue(pool: BlockPool) -> list[int]:
     pos = np.asarray(pool.queue_pos)
     ids = np.flatnonzero(pos < _OUT)
     return [int(b) for b in ids[np.argsort(pos[ids], kind="stable")]]
-
-
-def require(cond, msg: str) -> None:
-    if not cond:  # not `assert`: the checks must also run under python -O
-        raise AssertionError(msg)
 
 
 def check_invariants(pool: BlockPool) -> None:

@@ -49,6 +49,13 @@ class OutputPathError(UsageError):
     """An output path that cannot be written: checked before any work starts."""
 
 
+def require(cond, msg: str) -> None:
+    """An invariant check (a kvjax bug if it fails, never bad input): AssertionError(msg)
+    unless cond. Not `assert`, so that the checks also run under python -O."""
+    if not cond:
+        raise AssertionError(msg)
+
+
 def one_line(message: str) -> str:
     """The message on one line (the contract promises exactly one stderr line)."""
     return " ".join(str(message).split())

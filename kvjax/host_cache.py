@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, require
 
 POLICIES = ("lru", "arc")
 _OUT = np.iinfo(np.int32).max  # position of an entry that is not in the list
@@ -311,11 +311,6 @@ def entries(state: HostIndex) -> dict:
     gp, gh = np.asarray(s.ghost_pos), np.asarray(s.ghost_hash)
     ghosts = [[_key(gh[r][i]) for i in _ordered(gp[r])] for r in (0, 1)]
     return {"t1": listed[0], "t2": listed[1], "b1": ghosts[0], "b2": ghosts[1], "p": int(s.target)}
-
-
-def require(cond, msg: str) -> None:
-    if not cond:  # not `assert`: the checks must also run under python -O
-        raise AssertionError(msg)
 
 
 def check_invariants(state: HostIndex) -> None:

@@ -33,9 +33,9 @@ import numpy as np
 from flax import struct
 
 from kvjax import block_pool, hashing
-from kvjax.block_pool import BlockPool, require
+from kvjax.block_pool import BlockPool
 from kvjax.budget import cdiv
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, require
 
 
 class PoolRefusedError(RuntimeError):
