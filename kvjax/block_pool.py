@@ -55,7 +55,7 @@ from flax import struct
 from kvjax.errors import KvjaxError, require
 
 NULL_BLOCK = 0
-_OUT = np.iinfo(np.int32).max  # queue_pos of a block that is not in the free queue
+NOT_LISTED = np.iinfo(np.int32).max  # the position of an entry that is not in a list
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
 
 
@@ -79,7 +79,7 @@ def init(num_blocks: int) -> BlockPool:
         raise KvjaxError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
     p = int(num_blocks)
     pos = np.arange(-1, p - 1, dtype=np.int32)
-    pos[NULL_BLOCK] = _OUT
+    pos[NULL_BLOCK] = NOT_LISTED
     return BlockPool(num_blocks=p, ref_cnt=jnp.zeros(p, jnp.int32), queue_pos=jnp.asarray(pos),
                      num_free=jnp.asarray(p - 1, jnp.int32), block_hash=jnp.zeros((p, 2), jnp.uint32),
                      has_hash=jnp.zeros(p, bool), cached_at=jnp.full(p, _NEVER, jnp.int32),
@@ -90,6 +90,31 @@ def _evict(pool: BlockPool, mask) -> BlockPool:
     """Drop the hash of every block where mask (bool[P]) is set."""
     return pool.replace(block_hash=jnp.where(mask[:, None], jnp.uint32(0), pool.block_hash),
                         has_hash=pool.has_hash & ~mask, cached_at=jnp.where(mask, _NEVER, pool.cached_at))
+
+
+# ----------------------------------------------------------------------------- lists as positions
+# A list held as one position per entry (0 = first, NOT_LISTED = not in it): the free queue
+# here, the host tier's LRU / ARC lists in kvjax/host_cache.py.
+def count_before(pos, sub):
+    """For each listed entry: how many sub (bool[M]) entries sit before it in the list."""
+    m = pos.shape[0]
+    listed = pos < NOT_LISTED
+    mark = jnp.zeros(m, jnp.int32).at[jnp.where(sub & listed, pos, m)].set(1, mode="drop")
+    before = jnp.cumsum(mark) - mark  # i32[M] by position
+    return before[jnp.where(listed, pos, 0)]
+
+
+def close_up(pos, gone):
+    """Remove the entries where gone (bool[M]); the others close up, keeping their order."""
+    keep = (pos < NOT_LISTED) & ~gone
+    return jnp.where(keep, pos - count_before(pos, gone), NOT_LISTED)
+
+
+def ordered(pos) -> list[int]:
+    """The listed entries' indices, first to last (host side)."""
+    pos = np.asarray(pos)
+    ids = np.flatnonzero(pos < NOT_LISTED)
+    return [int(i) for i in ids[np.argsort(pos[ids], kind="stable")]]
 
 
 @jax.jit
@@ -106,7 +131,7 @@ def take(pool: BlockPool, counts):
         jnp.arange(p, dtype=jnp.int32), mode="drop")  # the popped blocks, head first
     pool = _evict(pool, popped)
     pool = pool.replace(ref_cnt=jnp.where(popped, 1, pool.ref_cnt),
-                        queue_pos=jnp.where(popped | (pool.queue_pos == _OUT), _OUT, pool.queue_pos - total),
+                        queue_pos=jnp.where(popped | (pool.queue_pos == NOT_LISTED), NOT_LISTED, pool.queue_pos - total),
                         num_free=pool.num_free - total)
     return pool, order, (jnp.cumsum(counts) - counts).astype(jnp.int32)
 
@@ -118,12 +143,8 @@ def touch(pool: BlockPool, blocks, mask):
     p = pool.num_blocks
     ref = pool.ref_cnt.at[jnp.where(mask, blocks, p)].add(1, mode="drop")
     taken = (pool.ref_cnt == 0) & (ref > 0)
-    # The blocks after a taken one move up: gone_before[q] = taken blocks at positions < q.
-    gone = jnp.zeros(p, jnp.int32).at[jnp.where(taken, pool.queue_pos, p)].set(1, mode="drop")
-    gone_before = jnp.cumsum(gone) - gone
-    stay = (pool.queue_pos < _OUT) & ~taken
-    pos = jnp.where(stay, pool.queue_pos - gone_before[jnp.where(stay, pool.queue_pos, 0)], _OUT)
-    return pool.replace(ref_cnt=ref, queue_pos=pos, num_free=pool.num_free - taken.sum(dtype=jnp.int32))
+    return pool.replace(ref_cnt=ref, queue_pos=close_up(pool.queue_pos, taken),
+                        num_free=pool.num_free - taken.sum(dtype=jnp.int32))
 
 
 @jax.jit
@@ -141,7 +162,7 @@ def release(pool: BlockPool, blocks, count):
     head_rank = jnp.cumsum(to_head[::-1])[::-1] - 1  # 0 for the first released
     tail_rank = jnp.cumsum(to_tail[::-1])[::-1] - 1
     u = to_head.sum(dtype=jnp.int32)
-    pos = jnp.where(pool.queue_pos < _OUT, pool.queue_pos + u, _OUT)  # the queue moves down by u
+    pos = jnp.where(pool.queue_pos < NOT_LISTED, pool.queue_pos + u, NOT_LISTED)  # the queue moves down by u
     pos = pos.at[jnp.where(back, blocks, p)].set(jnp.where(to_head, head_rank, pool.num_free + u + tail_rank),
                                                 mode="drop")
     return pool.replace(ref_cnt=ref, queue_pos=pos, num_free=pool.num_free + back.sum(dtype=jnp.int32))
@@ -189,9 +210,7 @@ def usage(pool: BlockPool):
 # ----------------------------------------------------------------------------- host views
 def free_queue(pool: BlockPool) -> list[int]:
     """Block ids in the free queue, HEAD to TAIL (host side, for inspection)."""
-    pos = np.asarray(pool.queue_pos)
-    ids = np.flatnonzero(pos < _OUT)
-    return [int(b) for b in ids[np.argsort(pos[ids], kind="stable")]]
+    return ordered(pool.queue_pos)
 
 
 def check_invariants(pool: BlockPool) -> None:
@@ -201,7 +220,7 @@ def check_invariants(pool: BlockPool) -> None:
     queue = free_queue(s)
     require(NULL_BLOCK not in queue, "null block 0 entered the free queue")
     require(len(queue) == int(s.num_free), f"num_free {int(s.num_free)} != queue length {len(queue)}")
-    require(sorted(pos[pos < _OUT].tolist()) == list(range(len(queue))),
+    require(sorted(pos[pos < NOT_LISTED].tolist()) == list(range(len(queue))),
             "the free queue's positions are not exactly 0..num_free-1 (two blocks share one, or one is skipped)")
     require((ref >= 0).all(), f"negative ref_cnt at blocks {np.nonzero(ref < 0)[0]}")
     zero = {b for b in range(1, p) if ref[b] == 0}

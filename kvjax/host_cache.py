@@ -42,7 +42,7 @@ ghost hit only moves p (the paper also fetches the block into T2; here it re-ent
 next stored); T1 is chosen when |T1| >= p (the paper: |T1| > p, or = p on a B2 hit); p
 moves by integer max(1, ratio) (the paper: a real ratio); the paper has no pinned blocks.
 
-Every list is held as positions, as in `kvjax/block_pool.py`: each slot has its position in
+Every list is held as positions, with `kvjax/block_pool.py`'s list primitives: each slot has its position in
 the LRU list (ARC: in T1 or in T2), 0 = LRU end, INT32_MAX = not in it; each ghost cell
 its position in B1 or B2. Removing entries is a cumulative sum, appending is length + rank,
 and the k oldest evictable blocks are those whose rank among evictable ones is < k, so every
@@ -61,10 +61,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax.block_pool import NOT_LISTED, close_up, count_before, ordered
 from kvjax.errors import KvjaxError, require
 
 POLICIES = ("lru", "arc")
-_OUT = np.iinfo(np.int32).max  # position of an entry that is not in the list
 
 
 @struct.dataclass
@@ -92,33 +92,18 @@ def init(num_host_blocks: int, policy: str = "lru") -> HostIndex:
     g = h if policy == "arc" else 0
     return HostIndex(num_slots=h, policy=policy, block_hash=jnp.zeros((h, 2), jnp.uint32),
                      valid=jnp.zeros(h, bool), ref_cnt=jnp.zeros(h, jnp.int32),
-                     pos=jnp.full((2, h), _OUT, jnp.int32), ghost_hash=jnp.zeros((2, g, 2), jnp.uint32),
-                     ghost_pos=jnp.full((2, g), _OUT, jnp.int32), target=jnp.zeros((), jnp.int32))
+                     pos=jnp.full((2, h), NOT_LISTED, jnp.int32), ghost_hash=jnp.zeros((2, g, 2), jnp.uint32),
+                     ghost_pos=jnp.full((2, g), NOT_LISTED, jnp.int32), target=jnp.zeros((), jnp.int32))
 
 
 # ------------------------------------------------------------------ list primitives
 def _length(pos):
-    return (pos < _OUT).sum(dtype=jnp.int32)
-
-
-def _before(pos, sub):
-    """For each listed entry: how many sub (bool[M]) entries sit before it in the list."""
-    m = pos.shape[0]
-    listed = pos < _OUT
-    mark = jnp.zeros(m, jnp.int32).at[jnp.where(sub & listed, pos, m)].set(1, mode="drop")
-    before = jnp.cumsum(mark) - mark  # i32[M] by position
-    return before[jnp.where(listed, pos, 0)]
+    return (pos < NOT_LISTED).sum(dtype=jnp.int32)
 
 
 def _rank(pos, sub):
     """Order of the listed sub entries (0 = nearest the LRU end); INT32_MAX for the others."""
-    return jnp.where(sub & (pos < _OUT), _before(pos, sub), _OUT)
-
-
-def _drop(pos, gone):
-    """Remove the entries where gone (bool[M]); the others close up, keeping their order."""
-    keep = (pos < _OUT) & ~gone
-    return jnp.where(keep, pos - _before(pos, gone), _OUT)
+    return jnp.where(sub & (pos < NOT_LISTED), count_before(pos, sub), NOT_LISTED)
 
 
 def _suffix_rank(sel):
@@ -163,7 +148,7 @@ def _move_to_mru(state: HostIndex, slot, sel, fresh):
     join1 = jnp.zeros(h, bool).at[at(to1)].set(True, mode="drop")
     rank0 = jnp.zeros(h, jnp.int32).at[at(to0)].set(_suffix_rank(to0), mode="drop")
     rank1 = jnp.zeros(h, jnp.int32).at[at(to1)].set(_suffix_rank(to1), mode="drop")
-    p0, p1 = _drop(state.pos[0], moved), _drop(state.pos[1], moved)
+    p0, p1 = close_up(state.pos[0], moved), close_up(state.pos[1], moved)
     p0 = jnp.where(join0, _length(p0) + rank0, p0)
     p1 = jnp.where(join1, _length(p1) + rank1, p1)
     return state.replace(pos=jnp.stack([p0, p1]))
@@ -189,8 +174,8 @@ def touch(state: HostIndex, hashes, n):
     if state.policy != "arc":
         return state
     g = live & ~resident
-    in_b1 = g & (_same(hashes, state.ghost_hash[0]) & (state.ghost_pos[0] < _OUT)[None, :]).any(1)
-    in_b2 = g & (_same(hashes, state.ghost_hash[1]) & (state.ghost_pos[1] < _OUT)[None, :]).any(1)
+    in_b1 = g & (_same(hashes, state.ghost_hash[0]) & (state.ghost_pos[0] < NOT_LISTED)[None, :]).any(1)
+    in_b2 = g & (_same(hashes, state.ghost_hash[1]) & (state.ghost_pos[1] < NOT_LISTED)[None, :]).any(1)
     len1, len2 = _length(state.ghost_pos[0]), _length(state.ghost_pos[1])
     up, down = jnp.maximum(1, len2 // jnp.maximum(len1, 1)), jnp.maximum(1, len1 // jnp.maximum(len2, 1))
     step = jnp.where(in_b1, up, jnp.where(in_b2, -down, 0))  # i32[N]
@@ -228,8 +213,8 @@ def _ghost_push(ghash, gpos, victims, vrank, block_hash):
     end, keeping its H most recent (dropping the oldest first leaves the same entries)."""
     g = gpos.shape[0]
     k = victims.sum(dtype=jnp.int32)
-    gpos = _drop(gpos, gpos < _length(gpos) + k - g)
-    free = gpos == _OUT
+    gpos = close_up(gpos, gpos < _length(gpos) + k - g)
+    free = gpos == NOT_LISTED
     cell_of = jnp.zeros(g, jnp.int32).at[jnp.where(free, jnp.cumsum(free) - 1, g)].set(
         jnp.arange(g, dtype=jnp.int32), mode="drop")  # the r-th empty cell
     cell = jnp.where(victims, cell_of[jnp.where(victims, vrank, 0)], g)
@@ -255,8 +240,8 @@ def store(state: HostIndex, hashes, mask):
     if state.policy == "lru":
         k0, k1 = need, jnp.zeros((), jnp.int32)
     else:  # p is fixed during a store, so the T1 / T2 split has a closed form
-        a0 = (evictable & (state.pos[0] < _OUT)).sum(dtype=jnp.int32)
-        a1 = (evictable & (state.pos[1] < _OUT)).sum(dtype=jnp.int32)
+        a0 = (evictable & (state.pos[0] < NOT_LISTED)).sum(dtype=jnp.int32)
+        a1 = (evictable & (state.pos[1] < NOT_LISTED)).sum(dtype=jnp.int32)
         k0 = jnp.minimum(jnp.minimum(need, a0), jnp.maximum(_length(state.pos[0]) - state.target + 1, 0))
         k1 = jnp.minimum(need - k0, a1)
     v0, v1 = r0 < k0, r1 < k1  # bool[H] victims from list 0 / 1, oldest first
@@ -267,7 +252,7 @@ def store(state: HostIndex, hashes, mask):
         gh, gp = jnp.stack([b1[0], b2[0]]), jnp.stack([b1[1], b2[1]])
     gone = v0 | v1
     valid = state.valid & ~gone
-    pos = jnp.stack([_drop(state.pos[0], v0), _drop(state.pos[1], v1)])
+    pos = jnp.stack([close_up(state.pos[0], v0), close_up(state.pos[1], v1)])
     # Take the lowest free slots, in order, for as many hashes as there are slots.
     free = ~valid
     free_list = jnp.zeros(h, jnp.int32).at[jnp.where(free, jnp.cumsum(free) - 1, h)].set(
@@ -281,8 +266,8 @@ def store(state: HostIndex, hashes, mask):
     pos = pos.at[0].set(jnp.where(joined, _length(pos[0]) + rank, pos[0]))  # LRU / T1 tail, in order
     if state.policy == "arc":  # a stored hash leaves the ghost lists
         hit = (_same(gh.reshape(-1, 2), hashes) & stored[None, :]).any(1).reshape(gp.shape)
-        gp = jnp.stack([_drop(gp[0], hit[0]), _drop(gp[1], hit[1])])
-        gh = jnp.where((gp < _OUT)[..., None], gh, jnp.uint32(0))
+        gp = jnp.stack([close_up(gp[0], hit[0]), close_up(gp[1], hit[1])])
+        gh = jnp.where((gp < NOT_LISTED)[..., None], gh, jnp.uint32(0))
     state = state.replace(block_hash=block_hash, valid=valid, pos=pos, ghost_hash=gh, ghost_pos=gp)
     slot, resident = _find(state, hashes)
     state = _move_to_mru(state, slot, first & resident, stored)
@@ -294,22 +279,17 @@ def _key(row) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-def _ordered(pos) -> list[int]:
-    ids = np.flatnonzero(pos < _OUT)
-    return [int(i) for i in ids[np.argsort(pos[ids], kind="stable")]]
-
-
 def entries(state: HostIndex) -> dict:
     """Every list in policy order, LRU end first (host side). Resident entries are
     (hash, slot, ref_cnt); ghost entries are hashes. LRU: {"lru"}; ARC: {"t1", "t2", "b1",
     "b2", "p"}."""
     s = jax.device_get(state)
     pos, bh, ref = np.asarray(s.pos), np.asarray(s.block_hash), np.asarray(s.ref_cnt)
-    listed = [[(_key(bh[i]), i, int(ref[i])) for i in _ordered(pos[r])] for r in (0, 1)]
+    listed = [[(_key(bh[i]), i, int(ref[i])) for i in ordered(pos[r])] for r in (0, 1)]
     if s.policy == "lru":
         return {"lru": listed[0]}
     gp, gh = np.asarray(s.ghost_pos), np.asarray(s.ghost_hash)
-    ghosts = [[_key(gh[r][i]) for i in _ordered(gp[r])] for r in (0, 1)]
+    ghosts = [[_key(gh[r][i]) for i in ordered(gp[r])] for r in (0, 1)]
     return {"t1": listed[0], "t2": listed[1], "b1": ghosts[0], "b2": ghosts[1], "p": int(s.target)}
 
 
@@ -319,12 +299,12 @@ def check_invariants(state: HostIndex) -> None:
     h, valid, ref = s.num_slots, np.asarray(s.valid), np.asarray(s.ref_cnt)
     pos, bh = np.asarray(s.pos), np.asarray(s.block_hash)
     for r in (0, 1):
-        listed = pos[r][pos[r] < _OUT]
+        listed = pos[r][pos[r] < NOT_LISTED]
         require(sorted(listed.tolist()) == list(range(len(listed))),
                 f"list {r}'s positions are not exactly 0..len-1 (a remove or append miscounted)")
-    in_lists = (pos < _OUT).sum(axis=0)
+    in_lists = (pos < NOT_LISTED).sum(axis=0)
     require((in_lists == valid).all(), f"slots {np.flatnonzero(in_lists != valid)} are valid iff in exactly one list")
-    require(s.policy == "arc" or not (pos[1] < _OUT).any(), "an LRU index put a slot in list 1")
+    require(s.policy == "arc" or not (pos[1] < NOT_LISTED).any(), "an LRU index put a slot in list 1")
     require((ref >= 0).all() and not ref[~valid].any(), "negative ref_cnt, or a free slot with loads in flight")
     require(not bh[~valid].any(), "a free slot still holds a hash (an eviction did not clear it)")
     keys = [_key(bh[i]) for i in np.flatnonzero(valid)]
@@ -335,9 +315,9 @@ def check_invariants(state: HostIndex) -> None:
     gp, gh = np.asarray(s.ghost_pos), np.asarray(s.ghost_hash)
     ghosts = []
     for r in (0, 1):
-        listed = gp[r][gp[r] < _OUT]
+        listed = gp[r][gp[r] < NOT_LISTED]
         require(sorted(listed.tolist()) == list(range(len(listed))), f"ghost list B{r + 1}'s positions are broken")
-        require(not gh[r][gp[r] == _OUT].any(), f"an empty B{r + 1} cell still holds a hash")
-        ghosts += [_key(gh[r][i]) for i in np.flatnonzero(gp[r] < _OUT)]
+        require(not gh[r][gp[r] == NOT_LISTED].any(), f"an empty B{r + 1} cell still holds a hash")
+        ghosts += [_key(gh[r][i]) for i in np.flatnonzero(gp[r] < NOT_LISTED)]
     require(len(set(ghosts)) == len(ghosts), "a hash is twice in the ghost lists")
     require(not set(ghosts) & set(keys), "a resident hash is also a ghost (store did not drop it from B1/B2)")
