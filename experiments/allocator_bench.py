@@ -129,17 +129,18 @@ def bench_jax_scan(n: int) -> float:
 
 
 def loop_iterations(jaxpr) -> int:
-    """Sequential loop iterations in a (closed) jaxpr: a scan's length times (1 + its body's);
-    a while loop's trip count is data-dependent, so each counts as the pool's request slots
-    would make it (-1 here marks one: the table then says "data-dependent")."""
+    """Sequential loop iterations in a jaxpr, nested ones included: a scan's length times
+    (1 + its body's). A while loop's trip count is data-dependent: -1 (the table says so)."""
     total = 0
     for eqn in jaxpr.eqns:
-        inner = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
-        inner += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v if hasattr(b, "jaxpr")]
-        sub = sum(max(loop_iterations(getattr(j, "jaxpr", j)), 0) for j in inner)
         if eqn.primitive.name == "while":
             return -1
-        total += eqn.params["length"] * (1 + sub) if eqn.primitive.name == "scan" else sub
+        inner = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        inner += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v if hasattr(b, "jaxpr")]
+        subs = [loop_iterations(getattr(j, "jaxpr", j)) for j in inner]  # cond branches, scan bodies
+        if -1 in subs:
+            return -1
+        total += eqn.params["length"] * (1 + sum(subs)) if eqn.primitive.name == "scan" else sum(subs)
     return total
 
 
