@@ -10,6 +10,12 @@ and `vllm/v1/core/kv_cache_utils.py: get_num_blocks`):
     num_blocks = available // bytes_per_block               (block 0 is the null block)
     usable     = num_blocks − 1
 
+A host tier (vLLM's native CPU offloading, `--kv-offloading-size`, `vllm/config/kv_offloading.py`
+and `vllm/v1/kv_offload/cpu.py`) keeps blocks of the same layout in host memory; the size is summed
+over the TP ranks and each rank offloads its own shard into its 1/tp:
+
+    host_blocks = (host_bytes // tp) // bytes_per_block    (no null block on the host)
+
 and the simulator of SPEC "The simulator": concurrency = floor(budget / KV per request), shown
 beside the unrounded value and beside what the block pool really admits,
 floor(usable / cdiv(T, block_size)), which also pays for the tail block's waste.
@@ -118,6 +124,11 @@ class Plan:
     concurrency_exact: float | None
     concurrency_blocks: int | None
     warnings: tuple[str, ...]
+    host_offload_bytes: int | None = None  # the host tier as given: all ranks together; None = no tier
+    host_bytes: int | None = None  # per device (all of it when pooled)
+    num_host_blocks: int | None = None
+    host_tokens: int | None = None
+    total_tokens: int | None = None  # device token slots + host tokens
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("spec", "util")}
@@ -132,13 +143,15 @@ class Plan:
 def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
          total_bytes: int | None = None, util: Any = None, extensible: bool = False,
          weights_bytes: int = 0, activations_bytes: int = 0, cudagraph_bytes: int = 0,
-         kv_cache_memory_bytes: int | None = None, tp: int = 1, pooled: bool = False) -> Plan:
+         kv_cache_memory_bytes: int | None = None, tp: int = 1, pooled: bool = False,
+         host_offload_bytes: int | None = None) -> Plan:
     """Size the KV cache of one device and say how many requests of `context` tokens fit.
 
     weights_bytes is the whole model; with tp > 1 each rank holds weights / tp and the KV of
     `spec.per_rank(tp)`. `pooled=True` instead reproduces the seed's pooled arithmetic: one
     imaginary device of tp × total holding all weights and one full copy of the KV — not a
     concurrency any deployment reaches (MLA's latent is replicated on every rank).
+    host_offload_bytes sizes a host tier the way vLLM's kv_offloading_size does (all ranks together).
     """
     for name, value in (("context", context), ("block_size", block_size), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -151,6 +164,8 @@ def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
         raise BudgetError(f"total GPU memory must be positive, got {total_bytes} bytes")
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
         raise BudgetError(f"kv_cache_memory_bytes must be positive, got {kv_cache_memory_bytes}")
+    if host_offload_bytes is not None and host_offload_bytes <= 0:
+        raise BudgetError(f"host_offload_bytes must be positive (None for no host tier), got {host_offload_bytes}")
     if util is not None:
         util = utilization(util)
     elif not extensible:
@@ -202,10 +217,21 @@ def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
         elif conc_blocks == 0 and budget > 0:
             warnings.append(f"the block pool ({usable} usable blocks) cannot hold one request of "
                             f"{blocks_per_request} blocks")
+    host = {}
+    if host_offload_bytes is not None:
+        # vLLM divides kv_offloading_size by the ranks; each rank's CPU blocks mirror its device blocks
+        host_bytes = host_offload_bytes if pooled else host_offload_bytes // tp
+        num_host = host_bytes // per_block
+        if num_host == 0:
+            warnings.append(f"host tier of {host_bytes} bytes per device is smaller than one block of "
+                            f"{per_block} bytes: no host blocks")
+        host = dict(host_offload_bytes=host_offload_bytes, host_bytes=host_bytes, num_host_blocks=num_host,
+                    host_tokens=num_host * block_size,
+                    total_tokens=None if slots is None else slots + num_host * block_size)
     return Plan(rank_spec, tp, pooled, context, block_size, util if kv_cache_memory_bytes is None else None,
                 total_bytes, requested, rank_weights, activations_bytes, cudagraph_bytes, kv_cache_memory_bytes,
                 budget, per_token, per_block, per_request, num_blocks, usable, slots, blocks_per_request,
-                tail_waste, conc, conc_exact, conc_blocks, tuple(warnings))
+                tail_waste, conc, conc_exact, conc_blocks, tuple(warnings), **host)
 
 
 def _h(n: int) -> str:

@@ -70,6 +70,8 @@ def _add_plan(sub) -> None:
     mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
     mem.add_argument("--kv-cache-memory-gib", help="explicit KV cache size: overrides the whole budget")
     mem.add_argument("--tp", type=int_arg(1), help="tensor-parallel size (default 1)")
+    mem.add_argument("--kv-offload-gib", help="host memory for offloaded KV blocks, all ranks together, as vLLM's "
+                                              "--kv-offloading-size (each rank gets 1/tp); 0 = no host tier")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="plot max concurrency vs context for bf16 and fp8")
@@ -150,7 +152,8 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         cudagraph_bytes=bud.gib(args.cudagraph_gib or 0, "--cudagraph-gib"),
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
         else bud.gib(args.kv_cache_memory_gib, "--kv-cache-memory-gib"),
-        tp=tp, pooled=args.pooled))
+        tp=tp, pooled=args.pooled,
+        host_offload_bytes=bud.gib(args.kv_offload_gib or 0, "--kv-offload-gib") or None))  # 0: no host tier
 
 
 def _manual_spec(args, kv_dtype: str) -> KVSpec:
@@ -171,6 +174,9 @@ def _manual_spec(args, kv_dtype: str) -> KVSpec:
 def _run_plan(args) -> int:
     inputs = _resolve_plan_inputs(args)
     result = bud.plan(inputs["spec"], **inputs["kw"])
+    if result.num_host_blocks == 0:
+        raise UsageError(f"--kv-offload-gib {args.kv_offload_gib}: {result.host_bytes} bytes per device is "
+                         f"smaller than one block of {result.bytes_per_block} bytes")
     warnings = inputs["warnings"] + list(result.warnings)
     if args.plot:
         _plot_concurrency(inputs, args.plot)
@@ -213,10 +219,26 @@ def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str]) -> str:
             ("concurrency", f"{pl.concurrency:,}", f"{pl.concurrency_exact:,.4f} = budget / KV per request"),
             ("block-pool concurrency", f"{pl.concurrency_blocks:,}", "usable blocks // blocks per request"),
         ]
+    if pl.host_offload_bytes is not None:
+        rows += _host_rows(pl)
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows]
     lines += [f"warning: {x}" for x in warnings]
     return "\n".join(lines)
+
+
+def _host_rows(pl: bud.Plan) -> list[tuple[str, str, str]]:
+    """The host tier beside the device: vLLM's kv_offloading_size, split over the TP ranks."""
+    h = bud.human_bytes
+    split = pl.tp > 1 and not pl.pooled
+    rows = [("host tier", h(pl.host_offload_bytes), f"{pl.host_offload_bytes:,} B" +
+             (f", 1/{pl.tp} per rank = {h(pl.host_bytes)}" if split else "")),
+            ("host blocks", f"{pl.num_host_blocks:,}", f"{pl.host_bytes / pl.bytes_per_block:,.4f} unrounded"
+                                                       + (" per rank" if split else "") + "; no null block"),
+            ("host token slots", f"{pl.host_tokens:,}", f"{pl.num_host_blocks:,} × {pl.block_size}")]
+    if pl.total_tokens is not None:
+        rows.append(("device + host tokens", f"{pl.total_tokens:,}", f"{pl.token_slots:,} + {pl.host_tokens:,}"))
+    return rows
 
 
 def _plot_concurrency(inputs: dict[str, Any], path: str) -> None:

@@ -131,3 +131,71 @@ def test_malformed_config_exit_2(tmp_path):
     bad.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     code, _, err = kvjax("plan", "--hf-config", bad)
     assert code == 2 and "num_attention_heads" in err
+
+
+# The host tier (`--kv-offload-gib`, vLLM's --kv-offloading-size): the size is summed over the TP
+# ranks, each rank holds (size // tp) // bytes per block blocks of its own device layout.
+def test_host_tier_json_against_the_formula():
+    # Llama-3-8B by hand: 2 (K, V) × 32 layers × 8 kv heads × 128 dims × 2 bytes × 64 tokens per block
+    per_block = 2 * 32 * 8 * 128 * 2 * 64
+    assert per_block == 8 * MiB
+    got = plan_json("--kind", "gqa", "--layers", "32", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
+                    "--gpu-gib", "80", "--weights-gib", "15", "--kv-offload-gib", "10.5")
+    host_blocks = (21 * GiB // 2) // per_block
+    assert got["bytes_per_block"] == per_block
+    assert (got["host_offload_bytes"], got["host_bytes"]) == (21 * GiB // 2, 21 * GiB // 2)
+    assert (got["num_host_blocks"], got["host_tokens"]) == (host_blocks, host_blocks * 64) == (1344, 86016)
+    assert got["total_tokens"] == got["token_slots"] + 86016
+    # an fp8 cache with per-token-head int8 scales: 4 scale bytes per vector join the block, host and device alike
+    q = plan_json("--kind", "gqa", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                  "--kv-dtype", "int8_per_token_head", "--kv-offload-gib", "1", "--block-size", "16")
+    per_block = 2 * 32 * 8 * (128 + 4) * 16
+    assert q["bytes_per_block"] == per_block and q["num_host_blocks"] == GiB // per_block
+    assert q["total_tokens"] is None  # no GPU memory given: the device slots are unknown
+
+
+def test_host_tier_with_tp_is_per_rank():
+    # Llama-3-70B at TP=8: one kv head per rank, 2 × 80 × 1 × 128 × 2 bytes × 64 tokens per block per rank
+    per_block = 2 * 80 * 1 * 128 * 2 * 64
+    got = plan_json("--preset", "llama-3-70b", "--tp", "8", "--gpu-gib", "80", "--weights-gib", "130",
+                    "--kv-offload-gib", "64")
+    assert got["bytes_per_block"] == per_block
+    assert (got["host_offload_bytes"], got["host_bytes"]) == (64 * GiB, 8 * GiB)
+    assert got["num_host_blocks"] == 8 * GiB // per_block == 3276
+    assert got["host_tokens"] == 3276 * 64
+
+
+def test_no_host_tier_is_null_and_leaves_the_readout_alone():
+    keys = ("host_offload_bytes", "host_bytes", "num_host_blocks", "host_tokens", "total_tokens")
+    for args in ([], ["--kv-offload-gib", "0"]):
+        got = plan_json("--group", "A", *args)
+        assert [got[k] for k in keys] == [None] * 5
+    assert kvjax("plan", "--group", "A", "--kv-offload-gib", "0") == kvjax("plan", "--group", "A")
+    assert "host" not in kvjax("plan", "--group", "A")[1]
+
+
+def test_host_tier_text_rows():
+    code, out, err = kvjax("plan", "--group", "A", "--kv-offload-gib", "100")
+    assert code == 0, err
+    rows = {line[:22].strip(): line[22:].split() for line in out.splitlines()}
+    # group A: 20 MiB blocks, 879 usable device blocks; 100 GiB / 20 MiB = 5,120 host blocks
+    assert rows["host tier"][:2] == ["100", "GiB"]
+    assert rows["host blocks"][0] == "5,120" and "no null block" in out
+    assert rows["host token slots"][0] == f"{5120 * 64:,}"
+    assert rows["device + host tokens"][:4] == [f"{879 * 64 + 5120 * 64:,}", f"{879 * 64:,}", "+", f"{5120 * 64:,}"]
+    code, out, err = kvjax("plan", "--preset", "llama-3-70b", "--tp", "8", "--kv-offload-gib", "64")
+    assert code == 0, err
+    assert "1/8 per rank = 8 GiB" in out and "unrounded per rank" in out
+    assert "device + host tokens" not in out  # no GPU memory given
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("-1", "'-1'"), ("abc", "'abc'"), ("nan", "'nan'"), ("inf", "'inf'"), ("1e400", "'1e400'"),
+    # 1e-9 GiB is 2 bytes (a partly used byte counts): below one 20 MiB block of group A
+    ("1e-9", f"--kv-offload-gib 1e-9: 2 bytes per device is smaller than one block of {20 * MiB} bytes"),
+])
+def test_host_tier_bad_input_exit_2_one_line(value, needle):
+    code, out, err = kvjax("plan", "--group", "A", f"--kv-offload-gib={value}")
+    assert code == 2 and out == "", (value, out, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "--kv-offload-gib" in err and needle in err, err
