@@ -69,7 +69,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import kv_cache_manager as manager
-from kvjax import sampling
+from kvjax import offload, sampling
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.cache import ContiguousCache, PagedCache
 from kvjax.errors import KvjaxError
@@ -102,6 +102,8 @@ class EngineConfig:
     seed: int = 0  # the random stream of requests without a seed of their own
     policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
     kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
+    kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.offload); 0 = none
+    kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "steps_per_call"):
@@ -117,6 +119,12 @@ class EngineConfig:
         if self.kv_layout == "contiguous" and self.prefix_caching:
             raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
                               "turn prefix caching off")
+        value = self.kv_offload_blocks
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise EngineError(f"kv_offload_blocks must be an integer >= 0, got {value!r}")
+        offload.check_policy(self.kv_offload_policy)
+        if value and not self.prefix_caching:
+            raise EngineError("a host offload tier needs prefix caching: its blocks are found by their hashes")
 
 
 @dataclasses.dataclass
@@ -128,7 +136,8 @@ class RequestResult:
     error: str | None = None  # why this request was refused; None if it ran
     finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
     preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled (vLLM's)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
+    ttft_s: float | None = None  # seconds from the start of generate to this request's first token
 
 
 @dataclasses.dataclass
@@ -265,12 +274,14 @@ class Engine:
         self.scheduler_config = SchedulerConfig(
             num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
-            policy=config.policy, chunked_prefill=config.chunked_prefill)
+            policy=config.policy, chunked_prefill=config.chunked_prefill,
+            num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
         if config.kv_layout == "contiguous":
             self.cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
         else:
             self.cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
         self.scheduler: Scheduler | None = None  # the latest run's, for inspection
+        self.host_pages: offload.HostPages | None = None  # the latest run's host tier pages
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
@@ -311,6 +322,8 @@ class Engine:
         if priorities is not None and len(priorities) != len(prompts):
             raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         sched = self.scheduler = Scheduler(self.scheduler_config)
+        host = self.host_pages = offload.HostPages(self.config.kv_offload_blocks, self.cache) \
+            if self.config.kv_offload_blocks else None
         results, self._active, self._rows = [], {}, {}
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             prompt = [int(t) for t in prompt]
@@ -337,6 +350,9 @@ class Engine:
                 if rid not in self._rows:
                     self._rows[rid] = free_rows.pop(0)
             stats.admissions(sched, plan, running, results)
+            if len(plan.loads):  # host tier hits: copied in before the step that reads them
+                self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
+                sched.loads_done(plan)
             prefill = _prefill_rows(sched, plan)
             decode_form = bool(plan.sample.all() and (plan.num_scheduled == 1).all())
             if decode_form:
@@ -345,6 +361,13 @@ class Engine:
                 (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
             for rid in finished:
                 self._rows.pop(rid)
+            if host is not None:  # blocks this step computed in full, copied out without waiting
+                stores = sched.take_stores()
+                host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
+            now = time.perf_counter() - start
+            for rid, do in zip(plan.req_ids, plan.sample):
+                if do and results[int(rid)].ttft_s is None:
+                    results[int(rid)].ttft_s = now
             generated = int(plan.sample.sum()) + (steps - 1) * plan.num_requests
             decode_tokens = plan.num_requests * steps - len(prefill) if decode_form else \
                 plan.num_requests - len(prefill)
@@ -360,7 +383,11 @@ class Engine:
                     req.finish_reason
                 if res.logprobs is not None:
                     res.logprobs = self._active[str(res.index)].logprobs
-        return EngineRun(results, stats.summary(results, sched.num_preemptions, wall))
+        tier = None if host is None else dict(
+            host_blocks=host.num_slots, host_memory_kind=host.memory_kind, host_hit_tokens=sched.host_hit_tokens,
+            host_bytes_stored=host.bytes_stored, host_bytes_loaded=host.bytes_loaded,
+            host_blocks_in_use=int(sched.host.valid.sum()))
+        return EngineRun(results, stats.summary(results, sched.num_preemptions, wall, tier))
 
     def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> _SamplingRows:
         """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused)."""

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import quant
+from kvjax import offload, quant
 from kvjax.attention import default_impl
 from kvjax.budget import cdiv
 from kvjax.cache import PagedCache
@@ -110,7 +110,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
                  scheduling_policy: str = "fcfs",
                  kv_layout: str = "paged", kv_skip_layers: Sequence[int] = (), kv_skip_dtype: str | None = None,
-                 total_memory_bytes: int | None = None):
+                 total_memory_bytes: int | None = None, kv_offload_gib: float = 0,
+                 kv_offload_policy: str = "lru"):
         """model: a built-in name, a checkpoint folder, `preset:NAME`, or a models.hub.LoadedModel.
         kv_dtype: vLLM's kv_cache_dtype (fp8 = fp8_e4m3, fp8_e5m2, int8_per_token_head, bf16, ...;
         default the model dtype); scales: fp8 KVScales or a scales file (default 1.0, vLLM's);
@@ -120,7 +121,10 @@ class LLM:
         max_num_batched_tokens: the step's token budget (default 2048); enable_chunked_prefill
         (default on, as in vLLM V1) prefills a prompt longer than the budget over several steps.
         Other arguments as vLLM's, plus steps_per_call (decode steps per device call) and
-        total_memory_bytes (the memory gpu_memory_utilization takes a share of, on a CPU)."""
+        total_memory_bytes (the memory gpu_memory_utilization takes a share of, on a CPU).
+        kv_offload_gib: a host-memory tier of that many GiB (vLLM's kv_offloading_size) keeps
+        computed blocks that the device evicts and loads them back on a prefix hit;
+        kv_offload_policy "lru" (default) or "arc" evicts from it (kvjax.offload)."""
         from models.hub import LoadedModel, load_model
 
         if num_blocks is not None and gpu_memory_utilization is not None:
@@ -163,11 +167,13 @@ class LLM:
         if num_blocks is None:
             num_blocks = self._size(gpu_memory_utilization, total_memory_bytes, max_num_seqs, max_num_batched_tokens,
                                     enable_chunked_prefill)
+        host_blocks = offload.host_blocks(kv_offload_gib, self.kv_spec.bytes_per_block(block_size))
         self.engine_config = EngineConfig(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
             prefix_caching=enable_prefix_caching,
-            steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy, kv_layout=kv_layout)
+            steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy, kv_layout=kv_layout,
+            kv_offload_blocks=host_blocks, kv_offload_policy=kv_offload_policy)
         from kvjax.sizing import check_cache_fits
 
         check_cache_fits(self.kv_spec, num_blocks, block_size)  # before allocating the pages

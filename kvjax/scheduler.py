@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import hashing
+from kvjax import hashing, host_cache
 from kvjax import kv_cache_manager as manager
 from kvjax.errors import KvjaxError
 
@@ -76,6 +76,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     max_requests: int | None = None  # pool request slots; default 2 * max_num_seqs
     chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
+    num_host_blocks: int = 0  # host offload tier slots (kvjax.host_cache); 0 = no tier
+    host_policy: str = "lru"  # the tier's eviction policy: "lru" or "arc"
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):
@@ -93,6 +95,9 @@ class SchedulerConfig:
             # vLLM's rule too: otherwise a long prompt could never be admitted whole.
             raise KvjaxError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
                              f"must be >= max_model_len={self.max_model_len}")
+        if self.num_host_blocks < 0 or (self.num_host_blocks and not self.prefix_caching):
+            raise KvjaxError(f"num_host_blocks={self.num_host_blocks}: a host tier needs >= 0 blocks and prefix "
+                             "caching (its blocks are named by their hashes)")
         if self.max_requests is not None and self.max_requests < self.max_num_seqs:
             raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
 
@@ -133,6 +138,8 @@ class StepPlan:
     seq_lens: np.ndarray  # i32[B] tokens in the KV cache after this step
     sample: np.ndarray  # bool[B] a token is sampled (the request's last token is computed)
     preempted: tuple[str, ...]  # requests preempted while planning this step
+    loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # i32[L, 2] (host slot,
+    # device block): host tier hits to copy in before the step runs, then `Scheduler.loads_done`
 
     @property
     def num_requests(self) -> int:
@@ -146,6 +153,7 @@ class _Step:
     budget: int  # tokens left in this step
     scheduled: dict[str, int] = field(default_factory=dict)  # req_id -> tokens; insertion = scheduling order
     preempted: list[str] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
 
     def take(self, req: Request, n: int) -> None:
         self.scheduled[req.req_id] = n
@@ -168,6 +176,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = 0
+        # The host offload tier's index; the engine moves the bytes (kvjax.offload).
+        self.host = host_cache.init(config.num_host_blocks, config.host_policy) if config.num_host_blocks else None
+        self.stores: list[tuple[int, int]] = []  # (device block, host slot) to copy after the step
+        self.host_hit_tokens = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,
@@ -296,17 +308,73 @@ class Scheduler:
             if req.slot is None and not self._put_in_pool(req):
                 return
             hits, nh = manager.get_computed_blocks(self.state, req.slot)
-            rest = req.num_tokens - int(nh) * z
+            host_hashes, nx = self._host_lookup(req, int(nh))
+            rest = req.num_tokens - (int(nh) + nx) * z
             if not cfg.chunked_prefill and rest > step.budget:
                 return  # vLLM without chunked prefill: wait for a step with room for the whole prompt
             n = min(rest, step.budget)
-            self.state, ok = manager.allocate_slots(self.state, req.slot, n, hits, nh)
+            # Host hits take fresh blocks and count as computed (vLLM's external tokens); their
+            # bytes are copied in before the step, so only the rest is prefilled.
+            self.state, ok = manager.allocate_slots(self.state, req.slot, nx * z + n, hits, nh)
             if not bool(ok):
                 return
+            if nx:
+                self._host_load(req, host_hashes, int(nh), nx, step)
             self.waiting.remove(req)
             self.running.append(req)
             req.status = "running"
             step.take(req, n)
+
+    # ------------------------------------------------------------------ the host tier
+    def _host_lookup(self, req: Request, num_hits: int) -> tuple[np.ndarray | None, int]:
+        """The request's block hashes after its num_hits device hits (u32[M, 2], zero padded) and
+        how many of them, from the first, the host tier holds, capped like device hits so the
+        last token is computed."""
+        cap = (req.num_tokens - 1) // self.config.block_size - num_hits
+        if self.host is None or cap <= 0:
+            return None, 0
+        hashes = np.zeros((self.max_blocks, 2), np.uint32)
+        row = np.asarray(self.state.reqs.req_hash[req.slot])[num_hits:]
+        hashes[: len(row)] = row
+        return hashes, int(host_cache.lookup(self.host, hashes, cap))
+
+    def _host_load(self, req: Request, hashes: np.ndarray, num_hits: int, n: int, step: "_Step") -> None:
+        """Pin the request's n host hits until loaded (prepare_load), mark them used (touch),
+        and plan their copies into the fresh blocks after its device hits."""
+        self.host, slots = host_cache.prepare_load(self.host, hashes, n)
+        self.host = host_cache.touch(self.host, hashes, n)
+        blocks = np.asarray(self.state.reqs.block_table[req.slot])[num_hits:num_hits + n]
+        step.loads += zip(np.asarray(slots[:n]).tolist(), blocks.tolist())
+        self.host_hit_tokens += n * self.config.block_size
+
+    def loads_done(self, plan: StepPlan) -> None:
+        """The engine copied the plan's loads in: unpin their host slots (complete_load)."""
+        if len(plan.loads):
+            slots = np.full(_pow2(len(plan.loads)), -1, np.int32)
+            slots[: len(plan.loads)] = plan.loads[:, 0]
+            self.host, ok = host_cache.complete_load(self.host, slots, len(plan.loads))
+            _require(ok, f"the host tier refused to unpin slots {plan.loads[:, 0].tolist()} after their load")
+
+    def _store(self, tables, first, end) -> None:
+        """Offer the host tier the blocks that the step just computed in full: for each row,
+        logical blocks first[i] .. end[i] - 1 of tables[i]. It stores those whose hash it lacks
+        (evicting by its policy); `stores` lists the (device block, host slot) copies to make."""
+        if self.host is None:
+            return
+        blocks = [int(t[j]) for t, a, b in zip(tables, first, end) for j in range(a, b)]
+        if not blocks:
+            return
+        block_hash, has_hash = jax.device_get((self.state.pool.block_hash, self.state.pool.has_hash))
+        blocks = [b for b in blocks if has_hash[b]]
+        hashes = np.zeros((_pow2(len(blocks)), 2), np.uint32)
+        hashes[: len(blocks)] = np.asarray(block_hash)[blocks].reshape(-1, 2)
+        mask = np.arange(len(hashes)) < len(blocks)
+        self.host, slots, stored = host_cache.store(self.host, hashes, mask)
+        self.stores += [(b, int(s)) for b, s, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
+
+    def take_stores(self) -> list[tuple[int, int]]:
+        stores, self.stores = self.stores, []
+        return stores
 
     def _plan(self, step: "_Step") -> StepPlan:
         reqs = [self.requests[r] for r in step.scheduled]
@@ -320,7 +388,7 @@ class Scheduler:
             req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums, token_ids=token_ids,
             block_tables=tables, seq_lens=seq_lens,
             sample=np.array([e == r.num_tokens for r, e in zip(reqs, seq_lens)], bool),
-            preempted=tuple(step.preempted))
+            preempted=tuple(step.preempted), loads=np.array(step.loads, np.int32).reshape(-1, 2))
 
     @staticmethod
     def _stop_reason(req: Request) -> str | None:
@@ -338,6 +406,8 @@ class Scheduler:
         sampled = np.asarray(sampled).reshape(-1)
         if sampled.shape[0] != plan.num_requests:
             raise SchedulerError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
+        z = self.config.block_size
+        self._store(plan.block_tables, (plan.seq_lens - plan.num_scheduled) // z, plan.seq_lens // z)
         tokens = np.zeros(self.num_slots, np.int32)
         mask = np.zeros(self.num_slots, bool)
         finished = []
@@ -387,7 +457,10 @@ class Scheduler:
         if not (plan.sample.all() and (plan.num_scheduled == 1).all()):
             raise SchedulerError("apply_decode_steps needs a decode plan: one token per request, all sampling")
         self.state = state
-        steps, finished = sampled.shape[0], []
+        steps, finished, z = sampled.shape[0], [], self.config.block_size
+        if self.host is not None:
+            tables = np.asarray(state.reqs.block_table)[plan.slots]
+            self._store(tables, (plan.seq_lens - 1) // z, (plan.seq_lens - 1 + steps) // z)
         for i, rid in enumerate(plan.req_ids):
             req = self.requests[rid]
             for step, token in enumerate(sampled[:, i]):
@@ -401,6 +474,11 @@ class Scheduler:
         for req in finished:
             self._finish(req)
         return [r.req_id for r in finished]
+
+
+def _pow2(n: int) -> int:
+    """Pad lengths to powers of two: the host tier's jitted calls compile once per bucket."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _require(ok, message: str) -> None:

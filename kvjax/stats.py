@@ -44,6 +44,15 @@ class Summary:
     usable_blocks: int
     preemptions: int
     blocks_in_use: tuple[int, ...]  # per step: blocks out of the free queue while it ran
+    ttft_p50_ms: float = float("nan")  # time to first token from the start of the run, over requests that ran
+    ttft_p99_ms: float = float("nan")
+    # The host offload tier (kvjax.offload); zeros and None without one.
+    host_blocks: int = 0  # its capacity in blocks
+    host_memory_kind: str | None = None  # "pinned_host" or "numpy"
+    host_hit_tokens: int = 0  # prompt tokens loaded from it instead of prefilled (within prefix_hit_tokens)
+    host_bytes_stored: int = 0  # device -> host
+    host_bytes_loaded: int = 0  # host -> device
+    host_blocks_in_use: int = 0  # at the end of the run
 
     def to_json(self) -> dict:
         """A JSON-safe dict: tuples as lists, NaN (a rate with no timed step) as None."""
@@ -107,9 +116,11 @@ class RunStats:
         timed[0] += prefill_tokens or decode_tokens
         timed[1] += seconds
 
-    def summary(self, results, preemptions: int, wall: float) -> Summary:
+    def summary(self, results, preemptions: int, wall: float, host: dict | None = None) -> Summary:
+        """host: the host tier's Summary fields, when there is one."""
         ran = [r for r in results if r.error is None]
         lat = np.asarray(self.latencies or [np.nan]) * 1e3
+        ttft = np.asarray([r.ttft_s for r in ran if r.ttft_s is not None] or [np.nan]) * 1e3
         rate = lambda t: t[0] / t[1] if t[1] > 0 else float("nan")  # noqa: E731
         return Summary(
             requests=len(results), failed=len(results) - len(ran), prompt_tokens=sum(r.prompt_tokens for r in ran),
@@ -121,4 +132,5 @@ class RunStats:
             step_latency_p99_ms=float(np.percentile(lat, 99)), steps=len(self.blocks), device_calls=self.calls,
             untimed_calls=self.untimed_calls,
             compile_s=COMPILE_S[0] - self._compile_start, wall_s=wall, peak_blocks_used=max(self.blocks, default=0),
-            usable_blocks=self.usable, preemptions=preemptions, blocks_in_use=tuple(self.blocks))
+            usable_blocks=self.usable, preemptions=preemptions, blocks_in_use=tuple(self.blocks),
+            ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)), **(host or {}))

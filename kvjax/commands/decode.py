@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
     size.add_argument("--util", type=float_arg(0, 1, lo_open=True), help="size the pool from --total-gib × U (vLLM's gpu_memory_utilization)")
     p.add_argument("--total-gib", type=float_arg(0, MAX_GIB, lo_open=True), default=1.0, help="memory total for --util (default 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offload-gib", metavar="GIB", default="0",
+                   help="host-memory offload tier for evicted KV blocks, in GiB (vLLM's kv_offloading_size; 0: none)")
+    p.add_argument("--kv-offload-policy", choices=["lru", "arc"], default="lru", help="its eviction policy (lru)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step (vLLM enable_chunked_prefill=False); the budget then "
                         "covers the longest prompt")
@@ -140,7 +143,7 @@ def run(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
               steps_per_call=args.steps_per_call, seed=args.seed, scheduling_policy="priority" if args.priority
               else "fcfs", total_memory_bytes=budget.gib(args.total_gib, "--total-gib") if args.util is not None
-              else None)
+              else None, kv_offload_gib=args.kv_offload_gib, kv_offload_policy=args.kv_offload_policy)
     errors, runnable = {}, []
     for i, r in enumerate(requests):  # a request's bad sampling parameters fail it alone
         try:
@@ -185,7 +188,8 @@ def run(args) -> int:
                  steps_per_call=args.steps_per_call,
                  temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  eos_token_ids=list(llm.engine.eos_token_ids), stop_token_ids=list(stop_ids),
-                 ignore_eos=args.ignore_eos, policy="priority" if args.priority else "fcfs")
+                 ignore_eos=args.ignore_eos, policy="priority" if args.priority else "fcfs",
+                 kv_offload_gib=float(args.kv_offload_gib), kv_offload_policy=args.kv_offload_policy)
     if args.json:
         print(json.dumps({"config": setup, "requests": rows, "summary": summary.to_json()}, indent=1))
     else:
@@ -223,6 +227,11 @@ def _check_flags(args) -> None:
         raise UsageError("--chat applies to --prompts text, not --synthetic token ids")
     if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):
         raise UsageError("--top-k and --top-p filter what --temperature samples; greedy decoding ignores them")
+    from kvjax import budget
+
+    budget.gib(args.kv_offload_gib, "--kv-offload-gib")  # a number of GiB >= 0; below one block: LLM says
+    if args.no_prefix_caching and budget.gib(args.kv_offload_gib):
+        raise UsageError("--kv-offload-gib needs prefix caching: host blocks are found by their hashes")
     if args.total_gib != 1.0 and args.util is None:
         raise UsageError("--total-gib is the memory --util takes a share of; without --util it would be ignored")
     if args.scales and not (args.kv_dtype and kv_dtype_name(args.kv_dtype).startswith("fp8")):
@@ -332,7 +341,15 @@ def format_run(rows: list[dict], s, setup: dict) -> str:
         ("steps", f"{s.steps} in {s.device_calls} device calls ({s.untimed_calls} compiled, {s.compile_s:.1f} s)"),
         ("peak blocks used", f"{s.peak_blocks_used} of {s.usable_blocks} usable (block size {setup['block_size']})"),
         ("preemptions", f"{s.preemptions}"),
+        ("time to first token", f"p50 {s.ttft_p50_ms:.1f} ms, p99 {s.ttft_p99_ms:.1f} ms"
+                                if s.ttft_p50_ms == s.ttft_p50_ms else "n/a"),
         ("wall time", f"{s.wall_s:.2f} s"),
     ]
+    if s.host_blocks:
+        summary[4:4] = [
+            ("host tier", f"{s.host_blocks:,} blocks ({setup['kv_offload_gib']:g} GiB, {setup['kv_offload_policy']}, "
+                          f"{s.host_memory_kind}), {s.host_blocks_in_use:,} in use at the end"),
+            ("host hits", f"{s.host_hit_tokens:,} tokens loaded instead of prefilled"),
+            ("host transfers", f"{s.host_bytes_stored:,} B stored, {s.host_bytes_loaded:,} B loaded")]
     width = max(len(k) for k, _ in summary)
     return "\n".join(lines + [""] + [f"{k:<{width}}  {v}" for k, v in summary])
