@@ -17,10 +17,29 @@ req, ok, hit_blocks, hit_tokens, new_blocks, blocks (the request's whole table),
 free_queue (head -> tail), num_free, ref_cnt (non-zero only), cached (ids holding a hash),
 usage. A failed op prints "ok": false and the unchanged state (a failed add leaves no
 request behind, so a later op on that name is an unknown request). Blank lines are skipped.
+
+The host offload tier (`kvjax/host_cache.py`, vLLM's CPU offloading): `init` may add
+"host_blocks": H (default 0 = no tier; needs prefix_caching) and "host_policy": "lru" |
+"arc" (default "lru"). The trace then drives the tier by kvjax/scheduler.py's rules: `add`
+takes device hits first, then the host tier's run of the hashes that follow (lookup, the
+total still capped at (num_tokens - 1) // Z blocks); those host hits get fresh device blocks
+in the same allocate_slots and count as computed, are pinned and touched (prepare_load,
+touch), and their copy completes within the op (complete_load), so ref counts are back to 0
+between ops. Then, as every scheduled token counts as computed, the blocks this op filled
+(past the device and host hits; for `append`, the blocks it newly filled) are offered to
+the tier in order (store, which evicts by policy). `reset_prefix_cache` resets the device
+prefix cache only: the tier keeps its copies, which no device block refers to. With a tier,
+every line gains host_hit_blocks (a count), loaded ([[host slot, device block], ...] copied
+in), stored ([[device block, host slot], ...] newly written), host_in_use, and host: the
+tier's lists, LRU end first, resident blocks as their slot ids, ghost hashes as 16 hex
+digits (lane 0 then lane 1 of the block hash): {"lru": [...]} or {"t1": [...], "t2": [...],
+"b1": [...], "b2": [...], "p": ARC's target size of T1}.
+
 Bad input (malformed or non-UTF-8 lines, JSON nested deeper than 32 levels, unknown op or
 key, unknown request, double free, a token that is not a non-negative int32, a pool over
-65,536 blocks or 2**20 tokens per request) stops the replay with one error line naming the
-file and line number.
+65,536 blocks or 2**20 tokens per request, a host tier over 4,096 blocks, an unknown
+host_policy, a host tier without prefix caching) stops the replay with one error line naming
+the file and line number.
 """
 
 from __future__ import annotations
@@ -35,13 +54,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import block_pool, hashing
+from kvjax import block_pool, hashing, host_cache
 from kvjax import kv_cache_manager as manager
 from kvjax.errors import KvjaxError, loads
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
-_KEYS = {"init": {"num_blocks", "block_size", "prefix_caching"}, "add": {"req", "tokens", "salt"},
-         "append": {"req", "tokens"}, "free": {"req"}, "reset_prefix_cache": set()}
+_KEYS = {"init": {"num_blocks", "block_size", "prefix_caching", "host_blocks", "host_policy"},
+         "add": {"req", "tokens", "salt"}, "append": {"req", "tokens"}, "free": {"req"}, "reset_prefix_cache": set()}
 
 
 class ReplayError(KvjaxError):
@@ -53,9 +72,13 @@ class Replay:
     (the pool is functional, so "unchanged" is simply not taking the new state)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 max_requests: int = 8):
+                 max_requests: int = 8, host_blocks: int = 0, host_policy: str = "lru"):
+        if host_blocks and not prefix_caching:
+            raise ReplayError(f"host_blocks={host_blocks} needs prefix_caching true "
+                              "(host blocks are named by their hashes)")
         self.state = manager.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
         self.slots: dict[str, int] = {}
+        self.host = host_cache.init(host_blocks, host_policy) if host_blocks else None  # the offload tier's index
 
     @property
     def capacity_tokens(self) -> int:
@@ -91,30 +114,40 @@ class Replay:
             raise ReplayError(f"request {name!r} already exists")
         if len(tokens) > self.capacity_tokens:  # can never fit in the pool: a failed add
             return self.view("add", name, False)
-        slot = self._free_slot()
+        slot, z = self._free_slot(), self.state.reqs.block_size
         has_salt, key = hashing.salt_key(salt)
         s, ok = manager.add_request(self.state, slot, self._pad(tokens), len(tokens), has_salt,
                                  np.asarray(key, np.uint32))
         hits, nh = manager.get_computed_blocks(s, slot)
         nh = int(nh)
-        s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * self.state.reqs.block_size, hits, nh)
+        # The host tier continues the hash chain after the device hits, capped like them.
+        cap, nx, hashes = (len(tokens) - 1) // z - nh, 0, None
+        if self.host is not None and cap > 0:
+            hashes = self._hashes(s, slot, nh, nh + cap)
+            nx = int(host_cache.lookup(self.host, hashes, cap))
+        # Host hits take fresh blocks and count as computed, so the op allocates nx*Z + the rest.
+        s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * z, hits, nh)
         if not (bool(ok) and bool(ok2)):
             return self.view("add", name, False)
-        self.state, self.slots[name] = s, slot
         blocks = manager.request_blocks(s, slot)
-        return self.view("add", name, True, blocks[:nh], blocks[nh:])
+        host, loaded = self._load(hashes, nx, blocks[nh:nh + nx])
+        host, stored = self._store(host, s, slot, nh + nx)
+        self.state, self.slots[name], self.host = s, slot, host
+        return self.view("add", name, True, blocks[:nh], blocks[nh:], nx, loaded, stored)
 
     def append(self, name: str, tokens: list[int]) -> dict:
         slot = self._slot(name)
         if int(self.state.reqs.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
             return self.view("append", name, False)  # longer than the pool: a failed append
         held = int(self.state.reqs.num_held[slot])
+        full = int(self.state.reqs.num_tokens[slot]) // self.state.reqs.block_size  # blocks full before
         s, ok = manager.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
         s, ok2 = manager.allocate_slots(s, slot, len(tokens))
         if not (bool(ok) and bool(ok2)):
             return self.view("append", name, False)
+        self.host, stored = self._store(self.host, s, slot, full)
         self.state = s
-        return self.view("append", name, True, [], manager.request_blocks(s, slot)[held:])
+        return self.view("append", name, True, [], manager.request_blocks(s, slot)[held:], stored=stored)
 
     def free(self, name: str) -> dict:
         slot = self._slot(name)
@@ -127,17 +160,52 @@ class Replay:
         return self.view("free", name, True)
 
     def reset_prefix_cache(self) -> dict:
+        """The device prefix cache only: the host tier keeps its copies (no device block refers to them)."""
         s, ok = manager.reset_prefix_cache(self.state)
         self.state = s
         return self.view("reset_prefix_cache", None, bool(ok))
 
+    # ------------------------------------------------------------------ the host tier
+    @staticmethod
+    def _hashes(s: manager.KVCacheManager, slot: int, first: int, end: int) -> np.ndarray:
+        """The request's block hashes first .. end - 1, u32[N, 2], zero padded to a power of two
+        (the tier's jitted calls compile once per N, and their work is O(N × H))."""
+        rows = np.asarray(s.reqs.req_hash[slot])[first:end]
+        out = np.zeros((1 << max(len(rows) - 1, 0).bit_length(), 2), np.uint32)
+        out[: len(rows)] = rows
+        return out
+
+    def _load(self, hashes: np.ndarray, n: int, blocks: list[int]):
+        """The scheduler's _host_load and the engine's loads_done in one: pin hashes[:n] (host
+        hits), touch them, copy them into device blocks, unpin. -> (new index, [[slot, block]])."""
+        if not n:
+            return self.host, []
+        host, slots = host_cache.prepare_load(self.host, hashes, n)
+        host = host_cache.touch(host, hashes, n)
+        host, ok = host_cache.complete_load(host, slots, n)
+        if not bool(ok):
+            raise manager.PoolRefusedError(f"the host tier refused to unpin slots {np.asarray(slots[:n]).tolist()}")
+        return host, [[int(x), b] for x, b in zip(np.asarray(slots[:n]), blocks)]
+
+    def _store(self, host, s: manager.KVCacheManager, slot: int, first: int):
+        """Offer the tier the request's full blocks from logical block `first` on (the ones this
+        op computed: every scheduled token counts as computed). -> (new index, [[block, slot]])."""
+        end = int(s.reqs.num_tokens[slot]) // s.reqs.block_size
+        if host is None or end <= first:
+            return host, []
+        hashes = self._hashes(s, slot, first, end)
+        host, slots, stored = host_cache.store(host, hashes, np.arange(len(hashes)) < end - first)
+        blocks = manager.request_blocks(s, slot)[first:end]
+        return host, [[b, int(x)] for b, x, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
+
     # ------------------------------------------------------------------ views
-    def view(self, op: str, name: str | None, ok: bool, hits=(), new=()) -> dict:
+    def view(self, op: str, name: str | None, ok: bool, hits=(), new=(), host_hits=0, loaded=(),
+             stored=()) -> dict:
         s = jax.device_get(self.state)
         p, z = s.pool, s.reqs.block_size
         slot = self.slots.get(name) if name is not None else None
         num_free = int(p.num_free)
-        return {
+        out = {
             "op": op, "req": name, "ok": ok,
             "hit_blocks": [int(b) for b in hits], "hit_tokens": len(hits) * z,
             "new_blocks": [int(b) for b in new],
@@ -147,6 +215,10 @@ class Replay:
             "cached": [int(b) for b in np.nonzero(p.has_hash)[0]],
             "usage": round(1.0 - num_free / (p.num_blocks - 1), 6),
         }
+        if self.host is not None:
+            out.update(host_hit_blocks=host_hits, loaded=list(loaded), stored=list(stored),
+                       host=host_lists(self.host), host_in_use=int(self.host.valid.sum()))
+        return out
 
     def full_state(self) -> dict:
         """Everything the stateful test compares with the oracle, keyed by request name."""
@@ -186,12 +258,31 @@ class Replay:
             where = {b: j for j, b in enumerate(manager.request_blocks(s, self.slots[n]))}
             lines.append(row(n, [where.get(b, ".") for b in ids]))
         lines.append("free queue (head -> tail): " + (" ".join(map(str, block_pool.free_queue(p))) or "empty"))
+        if self.host is not None:
+            lists = " | ".join(f"{k}: {(' '.join(map(str, v)) or '-') if isinstance(v, list) else v}"
+                               for k, v in host_lists(self.host).items())
+            lines.append(f"host tier ({self.host.num_slots} slots, {self.host.policy}, LRU end first) {lists}")
         return "\n".join(lines)
+
+
+def host_lists(index: host_cache.HostIndex) -> dict:
+    """host_cache.entries as JSON: resident entries as their slot ids (ref counts are 0 between
+    replay ops), ghost hashes as 16 hex digits, lane 0 then lane 1."""
+    out = {}
+    for k, v in host_cache.entries(index).items():
+        if k == "p":
+            out[k] = v
+        elif k in ("b1", "b2"):
+            out[k] = [f"{lo:08x}{hi:08x}" for lo, hi in v]
+        else:
+            out[k] = [slot for _, slot, _ in v]
+    return out
 
 
 # ---------------------------------------------------------------------------- trace input
 MAX_BLOCKS = 2**16  # replay is for reading pools, not for sizing them: small limits keep its tables small
 MAX_REQUEST_TOKENS = 2**20
+MAX_HOST_BLOCKS = 2**12  # the host index compares every hash with every slot: O(N × H) per op
 
 
 def _int(v, what: str, lo: int, hi: int) -> int:
@@ -242,6 +333,23 @@ def _req(op: dict) -> str:
     return name
 
 
+def _init(op: dict) -> Replay:
+    pc = op.get("prefix_caching", True)
+    if not isinstance(pc, bool):
+        raise ReplayError(f"prefix_caching must be true or false, got {json.dumps(pc)}")
+    num_blocks = _int(op.get("num_blocks"), "num_blocks", 2, MAX_BLOCKS)
+    block_size = _int(op.get("block_size"), "block_size", 1, MAX_REQUEST_TOKENS)
+    if (num_blocks - 1) * block_size > MAX_REQUEST_TOKENS:
+        raise ReplayError(f"(num_blocks - 1) × block_size = {(num_blocks - 1) * block_size:,} tokens: "
+                          f"replay keeps every request's tokens, at most {MAX_REQUEST_TOKENS:,} each")
+    host_blocks = _int(op.get("host_blocks", 0), "host_blocks", 0, MAX_HOST_BLOCKS)
+    policy = op.get("host_policy", "lru")
+    if not isinstance(policy, str) or policy not in host_cache.POLICIES:
+        raise ReplayError(f"host_policy must be one of {', '.join(map(json.dumps, host_cache.POLICIES))}, "
+                          f"got {json.dumps(policy)}")
+    return Replay(num_blocks, block_size, pc, host_blocks=host_blocks, host_policy=policy)
+
+
 def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
     """Run a trace, yielding (output dict, replay) per op. Raises ReplayError whose message
     starts with "line N:" at the first bad line (earlier outputs were already yielded)."""
@@ -263,15 +371,7 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
             if extra:
                 raise ReplayError(f"unknown key(s) {sorted(extra)} for op {kind!r}")
             if kind == "init":
-                pc = op.get("prefix_caching", True)
-                if not isinstance(pc, bool):
-                    raise ReplayError(f"prefix_caching must be true or false, got {json.dumps(pc)}")
-                num_blocks = _int(op.get("num_blocks"), "num_blocks", 2, MAX_BLOCKS)
-                block_size = _int(op.get("block_size"), "block_size", 1, MAX_REQUEST_TOKENS)
-                if (num_blocks - 1) * block_size > MAX_REQUEST_TOKENS:
-                    raise ReplayError(f"(num_blocks - 1) × block_size = {(num_blocks - 1) * block_size:,} tokens: "
-                                      f"replay keeps every request's tokens, at most {MAX_REQUEST_TOKENS:,} each")
-                replay = Replay(num_blocks, block_size, pc)
+                replay = _init(op)
                 freed_on = {}
                 out = replay.view("init", None, True)
             elif replay is None:

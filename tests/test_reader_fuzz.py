@@ -576,3 +576,50 @@ ONCE_BROKEN = {
 @pytest.mark.parametrize("name", sorted(ONCE_BROKEN))
 def test_inputs_that_once_broke_a_reader(name):
     ONCE_BROKEN[name]()
+
+
+# --------------------------------------------------------------------------------------------
+# kvjax.replay with a host offload tier: near-valid traces over a pool and a tier of 1 or 6 slots;
+# after every op both indexes keep their invariants, and a failed op leaves the tier as it was.
+# --------------------------------------------------------------------------------------------
+# (Bad host keys are test_replay.py's; here the init is good, so that most ops reach the tier.)
+HOST_INIT = st.fixed_dictionaries({"op": st.just("init"), "num_blocks": st.sampled_from([5, 6]),
+                                   "block_size": st.just(1), "host_blocks": st.sampled_from([1, 6]),
+                                   "host_policy": st.sampled_from(["lru", "arc"])})
+
+
+@st.composite
+def host_traces(draw):
+    """Requests that reuse a few prompts, so that a small pool evicts them and the tier serves them
+    back (host hits); half of the traces get one op of anything after the first line."""
+    lines = [draw(HOST_INIT)]
+    prompts = draw(st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=4), min_size=2, max_size=3))
+    for i in range(draw(st.integers(3, 8))):
+        name = f"r{i}"
+        lines.append({"op": "add", "req": name, "tokens": draw(st.sampled_from(prompts))})
+        if draw(st.booleans()):
+            lines.append({"op": "append", "req": name, "tokens": [draw(st.integers(0, 1))]})
+        if draw(st.integers(0, 3)):  # most requests end before the next: the pool has 4 or 5 blocks
+            lines.append({"op": "free", "req": name})
+    if draw(st.booleans()):
+        lines.insert(draw(st.integers(1, len(lines))), draw(OP))
+    return lines
+
+
+@fuzz(150)
+@given(host_traces())
+def test_iter_trace_host_tier(ops):
+    from kvjax import host_cache
+    from kvjax import kv_cache_manager as manager
+
+    def run():
+        before = None
+        for out, rep in iter_trace([json.dumps(op) for op in ops]):
+            if rep.host is not None:
+                host_cache.check_invariants(rep.host)
+                manager.check_invariants(rep.state)
+                if not out["ok"] and before is not None:
+                    assert out["host"] == before, (out, before)
+                before = out["host"]
+
+    parse_or_refuse(run)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from kvjax.hashing import request_block_hashes_np
 from kvjax.replay import ReplayError, iter_trace
 from kvjax.testing.pool_oracle import OraclePool
 
@@ -19,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = [0] * 16 + [1] * 16 + [2] * 16
 
 
-def init(num_blocks, block_size, prefix_caching=True):
+def init(num_blocks, block_size, prefix_caching=True, **host):
     return {"op": "init", "num_blocks": num_blocks, "block_size": block_size,
-            "prefix_caching": prefix_caching}
+            "prefix_caching": prefix_caching, **host}
 
 
 def add(req, tokens, salt=None):
@@ -311,3 +312,116 @@ def test_append_longer_than_the_pool_fails_like_the_oracle():
     outs = run_lib(ops)
     assert [o["ok"] for o in outs] == [True, True, False, True]
     assert outs == run_oracle(ops)
+
+
+# ------------------------------------------------------------------ the host offload tier
+# The rules are kvjax/replay.py's docstring (the scheduler's): device hits, then the host run
+# after them; host hits take fresh blocks; then this op's newly full blocks are offered to
+# store. host_cache: store takes the lowest free slots in order and evicts LRU first, never a
+# masked resident hash; a touch walks last to first, so the first hash ends most recent.
+A = [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5]  # 17 tokens, Z=4: 5 blocks, full a1..a4
+B = [9] * 9  # 3 blocks, full b1, b2
+
+# 5 usable device blocks, 6 host slots, LRU.
+HOST_LRU = [init(6, 4, host_blocks=6), add("a", A), free("a"), add("b", B), free("b"), add("c", A),
+            append("c", [5, 5, 5]), add("d", B), free("c"), add("d", B), free("d"), RESET, add("f", A)]
+HOST_LRU_EXPECTED = [
+    {"host": {"lru": []}, "host_in_use": 0, "host_hit_blocks": 0, "loaded": [], "stored": []},
+    # blocks 1..5; a1..a4 (blocks 1..4) stored in slots 0..3, then touched last to first: a1 most recent.
+    {"blocks": [1, 2, 3, 4, 5], "cached": [1, 2, 3, 4], "host_hit_blocks": 0, "loaded": [],
+     "stored": [[1, 0], [2, 1], [3, 2], [4, 3]], "host": {"lru": [3, 2, 1, 0]}, "host_in_use": 4},
+    # 5 (no hash) -> head; 4, 3, 2, 1 -> tail. The host tier is untouched.
+    {"free_queue": [5, 4, 3, 2, 1], "stored": [], "host": {"lru": [3, 2, 1, 0]}},
+    # b pops 5, 4 (evicts a4), 3 (evicts a3): the device keeps a1, a2 only. b1 (block 5) -> slot 4,
+    # b2 (block 4) -> slot 5, the two free slots: no host eviction. Touch b2, then b1 (MRU).
+    {"blocks": [5, 4, 3], "cached": [1, 2, 4, 5], "free_queue": [2, 1], "stored": [[5, 4], [4, 5]],
+     "host": {"lru": [3, 2, 1, 0, 5, 4]}, "host_in_use": 6},
+    {"free_queue": [3, 2, 1, 4, 5]},  # 3 (no hash) -> head; 4, 5 -> tail
+    # A again: device hits a1, a2 (blocks 1, 2); the host holds exactly the evicted a3 (slot 2) and
+    # a4 (slot 3): cap (17 - 1) // 4 = 4 = 2 + 2. 3 new blocks from the head after touching 1, 2:
+    # 3, 4, 5; a3 -> block 3, a4 -> block 4. Nothing new is full past the hits: nothing stored.
+    # Touch a4 then a3 (MRU).
+    {"ok": True, "hit_blocks": [1, 2], "hit_tokens": 8, "new_blocks": [3, 4, 5], "blocks": [1, 2, 3, 4, 5],
+     "cached": [1, 2, 3, 4], "free_queue": [], "host_hit_blocks": 2, "loaded": [[2, 3], [3, 4]],
+     "stored": [], "host": {"lru": [1, 0, 5, 4, 3, 2]}, "host_in_use": 6},
+    # 20 tokens fill block 5 (a5): stored; the tier is full, so LRU slot 1 (a2) is evicted for it.
+    {"new_blocks": [], "cached": [1, 2, 3, 4, 5], "host_hit_blocks": 0, "stored": [[5, 1]],
+     "host": {"lru": [0, 5, 4, 3, 2, 1]}},
+    # b1, b2 are host hits (slots 4, 5), but 3 blocks > 0 free: fails, and nothing is touched.
+    {"ok": False, "blocks": [], "free_queue": [], "host_hit_blocks": 0, "loaded": [], "stored": [],
+     "host": {"lru": [0, 5, 4, 3, 2, 1]}, "host_in_use": 6},
+    {"free_queue": [5, 4, 3, 2, 1]},  # all five hashed -> tail, last block first
+    # no device hit (b's blocks lost their hashes when c took them); host hits b1, b2: pops 5, 4, 3.
+    # Touch b2 (slot 5) then b1 (slot 4, MRU).
+    {"ok": True, "hit_blocks": [], "new_blocks": [5, 4, 3], "cached": [1, 2, 4, 5], "free_queue": [2, 1],
+     "host_hit_blocks": 2, "loaded": [[4, 5], [5, 4]], "stored": [], "host": {"lru": [0, 3, 2, 1, 5, 4]}},
+    {"free_queue": [3, 2, 1, 4, 5]},
+    # the device prefix cache is emptied; the host tier keeps all six.
+    {"ok": True, "cached": [], "host": {"lru": [0, 3, 2, 1, 5, 4]}, "host_in_use": 6},
+    # no device hit; the host run is a1 (slot 0) only (a2 was evicted) -> loaded into block 3, touched.
+    # Then a2, a3, a4 (blocks 2, 1, 4) are offered: a3 (slot 2), a4 (slot 3) are resident, so
+    # protected; a2 needs a slot: the LRU end is 3, 2 (protected), then 1 (a5): evicted, a2 -> 1.
+    # Then the touch of a2, a3, a4, last to first: [5, 4, 0] + [3, 2, 1].
+    {"ok": True, "hit_blocks": [], "new_blocks": [3, 2, 1, 4, 5], "cached": [1, 2, 3, 4], "num_free": 0,
+     "host_hit_blocks": 1, "loaded": [[0, 3]], "stored": [[2, 1]], "host": {"lru": [5, 4, 0, 3, 2, 1]},
+     "host_in_use": 6},
+]
+
+
+def test_host_tier_lru():
+    check(run_lib(HOST_LRU), HOST_LRU_EXPECTED)
+
+
+def test_host_tier_arc_promotes_a_host_hit_to_t2():
+    # 3 usable device blocks, 3 host slots, ARC (p stays 0: only resident hashes are touched).
+    ops = [init(4, 4, host_blocks=3, host_policy="arc"), add("a", [7] * 9), free("a"), add("b", [5] * 5),
+           free("b"), add("c", [7] * 9), free("c"), add("d", [6] * 5)]
+    a1 = "%08x%08x" % request_block_hashes_np([7] * 9, 4)[0]
+
+    def arc(t1, t2, b1=()):
+        return {"t1": t1, "t2": t2, "b1": list(b1), "b2": [], "p": 0}
+
+    check(run_lib(ops), [
+        {"host": arc([], [])},
+        # a1, a2 (blocks 1, 2) -> slots 0, 1, into T1; touched a2 then a1: they stay in T1 (just stored).
+        {"blocks": [1, 2, 3], "stored": [[1, 0], [2, 1]], "host": arc([1, 0], [])},
+        {"free_queue": [3, 2, 1]},
+        # b pops 3, 2 (evicts a2 on the device); b1 (block 3) -> slot 2.
+        {"blocks": [3, 2], "cached": [1, 3], "stored": [[3, 2]], "host": arc([1, 0, 2], []), "host_in_use": 3},
+        {"free_queue": [2, 1, 3]},
+        # device hit a1 (block 1), host hit a2 (slot 1) -> block 2; a T1 hit moves to T2.
+        {"hit_blocks": [1], "new_blocks": [2, 3], "host_hit_blocks": 1, "loaded": [[1, 2]], "stored": [],
+         "cached": [1, 2], "host": arc([0, 2], [1])},
+        {"free_queue": [3, 2, 1]},
+        # d1 (block 3) needs a slot: |T1| = 2 >= p = 0, so T1's LRU end, slot 0 (a1), goes to B1.
+        {"blocks": [3, 2], "stored": [[3, 0]], "host": arc([2, 0], [1], [a1]), "host_in_use": 3},
+    ])
+
+
+def test_host_tier_through_the_command(tmp_path):
+    res = run_cli([init(4, 4, host_blocks=2), add("a", [7] * 9)], tmp_path, "--show")
+    assert res.returncode == 0, res.stderr
+    out = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert list(out[1])[-5:] == ["host_hit_blocks", "loaded", "stored", "host", "host_in_use"]
+    # a1, a2 stored in slots 0, 1; a1 touched last, so the LRU end is slot 1.
+    assert "host tier (2 slots, lru, LRU end first) lru: 1 0" in res.stdout
+
+
+def test_no_host_tier_adds_no_fields():
+    outs = run_lib([init(4, 4, host_blocks=0, host_policy="arc"), add("a", [7] * 9)])
+    assert not {"host", "host_in_use", "stored", "loaded", "host_hit_blocks"} & set(outs[1])
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"host_blocks": -1}, "host_blocks must be an int >= 0, got -1"),
+    ({"host_blocks": 1.5}, "host_blocks must be an int >= 0, got 1.5"),
+    ({"host_blocks": True}, "host_blocks must be an int >= 0, got true"),
+    ({"host_blocks": 4097}, "host_blocks must be at most 4,096, got 4,097"),
+    ({"host_blocks": 2, "host_policy": "fifo"}, 'host_policy must be one of "lru", "arc", got "fifo"'),
+    ({"host_blocks": 2, "host_policy": None}, 'host_policy must be one of "lru", "arc", got null'),
+    ({"host_blocks": 2, "prefix_caching": False}, "host_blocks=2 needs prefix_caching true"),
+    ({"host_size": 2}, "unknown key(s) ['host_size']"),
+])
+def test_bad_host_init_names_the_key(extra, message):
+    err, _, _ = _error([json.dumps(init(6, 4)), json.dumps({**init(6, 4), **extra})])
+    assert err.startswith("line 2: " + message), err
