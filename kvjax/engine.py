@@ -47,6 +47,14 @@ compiles a handful of programs, never one per step:
   preempted runs alone, since the next one may admit. Every `ok` flag the pool returns in
   the loop is checked; a refusal raises `SchedulerError` naming the request and the counts.
 
+Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`):
+the scheduler keeps its index (kvjax.host_cache) and plans, at admission, the loads of host
+hits that follow a request's device prefix hits (`StepPlan.loads`); the engine copies those
+pages into their fresh blocks before the step (kvjax.offload.HostPages.load) and, after the
+step, copies out the blocks that the step computed in full and the tier newly took
+(`Scheduler.take_stores`), without waiting for the copies. Each `generate` call starts with
+an empty tier, as it starts with an empty pool.
+
 The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
 the reference attention reads every position of the table it is given, so a short batch is
 not charged for max_model_len.
@@ -277,9 +285,12 @@ class Engine:
             policy=config.policy, chunked_prefill=config.chunked_prefill,
             num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
         if config.kv_layout == "contiguous":
-            self.cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
+            cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
         else:
-            self.cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
+            cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
+        # Committed to the device, as every step's output is: otherwise the first call of each
+        # compiled step would see an uncommitted cache, a second jit cache entry to compile.
+        self.cache = jax.device_put(cache, jax.devices()[0])
         self.scheduler: Scheduler | None = None  # the latest run's, for inspection
         self.host_pages: offload.HostPages | None = None  # the latest run's host tier pages
 

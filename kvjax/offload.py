@@ -23,6 +23,7 @@ is the tier's size: floor(gib × 2**30 / bytes per block), vLLM's `kv_offloading
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ def _paged_leaves(cache) -> list[jax.Array]:
 
 
 def _row_bytes(x) -> int:
-    return x[0].size * x.dtype.itemsize
+    return math.prod(x.shape[1:]) * x.dtype.itemsize
 
 
 def block_nbytes(cache) -> int:

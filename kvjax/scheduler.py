@@ -22,6 +22,17 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
    `chunked_prefill=False` (vLLM's `enable_chunked_prefill=False`) a request is admitted only
    if all of its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
+Host offload tier (`num_host_blocks` > 0; vLLM's OffloadingConnector, scheduler side): at
+admission, after the device prefix hits, the request's hash chain continues in the tier
+(kvjax.host_cache.lookup, capped so the last token is still computed); its contiguous host
+hits take fresh blocks in the same `allocate_slots` call and count as computed tokens (vLLM's
+external tokens), so only the rest is scheduled, and the plan lists their copies
+(`StepPlan.loads`; the slots stay pinned until `loads_done`). If the pool has no room for
+them and the rest, the request waits like any admission. After every step (`update`,
+`apply_decode_steps`), the blocks the step computed in full are offered to the tier
+(`host_cache.store`), which keeps the hashes it lacks and evicts by its policy (LRU or ARC);
+`take_stores` hands the engine the copies to make.
+
 `schedule()` reads as those steps: `_schedule_running` (with `_preempt_for` when the pool is
 short), then `_admit_waiting`, then `_plan`. Each piece of request state has one owner: the
 host `Request` holds tokens, output and status; the pool holds block tables and how many
