@@ -15,6 +15,7 @@
 #   memory_*      kvjax memory on a small model and on Llama-3-8B-shaped random weights (issue 7)
 #   decode_sweep  the engine on Llama-3-8B-shaped random bf16 weights: bf16 vs fp8 KV, pallas vs reference (issue 8)
 #   allocator_step one decode step's block allocation for 64 and 512 requests (issue 15: <= 100 us at 512)
+#   offload_bandwidth host <-> device GB/s of the host tier's block loads and stores vs block size (issue 16)
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -40,7 +41,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 }
 
 step env 15 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
-step kernel_tests 100 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
+step kernel_tests 90 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
   --junitxml="$OUT_DIR/kernel_tests.xml"
 step kernel_bench 60 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 40
 
@@ -70,7 +71,7 @@ export PY OUT_DIR KVJAX_MEMORY_ARGS
 MEMORY_SMALL=${KVJAX_MEMORY_SMALL:-small-gqa}
 [ "$MEMORY_SMALL" != small-gqa ] || [ -d models/checkpoints/small-gqa ] || MEMORY_SMALL=preset:tiny
 step memory_small 20 bash -c 'memory_check small "$0" 512' "$MEMORY_SMALL"
-step memory_llama8b 50 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMORY_BIG:-preset:llama-3-8b}"
+step memory_llama8b 45 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMORY_BIG:-preset:llama-3-8b}"
 
 # ---- decode (issue 8) ------------------------------------------------------------------------
 # kvjax.engine (8 decode steps per call) on Llama-3-8B's shapes, 2 of its 32 layers, random bf16
@@ -86,6 +87,12 @@ step decode_sweep 30 "$PY" -m experiments.decode_bench --sweep-kv --layers 2 --t
 # inside lax.scan (the device loop's cost), in $OUT_DIR/allocator_step.json; exit 1 if the scan
 # step at 512 requests takes over 100 us. (kernel_tests 120 → 100 s made room.)
 step allocator_step 20 "$PY" -m experiments.allocator_bench --device-step --out "$OUT_DIR"
+
+# ---- host offload tier (issue 16) -----------------------------------------------------------------
+# HostPages.load / store of 32 Llama-3-8B-shaped bf16 blocks (128 KiB per token) at block sizes 1,
+# 4, 16 and 64 tokens: GB/s each way, pages in pinned_host memory, in $OUT_DIR/offload_bandwidth.*.
+# (kernel_tests 100 → 90 s and memory_llama8b 50 → 45 s made room.)
+step offload_bandwidth 15 "$PY" -m experiments.offload_bench --bandwidth --out "$OUT_DIR"
 
 echo "=== status"
 cat "$STATUS"

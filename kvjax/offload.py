@@ -46,7 +46,8 @@ def host_blocks(gib, bytes_per_block: int, name: str = "kv_offload_gib") -> int:
     negative, non-finite or non-numeric size and a positive one below a single block."""
     nbytes = budget.gib(gib, name)
     if nbytes and nbytes < bytes_per_block:
-        raise OffloadError(f"{name}={gib!r}: {nbytes:,} bytes is smaller than one block of {bytes_per_block:,} bytes")
+        raise OffloadError(f"{name} {gib!r} GiB = {nbytes:,} bytes is smaller than one block of "
+                           f"{bytes_per_block:,} bytes")
     return nbytes // bytes_per_block
 
 

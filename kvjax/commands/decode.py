@@ -137,6 +137,9 @@ def run(args) -> int:
         most = max((r["max_tokens"] for r in requests if isinstance(r["max_tokens"], int)), default=1)
         longest = min(max((len(r["tokens"]) for r in requests), default=1) + most, max_len)
         num_blocks = 1 + args.max_num_seqs * math.ceil(longest / z)
+    from kvjax.offload import host_blocks
+
+    host_blocks(args.kv_offload_gib, loaded.config.kv_spec(args.kv_dtype).bytes_per_block(z), "--kv-offload-gib")
     llm = LLM(loaded, kv_dtype=args.kv_dtype, scales=scales, block_size=z, num_blocks=num_blocks,
               gpu_memory_utilization=args.util, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enable_prefix_caching=not args.no_prefix_caching, attn_impl=args.attn_impl,
