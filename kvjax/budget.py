@@ -95,6 +95,13 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def pow2_bucket(n: int, lo: int = 1, hi: int | None = None) -> int:
+    """The smallest power of two >= max(n, lo), capped at hi (callers guarantee n <= hi): the
+    padded sizes that let a jitted call compile once per bucket rather than once per size."""
+    b = 1 << (max(n, lo) - 1).bit_length()
+    return b if hi is None else min(hi, b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything `kvjax plan` prints. Byte counts are ints; `*_exact` values are unrounded."""

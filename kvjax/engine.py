@@ -79,6 +79,7 @@ from flax import struct
 from kvjax import kv_cache_manager as manager
 from kvjax import offload, sampling
 from kvjax.attention.metadata import build_metadata, decode_metadata
+from kvjax.budget import pow2_bucket
 from kvjax.cache import ContiguousCache, PagedCache
 from kvjax.errors import KvjaxError
 from kvjax.sampling import SamplingParams
@@ -152,11 +153,6 @@ class RequestResult:
 class EngineRun:
     results: list[RequestResult]
     summary: Summary
-
-
-def _pow2_bucket(n: int, lo: int, hi: int) -> int:
-    """The smallest power of two >= max(n, lo), capped at hi (callers guarantee n <= hi)."""
-    return min(hi, 1 << (max(n, lo) - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------- device calls
@@ -416,11 +412,11 @@ class Engine:
         total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
         rows = [self._rows[r] for r in plan.req_ids]
-        width = _pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), sched.max_blocks)
-        tokens_bucket = _pow2_bucket(total, MIN_STEP_TOKENS, budget)
+        width = pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), sched.max_blocks)
+        tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
                             block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
-                            rows=rows, max_query_len=_pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket))
+                            rows=rows, max_query_len=pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket))
         tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
         sampled, logprobs, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
                                                      self._sampling_rows(plan, rows))
@@ -435,12 +431,12 @@ class Engine:
         b = cfg.max_num_seqs
         # A step that preempted skipped admission (vLLM does too): the next one may admit.
         max_steps = 1 if plan.preempted else k
-        width = _pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
+        width = pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
                              sched.max_blocks)
         rows = [self._rows[r] for r in plan.req_ids]
         slots = np.full(b, -1, np.int32)
         tokens, computed, remaining = (np.zeros(b, np.int32) for _ in range(3))
-        width_stop = _pow2_bucket(max(len(self._active[r].stop_ids) for r in plan.req_ids), 1, 1 << 30)
+        width_stop = pow2_bucket(max(len(self._active[r].stop_ids) for r in plan.req_ids))
         stop_ids = np.full((b, width_stop), -1, np.int32)
         for i, (rid, row) in enumerate(zip(plan.req_ids, rows)):
             req, a = sched.requests[rid], self._active[rid]

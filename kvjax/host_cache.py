@@ -62,6 +62,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.block_pool import NOT_LISTED, close_up, count_before, ordered
+from kvjax.budget import pow2_bucket
 from kvjax.errors import KvjaxError, require
 
 POLICIES = ("lru", "arc")
@@ -80,6 +81,16 @@ class HostIndex:
     ghost_hash: jax.Array  # u32[2, G, 2] ARC B1 (row 0) and B2 (row 1) hashes; G = H (0 for LRU)
     ghost_pos: jax.Array  # i32[2, G] position in B1 / B2 (0 = oldest); INT32_MAX = empty cell
     target: jax.Array  # i32[] ARC's target size p of T1, in [0, H]; 0 for LRU
+
+
+def pad_hashes(rows, size: int | None = None) -> np.ndarray:
+    """Block hashes u32[n, 2] zero padded to `size` rows (default: a power of two), the N of
+    every operation here, whose jitted forms compile once per N. Pass n (or a mask) for the
+    live rows."""
+    rows = np.asarray(rows, np.uint32).reshape(-1, 2)
+    out = np.zeros((pow2_bucket(len(rows)) if size is None else size, 2), np.uint32)
+    out[: len(rows)] = rows
+    return out
 
 
 def init(num_host_blocks: int, policy: str = "lru") -> HostIndex:

@@ -17,8 +17,9 @@ bytes, the worker side of vLLM's OffloadingConnector (`vllm/v1/kv_offload/worker
   blocks of the (donated) cache; the step that reads them is dispatched after it.
 
 Block counts are padded to powers of two (padding moves the null block 0, which no request
-reads), so a run compiles a handful of gather / scatter programs. `host_blocks(gib, spec, Z)`
-is the tier's size: floor(gib × 2**30 / bytes per block), vLLM's `kv_offloading_size`.
+reads), so a run compiles a handful of gather / scatter programs. `host_blocks(gib,
+bytes_per_block)` is the tier's size: floor(gib × 2**30 / bytes per block), vLLM's
+`kv_offloading_size`.
 """
 from __future__ import annotations
 
@@ -30,11 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from kvjax import budget
+from kvjax import budget, host_cache
+from kvjax.budget import pow2_bucket
 from kvjax.errors import KvjaxError
-
-POLICIES = ("lru", "arc")
-
 
 class OffloadError(KvjaxError):
     """A host tier sized or configured with a bad value; the message names it."""
@@ -52,8 +51,8 @@ def host_blocks(gib, bytes_per_block: int, name: str = "kv_offload_gib") -> int:
 
 
 def check_policy(policy) -> str:
-    if policy not in POLICIES:
-        raise OffloadError(f"kv offload policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy not in host_cache.POLICIES:
+        raise OffloadError(f"kv offload policy must be one of {', '.join(host_cache.POLICIES)}, got {policy!r}")
     return policy
 
 
@@ -66,7 +65,8 @@ def _per_block(cache):
 
 
 def _paged_leaves(cache) -> list[jax.Array]:
-    return [x for x in jax.tree_util.tree_leaves(cache) if _per_block(cache)(x)]
+    per_block = _per_block(cache)
+    return [x for x in jax.tree_util.tree_leaves(cache) if per_block(x)]
 
 
 def _row_bytes(x) -> int:
@@ -109,10 +109,6 @@ def _scatter(cache, blocks, *pages):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 class HostPages:
     """`num_slots` host pages of one block each (module docstring). Byte counters are what
     crossed the host link in each direction."""
@@ -134,11 +130,6 @@ class HostPages:
         self._pending: list[tuple[int, jax.Array]] = []  # NumPy mode: copies not yet read back
         self.bytes_stored = self.bytes_loaded = 0
 
-    @property
-    def nbytes(self) -> int:
-        """The tier's capacity in bytes (num_slots whole blocks)."""
-        return self.num_slots * self.bytes_per_block
-
     def _flush(self) -> None:
         for slot, page in self._pending:
             self.pages[slot] = np.asarray(page)
@@ -150,7 +141,7 @@ class HostPages:
         if n == 0:
             return
         self._flush()
-        padded = np.zeros(_bucket(n), np.int32)
+        padded = np.zeros(pow2_bucket(n), np.int32)
         padded[:n] = blocks
         pages = _gather(cache, padded, n=len(padded))[:n]
         if self._host is not None:
@@ -173,14 +164,9 @@ class HostPages:
         if missing:
             raise OffloadError(f"host slot {missing[0]} holds no page: the index and the pages disagree")
         pages = jax.device_put([self.pages[int(s)] for s in slots], self._device)
-        m = _bucket(n)
+        m = pow2_bucket(n)
         pages += [pages[0]] * (m - n)  # padding rows rewrite the null block 0, which no request reads
         padded = np.zeros(m, np.int32)
         padded[:n] = blocks
         self.bytes_loaded += n * self.bytes_per_block
         return _scatter(cache, padded, *pages)
-
-    def page(self, slot: int) -> np.ndarray:
-        """Host slot's bytes as NumPy (for tests and inspection)."""
-        self._flush()
-        return np.asarray(self.pages[slot])

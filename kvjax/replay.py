@@ -170,10 +170,7 @@ class Replay:
     def _hashes(s: manager.KVCacheManager, slot: int, first: int, end: int) -> np.ndarray:
         """The request's block hashes first .. end - 1, u32[N, 2], zero padded to a power of two
         (the tier's jitted calls compile once per N, and their work is O(N × H))."""
-        rows = np.asarray(s.reqs.req_hash[slot])[first:end]
-        out = np.zeros((1 << max(len(rows) - 1, 0).bit_length(), 2), np.uint32)
-        out[: len(rows)] = rows
-        return out
+        return host_cache.pad_hashes(np.asarray(s.reqs.req_hash[slot])[first:end])
 
     def _load(self, hashes: np.ndarray, n: int, blocks: list[int]):
         """The scheduler's _host_load and the engine's loads_done in one: pin hashes[:n] (host

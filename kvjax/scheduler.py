@@ -67,6 +67,7 @@ import numpy as np
 
 from kvjax import hashing, host_cache
 from kvjax import kv_cache_manager as manager
+from kvjax.budget import pow2_bucket
 from kvjax.errors import KvjaxError
 
 
@@ -344,9 +345,7 @@ class Scheduler:
         cap = (req.num_tokens - 1) // self.config.block_size - num_hits
         if self.host is None or cap <= 0:
             return None, 0
-        hashes = np.zeros((self.max_blocks, 2), np.uint32)
-        row = np.asarray(self.state.reqs.req_hash[req.slot])[num_hits:]
-        hashes[: len(row)] = row
+        hashes = host_cache.pad_hashes(np.asarray(self.state.reqs.req_hash[req.slot])[num_hits:], self.max_blocks)
         return hashes, int(host_cache.lookup(self.host, hashes, cap))
 
     def _host_load(self, req: Request, hashes: np.ndarray, num_hits: int, n: int, step: "_Step") -> None:
@@ -361,7 +360,7 @@ class Scheduler:
     def loads_done(self, plan: StepPlan) -> None:
         """The engine copied the plan's loads in: unpin their host slots (complete_load)."""
         if len(plan.loads):
-            slots = np.full(_pow2(len(plan.loads)), -1, np.int32)
+            slots = np.full(pow2_bucket(len(plan.loads)), -1, np.int32)
             slots[: len(plan.loads)] = plan.loads[:, 0]
             self.host, ok = host_cache.complete_load(self.host, slots, len(plan.loads))
             _require(ok, f"the host tier refused to unpin slots {plan.loads[:, 0].tolist()} after their load")
@@ -377,8 +376,7 @@ class Scheduler:
             return
         block_hash, has_hash = jax.device_get((self.state.pool.block_hash, self.state.pool.has_hash))
         blocks = [b for b in blocks if has_hash[b]]
-        hashes = np.zeros((_pow2(len(blocks)), 2), np.uint32)
-        hashes[: len(blocks)] = np.asarray(block_hash)[blocks].reshape(-1, 2)
+        hashes = host_cache.pad_hashes(np.asarray(block_hash)[blocks])
         mask = np.arange(len(hashes)) < len(blocks)
         self.host, slots, stored = host_cache.store(self.host, hashes, mask)
         self.stores += [(b, int(s)) for b, s, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
@@ -485,11 +483,6 @@ class Scheduler:
         for req in finished:
             self._finish(req)
         return [r.req_id for r in finished]
-
-
-def _pow2(n: int) -> int:
-    """Pad lengths to powers of two: the host tier's jitted calls compile once per bucket."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _require(ok, message: str) -> None:
