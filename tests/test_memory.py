@@ -1,6 +1,7 @@
 """Device measurement helpers: live-array bytes and XLA memory analysis on CPU, and measured
 bytes against the analytic ones (KV pages, weights); kvjax.sizing's profile → budget → blocks
 called as a library function, against the budget formula worked out here."""
+import gc
 import math
 
 import jax
@@ -11,6 +12,17 @@ import pytest
 from kvjax import memory
 from kvjax.cache import PagedCache
 from kvjax.spec import KVSpec
+
+
+@pytest.fixture(autouse=True)
+def _no_collection_while_measuring():
+    """The tests count live bytes before and after an allocation: a garbage collection in
+    between would free arrays that an earlier test left in reference cycles and shift the
+    count, so collect first and hold the collector off during the test."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def test_live_bytes_track_allocations_exactly():
