@@ -12,7 +12,9 @@ of `distributed/kv_transfer/kv_connector/v1/offloading_connector.py`:
             first block of a prefix ends most recent and a prefix is evicted from its tail.
             ARC: a T1 hit moves to T2's MRU end, a T2 hit to T2's MRU end; a hash in ghost
             list B1 raises the target p by max(1, |B2| // |B1|) (at most H), one in B2 lowers
-            it by max(1, |B1| // |B2|) (at least 0), in that walk order (`arc_manager.py`).
+            it by max(1, |B1| // |B2|) (at least 0), in that walk order, and moves to its
+            ghost list's MRU end (`arc_manager.py`). A hash in none of the lists is ignored:
+            the connector touches all of a request's block hashes, resident or not.
 * prepare_load / complete_load = ref count +1 / -1: a block with ref count > 0 (a load in
             flight) is never evicted.
 * store   = vLLM's prepare_store, complete_store and the touch its connector calls right after:
@@ -22,9 +24,11 @@ of `distributed/kv_transfer/kv_connector/v1/offloading_connector.py`:
             does not fall back from T2 to T1, and neither do we). Evictable = ref count 0 and
             not among the masked hashes (`cpu/manager.py` protects a store's own hashes). ARC
             victims go to the MRU end of B1 / B2, each ghost list then trimmed to its H most
-            recent; a stored hash enters T1 (never T2) and leaves the ghost lists. Then all
-            masked resident hashes are touched; the ones just stored stay in T1 (vLLM's touch
-            sees them not yet loadable, so not a second use).
+            recent; a stored hash enters T1 (never T2) and leaves the ghost lists. Then, if
+            any hash was newly stored, all masked resident hashes are touched; the ones just
+            stored stay in T1 (vLLM's touch sees them not yet loadable, so not a second use).
+            (The connector then touches the request's earlier blocks too: the caller's
+            touch, kvjax.scheduler.)
 
 Where kvjax differs from vLLM: vLLM's prepare_store is all-or-nothing (None when it cannot
 evict enough); here the hashes are stored in order until no victim is left and the rest are
@@ -32,8 +36,7 @@ not stored. A hash repeated in one store is stored once (vLLM, silent on repeats
 allocate two slots and leak one); the repeat is not a second use, as vLLM's touch rule for
 not-yet-loadable blocks says. p is an integer, as in `arc_manager.py` (`cpu/policies/arc.py`
 later made it a float). Free slots are taken lowest id first (vLLM's ids come from a free
-list; slot ids are not part of the policy). The connector skips its touch when nothing new
-was stored; here store always touches.
+list; slot ids are not part of the policy).
 
 ARC and its paper (Megiddo & Modha, FAST 2003). vLLM's code is explicit on every ARC rule
 used here, so none comes from the paper; where vLLM departs from it, kvjax follows vLLM:
@@ -193,7 +196,22 @@ def touch(state: HostIndex, hashes, n):
     last = hashes.shape[0] - 1  # the walk runs last to first; each step clamps to [0, H]
     p = jax.lax.fori_loop(0, hashes.shape[0],
                           lambda i, p: jnp.clip(p + step[last - i], 0, state.num_slots), state.target)
-    return state.replace(target=p)
+    ghost_pos = jnp.stack([_ghost_to_mru(state.ghost_hash[r], state.ghost_pos[r], hashes, hit)
+                           for r, hit in ((0, in_b1), (1, in_b2))])
+    return state.replace(target=p, ghost_pos=ghost_pos)
+
+
+def _ghost_to_mru(ghash, gpos, hashes, hit):
+    """A ghost hit also moves its ghost entry to its list's MRU end, in the walk's order (the
+    first hash ends most recent), so the ghost list keeps its recently asked-for entries."""
+    g = gpos.shape[0]
+    match = _same(hashes, ghash) & (gpos < NOT_LISTED)[None, :]  # bool[N, G]
+    cell = jnp.where(hit, jnp.argmax(match, axis=1), g)
+    sel = _first(hashes, hit)
+    moved = jnp.zeros(g, bool).at[cell].set(True, mode="drop")
+    rank = jnp.zeros(g, jnp.int32).at[jnp.where(sel, cell, g)].set(_suffix_rank(sel), mode="drop")
+    gpos = close_up(gpos, moved)
+    return jnp.where(moved, _length(gpos) + rank, gpos)
 
 
 @jax.jit
@@ -281,7 +299,7 @@ def store(state: HostIndex, hashes, mask):
         gh = jnp.where((gp < NOT_LISTED)[..., None], gh, jnp.uint32(0))
     state = state.replace(block_hash=block_hash, valid=valid, pos=pos, ghost_hash=gh, ghost_pos=gp)
     slot, resident = _find(state, hashes)
-    state = _move_to_mru(state, slot, first & resident, stored)
+    state = _move_to_mru(state, slot, first & resident & stored.any(), stored)  # no touch if nothing new
     return state, jnp.where(mask & resident, slot, -1), stored
 
 

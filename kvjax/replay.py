@@ -21,13 +21,15 @@ request behind, so a later op on that name is an unknown request). Blank lines a
 The host offload tier (`kvjax/host_cache.py`, vLLM's CPU offloading): `init` may add
 "host_blocks": H (default 0 = no tier; needs prefix_caching) and "host_policy": "lru" |
 "arc" (default "lru"). The trace then drives the tier by kvjax/scheduler.py's rules: `add`
+touches all of the request's full-block hashes (resident or not: ARC's ghost hits move p),
 takes device hits first, then the host tier's run of the hashes that follow (lookup, the
 total still capped at (num_tokens - 1) // Z blocks); those host hits get fresh device blocks
-in the same allocate_slots and count as computed, are pinned and touched (prepare_load,
-touch), and their copy completes within the op (complete_load), so ref counts are back to 0
-between ops. Then, as every scheduled token counts as computed, the blocks this op filled
-(past the device and host hits; for `append`, the blocks it newly filled) are offered to
-the tier in order (store, which evicts by policy). `reset_prefix_cache` resets the device
+in the same allocate_slots and count as computed, are pinned (prepare_load), and their copy
+completes within the op (complete_load), so ref counts are back to 0 between ops. Then, as
+every scheduled token counts as computed, the request's full blocks not yet offered are
+offered to the tier in order (store, which evicts by policy): on `add` from block 0, device
+hits included, or after the host hits when there were any; on `append`, from where the last
+offer stopped. When a store wrote anything, the request's earlier blocks are touched too. `reset_prefix_cache` resets the device
 prefix cache only: the tier keeps its copies, which no device block refers to. With a tier,
 every line gains host_hit_blocks (a count), loaded ([[host slot, device block], ...] copied
 in), stored ([[device block, host slot], ...] newly written), host_in_use, and host: the
@@ -78,6 +80,7 @@ class Replay:
                               "(host blocks are named by their hashes)")
         self.state = manager.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
         self.slots: dict[str, int] = {}
+        self.host_next: dict[str, int] = {}  # per request: the next block to offer the host tier
         self.host = host_cache.init(host_blocks, host_policy) if host_blocks else None  # the offload tier's index
 
     @property
@@ -120,18 +123,22 @@ class Replay:
                                  np.asarray(key, np.uint32))
         hits, nh = manager.get_computed_blocks(s, slot)
         nh = int(nh)
-        # The host tier continues the hash chain after the device hits, capped like them.
-        cap, nx, hashes = (len(tokens) - 1) // z - nh, 0, None
-        if self.host is not None and cap > 0:
+        # The host tier: all the request's full-block hashes are touched, then the hash chain
+        # continues after the device hits, capped like them.
+        cap, nx, hashes, host = (len(tokens) - 1) // z - nh, 0, None, self.host
+        if host is not None:
+            host = host_cache.touch(host, self._hashes(s, slot, 0, len(tokens) // z), len(tokens) // z)
+        if host is not None and cap > 0:
             hashes = self._hashes(s, slot, nh, nh + cap)
-            nx = int(host_cache.lookup(self.host, hashes, cap))
+            nx = int(host_cache.lookup(host, hashes, cap))
         # Host hits take fresh blocks and count as computed, so the op allocates nx*Z + the rest.
         s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * z, hits, nh)
         if not (bool(ok) and bool(ok2)):
             return self.view("add", name, False)
         blocks = manager.request_blocks(s, slot)
-        host, loaded = self._load(hashes, nx, blocks[nh:nh + nx])
-        host, stored = self._store(host, s, slot, nh + nx)
+        host, loaded = self._load(host, hashes, nx, blocks[nh:nh + nx])
+        # Offered to the tier: from block 0 (device hits too), or after the host hits.
+        host, stored, self.host_next[name] = self._store(host, s, slot, nh + nx if nx else 0)
         self.state, self.slots[name], self.host = s, slot, host
         return self.view("add", name, True, blocks[:nh], blocks[nh:], nx, loaded, stored)
 
@@ -140,12 +147,11 @@ class Replay:
         if int(self.state.reqs.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
             return self.view("append", name, False)  # longer than the pool: a failed append
         held = int(self.state.reqs.num_held[slot])
-        full = int(self.state.reqs.num_tokens[slot]) // self.state.reqs.block_size  # blocks full before
         s, ok = manager.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
         s, ok2 = manager.allocate_slots(s, slot, len(tokens))
         if not (bool(ok) and bool(ok2)):
             return self.view("append", name, False)
-        self.host, stored = self._store(self.host, s, slot, full)
+        self.host, stored, self.host_next[name] = self._store(self.host, s, slot, self.host_next[name])
         self.state = s
         return self.view("append", name, True, [], manager.request_blocks(s, slot)[held:], stored=stored)
 
@@ -156,7 +162,7 @@ class Replay:
         if not (bool(ok) and bool(ok2)):
             raise manager.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
         self.state = s
-        del self.slots[name]
+        del self.slots[name], self.host_next[name]
         return self.view("free", name, True)
 
     def reset_prefix_cache(self) -> dict:
@@ -172,28 +178,32 @@ class Replay:
         (the tier's jitted calls compile once per N, and their work is O(N × H))."""
         return host_cache.pad_hashes(np.asarray(s.reqs.req_hash[slot])[first:end])
 
-    def _load(self, hashes: np.ndarray, n: int, blocks: list[int]):
+    @staticmethod
+    def _load(host, hashes: np.ndarray, n: int, blocks: list[int]):
         """The scheduler's _host_load and the engine's loads_done in one: pin hashes[:n] (host
-        hits), touch them, copy them into device blocks, unpin. -> (new index, [[slot, block]])."""
+        hits), copy them into device blocks, unpin. -> (new index, [[slot, block]])."""
         if not n:
-            return self.host, []
-        host, slots = host_cache.prepare_load(self.host, hashes, n)
-        host = host_cache.touch(host, hashes, n)
+            return host, []
+        host, slots = host_cache.prepare_load(host, hashes, n)
         host, ok = host_cache.complete_load(host, slots, n)
         if not bool(ok):
             raise manager.PoolRefusedError(f"the host tier refused to unpin slots {np.asarray(slots[:n]).tolist()}")
         return host, [[int(x), b] for x, b in zip(np.asarray(slots[:n]), blocks)]
 
     def _store(self, host, s: manager.KVCacheManager, slot: int, first: int):
-        """Offer the tier the request's full blocks from logical block `first` on (the ones this
-        op computed: every scheduled token counts as computed). -> (new index, [[block, slot]])."""
+        """Offer the tier the request's full blocks from logical block `first` on (every
+        scheduled token counts as computed); when it stored any, touch blocks 0 .. first - 1
+        too (the connector touches the whole prefix). -> (new index, [[block, slot]], end)."""
         end = int(s.reqs.num_tokens[slot]) // s.reqs.block_size
         if host is None or end <= first:
-            return host, []
+            return host, [], max(first, end)
         hashes = self._hashes(s, slot, first, end)
         host, slots, stored = host_cache.store(host, hashes, np.arange(len(hashes)) < end - first)
         blocks = manager.request_blocks(s, slot)[first:end]
-        return host, [[b, int(x)] for b, x, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
+        new = [[b, int(x)] for b, x, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
+        if new and first > 0:
+            host = host_cache.touch(host, self._hashes(s, slot, 0, first), first)
+        return host, new, end
 
     # ------------------------------------------------------------------ views
     def view(self, op: str, name: str | None, ok: bool, hits=(), new=(), host_hits=0, loaded=(),

@@ -23,15 +23,17 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
    if all of its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
 Host offload tier (`num_host_blocks` > 0; vLLM's OffloadingConnector, scheduler side): at
-admission, after the device prefix hits, the request's hash chain continues in the tier
-(kvjax.host_cache.lookup, capped so the last token is still computed); its contiguous host
-hits take fresh blocks in the same `allocate_slots` call and count as computed tokens (vLLM's
-external tokens), so only the rest is scheduled, and the plan lists their copies
-(`StepPlan.loads`; the slots stay pinned until `loads_done`). If the pool has no room for
-them and the rest, the request waits like any admission. After every step (`update`,
-`apply_decode_steps`), the blocks the step computed in full are offered to the tier
-(`host_cache.store`), which keeps the hashes it lacks and evicts by its policy (LRU or ARC);
-`take_stores` hands the engine the copies to make.
+each admission attempt, all of the request's full-block hashes are touched first (resident
+or not, so an ARC ghost hit moves p); after the device prefix hits, the request's hash chain
+continues in the tier (kvjax.host_cache.lookup, capped so the last token is still
+computed); its contiguous host hits take fresh blocks in the same `allocate_slots` call and
+count as computed tokens (vLLM's external tokens), so only the rest is scheduled, and the
+plan lists their copies (`StepPlan.loads`; the slots stay pinned until `loads_done`). If
+the pool has no room for them and the rest, the request waits like any admission. After every step (`update`,
+`apply_decode_steps`), each request's full blocks not yet offered are offered to the tier
+(`host_cache.store`, which keeps the hashes it lacks and evicts by its policy, LRU or ARC):
+from block 0, device hits included, or from after its host hits; when it stored any, the
+request's earlier blocks are touched too. `take_stores` hands the engine the copies to make.
 
 `schedule()` reads as those steps: `_schedule_running` (with `_preempt_for` when the pool is
 short), then `_admit_waiting`, then `_plan`. Each piece of request state has one owner: the
@@ -128,6 +130,7 @@ class Request:
     num_preemptions: int = 0
     status: str = "waiting"  # waiting | running | finished
     finish_reason: str | None = None  # "length" | "stop" once finished
+    host_next: int = 0  # host tier: the next logical block to offer it (vLLM's next stored block)
 
     @property
     def tokens(self) -> list[int]:
@@ -332,6 +335,7 @@ class Scheduler:
                 return
             if nx:
                 self._host_load(req, host_hashes, int(nh), nx, step)
+                req.host_next = int(nh) + nx  # loaded blocks are not offered back
             self.waiting.remove(req)
             self.running.append(req)
             req.status = "running"
@@ -341,18 +345,25 @@ class Scheduler:
     def _host_lookup(self, req: Request, num_hits: int) -> tuple[np.ndarray | None, int]:
         """The request's block hashes after its num_hits device hits (u32[M, 2], zero padded) and
         how many of them, from the first, the host tier holds, capped like device hits so the
-        last token is computed."""
-        cap = (req.num_tokens - 1) // self.config.block_size - num_hits
-        if self.host is None or cap <= 0:
+        last token is computed. First, as vLLM's connector does at each admission attempt, all
+        of the request's full-block hashes are touched, resident or not (ARC: a ghost hit
+        moves p)."""
+        if self.host is None:
             return None, 0
-        hashes = host_cache.pad_hashes(np.asarray(self.state.reqs.req_hash[req.slot])[num_hits:], self.max_blocks)
+        z = self.config.block_size
+        req_hash = np.asarray(self.state.reqs.req_hash[req.slot])
+        full = req.num_tokens // z
+        self.host = host_cache.touch(self.host, host_cache.pad_hashes(req_hash[:full], self.max_blocks), full)
+        cap = (req.num_tokens - 1) // z - num_hits
+        if cap <= 0:
+            return None, 0
+        hashes = host_cache.pad_hashes(req_hash[num_hits:], self.max_blocks)
         return hashes, int(host_cache.lookup(self.host, hashes, cap))
 
     def _host_load(self, req: Request, hashes: np.ndarray, num_hits: int, n: int, step: "_Step") -> None:
-        """Pin the request's n host hits until loaded (prepare_load), mark them used (touch),
-        and plan their copies into the fresh blocks after its device hits."""
+        """Pin the request's n host hits until loaded (prepare_load) and plan their copies into
+        the fresh blocks after its device hits."""
         self.host, slots = host_cache.prepare_load(self.host, hashes, n)
-        self.host = host_cache.touch(self.host, hashes, n)
         blocks = np.asarray(self.state.reqs.block_table[req.slot])[num_hits:num_hits + n]
         step.loads += zip(np.asarray(slots[:n]).tolist(), blocks.tolist())
         self.host_hit_tokens += n * self.config.block_size
@@ -365,21 +376,30 @@ class Scheduler:
             self.host, ok = host_cache.complete_load(self.host, slots, len(plan.loads))
             _require(ok, f"the host tier refused to unpin slots {plan.loads[:, 0].tolist()} after their load")
 
-    def _store(self, tables, first, end) -> None:
-        """Offer the host tier the blocks that the step just computed in full: for each row,
-        logical blocks first[i] .. end[i] - 1 of tables[i]. It stores those whose hash it lacks
-        (evicting by its policy); `stores` lists the (device block, host slot) copies to make."""
-        if self.host is None:
-            return
-        blocks = [int(t[j]) for t, a, b in zip(tables, first, end) for j in range(a, b)]
-        if not blocks:
+    def _store(self, reqs: list[Request], tables, end) -> None:
+        """Offer the host tier each row's full blocks not yet offered: logical blocks
+        req.host_next .. end[i] - 1 of tables[i] (vLLM's connector starts a request at block 0,
+        device hits included, or after its host hits). Row by row, as the connector does: the
+        tier stores those whose hash it lacks (evicting by its policy), and when it stored any,
+        the row's earlier blocks are touched too (the connector touches the request's whole
+        prefix; store touched the new ones). `stores` lists the (device block, host slot)
+        copies to make."""
+        if self.host is None or not any(b > r.host_next for r, b in zip(reqs, end)):
             return
         block_hash, has_hash = jax.device_get((self.state.pool.block_hash, self.state.pool.has_hash))
-        blocks = [b for b in blocks if has_hash[b]]
-        hashes = host_cache.pad_hashes(np.asarray(block_hash)[blocks])
-        mask = np.arange(len(hashes)) < len(blocks)
-        self.host, slots, stored = host_cache.store(self.host, hashes, mask)
-        self.stores += [(b, int(s)) for b, s, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
+        block_hash = np.asarray(block_hash)
+        for req, t, b in zip(reqs, tables, end):
+            a, req.host_next = req.host_next, max(req.host_next, int(b))
+            blocks = [int(t[j]) for j in range(a, b) if has_hash[t[j]]]
+            if not blocks:
+                continue
+            hashes = host_cache.pad_hashes(block_hash[blocks])
+            self.host, slots, stored = host_cache.store(self.host, hashes, np.arange(len(hashes)) < len(blocks))
+            new = [(blk, int(s)) for blk, s, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
+            self.stores += new
+            if new and a > 0:
+                earlier = host_cache.pad_hashes(block_hash[np.asarray(t[:a])], self.max_blocks)
+                self.host = host_cache.touch(self.host, earlier, int(a))
 
     def take_stores(self) -> list[tuple[int, int]]:
         stores, self.stores = self.stores, []
@@ -416,7 +436,7 @@ class Scheduler:
         if sampled.shape[0] != plan.num_requests:
             raise SchedulerError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
         z = self.config.block_size
-        self._store(plan.block_tables, (plan.seq_lens - plan.num_scheduled) // z, plan.seq_lens // z)
+        self._store([self.requests[r] for r in plan.req_ids], plan.block_tables, plan.seq_lens // z)
         tokens = np.zeros(self.num_slots, np.int32)
         mask = np.zeros(self.num_slots, bool)
         finished = []
@@ -469,7 +489,7 @@ class Scheduler:
         steps, finished, z = sampled.shape[0], [], self.config.block_size
         if self.host is not None:
             tables = np.asarray(state.reqs.block_table)[plan.slots]
-            self._store(tables, (plan.seq_lens - 1) // z, (plan.seq_lens - 1 + steps) // z)
+            self._store([self.requests[r] for r in plan.req_ids], tables, (plan.seq_lens - 1 + steps) // z)
         for i, rid in enumerate(plan.req_ids):
             req = self.requests[rid]
             for step, token in enumerate(sampled[:, i]):

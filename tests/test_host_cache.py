@@ -129,6 +129,20 @@ def test_store_repeat_and_unmasked_entries():
 
 
 # ----------------------------------------------------------------------------- ARC
+def test_a_store_with_nothing_new_touches_nothing():
+    """vLLM's connector touches after a store only when the store wrote something."""
+    x = Both(4, "lru")
+    x.store([A, B])  # appended A, B, then touched B, A: A most recent
+    x.store([C])
+    assert hashes_of(x.entries()["lru"]) == [B, A, C]
+    x.store([B])  # resident: nothing written, so B is not moved either
+    assert hashes_of(x.entries()["lru"]) == [B, A, C]
+    y = Both(4, "arc")
+    y.store([A, B])
+    y.store([A])  # not a second use: A stays in T1
+    assert hashes_of(y.entries()["t1"]) == [B, A] and y.entries()["t2"] == []
+
+
 def arc_with_frequent_a_b():
     x = Both(4, "arc")
     x.store([A, B])
@@ -160,10 +174,10 @@ def test_arc_ghost_hits_move_p():
     assert hashes_of(e["b1"]) == [D, C] and hashes_of(e["t1"]) == [F, E] and [s for _, s, _ in e["t1"]] == [3, 2]
     x.touch([C])
     assert x.entries()["p"] == 1  # B1 hit: + max(1, |B2| // |B1|) = + 1
-    x.touch([D])
+    x.touch([D])  # p = 2, and D moves to B1's MRU end
     x.store([G])  # |T1| = 2 >= p = 2: from T1
-    assert hashes_of(x.entries()["b1"]) == [D, C, F] and hashes_of(x.entries()["t1"]) == [E, G]
-    x.touch([C, D])
+    assert hashes_of(x.entries()["b1"]) == [C, D, F] and hashes_of(x.entries()["t1"]) == [E, G]
+    x.touch([C, D])  # walked D then C: B1 becomes F, D, C
     assert x.entries()["p"] == 4  # capped at H
     x.store([H_])  # |T1| = 2 < p: the victim is T2's LRU block, B
     e = x.entries()
@@ -172,7 +186,7 @@ def test_arc_ghost_hits_move_p():
     assert x.entries()["p"] == 1  # B2 hit: - max(1, |B1| // |B2|) = - 3
     x.store([C])  # a ghost that is stored again leaves B1 and enters T1
     e = x.entries()
-    assert hashes_of(e["b1"]) == [D, F, E] and hashes_of(e["t1"])[-1] == C
+    assert hashes_of(e["b1"]) == [F, D, E] and hashes_of(e["t1"])[-1] == C  # E the T1 victim
 
 
 def test_arc_store_promotes_resident_t1_hashes():

@@ -144,6 +144,36 @@ def test_a_prefix_half_on_device_half_on_host_loads_exactly_the_missing_half():
     host_cache.check_invariants(sched.host)
 
 
+def test_admission_touches_every_block_hash_and_device_hits_are_offered_again():
+    """vLLM's connector at admission touches all of a request's full-block hashes, resident or
+    not (an ARC ghost hit moves p), and offers the tier a request's blocks from block 0, device
+    hits included, unless it loaded host hits. Worked by hand: 6 usable blocks of 4 tokens, a
+    tier of 2 slots; a (9 tokens: a1, a2) runs, then b (b1, b2) evicts a1, a2 from the tier
+    but not from the device (the queue after a is 3, 4, 5, 6, 2, 1: b takes 3, 4, 5)."""
+    a, b = list(range(100, 109)), list(range(200, 209))
+    for policy in ("lru", "arc"):
+        sched = Scheduler(SchedulerConfig(num_blocks=7, block_size=4, max_num_seqs=1, max_model_len=16,
+                                          num_host_blocks=2, host_policy=policy))
+        _run_alone(sched, "a", a)
+        a_hashes = [h for h, _, _ in host_cache.entries(sched.host)["t1" if policy == "arc" else "lru"]]
+        _run_alone(sched, "b", b)
+        sched.take_stores()
+        e = host_cache.entries(sched.host)
+        assert not set(a_hashes) & {h for h, _, _ in e["t1" if policy == "arc" else "lru"]}
+        sched.add_request("a2", a, 1)
+        plan = sched.schedule()
+        assert plan.block_tables[0, :2].tolist() == [1, 2] and len(plan.loads) == 0  # 2 device hits
+        if policy == "arc":
+            # a1, a2 are in B1 (|B1| = 2, |B2| = 0): each ghost hit raises p by max(1, 0 // 2) = 1.
+            assert int(sched.host.target) == 2
+            continue
+        sched.update(plan, np.zeros(1, np.int32))
+        # LRU: after the step, a1 and a2 (the device hits, blocks 1 and 2) go back to the tier,
+        # evicting b's two blocks.
+        assert sorted(blk for blk, _ in sched.take_stores()) == [1, 2]
+        assert sorted(h for h, _, _ in host_cache.entries(sched.host)["lru"]) == sorted(a_hashes)
+
+
 def test_scheduler_config_refuses_a_tier_without_prefix_caching():
     with pytest.raises(KvjaxError, match="num_host_blocks=4"):
         SchedulerConfig(num_blocks=7, block_size=4, num_host_blocks=4, prefix_caching=False, max_model_len=8)

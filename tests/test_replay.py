@@ -337,34 +337,35 @@ HOST_LRU_EXPECTED = [
     {"blocks": [5, 4, 3], "cached": [1, 2, 4, 5], "free_queue": [2, 1], "stored": [[5, 4], [4, 5]],
      "host": {"lru": [3, 2, 1, 0, 5, 4]}, "host_in_use": 6},
     {"free_queue": [3, 2, 1, 4, 5]},  # 3 (no hash) -> head; 4, 5 -> tail
-    # A again: device hits a1, a2 (blocks 1, 2); the host holds exactly the evicted a3 (slot 2) and
-    # a4 (slot 3): cap (17 - 1) // 4 = 4 = 2 + 2. 3 new blocks from the head after touching 1, 2:
-    # 3, 4, 5; a3 -> block 3, a4 -> block 4. Nothing new is full past the hits: nothing stored.
-    # Touch a4 then a3 (MRU).
+    # A again: first all of A's full-block hashes are touched, a4 to a1, all resident: lru becomes
+    # b2, b1, a4, a3, a2, a1 = [5, 4, 3, 2, 1, 0]. Device hits a1, a2 (blocks 1, 2); the host holds
+    # exactly the evicted a3 (slot 2) and a4 (slot 3): cap (17 - 1) // 4 = 4 = 2 + 2. 3 new blocks
+    # from the head after touching 1, 2: 3, 4, 5; a3 -> block 3, a4 -> block 4. A load is not a
+    # touch. Nothing is full past the hits: nothing offered (the next offer starts at block 4).
     {"ok": True, "hit_blocks": [1, 2], "hit_tokens": 8, "new_blocks": [3, 4, 5], "blocks": [1, 2, 3, 4, 5],
      "cached": [1, 2, 3, 4], "free_queue": [], "host_hit_blocks": 2, "loaded": [[2, 3], [3, 4]],
-     "stored": [], "host": {"lru": [1, 0, 5, 4, 3, 2]}, "host_in_use": 6},
-    # 20 tokens fill block 5 (a5): stored; the tier is full, so LRU slot 1 (a2) is evicted for it.
-    {"new_blocks": [], "cached": [1, 2, 3, 4, 5], "host_hit_blocks": 0, "stored": [[5, 1]],
-     "host": {"lru": [0, 5, 4, 3, 2, 1]}},
-    # b1, b2 are host hits (slots 4, 5), but 3 blocks > 0 free: fails, and nothing is touched.
+     "stored": [], "host": {"lru": [5, 4, 3, 2, 1, 0]}, "host_in_use": 6},
+    # 20 tokens fill block 5 (a5): stored; the tier is full, so LRU slot 5 (b2) is evicted for it.
+    # Something was stored, so c's earlier blocks a4 .. a1 (slots 3 .. 0) are touched after it.
+    {"new_blocks": [], "cached": [1, 2, 3, 4, 5], "host_hit_blocks": 0, "stored": [[5, 5]],
+     "host": {"lru": [4, 5, 3, 2, 1, 0]}},
+    # 3 blocks > 0 free: fails, and a failed op leaves the tier as it was (no touch either).
     {"ok": False, "blocks": [], "free_queue": [], "host_hit_blocks": 0, "loaded": [], "stored": [],
-     "host": {"lru": [0, 5, 4, 3, 2, 1]}, "host_in_use": 6},
+     "host": {"lru": [4, 5, 3, 2, 1, 0]}, "host_in_use": 6},
     {"free_queue": [5, 4, 3, 2, 1]},  # all five hashed -> tail, last block first
-    # no device hit (b's blocks lost their hashes when c took them); host hits b1, b2: pops 5, 4, 3.
-    # Touch b2 (slot 5) then b1 (slot 4, MRU).
+    # touch b1 (slot 4; b2 is gone): [5, 3, 2, 1, 0, 4]. No device hit (b's blocks lost their
+    # hashes when c took them); the host run is b1 only: pops 5, 4, 3; b1 -> block 5. b2 (block
+    # 4) is offered from block 1 on: LRU slot 5 (a5) is evicted for it; then b1 is touched.
     {"ok": True, "hit_blocks": [], "new_blocks": [5, 4, 3], "cached": [1, 2, 4, 5], "free_queue": [2, 1],
-     "host_hit_blocks": 2, "loaded": [[4, 5], [5, 4]], "stored": [], "host": {"lru": [0, 3, 2, 1, 5, 4]}},
+     "host_hit_blocks": 1, "loaded": [[4, 5]], "stored": [[4, 5]], "host": {"lru": [3, 2, 1, 0, 5, 4]}},
     {"free_queue": [3, 2, 1, 4, 5]},
     # the device prefix cache is emptied; the host tier keeps all six.
-    {"ok": True, "cached": [], "host": {"lru": [0, 3, 2, 1, 5, 4]}, "host_in_use": 6},
-    # no device hit; the host run is a1 (slot 0) only (a2 was evicted) -> loaded into block 3, touched.
-    # Then a2, a3, a4 (blocks 2, 1, 4) are offered: a3 (slot 2), a4 (slot 3) are resident, so
-    # protected; a2 needs a slot: the LRU end is 3, 2 (protected), then 1 (a5): evicted, a2 -> 1.
-    # Then the touch of a2, a3, a4, last to first: [5, 4, 0] + [3, 2, 1].
+    {"ok": True, "cached": [], "host": {"lru": [3, 2, 1, 0, 5, 4]}, "host_in_use": 6},
+    # touch a4 .. a1 (slots 3 .. 0): [5, 4, 3, 2, 1, 0]. No device hit; the host run is a1 .. a4,
+    # the cap: loaded into the first four of the new blocks 3, 2, 1, 4, 5. Nothing offered.
     {"ok": True, "hit_blocks": [], "new_blocks": [3, 2, 1, 4, 5], "cached": [1, 2, 3, 4], "num_free": 0,
-     "host_hit_blocks": 1, "loaded": [[0, 3]], "stored": [[2, 1]], "host": {"lru": [5, 4, 0, 3, 2, 1]},
-     "host_in_use": 6},
+     "host_hit_blocks": 4, "loaded": [[0, 3], [1, 2], [2, 1], [3, 4]], "stored": [],
+     "host": {"lru": [5, 4, 3, 2, 1, 0]}, "host_in_use": 6},
 ]
 
 
@@ -372,14 +373,14 @@ def test_host_tier_lru():
     check(run_lib(HOST_LRU), HOST_LRU_EXPECTED)
 
 
-def test_host_tier_arc_promotes_a_host_hit_to_t2():
-    # 3 usable device blocks, 3 host slots, ARC (p stays 0: only resident hashes are touched).
+def test_host_tier_arc_touch_promotes_and_a_ghost_hit_moves_p():
+    # 3 usable device blocks, 3 host slots, ARC.
     ops = [init(4, 4, host_blocks=3, host_policy="arc"), add("a", [7] * 9), free("a"), add("b", [5] * 5),
-           free("b"), add("c", [7] * 9), free("c"), add("d", [6] * 5)]
-    a1 = "%08x%08x" % request_block_hashes_np([7] * 9, 4)[0]
+           free("b"), add("c", [7] * 9), free("c"), add("d", [6] * 5), free("d"), add("e", [5] * 5)]
+    b1, d1 = ("%08x%08x" % tuple(request_block_hashes_np(t, 4)[0]) for t in ([5] * 5, [6] * 5))
 
-    def arc(t1, t2, b1=()):
-        return {"t1": t1, "t2": t2, "b1": list(b1), "b2": [], "p": 0}
+    def arc(t1, t2, ghosts=(), p=0):
+        return {"t1": t1, "t2": t2, "b1": list(ghosts), "b2": [], "p": p}
 
     check(run_lib(ops), [
         {"host": arc([], [])},
@@ -389,12 +390,19 @@ def test_host_tier_arc_promotes_a_host_hit_to_t2():
         # b pops 3, 2 (evicts a2 on the device); b1 (block 3) -> slot 2.
         {"blocks": [3, 2], "cached": [1, 3], "stored": [[3, 2]], "host": arc([1, 0, 2], []), "host_in_use": 3},
         {"free_queue": [2, 1, 3]},
-        # device hit a1 (block 1), host hit a2 (slot 1) -> block 2; a T1 hit moves to T2.
+        # A's hashes are touched first, a2 then a1: a second use, T1 -> T2 (a1 most recent). Then
+        # device hit a1 (block 1), host hit a2 (slot 1) -> block 2.
         {"hit_blocks": [1], "new_blocks": [2, 3], "host_hit_blocks": 1, "loaded": [[1, 2]], "stored": [],
-         "cached": [1, 2], "host": arc([0, 2], [1])},
+         "cached": [1, 2], "host": arc([2], [1, 0])},
         {"free_queue": [3, 2, 1]},
-        # d1 (block 3) needs a slot: |T1| = 2 >= p = 0, so T1's LRU end, slot 0 (a1), goes to B1.
-        {"blocks": [3, 2], "stored": [[3, 0]], "host": arc([2, 0], [1], [a1]), "host_in_use": 3},
+        # d1 (block 3) needs a slot: |T1| = 1 >= p = 0, so T1's LRU end, slot 2 (b1), goes to B1.
+        {"blocks": [3, 2], "stored": [[3, 2]], "host": arc([2], [1, 0], [b1]), "host_in_use": 3},
+        {"free_queue": [2, 1, 3]},
+        # B again: touching b1 is a B1 ghost hit, p = 0 + max(1, |B2| // |B1|) = 1. No device hit
+        # (block 3 now holds d1), no host hit: pops 2, 1. Storing b1 (block 2): |T1| = 1 >= p = 1,
+        # so T1's LRU end, slot 2 (d1), goes to B1, and b1 leaves B1 as it is stored.
+        {"hit_blocks": [], "blocks": [2, 1], "cached": [2, 3], "host_hit_blocks": 0, "stored": [[2, 2]],
+         "host": arc([2], [1, 0], [d1], p=1)},
     ])
 
 

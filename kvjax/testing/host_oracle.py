@@ -78,8 +78,10 @@ class OracleHostIndex:
                 self.t2.move_to_end(h)
             elif h in self.b1:
                 self.p = min(self.p + max(1, len(self.b2) // len(self.b1)), self.num_slots)
+                self.b1.move_to_end(h)
             elif h in self.b2:
                 self.p = max(self.p - max(1, len(self.b1) // len(self.b2)), 0)
+                self.b2.move_to_end(h)
 
     def prepare_load(self, hashes: list[Hash], n: int) -> list[int]:
         out = [-1] * len(hashes)
@@ -127,7 +129,8 @@ class OracleHostIndex:
             (self.lru if self.policy == "lru" else self.t1)[h] = s
             self.b1.pop(h, None)
             self.b2.pop(h, None)
-        self.touch([h for h in keys if self.slot_of(h) is not None], fresh=frozenset(done))
+        if done:  # the connector touches only when something new was stored
+            self.touch([h for h in keys if self.slot_of(h) is not None], fresh=frozenset(done))
         slots, stored, seen = [], [], set()
         for h, m in zip(hashes, mask):
             s = self.slot_of(h) if m else None
