@@ -19,23 +19,12 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("repeatable")
 
 
-def _num_mappings() -> int | None:
-    try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
-    except OSError:  # not Linux
-        return None
-
-
 @pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs_when_mappings_pile_up():
+def _drop_compiled_programs_after_each_file():
     """Each XLA:CPU executable holds a few memory mappings until JAX's caches let go of it, and
     one worker runs many files: past about 20,000 programs it crosses Linux's vm.max_map_count
-    (65,530) and the next compile crashes the process. After a file that leaves more than
-    30,000 mappings (no single file adds 15,000), the caches are cleared; clearing after every
-    file would cost recompiles."""
+    (65,530), and the next compile crashes the process. Clearing the caches after each file keeps
+    a worker near 5,000 mappings."""
     yield
-    n = _num_mappings()
-    if n is None or n > 30_000:
-        jax.clear_caches()
-        gc.collect()
+    jax.clear_caches()
+    gc.collect()
