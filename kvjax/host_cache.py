@@ -303,6 +303,21 @@ def store(state: HostIndex, hashes, mask):
     return state, jnp.where(mask & resident, slot, -1), stored
 
 
+def offer(state: HostIndex, rows, first: int):
+    """vLLM's connector storing one request's new blocks: store rows[first:] and, when that
+    wrote anything, touch rows[:first] too (the connector touches the request's whole prefix;
+    store already touched the new ones). rows: u32[end, 2], the request's full-block hashes
+    in order (host side). -> (state, slots i32[end - first], stored bool[end - first]), as
+    store returns them for rows[first:]."""
+    rows = np.asarray(rows, np.uint32).reshape(-1, 2)
+    n = len(rows) - first
+    state, slots, stored = store(state, pad_hashes(rows[first:]), np.arange(pow2_bucket(n)) < n)
+    slots, stored = np.asarray(slots)[:n], np.asarray(stored)[:n]
+    if first > 0 and stored.any():
+        state = touch(state, pad_hashes(rows[:first]), first)
+    return state, slots, stored
+
+
 # ----------------------------------------------------------------------------- host views
 def _key(row) -> tuple[int, int]:
     return int(row[0]), int(row[1])

@@ -29,13 +29,13 @@ completes within the op (complete_load), so ref counts are back to 0 between ops
 every scheduled token counts as computed, the request's full blocks not yet offered are
 offered to the tier in order (store, which evicts by policy): on `add` from block 0, device
 hits included, or after the host hits when there were any; on `append`, from where the last
-offer stopped. When a store wrote anything, the request's earlier blocks are touched too. `reset_prefix_cache` resets the device
-prefix cache only: the tier keeps its copies, which no device block refers to. With a tier,
-every line gains host_hit_blocks (a count), loaded ([[host slot, device block], ...] copied
-in), stored ([[device block, host slot], ...] newly written), host_in_use, and host: the
-tier's lists, LRU end first, resident blocks as their slot ids, ghost hashes as 16 hex
-digits (lane 0 then lane 1 of the block hash): {"lru": [...]} or {"t1": [...], "t2": [...],
-"b1": [...], "b2": [...], "p": ARC's target size of T1}.
+offer stopped. When a store wrote anything, the request's earlier blocks are touched too.
+`reset_prefix_cache` resets the device prefix cache only: the tier keeps its copies, which
+no device block refers to. With a tier, every line gains host_hit_blocks (a count), loaded
+([[host slot, device block], ...] copied in), stored ([[device block, host slot], ...] newly
+written), host_in_use, and host: the tier's lists, LRU end first, resident blocks as their
+slot ids, ghost hashes as 16 hex digits (lane 0 then lane 1 of the block hash): {"lru":
+[...]} or {"t1": [...], "t2": [...], "b1": [...], "b2": [...], "p": ARC's target size of T1}.
 
 Bad input (malformed or non-UTF-8 lines, JSON nested deeper than 32 levels, unknown op or
 key, unknown request, double free, a token that is not a non-negative int32, a pool over
@@ -190,20 +190,17 @@ class Replay:
             raise manager.PoolRefusedError(f"the host tier refused to unpin slots {np.asarray(slots[:n]).tolist()}")
         return host, [[int(x), b] for x, b in zip(np.asarray(slots[:n]), blocks)]
 
-    def _store(self, host, s: manager.KVCacheManager, slot: int, first: int):
+    @staticmethod
+    def _store(host, s: manager.KVCacheManager, slot: int, first: int):
         """Offer the tier the request's full blocks from logical block `first` on (every
-        scheduled token counts as computed); when it stored any, touch blocks 0 .. first - 1
-        too (the connector touches the whole prefix). -> (new index, [[block, slot]], end)."""
+        scheduled token counts as computed; `host_cache.offer`, as the scheduler does).
+        -> (new index, [[block, slot]], the next block to offer)."""
         end = int(s.reqs.num_tokens[slot]) // s.reqs.block_size
         if host is None or end <= first:
             return host, [], max(first, end)
-        hashes = self._hashes(s, slot, first, end)
-        host, slots, stored = host_cache.store(host, hashes, np.arange(len(hashes)) < end - first)
+        host, slots, stored = host_cache.offer(host, np.asarray(s.reqs.req_hash[slot])[:end], first)
         blocks = manager.request_blocks(s, slot)[first:end]
-        new = [[b, int(x)] for b, x, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
-        if new and first > 0:
-            host = host_cache.touch(host, self._hashes(s, slot, 0, first), first)
-        return host, new, end
+        return host, [[b, int(x)] for b, x, k in zip(blocks, slots, stored) if k], end
 
     # ------------------------------------------------------------------ views
     def view(self, op: str, name: str | None, ok: bool, hits=(), new=(), host_hits=0, loaded=(),

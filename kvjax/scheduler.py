@@ -29,8 +29,9 @@ continues in the tier (kvjax.host_cache.lookup, capped so the last token is stil
 computed); its contiguous host hits take fresh blocks in the same `allocate_slots` call and
 count as computed tokens (vLLM's external tokens), so only the rest is scheduled, and the
 plan lists their copies (`StepPlan.loads`; the slots stay pinned until `loads_done`). If
-the pool has no room for them and the rest, the request waits like any admission. After every step (`update`,
-`apply_decode_steps`), each request's full blocks not yet offered are offered to the tier
+the pool has no room for them and the rest, the request waits like any admission. After
+every step (`update`, `apply_decode_steps`), each request's full blocks not yet offered are
+offered to the tier
 (`host_cache.store`, which keeps the hashes it lacks and evicts by its policy, LRU or ARC):
 from block 0, device hits included, or from after its host hits; when it stored any, the
 request's earlier blocks are touched too. `take_stores` hands the engine the copies to make.
@@ -379,27 +380,17 @@ class Scheduler:
     def _store(self, reqs: list[Request], tables, end) -> None:
         """Offer the host tier each row's full blocks not yet offered: logical blocks
         req.host_next .. end[i] - 1 of tables[i] (vLLM's connector starts a request at block 0,
-        device hits included, or after its host hits). Row by row, as the connector does: the
-        tier stores those whose hash it lacks (evicting by its policy), and when it stored any,
-        the row's earlier blocks are touched too (the connector touches the request's whole
-        prefix; store touched the new ones). `stores` lists the (device block, host slot)
-        copies to make."""
+        device hits included, or after its host hits), row by row as the connector does
+        (`host_cache.offer`). `stores` lists the (device block, host slot) copies to make."""
         if self.host is None or not any(b > r.host_next for r, b in zip(reqs, end)):
             return
-        block_hash, has_hash = jax.device_get((self.state.pool.block_hash, self.state.pool.has_hash))
-        block_hash = np.asarray(block_hash)
+        req_hash = np.asarray(self.state.reqs.req_hash)  # a computed full block's hash is its request's
         for req, t, b in zip(reqs, tables, end):
             a, req.host_next = req.host_next, max(req.host_next, int(b))
-            blocks = [int(t[j]) for j in range(a, b) if has_hash[t[j]]]
-            if not blocks:
+            if b <= a:
                 continue
-            hashes = host_cache.pad_hashes(block_hash[blocks])
-            self.host, slots, stored = host_cache.store(self.host, hashes, np.arange(len(hashes)) < len(blocks))
-            new = [(blk, int(s)) for blk, s, k in zip(blocks, np.asarray(slots), np.asarray(stored)) if k]
-            self.stores += new
-            if new and a > 0:
-                earlier = host_cache.pad_hashes(block_hash[np.asarray(t[:a])], self.max_blocks)
-                self.host = host_cache.touch(self.host, earlier, int(a))
+            self.host, slots, stored = host_cache.offer(self.host, req_hash[req.slot, :b], a)
+            self.stores += [(int(t[j]), int(s)) for j, s, k in zip(range(a, b), slots, stored) if k]
 
     def take_stores(self) -> list[tuple[int, int]]:
         stores, self.stores = self.stores, []
