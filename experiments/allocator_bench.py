@@ -17,7 +17,7 @@ steps from the same start state until it has taken MIN_TIME_S. A ratio, not a pa
 every sequential loop (scan, fori_loop, while_loop; nested loops multiply): each one is a
 chain of tiny kernels on a GPU. Issue 15's targets: scan/oracle >= 10x at 512 requests and
 >= 5x at 64 on CPU, 0 loop iterations. Writes experiments/results/allocator_bench.{json,md}.
-Run: python -m experiments.allocator_bench
+Run: python -m kvjax.experiments.allocator_bench
 
 `--device-step --out DIR` (experiments/gpu_check.sh) times only one decode step's allocation
 for 64 and 512 requests on the default device: per jitted call (with dispatch) and per step
@@ -39,10 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import kv_cache_manager as manager
+from kvjax.experiments import results_dir
 from kvjax.testing.pool_oracle import OraclePool
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-OUT = ROOT / "experiments" / "results"
 Z, PROMPT, STEPS = 16, 8, 64  # block size, prompt tokens per request, decode steps timed
 CONCURRENCY = (1, 64, 512)
 MIN_TIME_S = 0.3  # each measurement repeats from the same start state at least this long
@@ -192,7 +191,7 @@ def device_step(out: pathlib.Path, target_us: float = 100.0) -> int:
     return 0 if met else 1
 
 
-def main(out: pathlib.Path = OUT) -> dict:
+def main(out: pathlib.Path) -> dict:
     rows = []
     for n in CONCURRENCY:
         t0 = time.perf_counter()
@@ -231,8 +230,8 @@ def main(out: pathlib.Path = OUT) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device-step", action="store_true", help="only time one decode step on the device")
-    ap.add_argument("--out", type=pathlib.Path, default=OUT, help="folder for the results")
+    ap.add_argument("--out", default=None, help="output dir (default $OUT, else ./experiments/results)")
     args = ap.parse_args()
     if args.device_step:
-        raise SystemExit(device_step(args.out))
-    main(args.out)
+        raise SystemExit(device_step(results_dir(args.out)))
+    main(results_dir(args.out))

@@ -7,8 +7,9 @@ of each file's path relative to the stdlib folder (crc32 % 20 == 0, about 5% of 
 does not depend on the Python version's file list order. Tokens are bytes (vocab 256).
 
 Because the stdlib differs between Python versions, the held-out text the accuracy experiment
-reads and the calibration text are shipped in `kvjax/data/` (written by `write_data`
-from the stdlib of the Python that trained the shipped models), not read from the local stdlib.
+reads and the calibration text are shipped in `kvjax/data/` (written by `write_data` from the
+stdlib of the Python that trained the shipped models, then copied there), not read from the
+local stdlib.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import zlib
 
 import numpy as np
 
-from kvjax.data import CALIB, DATA_DIR, HELDOUT  # noqa: F401  where write_data writes
+from kvjax.data import CALIB, HELDOUT
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 MAX_FILE = 256 * 1024
 
@@ -59,12 +60,15 @@ def read_tokens(path: str) -> np.ndarray:
         return tokens_of(fh.read())
 
 
-def write_data(heldout_bytes: int = 256 * 1024, calib_bytes: int = 64 * 1024) -> None:
-    """Ship the first heldout_bytes of the held-out split and calib_bytes of training text."""
-    os.makedirs(DATA_DIR, exist_ok=True)
-    with open(HELDOUT, "wb") as fh:
+def write_data(out_dir: str, heldout_bytes: int = 256 * 1024, calib_bytes: int = 64 * 1024) -> tuple[str, str]:
+    """Write the first heldout_bytes of the held-out split and calib_bytes of training text into
+    out_dir, under the names kvjax/data/ ships them as; returns the two paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    heldout, calib = (os.path.join(out_dir, os.path.basename(p)) for p in (HELDOUT, CALIB))
+    with open(heldout, "wb") as fh:
         fh.write(load_split("heldout")[:heldout_bytes])
     train = load_split("train")
     start = len(train) // 2  # from the middle of the training split, away from its first files
-    with open(CALIB, "wb") as fh:
+    with open(calib, "wb") as fh:
         fh.write(train[start:start + calib_bytes])
+    return heldout, calib

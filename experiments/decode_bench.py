@@ -30,7 +30,7 @@ variant so that a time limit leaves what was done. That is the GPU check's decod
 (experiments/gpu_check.sh); `--tiny` runs it on the tiny preset so it can't rot on CPU.
 
 Writes decode_bench.json and .md (or decode_sweep.*) to --out (default $OUT, else
-experiments/results). Run: python -m experiments.decode_bench [--model small-gqa] [--tiny]
+experiments/results). Run: python -m kvjax.experiments.decode_bench [--model small-gqa] [--tiny]
 """
 from __future__ import annotations
 
@@ -47,11 +47,10 @@ import numpy as np
 
 from kvjax import LLM, SamplingParams
 from kvjax.config import preset
-from models import build_model, init_params
-from models.hub import LoadedModel, load_model
-from models.tokenizer import Tokenizer
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from kvjax.experiments import require, results_dir
+from kvjax.models import build_model, init_params
+from kvjax.models.hub import LoadedModel, load_model
+from kvjax.models.tokenizer import Tokenizer
 
 
 def llm_run(llm: LLM, prompts, max_tokens: int) -> dict:
@@ -260,18 +259,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=64, help="tokens per block (vLLM's default, SPEC: 64)")
-    parser.add_argument("--out", default=None, help="output dir (default $OUT, else experiments/results)")
+    parser.add_argument("--out", default=None, help="output dir (default $OUT, else ./experiments/results)")
     parser.add_argument("--sweep-kv", action="store_true", help="bf16/fp8 KV × reference/pallas on Llama-3-8B shapes")
     parser.add_argument("--layers", type=int, default=32, help="--sweep-kv: layers of the 8B-shaped model")
     parser.add_argument("--time-budget", type=float, default=1e9, help="--sweep-kv: seconds; later variants skipped")
     parser.add_argument("--vs-transformers", action="store_true",
                         help="kvjax against transformers on the same fp32 weights (experiments/vs_transformers.py)")
     args = parser.parse_args(argv)
-    out_dir = pathlib.Path(args.out or os.environ.get("OUT") or ROOT / "experiments" / "results")
+    out_dir = results_dir(args.out)
     if args.sweep_kv:
         return sweep_kv(args, out_dir)
     if args.vs_transformers:
-        from experiments import vs_transformers
+        require("torch", "bench", "python -m kvjax.experiments.decode_bench")
+        require("transformers", "bench", "python -m kvjax.experiments.decode_bench")
+        from kvjax.experiments import vs_transformers
 
         name = "preset:tiny" if args.tiny else args.model
         sizes = dict(batches=(1, 2), prompt_len=16, new_tokens=8, repeats=1) if args.tiny else dict(

@@ -43,7 +43,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 step env 15 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
 step kernel_tests 90 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
   --junitxml="$OUT_DIR/kernel_tests.xml"
-step kernel_bench 60 "$PY" -m experiments.kernel_bench --out "$OUT_DIR" --time-budget 40
+step kernel_bench 60 "$PY" -m kvjax.experiments.kernel_bench --out "$OUT_DIR" --time-budget 40
 
 # ---- memory (issue 7) ------------------------------------------------------------------------
 # `kvjax memory` on a small model and on Llama-3-8B's shapes with random weights (nothing
@@ -79,20 +79,20 @@ step memory_llama8b 45 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMO
 # the kernel first; variants past the time budget are skipped, results rewritten after each one
 # in $OUT_DIR/decode_sweep.{json,md}. (env 30 → 15 s and kernel_bench 75 → 60 s made room.)
 # CPU smoke run: KVJAX_DECODE_ARGS=--tiny bash experiments/gpu_check.sh
-step decode_sweep 30 "$PY" -m experiments.decode_bench --sweep-kv --layers 2 --time-budget 20 --out "$OUT_DIR" \
+step decode_sweep 30 "$PY" -m kvjax.experiments.decode_bench --sweep-kv --layers 2 --time-budget 20 --out "$OUT_DIR" \
   ${KVJAX_DECODE_ARGS:-}
 
 # ---- allocator (issue 15) ------------------------------------------------------------------------
 # One decode step's append + allocate_step for 64 and 512 requests: per jitted call and per step
 # inside lax.scan (the device loop's cost), in $OUT_DIR/allocator_step.json; exit 1 if the scan
 # step at 512 requests takes over 100 us. (kernel_tests 120 → 100 s made room.)
-step allocator_step 20 "$PY" -m experiments.allocator_bench --device-step --out "$OUT_DIR"
+step allocator_step 20 "$PY" -m kvjax.experiments.allocator_bench --device-step --out "$OUT_DIR"
 
 # ---- host offload tier (issue 16) -----------------------------------------------------------------
 # HostPages.load / store of 32 Llama-3-8B-shaped bf16 blocks (128 KiB per token) at block sizes 1,
 # 4, 16 and 64 tokens: GB/s each way, pages in pinned_host memory, in $OUT_DIR/offload_bandwidth.*.
 # (kernel_tests 100 → 90 s and memory_llama8b 50 → 45 s made room.)
-step offload_bandwidth 15 "$PY" -m experiments.offload_bench --bandwidth --out "$OUT_DIR"
+step offload_bandwidth 15 "$PY" -m kvjax.experiments.offload_bench --bandwidth --out "$OUT_DIR"
 
 echo "=== status"
 cat "$STATUS"

@@ -24,7 +24,7 @@ say nothing about a GPU.
 
 Writes kernel_bench.json and kernel_bench.md to --out (default $OUT, else experiments/results),
 rewriting both after every row so a run cut short by a time limit still leaves its results.
-Run: python -m experiments.kernel_bench [--tiny] [--time-budget SECONDS]
+Run: python -m kvjax.experiments.kernel_bench [--tiny] [--time-budget SECONDS]
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import platform
 import statistics
@@ -44,8 +43,8 @@ import jax.numpy as jnp
 from kvjax.attention.pallas_decode import paged_decode, paged_decode_reference
 from kvjax.attention.pallas_mla import mla_paged_decode, mla_paged_decode_reference
 from kvjax.attention.tiles import default_mla_tiles, default_tiles
+from kvjax.experiments import results_dir
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1024**3
 FP8 = jnp.float8_e4m3fn
 
@@ -240,7 +239,7 @@ def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes in interpret mode (default on CPU)")
-    parser.add_argument("--out", default=None, help="output dir (default $OUT, else experiments/results)")
+    parser.add_argument("--out", default=None, help="output dir (default $OUT, else ./experiments/results)")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per page (GPU 64, tiny 16)")
     parser.add_argument("--batches", type=int, nargs="*", default=None)
     parser.add_argument("--contexts", type=int, nargs="*", default=None)
@@ -258,7 +257,7 @@ def main(argv=None) -> dict:
     repeats = args.repeats or (3 if tiny else 20)
     warmup = 1 if tiny else 3
     budget = args.time_budget or (40.0 if tiny else 1e9)
-    out_dir = pathlib.Path(args.out or os.environ.get("OUT") or ROOT / "experiments" / "results")
+    out_dir = results_dir(args.out)
     start = time.perf_counter()
 
     copy_bytes = (16 * 2**20) if tiny else GiB

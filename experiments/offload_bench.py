@@ -22,21 +22,21 @@ did, and the greedy tokens of every variant must equal those without the tier.
 
 Writes offload_bench.{json,md,png} to --out (default $OUT, else experiments/results), and
 offload_bench_<model>.* for a model other than small-gqa.
-Run: python -m experiments.offload_bench [--model smollm2-135m] [--quick]
+Run: python -m kvjax.experiments.offload_bench [--model smollm2-135m] [--quick]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import statistics
 import time
 
 import numpy as np
 
-from experiments.decode_bench import ROOT, _meta, _write
+from kvjax.experiments import results_dir
+from kvjax.experiments.decode_bench import _meta, _write
 from kvjax import LLM, SamplingParams
-from models.hub import load_model
+from kvjax.models.hub import load_model
 
 FRACTIONS = (0.25, 0.5, 1.0, 2.0)  # host tier sizes, as fractions of the workload's distinct blocks
 
@@ -109,7 +109,7 @@ def markdown(r: dict) -> str:
              f"Device pool {r['num_blocks'] - 1} usable blocks of {r['block_size']} tokens, {r['max_num_seqs']} requests "
              f"at once, 8 decode steps per call; the workload has {r['distinct_blocks']} distinct blocks of "
              f"{r['bytes_per_block']:,} bytes. Medians of {r['repeats']} runs after a compiling one. "
-             f"`python -m experiments.offload_bench{'' if r['model'] == 'small-gqa' else ' --model ' + r['model']}"
+             f"`python -m kvjax.experiments.offload_bench{'' if r['model'] == 'small-gqa' else ' --model ' + r['model']}"
              f"{' --quick' if r.get('quick') else ''}`", "",
              "| host tier | policy | host blocks | prefill tokens | host hit tokens | host hit rate | TTFT p50 ms "
              "| TTFT p99 ms | total s | TTFT p50 off / on | same tokens |",
@@ -197,7 +197,7 @@ def bandwidth(block_sizes=(1, 4, 16, 64), blocks: int = 32, repeats: int = 5) ->
 
 def bandwidth_markdown(r: dict) -> str:
     lines = [f"# Host tier transfers ({r['meta']['device']}, {r['meta']['backend']})", "", f"Blocks of {r['spec']}; "
-             "`python -m experiments.offload_bench --bandwidth`", "",
+             "`python -m kvjax.experiments.offload_bench --bandwidth`", "",
              "| block size (tokens) | bytes per block | blocks per call | host pages | host → device GB/s "
              "| device → host GB/s |", "|---:|---:|---:|---|---:|---:|"]
     lines += [f"| {x['block_size']} | {x['bytes_per_block']:,} | {x['blocks']} | {x['memory_kind']} "
@@ -219,9 +219,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a small workload, one repeat, LRU only (a smoke run)")
     parser.add_argument("--bandwidth", action="store_true",
                         help="host <-> device GB/s of block loads and stores vs block size (the GPU check)")
-    parser.add_argument("--out", default=None, help="output dir (default $OUT, else experiments/results)")
+    parser.add_argument("--out", default=None, help="output dir (default $OUT, else ./experiments/results)")
     args = parser.parse_args(argv)
-    out_dir = pathlib.Path(args.out or os.environ.get("OUT") or ROOT / "experiments" / "results")
+    out_dir = results_dir(args.out)
     if args.bandwidth:
         result = bandwidth(block_sizes=(1, 4) if args.quick else (1, 4, 16, 64), blocks=4 if args.quick else 32)
         _write(out_dir, "offload_bandwidth", result, bandwidth_markdown(result))

@@ -2,7 +2,7 @@
 
 Public weights cannot be downloaded here, so kvjax trains its own two small decoders, one per
 attention family, and ships them as Hugging Face folders (config.json + model.safetensors)
-under `models/checkpoints/`:
+under `models/checkpoints/` (copied there from this script's --out folder by hand):
 
     small-gqa  Llama-style, 4 layers, hidden 128, 4 query heads sharing 2 kv heads of dim 32
     small-mla  DeepSeek-V3-style MLA, 4 dense layers, hidden 128, 4 heads, kv_lora_rank 64,
@@ -12,8 +12,10 @@ Training runs through the same paged-cache forward the engine serves with (kvjax
 in float32 with AdamW, on fixed-length windows sampled from the training split (see
 experiments/corpus.py). It reports held-out perplexity per byte on the shipped held-out text.
 
-    python -m experiments.train_small                # both models, the shipped settings
-    python -m experiments.train_small --model gqa --steps 50 --out /tmp/ckpt   # a quick smoke run
+    python -m kvjax.experiments.train_small        # both models, the shipped settings, into ./checkpoints/
+    python -m kvjax.experiments.train_small --model gqa --steps 50 --out /tmp/ckpt   # a quick smoke run
+
+It needs optax (`pip install 'kvjax[train]'`).
 """
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from experiments import corpus
+from kvjax.experiments import corpus, require
+from kvjax.models import build_model, from_hf_config, init_params
+from kvjax.models.loader import load_checkpoint, save_checkpoint
 from kvjax.scoring import next_token_nll, sequence_logits, windows
-from models import build_model, from_hf_config, init_params
-from models.loader import load_checkpoint, save_checkpoint
 
-CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "checkpoints")
+PROG = "python -m kvjax.experiments.train_small"
+CHECKPOINTS = "checkpoints"  # in the current directory, never the installed package's own
 
 HF_CONFIGS = {
     "gqa": {
@@ -72,7 +74,8 @@ def heldout_perplexity(model, params, kv_spec, tokens: np.ndarray, seq_len: int 
 
 
 def train(name: str, steps: int, batch: int, seq_len: int, lr: float, seed: int, log_every: int,
-          out_dir: str = CHECKPOINTS) -> dict:
+          out_dir: str = CHECKPOINTS, heldout: str = corpus.HELDOUT) -> dict:
+    optax = require("optax", "train", PROG)
     hf = HF_CONFIGS[name]
     config = from_hf_config(hf)
     model = build_model(config)
@@ -108,7 +111,7 @@ def train(name: str, steps: int, batch: int, seq_len: int, lr: float, seed: int,
     # Evaluate the checkpoint as shipped (through the loader), not the in-memory params.
     config, loaded = load_checkpoint(folder)
     model = build_model(config)
-    ppl = heldout_perplexity(model, loaded, config.kv_spec(), corpus.read_tokens(corpus.HELDOUT))
+    ppl = heldout_perplexity(model, loaded, config.kv_spec(), corpus.read_tokens(heldout))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(loaded))
     report = {"model": f"small-{name}", "params": n_params, "steps": steps, "batch": batch, "seq_len": seq_len,
               "lr": lr, "seed": seed, "train_seconds": round(seconds, 1), "final_train_loss": float(np.mean(losses[-50:])),
@@ -128,13 +131,15 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=100)
-    ap.add_argument("--write-data", action="store_true", help="(re)write experiments/data/ from this stdlib")
-    ap.add_argument("--out", default=CHECKPOINTS, help="where the checkpoint folders go (default: the shipped ones)")
+    ap.add_argument("--write-data", action="store_true",
+                    help="write this stdlib's held-out and calibration text into --out and score that held-out text "
+                         "(to ship: copy both into kvjax/data/)")
+    ap.add_argument("--out", default=CHECKPOINTS, help="folder for the checkpoint folders (default: ./checkpoints)")
     args = ap.parse_args(argv)
-    if args.write_data or not os.path.exists(corpus.HELDOUT):
-        corpus.write_data()
+    heldout = corpus.write_data(args.out)[0] if args.write_data else corpus.HELDOUT
     for name in (["gqa", "mla"] if args.model == "both" else [args.model]):
-        report = train(name, args.steps, args.batch, args.seq_len, args.lr, args.seed, args.log_every, args.out)
+        report = train(name, args.steps, args.batch, args.seq_len, args.lr, args.seed, args.log_every, args.out,
+                       heldout)
         print(json.dumps(report, indent=2))
 
 

@@ -17,7 +17,7 @@ Measured per batch size (1 and 8; 128-token prompts, 128 new tokens):
   time to the first token of a fresh `LLM` (its prefill compile included when the process has
   not compiled that shape yet: the first kvjax row of each batch size).
 
-    python -m experiments.decode_bench --vs-transformers [--model smollm2-135m]
+    python -m kvjax.experiments.decode_bench --vs-transformers [--model smollm2-135m]
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 from kvjax import LLM, SamplingParams
-from models.hub import LoadedModel
-from models.loader import save_checkpoint
+from kvjax.models.hub import LoadedModel
+from kvjax.models.loader import save_checkpoint
 
 
 def hf_llama_config(config) -> dict:

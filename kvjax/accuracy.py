@@ -138,7 +138,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     long_variants, prefilled long_chunk tokens at a time, for KL by context position.
     progress(message) is called as each phase starts (the library never prints).
     """
-    from models.hub import LoadedModel, load_model
+    from kvjax.models.hub import LoadedModel, load_model
 
     for name, value in (("seq_len", seq_len), ("max_windows", max_windows), ("prompts", prompts),
                         ("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("long_chunk", long_chunk)):
@@ -160,7 +160,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     if seq_len > config.max_position_embeddings:
         raise KvjaxError(f"seq_len {seq_len} exceeds the model's maximum length {config.max_position_embeddings}")
     if outlier_channels:
-        from models.stress import inflate_k_channels
+        from kvjax.models.stress import inflate_k_channels
         params = inflate_k_channels(config, loaded.params, (0, 5), outlier_factor)
         loaded = loaded.replace(params=jax.tree_util.tree_map(jnp.asarray, params))
     long_len = long_len or min(config.max_position_embeddings, BUCKETS[-1])

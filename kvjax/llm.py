@@ -125,7 +125,7 @@ class LLM:
         kv_offload_gib: a host-memory tier of that many GiB (vLLM's kv_offloading_size) keeps
         computed blocks that the device evicts and loads them back on a prefix hit;
         kv_offload_policy "lru" (default) or "arc" evicts from it (kvjax.offload)."""
-        from models.hub import LoadedModel, load_model
+        from kvjax.models.hub import LoadedModel, load_model
 
         if num_blocks is not None and gpu_memory_utilization is not None:
             raise LLMError("give num_blocks or gpu_memory_utilization, not both")
@@ -134,7 +134,7 @@ class LLM:
         if isinstance(model, LoadedModel):
             if dtype is not None and dtype != model.config.dtype:
                 raise LLMError(f"dtype={dtype!r}: the loaded model is already {model.config.dtype}")
-            from models import build_model
+            from kvjax.models import build_model
 
             loaded = model if model.module.attn_impl == attn_impl else \
                 model.replace(module=build_model(model.config, attn_impl=attn_impl))
@@ -248,7 +248,7 @@ class LLM:
         """Generate the assistant's reply to one conversation or a list of them (vLLM `LLM.chat`):
         each is a list of {"role", "content"} messages, rendered with the model's chat template
         (models.tokenizer.render_chat). Other arguments as `generate`."""
-        from models.tokenizer import render_chat
+        from kvjax.models.tokenizer import render_chat
 
         template = self.model.chat_template
         if not template:

@@ -16,9 +16,9 @@ from kvjax.attention import default_impl, get_impl
 from kvjax.attention.metadata import build_metadata
 from kvjax.cache import PagedCache
 from kvjax.config import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
-from models.deepseek import DeepseekForCausalLM
-from models.layers import CausalLM, UnsupportedModelError, check_supported
-from models.llama import LlamaForCausalLM
+from kvjax.models.deepseek import DeepseekForCausalLM
+from kvjax.models.layers import CausalLM, UnsupportedModelError, check_supported
+from kvjax.models.llama import LlamaForCausalLM
 
 
 def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:

@@ -28,8 +28,8 @@ from kvjax.attention import mla_paged_attention
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.cache import ContiguousLatent, LatentPages, write_step
 from kvjax.config import ModelConfig
-from models.layers import CausalLM, RMSNorm, dense
-from models.rope import apply_rope, deepseek_softmax_scale, inv_freq
+from kvjax.models.layers import CausalLM, RMSNorm, dense
+from kvjax.models.rope import apply_rope, deepseek_softmax_scale, inv_freq
 
 
 class KVUpProjection(nn.Module):

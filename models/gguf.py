@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from models.loader import CheckpointError, TensorSource
+from kvjax.models.loader import CheckpointError, TensorSource
 
 ARCHITECTURE = "llama"
 MAGIC = b"GGUF"

@@ -36,7 +36,7 @@ import jax
 
 from kvjax.config import ModelConfig, preset
 from kvjax.errors import KvjaxError, read_json_object, read_text
-from models.tokenizer import Tokenizer
+from kvjax.models.tokenizer import Tokenizer
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 BUILTIN = {"small-gqa": os.path.join(CHECKPOINTS, "small-gqa"),
@@ -139,8 +139,8 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
     """Load what `name_or_dir` names (see the module docstring). dtype overrides the weights'
     dtype (a GGUF dequantizes to float32 unless told otherwise); attn_impl None picks the
     backend's default (kvjax.attention.default_impl)."""
-    from models import build_model, init_params
-    from models.loader import is_gguf, load_checkpoint, load_params
+    from kvjax.models import build_model, init_params
+    from kvjax.models.loader import is_gguf, load_checkpoint, load_params
 
     if name_or_dir.startswith("preset:"):
         config = preset(name_or_dir.split(":", 1)[1])
@@ -149,7 +149,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
         return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
     path = resolve_model(name_or_dir)
     if is_gguf(path):
-        from models.gguf import GGUFFile
+        from kvjax.models.gguf import GGUFFile
 
         with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
             config = gguf.config(dtype)

@@ -19,8 +19,8 @@ from kvjax.attention import paged_attention
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.cache import ContiguousKV, KVPages, write_step
 from kvjax.config import ModelConfig
-from models.layers import CausalLM, RMSNorm, dense
-from models.rope import apply_rope, inv_freq
+from kvjax.models.layers import CausalLM, RMSNorm, dense
+from kvjax.models.rope import apply_rope, inv_freq
 
 
 class GQAAttention(nn.Module):

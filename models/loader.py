@@ -38,7 +38,7 @@ from safetensors.numpy import save_file
 
 from kvjax.config import ModelConfig, from_hf_config
 from kvjax.errors import KvjaxError, one_line, read_json_object
-from models import build_model, param_shapes
+from kvjax.models import build_model, param_shapes
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -138,7 +138,7 @@ def open_tensors(path: str | os.PathLike) -> TensorSource:
     """The TensorSource of a checkpoint: a Hugging Face folder or a GGUF file."""
     path = os.fspath(path)
     if is_gguf(path):
-        from models.gguf import GGUFFile
+        from kvjax.models.gguf import GGUFFile
 
         return GGUFFile(path)
     _check_folder(path)
@@ -150,7 +150,7 @@ def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfi
     overrides the checkpoint's dtype (a GGUF's default is float32: its weights dequantize to it)."""
     path = os.fspath(path)
     if is_gguf(path):
-        from models.gguf import GGUFFile
+        from kvjax.models.gguf import GGUFFile
 
         with GGUFFile(path) as gguf:
             return gguf.config(dtype)
@@ -161,7 +161,7 @@ def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfi
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """(config, params) from a Hugging Face folder or a GGUF file; dtype overrides the checkpoint's dtype."""
     if is_gguf(path):
-        from models.gguf import GGUFFile
+        from kvjax.models.gguf import GGUFFile
 
         with GGUFFile(path) as gguf:  # one read of its header (seconds for a large vocabulary)
             config = gguf.config(dtype)

@@ -17,16 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.train_small import HF_CONFIGS
+from kvjax.experiments.train_small import HF_CONFIGS
 from kvjax import LLM, accuracy
 from kvjax.accuracy_layers import kv_outliers, most_sensitive
 from kvjax.accuracy_metrics import ChunkedScorer, Tally, chunk_layouts
 from kvjax.commands.accuracy import write_outputs
 from kvjax.scoring import cache_amax, prefill_caches
-from models import build_model, from_hf_config, init_params
-from models.hub import load_model
-from models.loader import save_checkpoint
-from models.stress import rope_pairs
+from kvjax.models import build_model, from_hf_config, init_params
+from kvjax.models.hub import load_model
+from kvjax.models.loader import save_checkpoint
+from kvjax.models.stress import rope_pairs
 
 HF = dict(HF_CONFIGS["gqa"], num_hidden_layers=3, hidden_size=64, intermediate_size=128, head_dim=16)
 HOT_LAYER = 1  # the layer whose K channels the "hot" checkpoint inflates
@@ -72,6 +72,7 @@ def _run(root, outliers):  # a LoadedModel with inflated channels, a folder name
                              outlier_channels=outliers, outlier_factor=2000.0)
 
 
+@pytest.mark.slow
 def test_fp32_closer_to_bf16_than_any_8bit_variant(tiny_checkpoint):
     res = {r["variant"]: r for r in _run(tiny_checkpoint, outliers=False)["results"]}
     assert res["bf16"]["kl_vs_bf16"] == 0 and res["bf16"]["top1_agreement"] == 1
@@ -81,6 +82,7 @@ def test_fp32_closer_to_bf16_than_any_8bit_variant(tiny_checkpoint):
             assert fp32 < r["kl_vs_bf16"], (name, fp32, r["kl_vs_bf16"])
 
 
+@pytest.mark.slow
 def test_outliers_beyond_448_break_unit_scale_not_calibrated(tiny_checkpoint, tmp_path):
     res = _run(tiny_checkpoint, outliers=True)
     by = {r["variant"]: r for r in res["results"]}
@@ -110,6 +112,7 @@ def test_tally_bucket_means_by_hand():
         tally.add(np.arange(2040, 2050), *(np.zeros((1, 10)),) * 3)
 
 
+@pytest.mark.slow
 def test_chunked_scoring_matches_one_step(tiny_checkpoint):
     layouts, num_blocks = chunk_layouts(300, 128, 16)
     assert num_blocks == 1 + 19 and [s for s, _ in layouts] == [0, 128, 256]
@@ -125,6 +128,7 @@ def test_chunked_scoring_matches_one_step(tiny_checkpoint):
     np.testing.assert_allclose(chunked, one_step, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sensitivity_ranks_the_inflated_layer_first(full_suite):
     """On the full suite's own layer_sensitivity rows: the hot model, the calibration text's first 128
     bytes as 2 windows of 64, fp8_e4m3 at unit scale (layer 1's |K| > 448 saturates)."""
@@ -138,6 +142,7 @@ def test_sensitivity_ranks_the_inflated_layer_first(full_suite):
     assert most_sensitive(rows, 3) == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_outlier_map_against_cache_amax(tiny_checkpoint):
     loaded = load_model(str(tiny_checkpoint / HOT))
     windows = np.frombuffer((tiny_checkpoint / "calib.txt").read_bytes()[:3 * 64], np.uint8).astype(np.int32)
@@ -172,6 +177,7 @@ def full_suite(tiny_checkpoint):
                              skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640)
 
 
+@pytest.mark.slow
 def test_full_suite(full_suite, tiny_checkpoint, tmp_path):
     """Two sources, outlier map, sensitivity-chosen skip variants, a long window's position buckets
     against KL computed here in numpy from LLM.score, and every output file."""

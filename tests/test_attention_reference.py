@@ -15,7 +15,7 @@ from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
 from kvjax.cache import KVPages, LatentPages
-from models import build_model, preset
+from kvjax.models import build_model, preset
 
 Z, P, M = 4, 20, 4  # block size, blocks, max blocks per sequence
 DONE = [4, 0, 0, 3]  # tokens cached before the step

@@ -46,7 +46,7 @@ def _run(num_blocks: int, block_size: int, context: int, prompt_len: int, n: int
 
 @pytest.mark.parametrize("block_size, context, prompt_len, concurrency", [
     (4, 14, 6, 3),  # 4 blocks per request, 2 slots of tail waste each
-    (8, 20, 7, 2),  # 3 blocks per request, 4 slots of tail waste each
+    pytest.param(8, 20, 7, 2, marks=pytest.mark.slow),  # 3 blocks per request, 4 slots of tail waste each
 ])
 def test_plan_concurrency_is_what_the_scheduler_admits(block_size, context, prompt_len, concurrency):
     per_request = -(-context // block_size)

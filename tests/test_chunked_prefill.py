@@ -18,7 +18,7 @@ from kvjax import kv_cache_manager as manager
 from kvjax.config import preset
 from kvjax.engine import Engine, EngineConfig
 from kvjax.sampling import SamplingParams
-from models import build_model, init_params
+from kvjax.models import build_model, init_params
 
 Z = 16
 MAX_LEN = 512
@@ -58,7 +58,8 @@ def unchunked(tiny):
     return run
 
 
-@pytest.mark.parametrize("budget", [8, 64, 2048])
+@pytest.mark.parametrize("budget", [pytest.param(8, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow),
+                                    pytest.param(2048, marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_the_same_tokens(tiny, unchunked, budget):
     run = generate(tiny, max_num_batched_tokens=budget)
     assert [r.output for r in run.results] == [r.output for r in unchunked.results]
@@ -69,6 +70,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, unchunked, budget):
         assert s.steps > unchunked.summary.steps
 
 
+@pytest.mark.slow
 def test_chunked_prefill_with_preemption_gives_the_same_tokens(tiny, unchunked):
     # 21 usable blocks of 16 = 336 tokens for 4 rows: the 308-token request cannot stay beside the others.
     run = generate(tiny, num_blocks=22, max_num_batched_tokens=64)

@@ -216,7 +216,7 @@ def test_every_sized_model_type_parses_and_records_its_features():
     (QWEN3_ODD, r"the config gives no vocab_size and intermediate_size"),
 ])
 def test_unbuildable_features_are_refused_by_name_when_building(cfg, feature):
-    from models.layers import UnsupportedModelError, check_supported  # imports JAX: only here
+    from kvjax.models.layers import UnsupportedModelError, check_supported  # imports JAX: only here
     config = from_hf_config(cfg)  # parsing accepts it: a KV cache can be sized
     config.kv_spec()
     with pytest.raises(UnsupportedModelError, match=feature):
@@ -224,7 +224,7 @@ def test_unbuildable_features_are_refused_by_name_when_building(cfg, feature):
 
 
 def test_inv_freq_refuses_a_rope_it_cannot_compute():
-    from models.rope import inv_freq
+    from kvjax.models.rope import inv_freq
     with pytest.raises(kc.RopeError, match="unsupported rope_type 'dynamic'"):
         inv_freq(RopeConfig("dynamic", factor=2.0), 16, 128)
 
@@ -255,14 +255,14 @@ def test_num_params_matches_the_flax_parameter_tree(name):
     import math
 
     import jax
-    from models import build_model, param_shapes
+    from kvjax.models import build_model, param_shapes
     config = preset(name).replace(qk_norm=name == "tiny", qkv_bias=name == "tiny-mla", o_bias=name == "tiny-mla")
     leaves = jax.tree_util.tree_leaves(param_shapes(build_model(config)))
     assert config.num_params == sum(math.prod(x.shape) for x in leaves)
 
 
 def test_models_reexports_the_one_registry():
-    import models
+    from kvjax import models
     assert models.PRESETS is kc.PRESETS and models.preset is kc.preset and models.ModelConfig is ModelConfig
     assert models.from_hf_config is kc.from_hf_config and models.ModelConfigError is ModelConfigError
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 
-from experiments import decode_bench
+import pytest
+
+from kvjax.experiments import decode_bench
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_its_tables(tmp_path):
     result = decode_bench.main(["--tiny", "--repeats", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "decode_bench.json").read_text())
@@ -24,6 +27,7 @@ def test_tiny_run_writes_its_tables(tmp_path):
     assert f"{pc['ratio']:.2f}×" in md and result["targets"].keys() == saved["targets"].keys()
 
 
+@pytest.mark.slow
 def test_tiny_kv_sweep_writes_every_variant(tmp_path):
     result = decode_bench.main(["--sweep-kv", "--tiny", "--out", str(tmp_path)])
     rows = {(r["kv_dtype"], r["attn_impl"]): r for r in result["rows"]}
@@ -33,6 +37,7 @@ def test_tiny_kv_sweep_writes_every_variant(tmp_path):
     assert (tmp_path / "decode_sweep.md").exists()
 
 
+@pytest.mark.slow
 def test_tiny_vs_transformers_decodes_the_same_tokens(tmp_path):
     """kvjax and transformers (torch eager, its own KV cache) greedily decode the same tokens from
     the same random tiny-preset weights, and the benchmark writes both rates and their ratio."""

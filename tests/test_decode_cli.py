@@ -37,6 +37,7 @@ def decode_json(capsys, *argv):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_prompts_file_json_and_same_tokens_for_1_and_8_steps_per_call(ckpt, prompts_file, capsys):
     runs = [decode_json(capsys, "--model", ckpt, "--prompts", prompts_file, "--max-tokens", "6", "--num-blocks", "64",
                         "--steps-per-call", k, *BASE) for k in ("1", "8")]
@@ -54,6 +55,7 @@ def test_prompts_file_json_and_same_tokens_for_1_and_8_steps_per_call(ckpt, prom
     assert runs[1]["summary"]["device_calls"] < runs[0]["summary"]["device_calls"]
 
 
+@pytest.mark.slow
 def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
     path = tmp_path / "reqs.jsonl"
     rows = [{"prompt": "import os"}, {"prompt": "x" * 60}, {"tokens": [1, 2, 3], "max_tokens": 0},
@@ -69,6 +71,7 @@ def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
     assert [len(r["output_tokens"]) for r in out["requests"]] == [5, 0, 0, 0, 3, 0]
 
 
+@pytest.mark.slow
 def test_synthetic_shared_prefix_hits_and_a_small_pool_preempts(ckpt, capsys):
     common = ["--model", ckpt, "--synthetic", "6", "--shared-prefix", "12", "--prompt-len", "8", "--max-tokens", "8",
               "--steps-per-call", "8", *BASE]
@@ -81,12 +84,13 @@ def test_synthetic_shared_prefix_hits_and_a_small_pool_preempts(ckpt, capsys):
     assert small["summary"]["preemptions"] > 0 and small["summary"]["peak_blocks_used"] <= 9
 
 
+@pytest.mark.slow
 def test_text_output_and_util_sizing(ckpt, capsys):
     """--util sizes the pool with kvjax.sizing's profile (one prefill of the largest step: 4 rows × 40
     tokens), so blocks = (ceil(total × util) − weights − activations) // block bytes, worked out here
     from the profile's own weights and activations."""
     from kvjax.sizing import profile_and_size
-    from models.hub import load_model
+    from kvjax.models.hub import load_model
 
     # weights: 90,432 fp32 parameters = 361,728 B; a block: 4 tokens × 2 layers × (K, V) × 2 heads × 16 × 4 B
     # = 2,048 B; total = int(0.004 × 2^30) = 4,294,967 B.
@@ -119,6 +123,7 @@ def test_bad_flags_exit_2_with_one_line(ckpt, capsys, argv, message):
     assert err.startswith("kvjax decode: error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_stop_token_ids_ignore_eos_and_priority_flags(ckpt, tmp_path, capsys):
     common = ["--model", ckpt, "--synthetic", "3", "--max-tokens", "8", "--num-blocks", "64", *BASE]
     free = decode_json(capsys, *common, "--ignore-eos")

@@ -25,8 +25,8 @@ from kvjax.engine import Engine, EngineConfig, EngineError
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler import Scheduler, SchedulerConfig
 from kvjax.scoring import sequence_logits
-from models import build_model
-from models.loader import load_checkpoint
+from kvjax.models import build_model
+from kvjax.models.loader import load_checkpoint
 
 Z = 4
 MAX_LEN = 40  # max_model_len
@@ -98,6 +98,7 @@ def test_greedy_matches_a_full_recompute_and_k8_matches_k1(tiny):
             assert run.summary.device_calls < run.summary.steps
 
 
+@pytest.mark.slow
 def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
     ps = prompts(1)
     want = outputs(engine(tiny).generate(ps, greedy(12)))
@@ -111,6 +112,7 @@ def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
         assert_pool_empty(eng)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_do_not_change_tokens(tiny):
     ps = prompts(2, shared=12)  # 3 prompts share 3 full blocks
     on = engine(tiny, steps_per_call=8).generate(ps, greedy(6))

@@ -23,8 +23,8 @@ from hf_fixtures import make_hf_model, save_hf_model
 
 from kvjax.engine import Engine, EngineConfig
 from kvjax.sampling import SamplingParams
-from models import build_model
-from models.loader import load_checkpoint
+from kvjax.models import build_model
+from kvjax.models.loader import load_checkpoint
 
 Z = 4
 MAX_NEW = 10
@@ -82,7 +82,8 @@ def check(case, result):
         assert res.output[:n] == tokens[:n], f"prompt {i} ({len(PROMPTS[i])} tokens)"
 
 
-@pytest.mark.parametrize("prefix_caching, k", [(True, 1), (True, 8), (False, 8)])
+@pytest.mark.parametrize("prefix_caching, k", [pytest.param(True, 1, marks=pytest.mark.slow), (True, 8),
+                                              pytest.param(False, 8, marks=pytest.mark.slow)])
 def test_matches_transformers(case, prefix_caching, k):
     result = run(case, prefix_caching=prefix_caching, steps_per_call=k)
     check(case, result)
@@ -90,6 +91,7 @@ def test_matches_transformers(case, prefix_caching, k):
     assert hits >= 8 if prefix_caching else hits == 0  # the shared prefix: two full blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 8])
 def test_matches_transformers_with_preemption(case, k):
     result = run(case, num_blocks=10, steps_per_call=k)  # 9 usable blocks for 4 rows of up to 7
@@ -97,6 +99,7 @@ def test_matches_transformers_with_preemption(case, k):
     check(case, result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [8, 5])
 def test_matches_transformers_with_chunked_prefill(case, budget):
     """Prompts split over several steps (a budget below most prompt lengths), a prefix hit followed
@@ -107,6 +110,7 @@ def test_matches_transformers_with_chunked_prefill(case, budget):
     check(case, result)
 
 
+@pytest.mark.slow
 def test_matches_transformers_with_pallas_decode(case):
     result = run(case, attn_impl="pallas", num_blocks=10, steps_per_call=8)
     assert result.summary.preemptions > 0

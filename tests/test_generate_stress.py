@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.train_small import HF_CONFIGS
+from kvjax.experiments.train_small import HF_CONFIGS
 from kvjax.scoring import cache_amax, prefill_caches, sequence_logits
-from models import build_model, from_hf_config, init_params, preset
-from models.loader import save_checkpoint
-from models.stress import inflate_k_channels, rope_pairs
-from models.tokenizer import Tokenizer as ModelTokenizer
+from kvjax.models import build_model, from_hf_config, init_params, preset
+from kvjax.models.loader import save_checkpoint
+from kvjax.models.stress import inflate_k_channels, rope_pairs
+from kvjax.models.tokenizer import Tokenizer as ModelTokenizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
 def test_stress_inflates_cached_k_without_changing_the_model(name):
     cfg = preset(name)
@@ -42,6 +43,7 @@ def test_rope_pairs():
     assert rope_pairs([0, 5], 16, "interleaved") == [0, 1, 4, 5]
 
 
+@pytest.mark.slow
 def test_calibrate_command(tmp_path):
     hf = dict(HF_CONFIGS["gqa"], num_hidden_layers=2, hidden_size=64, intermediate_size=128, head_dim=16)
     params = init_params(build_model(from_hf_config(hf)), jax.random.key(3))

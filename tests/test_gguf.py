@@ -35,10 +35,10 @@ from tokenizers import pre_tokenizers, trainers
 from kvjax import cli
 from kvjax.cache import PagedCache
 from kvjax.scoring import sequence_logits
-from models import hub
-from models.gguf import (GGUFArchitectureError, GGUFFormatError, GGUFTensorTypeError, GGUFTokenizerError,
+from kvjax.models import hub
+from kvjax.models.gguf import (GGUFArchitectureError, GGUFFormatError, GGUFTensorTypeError, GGUFTokenizerError,
                          hf_tensor_name)
-from models.loader import hf_name, load_checkpoint
+from kvjax.models.loader import hf_name, load_checkpoint
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
@@ -171,7 +171,7 @@ def tiny(request, vocab, tmp_path_factory):
 
 
 def _logits(config, params, tokens):
-    from models import build_model
+    from kvjax.models import build_model
 
     module, spec = build_model(config), config.kv_spec()
     f = jax.jit(lambda p, t: sequence_logits(module, p, t, spec, 16, lambda n, z: PagedCache.create(spec, n, z)))
@@ -430,6 +430,7 @@ def smollm_llm(smollm):
     return kvjax.LLM(smollm[0], max_num_seqs=4, max_model_len=128, block_size=16, steps_per_call=8)
 
 
+@pytest.mark.slow
 def test_smollm_config_and_tokenizer_match_transformers(smollm):
     loaded, hf, tok = smollm
     c = loaded.config
@@ -441,6 +442,7 @@ def test_smollm_config_and_tokenizer_match_transformers(smollm):
         assert loaded.tokenizer.encode(text) == tok(text)["input_ids"], text
 
 
+@pytest.mark.slow
 def test_smollm_logits_of_a_64_token_window(smollm):
     """Within 1e-4 of transformers run in float64: transformers' own float32 logits are up to
     ~7e-5 from those (logits reach ±38), so two float32 implementations may differ by more."""
@@ -458,6 +460,7 @@ def test_smollm_logits_of_a_64_token_window(smollm):
     assert (got.argmax(-1) == want32.argmax(-1)).all()
 
 
+@pytest.mark.slow
 def test_smollm_greedy_through_the_paged_engine(smollm, smollm_llm):
     import kvjax
 
@@ -483,12 +486,13 @@ def test_smollm_greedy_through_the_paged_engine(smollm, smollm_llm):
     assert outs[0].text.startswith(" Paris")
 
 
+@pytest.mark.slow
 def test_smollm_chat_renders_as_transformers_and_stops_at_its_eos(smollm, smollm_llm):
     """LLM.chat: the GGUF's chat template rendered as transformers' apply_chat_template does,
     and the reply ends at EOS (<|im_end|>) with finish_reason "stop", as transformers' greedy
     generate with the same EOS ends it."""
     import kvjax
-    from models.tokenizer import render_chat
+    from kvjax.models.tokenizer import render_chat
 
     loaded, hf, tok = smollm
     conversations = [[{"role": "user", "content": "What is the capital of France?"}],

@@ -27,6 +27,7 @@ MARGIN = 1e-4
 NEW = 12
 
 
+@pytest.mark.slow
 def test_readme_python_example_runs_as_written():
     readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme.split("## From Python", 1)[1]
@@ -72,6 +73,7 @@ def eos_case(tmp_path_factory):
     return folder, hf, prompts, free, eos
 
 
+@pytest.mark.slow
 def test_eos_stops_as_transformers_does(eos_case):
     folder, hf, prompts, free, eos = eos_case
     want = [hf_greedy(hf, p, eos=eos)[0] for p in prompts]
@@ -92,6 +94,7 @@ def test_eos_stops_as_transformers_does(eos_case):
         assert int(state.pool.num_free) == llm.num_blocks - 1, "a stopped request's blocks did not return"
 
 
+@pytest.mark.slow
 def test_stop_token_ids_stop_and_are_kept(eos_case):
     folder, hf, prompts, free, eos = eos_case
     llm = kvjax.LLM(folder, block_size=4, max_num_seqs=4, max_model_len=32, steps_per_call=8)
@@ -113,6 +116,7 @@ def test_score_equals_transformers_log_softmax(eos_case):
         np.testing.assert_allclose(lp, want, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
 def test_contiguous_layout_generates_what_the_paged_layout_generates(name):
     prompts = [[int(t) for t in np.random.RandomState(i).randint(0, 128, 3 + 5 * i)] for i in range(5)]
@@ -128,6 +132,7 @@ def test_contiguous_layout_generates_what_the_paged_layout_generates(name):
         (24,) if name == "tiny-mla" else (2, 16))))
 
 
+@pytest.mark.slow
 def test_priority_reaches_the_scheduler():
     """One row at a time with prefix caching: whichever of two prompts sharing a prefix runs
     second finds the first one's cached blocks. FCFS runs 0, 1, 2; priorities [2, 0, 1] run 1, 2, 0."""
@@ -145,6 +150,7 @@ def test_priority_reaches_the_scheduler():
         kvjax.LLM("preset:tiny", **common).generate(prompts, params, priority=[0, 0, 0])
 
 
+@pytest.mark.slow
 def test_api_errors_name_the_value():
     with pytest.raises(LLMError, match="num_blocks or gpu_memory_utilization, not both"):
         kvjax.LLM("preset:tiny", num_blocks=8, gpu_memory_utilization=0.5)

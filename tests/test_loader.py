@@ -14,8 +14,8 @@ from hf_fixtures import make_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 from kvjax.config import ModelConfigError
-from models import UnsupportedModelError, build_model, from_hf_config
-from models.loader import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
+from kvjax.models import UnsupportedModelError, build_model, from_hf_config
+from kvjax.models.loader import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
                            UnexpectedTensorError, hf_name, load_checkpoint)
 
 

@@ -82,7 +82,7 @@ def test_measured_kv_page_bytes_equal_analytic(kind, kv_dtype):
 
 @pytest.mark.parametrize("dtype, width", [("float32", 4), ("bfloat16", 2)])
 def test_measured_weight_bytes_equal_params_times_dtype(dtype, width):
-    from models import build_model, init_params, preset
+    from kvjax.models import build_model, init_params, preset
 
     config = preset("tiny").replace(dtype=dtype)
     d, i, v, n, k, h, layers = (config.hidden_size, config.intermediate_size, config.vocab_size, config.num_heads,
@@ -128,7 +128,7 @@ SIZE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_
 
 @pytest.fixture(scope="module")
 def tiny():
-    from models import build_model, init_params, preset
+    from kvjax.models import build_model, init_params, preset
 
     config = preset("tiny")
     model = build_model(config)

@@ -15,8 +15,8 @@ import pytest
 
 from kvjax import budget as bud
 from kvjax import cli
-from models import build_model, from_hf_config, init_params
-from models.loader import save_checkpoint
+from kvjax.models import build_model, from_hf_config, init_params
+from kvjax.models.loader import save_checkpoint
 
 HF = {
     "gqa": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
@@ -131,6 +131,7 @@ def test_errors_are_one_line(checkpoints, capsys):
         assert len(err.strip().splitlines()) == 1 and want in err and "Traceback" not in err, (args, err)
 
 
+@pytest.mark.slow
 def test_preset_random_weights_runs_on_cpu(capsys):
     rc, out, err = _memory(capsys, "--model", "preset:tiny-mla", *SMALL, "--kv-dtype", "fp8", "--json")
     assert rc == 0, err

@@ -19,8 +19,8 @@ from hf_fixtures import CASES, hf_logits, make_hf_model, save_hf_model
 
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.cache import PagedCache
-from models import build_model, init_params, make_step, preset
-from models.loader import load_checkpoint
+from kvjax.models import build_model, init_params, make_step, preset
+from kvjax.models.loader import load_checkpoint
 
 NUM_BLOCKS, BLOCK, MAX_BLOCKS = 48, 4, 8  # P, Z, M
 MAX_TOKENS, MAX_SEQS = 32, 4  # T, B of the ragged step
@@ -140,6 +140,7 @@ def test_mixed_batch_matches_each_sequence_alone(case):
     assert case.ragged._cache_size() == 1, "ragged steps recompiled"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
 def test_logits_indices_select_rows(name):
     config = preset(name)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_engine import Z, engine, greedy, outputs, assert_pool_empty, tiny  # noqa: F401
 
-from experiments.offload_bench import chat_workload
+from kvjax.experiments.offload_bench import chat_workload
 from kvjax import host_cache, offload
 from kvjax.cache import PagedCache
 from kvjax.engine import EngineError
@@ -195,6 +195,7 @@ def unshared(prompts, n_conv):
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_tokens_are_identical_with_the_tier_on_and_off(tiny, k):
     # 4 conversations × 3 turns of 9, 16 and 23 tokens, interleaved (experiments/offload_bench.py).

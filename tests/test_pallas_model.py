@@ -11,7 +11,7 @@ import pytest
 
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.cache import PagedCache
-from models import build_model, init_params, preset
+from kvjax.models import build_model, init_params, preset
 
 
 def _decode_logits(model, params, spec, prompts, steps, block_size=4):
@@ -34,7 +34,8 @@ def _decode_logits(model, params, spec, prompts, steps, block_size=4):
     return np.stack([np.asarray(x) for x in out])
 
 
-@pytest.mark.parametrize("name, kv_dtype", [("tiny", "fp32"), ("tiny", "fp8_e4m3"), ("tiny-mla", "bf16")])
+@pytest.mark.parametrize("name, kv_dtype", [pytest.param("tiny", "fp32", marks=pytest.mark.slow), ("tiny", "fp8_e4m3"),
+                                            pytest.param("tiny-mla", "bf16", marks=pytest.mark.slow)])
 def test_pallas_decode_matches_reference(name, kv_dtype):
     cfg = preset(name)
     params = init_params(build_model(cfg), jax.random.key(4))

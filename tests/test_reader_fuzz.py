@@ -34,7 +34,7 @@ from kvjax.config import MODEL_TYPES, ModelConfig, from_hf_config
 from kvjax.errors import INT32_MAX, KvjaxError, read_json, read_jsonl, read_text
 from kvjax.quant import FP8_FORMATS, SCALE_MODES, KVScales
 from kvjax.replay import iter_trace
-from models.loader import load_config
+from kvjax.models.loader import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -608,6 +608,7 @@ def host_traces(draw):
 
 @fuzz(150)
 @given(host_traces())
+@pytest.mark.slow
 def test_iter_trace_host_tier(ops):
     from kvjax import host_cache
     from kvjax import kv_cache_manager as manager

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _quick_report(out, skip: str) -> str:
     """`kvjax report --quick --skip SKIP --out OUT` in a fresh process; REPORT.md's text."""
@@ -13,6 +15,7 @@ def _quick_report(out, skip: str) -> str:
     return (out / "REPORT.md").read_text()
 
 
+@pytest.mark.slow
 def test_quick_report_writes_markdown_plots_and_json(tmp_path):
     out = tmp_path / "rep"
     text = _quick_report(out, "accuracy,memory,smollm")
@@ -34,6 +37,7 @@ def test_report_rejects_unknown_sections(tmp_path):
     assert p.returncode == 2 and "tables" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_quick_report_real_model_section(tmp_path):
     out = tmp_path / "rep"
     text = _quick_report(out, "decode,accuracy,memory")

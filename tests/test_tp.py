@@ -19,9 +19,9 @@ from kvjax import sharding as shd
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.cache import PagedCache
 from kvjax.spec import KVSpec
-from models import build_model, init_params, make_step, preset
+from kvjax.models import build_model, init_params, make_step, preset
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in tests/conftest.py)")
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (jax_num_cpu_devices in tests/conftest.py)")
 
 Z = 4
 NUM_BLOCKS = 12
@@ -53,6 +53,7 @@ def _decode(step, params, cache, put):
     return out, cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gqa", "mla"])
 def test_decode_agrees_across_tp(family):
     config = CONFIGS[family]

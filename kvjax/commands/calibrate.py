@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from kvjax.calibration import calibrate
     from kvjax.scoring import windows
-    from models.hub import load_model
+    from kvjax.models.hub import load_model
 
     check_output_file(args.out, "--out")
     check_input_file(args.data, "--data")

@@ -104,7 +104,7 @@ def run(args) -> int:
     from kvjax.llm import LLM
     from kvjax.sampling import SamplingParams, SamplingParamsError
     from kvjax.spec import kv_dtype
-    from models.hub import load_model
+    from kvjax.models.hub import load_model
 
     _check_flags(args)  # everything that needs no model is checked before loading one
     stop_ids = _stop_token_ids(args.stop_token_ids)
@@ -116,7 +116,7 @@ def run(args) -> int:
                          f"{loaded.config.max_position_embeddings}")
     encode = loaded.tokenizer.encode
     if args.chat:
-        from models.tokenizer import render_chat
+        from kvjax.models.tokenizer import render_chat
 
         if not loaded.chat_template:
             raise UsageError(f"--chat: model {args.model!r} has no chat template")

@@ -90,8 +90,8 @@ def _ask_for_cpu_devices(tp: int) -> None:
 def _config(args):
     """(ModelConfig, checkpoint folder or GGUF file or None for random weights, display name)."""
     from kvjax.config import preset
-    from models.hub import resolve_model
-    from models.loader import load_config
+    from kvjax.models.hub import resolve_model
+    from kvjax.models.loader import load_config
 
     if args.model.startswith("preset:"):
         config = preset(args.model.split(":", 1)[1])
@@ -130,7 +130,7 @@ def _load_params(folder, config, layout, shardings, shapes, seed: int):
     import jax
 
     from kvjax import sharding as shd
-    from models.loader import load_params
+    from kvjax.models.loader import load_params
 
     if folder is None:
         return _random_params(shapes, shardings, seed)
@@ -145,11 +145,11 @@ class _Setup:
         import jax
 
         from kvjax import sharding as shd
-        from models import build_model, param_shapes
+        from kvjax.models import build_model, param_shapes
 
         self.config, self.folder, self.name = _config(args)
         if self.folder is not None:
-            from models.loader import open_tensors
+            from kvjax.models.loader import open_tensors
 
             with open_tensors(self.folder):  # a corrupt or pickled checkpoint is refused before any work
                 pass

@@ -237,7 +237,7 @@ def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
     from kvjax.data import CALIB, CHAT_PROMPTS, HELDOUT, PROSE
     from kvjax.llm import LLM
     from kvjax.sampling import SamplingParams
-    from models.hub import load_model
+    from kvjax.models.hub import load_model
 
     model = "smollm2-135m"
     loaded = load_model(model)  # fetched and verified on first use ($KVJAX_CACHE)
