@@ -1,16 +1,37 @@
-"""Test-wide settings: CPU JAX, offline Hugging Face, float32 matmuls at full precision."""
+"""Test-wide settings: CPU JAX, offline Hugging Face, float32 matmuls at full precision, and one
+persistent compilation cache for the run.
+
+Most of the suite's time is XLA compiling. The same programs come back in many files (the
+same tiny configs, the same engine steps), in both xdist workers and in the `kvjax` processes
+that tests start, and each file ends by clearing JAX's in-memory caches (below). So the run
+keeps JAX's persistent compilation cache in a fresh temporary folder that every process of
+the run shares (through JAX_COMPILATION_CACHE_DIR, which the workers and subprocesses inherit)
+and that is removed at the end: a clean run still starts empty. A folder given in
+JAX_COMPILATION_CACHE_DIR beforehand (.ci/run shares one with its report run) is used as it is.
+"""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # tests/test_tp.py: 8 CPU devices
+_OWN_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # set here, before JAX reads it; xdist workers inherit it
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the many small programs add up too
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+# tests/test_tp.py needs 8 CPU devices. Asked for through JAX's config rather than XLA_FLAGS, which
+# JAX hashes into every persistent-cache key: the `kvjax` processes that tests (and .ci/run's report
+# run) start then compile programs with the same keys as the test processes and share them.
+jax.config.update("jax_num_cpu_devices", 8)
 
 # The suite's hypothesis runs are repeatable (the same examples on every machine), so a CI run
 # fails only on a change. To look for new failing inputs: pytest --hypothesis-profile=explore.
@@ -28,3 +49,10 @@ def _drop_compiled_programs_after_each_file():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_unconfigure(config):
+    """The process that made the run's compilation cache removes it (xdist workers inherit its
+    folder, so they made none)."""
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
