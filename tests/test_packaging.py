@@ -101,3 +101,15 @@ def test_an_experiment_names_the_extra_it_needs(blocked, argv, extra, tmp_path):
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert p.stderr.count("\n") == 1 and f"kvjax[{extra}]" in p.stderr and blocked in p.stderr, p.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkout_imports_one_tree():
+    """Run from the checkout (pytest from its root, or its editable install), kvjax.models and
+    kvjax.experiments are the checkout's own top-level folders, beside the kvjax/ that was imported."""
+    import kvjax
+    import kvjax.experiments
+    import kvjax.models
+    here = os.path.dirname(os.path.dirname(kvjax.__file__))
+    assert here == ROOT
+    assert kvjax.models.__file__ == os.path.join(ROOT, "models", "__init__.py")
+    assert kvjax.experiments.__file__ == os.path.join(ROOT, "experiments", "__init__.py")
