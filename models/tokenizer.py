@@ -5,12 +5,22 @@ tokenizer transformers itself wraps); a GGUF file's tokenizer is rebuilt from it
 models.gguf as the same library's object and passed in as `backend`. The built-in small models
 have a 256-token byte vocabulary and no tokenizer file: a text is its UTF-8 bytes, and ids
 decode back to bytes (invalid UTF-8 shown as U+FFFD).
+
+`render_chat` turns a conversation into a prompt with the checkpoint's Jinja chat template, the
+way transformers' `apply_chat_template(..., tokenize=False)` does, with jinja2 alone.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 
+import jinja2
+import jinja2.ext
 import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvjax.errors import KvjaxError, decode_utf8, one_line, read_bytes
 
@@ -67,25 +77,153 @@ class ChatTemplateError(KvjaxError):
     """A chat template that cannot render the given messages; the message says why."""
 
 
-def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True, **variables) -> str:
-    """A conversation as the prompt text its model was trained on: the checkpoint's Jinja chat
-    template rendered the way transformers' `apply_chat_template` does (a sandboxed environment
-    with trim_blocks and lstrip_blocks, `raise_exception` available to the template).
-    messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]; variables: e.g.
-    bos_token and eos_token, which some templates use."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+# transformers' marker for continue_final_message: appended to the final message, found in the
+# rendered text, and everything from it on (the template's end-of-turn) cut off.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# Names a message's reasoning goes under; transformers fills "thinking" and "reasoning_content".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
-    def raise_exception(message):
-        raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ChatTemplateError(f"message {i} must be {{'role': str, 'content': str}}, got {m!r:.80}")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, the tag transformers adds to mark the assistant's
+    text for `return_assistant_tokens_mask`: its body renders as if the tag were not there."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise ChatTemplateError(f"the chat template refused the messages: {one_line(message)}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson; jinja's built-in one would HTML-escape <, >, & and ' and always sort keys
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    """The template in transformers' environment (`_compile_jinja_template`): sandboxed and
+    immutable (templates come from the Hub), trim_blocks and lstrip_blocks, loop controls."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **variables)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"the chat template does not render: {e}") from None
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template is not valid Jinja: {one_line(e.message)} "
+                                f"(line {e.lineno})") from None
+
+
+def _copy(value):
+    """A fresh copy of nested dicts, lists and tuples, so rendering never edits the caller's."""
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy(v) for v in value] if isinstance(value, list) else tuple(_copy(v) for v in value)
+    return value
+
+
+def _clip(value) -> str:
+    return one_line(repr(value))[:80]
+
+
+def _chat(messages) -> list[dict]:
+    """The messages as transformers' apply_chat_template hands them to the template: copies with
+    their None-valued keys dropped (templates test for a missing key; many print a None as "None"),
+    and reasoning under both names templates read ("thinking", "reasoning_content")."""
+    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError(f"messages must be a list of message dicts, got {_clip(messages)}")
+    if not messages:
+        raise ChatTemplateError("messages is empty: a conversation needs at least one message")
+    chat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} must be a dict with a string 'role', got {_clip(m)}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list, tuple)):
+            raise ChatTemplateError(f"message {i}'s content must be a string, a list of parts or None, "
+                                    f"got {_clip(content)}")
+        m = {k: _copy(v) for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        chat.append(m)
+    return chat
+
+
+def _tag_final_message(chat: list[dict], template: str) -> str:
+    """Appends the continue tag to the final message's text (its content, or its last text part
+    when the content is a list of parts) and returns that text as it was."""
+    final = chat[-1].get("content")
+    if final is None:
+        raise ChatTemplateError("continue_final_message: the final message has no content to continue")
+    if "content" not in template:
+        raise ChatTemplateError("continue_final_message: the chat template never reads a message's 'content'")
+    if isinstance(final, str):
+        chat[-1]["content"] = final + _CONTINUE_TAG
+        return final
+    for part in reversed(final):
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            text, part["text"] = part["text"], part["text"] + _CONTINUE_TAG
+            return text
+    raise ChatTemplateError("continue_final_message: the final message's content has no text part to continue")
+
+
+def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                documents: list[dict] | None = None, **variables) -> str:
+    """A conversation as the prompt text its model was trained on: the checkpoint's Jinja chat
+    template rendered as transformers' `apply_chat_template(..., tokenize=False)` renders it
+    (transformers/utils/chat_template_utils.py, `_compile_jinja_template`, `render_jinja_template`).
+
+    messages: [{"role": str, "content": str | [{"type": "text", "text": str}, ...] | None, ...}];
+    keys whose value is None are dropped, as transformers drops them (an assistant turn with
+    tool_calls and content None). The template sees `messages`, `add_generation_prompt`, `tools`,
+    `documents` and every other keyword (vLLM's chat_template_kwargs; bos_token, eos_token, which
+    transformers fills from its tokenizer); it may call `raise_exception(msg)` (a ChatTemplateError)
+    and `strftime_now(format)`, and filter with transformers' `tojson` (non-ASCII kept as is).
+    continue_final_message: leave the final message open (its end-of-turn cut off) so generation
+    continues it; it needs add_generation_prompt=False, as in transformers and vLLM."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message=True needs add_generation_prompt=False: one continues "
+                                "the final message, the other opens a new assistant turn")
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"the chat template must be a string of Jinja, got {_clip(template)}")
+    for name, items in (("tools", tools), ("documents", documents)):
+        if items is not None and (not isinstance(items, (list, tuple))
+                                  or not all(isinstance(x, Mapping) for x in items)):
+            raise ChatTemplateError(f"{name} must be a list of dicts (JSON schemas for tools), got {_clip(items)}")
+    compiled = _compile(template)
+    chat = _chat(messages)
+    final = _tag_final_message(chat, template) if continue_final_message else None
+    try:
+        rendered = compiled.render(messages=chat, tools=_copy(tools), documents=_copy(documents),
+                                   add_generation_prompt=add_generation_prompt, **variables)
+    except ChatTemplateError:
+        raise
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as e:
+        raise ChatTemplateError(f"the chat template does not render: {type(e).__name__}: {one_line(e)}") from None
+    if final is None:
+        return rendered
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError("continue_final_message: the chat template drops part of the final message, "
+                                "so there is no end of it to continue from")
+    at = rendered.rindex(tag)
+    # the tag's trailing space survived: cut exactly; a template that strips it also stripped
+    # the message's own trailing whitespace, so strip what is left (transformers' rule)
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
