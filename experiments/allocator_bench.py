@@ -40,6 +40,7 @@ import numpy as np
 
 from kvjax import kv_cache_manager as manager
 from kvjax.experiments import results_dir
+from kvjax.markdown import markdown_table
 from kvjax.testing.pool_oracle import OraclePool
 
 Z, PROMPT, STEPS = 16, 8, 64  # block size, prompt tokens per request, decode steps timed
@@ -213,14 +214,13 @@ def main(out: pathlib.Path) -> dict:
              f"python {result['python']}.", "",
              f"{result['what']}; block size {Z}, {PROMPT}-token prompts, {STEPS} decode steps timed, "
              f"compile excluded, each figure >= {MIN_TIME_S} s of repeats.", "",
-             "| concurrent requests | loop iterations per step | oracle ops/s | jax per-call ops/s "
-             "| jax scan ops/s | call / oracle | scan / oracle |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        loops = r["loop_iterations_per_step"]
-        lines.append(f"| {r['concurrency']} | {'data-dependent' if loops < 0 else loops} | {r['oracle_ops_s']:,.0f} | "
-                     f"{r['jax_call_ops_s']:,.0f} | {r['jax_scan_ops_s']:,.0f} | {r['call_vs_oracle']:.2f}x | "
-                     f"{r['scan_vs_oracle']:.2f}x |")
+             *markdown_table(["concurrent requests", "loop iterations per step", "oracle ops/s", "jax per-call ops/s",
+                              "jax scan ops/s", "call / oracle", "scan / oracle"],
+                             [[r["concurrency"], "data-dependent" if r["loop_iterations_per_step"] < 0
+                               else r["loop_iterations_per_step"], f"{r['oracle_ops_s']:,.0f}",
+                               f"{r['jax_call_ops_s']:,.0f}", f"{r['jax_scan_ops_s']:,.0f}",
+                               f"{r['call_vs_oracle']:.2f}x", f"{r['scan_vs_oracle']:.2f}x"] for r in rows],
+                             "rrrrrrr")]
     text = "\n".join(lines) + "\n"
     (out / "allocator_bench.md").write_text(text)
     print(text, end="")

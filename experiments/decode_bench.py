@@ -3,7 +3,9 @@
 Every variant is a `kvjax.LLM` generating through the engine; only its settings differ. Three
 comparisons, each measured in ONE run on the same model and the same load, compile excluded (a
 warm-up run first, then the median of repeats; paired variants alternate so that a noisy
-neighbour slows both alike):
+neighbour slows both alike). The LLM's engine keeps its prefix cache from one generate call to
+the next, so every run starts from an empty one (`reset_prefix_cache`, as vLLM's benchmarks
+do): a repeat measures the workload, not the blocks the warm-up left cached.
 
 1. paged vs contiguous. The same prompts, greedy, `steps_per_call` 8, prefix caching off in
    both, a pool that never preempts: `kv_layout="paged"` keeps K/V in kvjax's paged cache
@@ -48,17 +50,22 @@ import numpy as np
 from kvjax import LLM, SamplingParams
 from kvjax.config import preset
 from kvjax.experiments import require, results_dir
+from kvjax.markdown import markdown_table
 from kvjax.models import build_model, init_params
 from kvjax.models.hub import LoadedModel, load_model
 from kvjax.models.tokenizer import Tokenizer
 
 
 def llm_run(llm: LLM, prompts, max_tokens: int) -> dict:
-    """One generate call of llm: its summary (without the per-step block counts) and outputs."""
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    """One greedy generate call of llm from an empty prefix cache: its summary (without the
+    per-step block counts) and outputs."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache was not reset: a request is still running")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
     s = outs.summary.to_json()
     s.pop("blocks_in_use")
-    return {"summary": s, "outputs": [o.token_ids for o in outs]}
+    return {"summary": s, "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
 def warm_run(model, prompts, max_tokens: int, **settings) -> dict:
@@ -74,7 +81,7 @@ def paged_vs_contiguous(model, prompts: np.ndarray, steps: int, block_size: int,
     b, p = prompts.shape
     per_seq = -(-(p + steps) // block_size)
     s_max = per_seq * block_size  # both caches hold S_max positions per sequence
-    base = dict(num_blocks=1 + b * per_seq, block_size=block_size, max_num_seqs=b, max_model_len=s_max,
+    base = dict(num_gpu_blocks_override=1 + b * per_seq, block_size=block_size, max_num_seqs=b, max_model_len=s_max,
                 enable_prefix_caching=False, steps_per_call=8)
     llms = {layout: LLM(model, kv_layout=layout, **base) for layout in ("paged", "contiguous")}
     for llm in llms.values():  # compile
@@ -103,7 +110,7 @@ def context_sweep(model, vocab: int, rng, batch: int, contexts, block_size: int,
 
 def loop_vs_host(model, prompts, max_tokens, block_size, repeats) -> dict:
     longest = max(len(p) for p in prompts) + max_tokens
-    base = dict(num_blocks=1 + len(prompts) * -(-longest // block_size), block_size=block_size,
+    base = dict(num_gpu_blocks_override=1 + len(prompts) * -(-longest // block_size), block_size=block_size,
                 max_num_seqs=len(prompts), max_model_len=longest)
     runs = {k: [] for k in (1, 8)}
     for _ in range(repeats):
@@ -120,7 +127,7 @@ def prefix_caching(model, vocab, rng, requests, system_len, block_size, max_num_
     system = rng.integers(0, vocab, system_len).tolist()
     prompts = [system + rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(16, 33, requests)]
     longest = max(len(p) for p in prompts) + 8
-    base = dict(num_blocks=1 + 2 * max_num_seqs * -(-longest // block_size), block_size=block_size,
+    base = dict(num_gpu_blocks_override=1 + 2 * max_num_seqs * -(-longest // block_size), block_size=block_size,
                 max_num_seqs=max_num_seqs, max_model_len=longest, steps_per_call=8)
     on, off = (warm_run(model, prompts, 8, enable_prefix_caching=flag, **base) for flag in (True, False))
     pick = ("prefill_tokens", "prefix_hit_rate", "prefix_hit_tokens", "wall_s", "prefill_tokens_per_s")
@@ -143,8 +150,9 @@ def sweep_kv(args, out_dir: pathlib.Path) -> dict:
     result = {"meta": _meta(), "model": config.name, "layers": config.num_layers, "dtype": config.dtype,
               "batch": batch, "prompt": prompt_len, "gen": gen, "init_s": time.perf_counter() - t0, "rows": []}
     z = 16
-    settings = dict(num_blocks=1 + batch * -(-(prompt_len + gen) // z), block_size=z, max_num_seqs=batch,
-                    max_model_len=prompt_len + gen, max_num_batched_tokens=batch * prompt_len, steps_per_call=8)
+    settings = dict(num_gpu_blocks_override=1 + batch * -(-(prompt_len + gen) // z), block_size=z,
+                    max_num_seqs=batch, max_model_len=prompt_len + gen, max_num_batched_tokens=batch * prompt_len,
+                    steps_per_call=8)
     # The kernel first: under a time limit the variants that matter most come out first.
     for impl, kv in (("pallas", "bf16"), ("pallas", "fp8_e4m3"), ("reference", "bf16"), ("reference", "fp8_e4m3")):
         row = {"kv_dtype": kv, "attn_impl": impl}
@@ -152,7 +160,7 @@ def sweep_kv(args, out_dir: pathlib.Path) -> dict:
             row["status"] = "skipped: time budget"
         else:
             try:
-                r = warm_run(model, prompts, gen, kv_dtype=kv, attn_impl=impl, **settings)
+                r = warm_run(model, prompts, gen, kv_cache_dtype=kv, attention_backend=impl, **settings)
                 s = r["summary"]
                 row.update(status="ok", decode_tok_s=s["decode_tokens_per_s"], prefill_tok_s=s["prefill_tokens_per_s"],
                            step_p50_ms=s["step_latency_p50_ms"], step_p99_ms=s["step_latency_p99_ms"],
@@ -165,15 +173,17 @@ def sweep_kv(args, out_dir: pathlib.Path) -> dict:
 
 
 def _sweep_md(r: dict) -> str:
+    def f(row, k):
+        return f"{row[k]:,.1f}" if isinstance(row.get(k), float) else "—"
+
     lines = [f"# Decode sweep: {r['model']} ({r['layers']} layers, {r['dtype']} weights, random), batch {r['batch']}, "
              f"prompt {r['prompt']}, {r['gen']} new tokens, engine K = 8", "",
              f"Device: {r['meta']['device']} ({r['meta']['backend']}), jax {r['meta']['jax']}", "",
-             "| KV | attention | decode tok/s | prefill tok/s | step p50 ms | step p99 ms | status |",
-             "|---|---|---:|---:|---:|---:|---|"]
-    for row in r["rows"]:
-        f = lambda k: f"{row[k]:,.1f}" if isinstance(row.get(k), float) else "—"  # noqa: E731
-        lines.append(f"| {row['kv_dtype']} | {row['attn_impl']} | {f('decode_tok_s')} | {f('prefill_tok_s')} | "
-                     f"{f('step_p50_ms')} | {f('step_p99_ms')} | {row['status']} |")
+             *markdown_table(["KV", "attention", "decode tok/s", "prefill tok/s", "step p50 ms", "step p99 ms",
+                              "status"],
+                             [[row["kv_dtype"], row["attn_impl"], f(row, "decode_tok_s"), f(row, "prefill_tok_s"),
+                               f(row, "step_p50_ms"), f(row, "step_p99_ms"), row["status"]] for row in r["rows"]],
+                             "llrrrrl")]
     return "\n".join(lines) + "\n"
 
 
@@ -199,30 +209,29 @@ def _markdown(r: dict) -> str:
              f"## Paged vs contiguous cache — batch {pc_['batch']}, prompt {pc_['prompt']}, "
              f"{pc_['steps']} new tokens, S_max {pc_['s_max']}, block {pc_['block_size']}, 8 decode steps per call, "
              "prefix caching off", "",
-             "| kv_layout | decode tokens/s |", "|---|---:|",
-             f"| paged (block-table gather, {pc_['attn_impl']} attention) | {pc_['paged_tok_s']:,.0f} |",
-             f"| contiguous [B, S_max, K, H], read in place | {pc_['contiguous_tok_s']:,.0f} |", "",
+             *markdown_table(["kv_layout", "decode tokens/s"],
+                             [[f"paged (block-table gather, {pc_['attn_impl']} attention)",
+                               f"{pc_['paged_tok_s']:,.0f}"],
+                              ["contiguous [B, S_max, K, H], read in place", f"{pc_['contiguous_tok_s']:,.0f}"]], "lr"),
+             "",
              f"paged / contiguous = **{pc_['ratio']:.2f}×** (target ≥ 0.9×: {ok(pc_['ratio'] >= 0.9)}); "
              f"same greedy tokens: {pc_['same_tokens']}.", "",
              f"At other context lengths (prompt and new tokens half of S_max each, block {pc_['block_size']}):", "",
-             "| S_max | paged tok/s | contiguous tok/s | paged / contiguous | same tokens |",
-             "|---:|---:|---:|---:|---|",
-             *[f"| {c['s_max']} | {c['paged_tok_s']:,.0f} | {c['contiguous_tok_s']:,.0f} | {c['ratio']:.2f}× | "
-               f"{c['same_tokens']} |" for c in r["context_sweep"]], "",
+             *markdown_table(["S_max", "paged tok/s", "contiguous tok/s", "paged / contiguous", "same tokens"],
+                             [[c["s_max"], f"{c['paged_tok_s']:,.0f}", f"{c['contiguous_tok_s']:,.0f}",
+                               f"{c['ratio']:.2f}×", c["same_tokens"]] for c in r["context_sweep"]], "rrrrl"), "",
              f"## Device loop vs host loop — engine, batch {lh['batch']}, {lh['max_tokens']} new tokens each", "",
-             "| steps per call | decode tok/s | step p50 ms |", "|---|---:|---:|",
-             f"| 1 (host loop) | {lh['decode_tok_s']['K=1']:,.0f} | {lh['step_p50_ms']['K=1']:.2f} |",
-             f"| 8 (lax.while_loop) | {lh['decode_tok_s']['K=8']:,.0f} | {lh['step_p50_ms']['K=8']:.2f} |", "",
+             *markdown_table(["steps per call", "decode tok/s", "step p50 ms"],
+                             [[name, f"{lh['decode_tok_s'][k]:,.0f}", f"{lh['step_p50_ms'][k]:.2f}"]
+                              for name, k in (("1 (host loop)", "K=1"), ("8 (lax.while_loop)", "K=8"))], "lrr"), "",
              f"K=8 / K=1 = **{lh['ratio']:.2f}×** (target ≥ 2×: {ok(lh['ratio'] >= 2)}); "
              f"same tokens: {lh['same_tokens']}.",
              *_tiny_loop_lines(r),
              "", f"## Prefix caching — {pc['requests']} requests, one {pc['system_prompt']}-token system prompt", "",
-             "| prefix caching | prefill tokens computed | hit rate | prefill tok/s | wall s |",
-             "|---|---:|---:|---:|---:|"]
-    for name in ("on", "off"):
-        s = pc[name]
-        lines.append(f"| {name} | {s['prefill_tokens']:,} | {100 * s['prefix_hit_rate']:.1f}% | "
-                     f"{s['prefill_tokens_per_s'] or float('nan'):,.0f} | {s['wall_s']:.3f} |")
+             *markdown_table(["prefix caching", "prefill tokens computed", "hit rate", "prefill tok/s", "wall s"],
+                             [[name, f"{s['prefill_tokens']:,}", f"{100 * s['prefix_hit_rate']:.1f}%",
+                               f"{s['prefill_tokens_per_s'] or float('nan'):,.0f}", f"{s['wall_s']:.3f}"]
+                              for name, s in (("on", pc["on"]), ("off", pc["off"]))], "lrrrr")]
     lines += ["", f"off / on wall time = **{pc['wall_ratio_off_on']:.2f}×**; same tokens: {pc['same_tokens']}."]
     lines += ["", "## Reading the numbers", "",
               "- Paging costs one copy of K per layer and step on CPU. XLA's dot reads only a dense buffer, so "

@@ -50,7 +50,7 @@ step kernel_bench 60 "$PY" -m kvjax.experiments.kernel_bench --out "$OUT_DIR" --
 # downloaded): profiled non-KV bytes, the budget → blocks, and KV pages measured / analytic,
 # which must be within 0.1%. JSON and table per model in $OUT_DIR/memory_<label>.{json,txt}.
 # CPU smoke run (no bytes_limit there, so give a size):
-#   KVJAX_MEMORY_BIG=preset:tiny KVJAX_MEMORY_ARGS="--total-gib 1" bash experiments/gpu_check.sh
+#   KVJAX_MEMORY_BIG=preset:tiny KVJAX_MEMORY_ARGS="--device-memory-gib 1" bash experiments/gpu_check.sh
 memory_check() {  # memory_check LABEL MODEL TOKENS
   "$PY" -m kvjax.cli memory --model "$2" --max-num-batched-tokens "$3" $KVJAX_MEMORY_ARGS --json \
     > "$OUT_DIR/memory_$1.json" || return

@@ -44,6 +44,7 @@ from kvjax.attention.pallas_decode import paged_decode, paged_decode_reference
 from kvjax.attention.pallas_mla import mla_paged_decode, mla_paged_decode_reference
 from kvjax.attention.tiles import default_mla_tiles, default_tiles
 from kvjax.experiments import results_dir
+from kvjax.markdown import markdown_table
 
 GiB = 1024**3
 FP8 = jnp.float8_e4m3fn
@@ -211,28 +212,28 @@ def summarize(rows, copy_gbps):
     return checks
 
 
+def _row_cells(r: dict) -> list:
+    """One measurement's cells; a variant that did not run shows its status as its note."""
+    head = [r["model"], r["dtype"], r["batch"], r["context"], r["impl"]]
+    if not r.get("seconds"):
+        return head + ["", f"{r['kv_bytes'] / 2**20:.1f}", "", "", r["status"]]
+    return head + [f"{r['seconds'] * 1e6:.1f}", f"{r['kv_bytes'] / 2**20:.1f}", f"{r['gbps']:.1f}",
+                   f"{r['pct_of_copy']:.1f}", r.get("tiles", "")]
+
+
 def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernel_bench.json").write_text(json.dumps({**meta, "rows": rows, "summary": checks}, indent=2))
     lines = [f"# Decode kernel bandwidth ({meta['device']}, {'tiny interpret mode' if meta['tiny'] else 'compiled'})",
              "", f"copy bandwidth: {meta['copy_gbps']:.1f} GB/s (read + write of {meta['copy_bytes'] / GiB:.3g} GiB)",
-             "", "| model | kv dtype | batch | context | impl | µs | KV MiB | GB/s | % of copy | tiles / note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("seconds"):
-            lines.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['impl']} |"
-                         f" {r['seconds'] * 1e6:.1f} | {r['kv_bytes'] / 2**20:.1f} | {r['gbps']:.1f} |"
-                         f" {r['pct_of_copy']:.1f} | {r.get('tiles', '')} |")
-        else:
-            lines.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['impl']} |"
-                         f" | {r['kv_bytes'] / 2**20:.1f} | | | {r['status']} |")
+             "", *markdown_table(["model", "kv dtype", "batch", "context", "impl", "µs", "KV MiB", "GB/s",
+                                  "% of copy", "tiles / note"], [_row_cells(r) for r in rows])]
     lines += ["", "## Targets (H200: >= 80% of copy for bf16 GQA at batch >= 32, context >= 8K;"
               " fp8 >= 1.7x bf16; faster than JAX's shipped kernel)", "",
-              "| kind | batch | context | bf16 % of copy | fp8 / bf16 speedup | vs jax_shipped | target shape |",
-              "|---|---|---|---|---|---|---|"]
-    for c in checks:
-        lines.append(f"| {c['kind']} | {c['batch']} | {c['context']} | {c['bf16_pct_of_copy']} |"
-                     f" {c['fp8_speedup_over_bf16']} | {c['bf16_speedup_over_jax_shipped']} | {c['target_shape']} |")
+              *markdown_table(["kind", "batch", "context", "bf16 % of copy", "fp8 / bf16 speedup", "vs jax_shipped",
+                               "target shape"],
+                              [[c["kind"], c["batch"], c["context"], c["bf16_pct_of_copy"], c["fp8_speedup_over_bf16"],
+                                c["bf16_speedup_over_jax_shipped"], c["target_shape"]] for c in checks])]
     (out_dir / "kernel_bench.md").write_text("\n".join(lines) + "\n")
 
 

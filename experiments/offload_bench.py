@@ -8,12 +8,17 @@ one `LLM.generate` call, FCFS, `max_num_seqs` at a time: by the time a conversat
 turn is admitted, the other conversations have filled the device pool, which holds about
 half of the workload's distinct blocks, so its earlier turns were evicted from the device.
 
-Every variant is a `kvjax.LLM` with the same pool and only `kv_offload_gib` and
-`kv_offload_policy` changing: off, then host tiers of a quarter, half, all and twice the
-workload's distinct blocks, LRU and ARC. Per variant: prompt tokens prefilled, host hit rate
-(host hit tokens / prompt tokens looked up), time to first token p50 / p99 (from the start of
-the run, queueing included, as every request arrives at once), total time. Compile excluded:
-each variant's LLM runs the workload once unmeasured, then the median of `--repeats` runs.
+Every variant is a `kvjax.LLM` with the same pool and only `kv_offloading_size` and the host
+tier's eviction policy (`kv_transfer_config={"kv_connector_extra_config": {"eviction_policy":
+...}}`, vLLM's OffloadingConnector) changing: off, then host tiers of a quarter, half, all and
+twice the workload's distinct blocks, LRU and ARC. Per variant: prompt tokens prefilled, host
+hit rate (host hit tokens / prompt tokens looked up), time to first token p50 / p99 (from the
+start of the run, queueing included, as every request arrives at once), total time. Compile
+excluded: each variant's LLM runs the workload once unmeasured, then the median of `--repeats`
+runs. The LLM's engine keeps its device prefix cache and its host tier from one generate call
+to the next, so every run starts from an empty pool and an empty host tier
+(`reset_prefix_cache(reset_connector=True)`): each measures the workload's own host hits, not
+the blocks an earlier run left behind.
 
 With a tier that holds the whole workload, the prefill must fall to the unshared remainder:
 the first turn of each conversation plus the new text of each later turn (`first` and `new`
@@ -36,6 +41,7 @@ import numpy as np
 from kvjax.experiments import results_dir
 from kvjax.experiments.decode_bench import _meta, _write
 from kvjax import LLM, SamplingParams
+from kvjax.markdown import markdown_table
 from kvjax.models.hub import load_model
 
 FRACTIONS = (0.25, 0.5, 1.0, 2.0)  # host tier sizes, as fractions of the workload's distinct blocks
@@ -52,22 +58,32 @@ def chat_workload(conversations: int, turns: int, first: int, new: int, vocab: i
     return prompts
 
 
-def run_variant(model, prompts, max_tokens: int, repeats: int, **settings) -> dict:
+def run_variant(model, prompts, max_tokens: int, repeats: int, policy: str | None = None, **settings) -> dict:
+    """One LLM's greedy runs of the workload: the first compiles, the next `repeats` are measured.
+    policy: the host tier's eviction policy (with settings' kv_offloading_size)."""
+    if policy is not None:
+        settings["kv_transfer_config"] = {"kv_connector_extra_config": {"eviction_policy": policy}}
     llm = LLM(model, **settings)
-    sp = SamplingParams(max_tokens=max_tokens)
-    llm.generate(prompts, sp)  # compiles
-    runs = [llm.generate(prompts, sp) for _ in range(repeats)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+
+    def run():
+        if not llm.reset_prefix_cache(reset_connector=True):  # an empty pool and host tier, as a fresh LLM's
+            raise RuntimeError("the prefix cache was not reset: a request is still running")
+        return llm.generate(prompts, sp, use_tqdm=False)
+
+    run()  # compiles
+    runs = [run() for _ in range(repeats)]
     s = [r.summary for r in runs]
     med = lambda f: statistics.median(getattr(x, f) for x in s)  # noqa: E731
     last = s[-1]
-    return {"settings": settings, "host_blocks": last.host_blocks, "prefill_tokens": last.prefill_tokens,
-            "prompt_tokens": last.prompt_tokens, "prefix_hit_tokens": last.prefix_hit_tokens,
-            "host_hit_tokens": last.host_hit_tokens,
+    return {"settings": settings, "policy": policy, "host_blocks": last.host_blocks,
+            "prefill_tokens": last.prefill_tokens, "prompt_tokens": last.prompt_tokens,
+            "prefix_hit_tokens": last.prefix_hit_tokens, "host_hit_tokens": last.host_hit_tokens,
             "host_hit_rate": last.host_hit_tokens / last.prefix_queried_tokens,
             "host_bytes_stored": last.host_bytes_stored, "host_bytes_loaded": last.host_bytes_loaded,
             "host_memory_kind": last.host_memory_kind, "preemptions": last.preemptions,
             "ttft_p50_ms": med("ttft_p50_ms"), "ttft_p99_ms": med("ttft_p99_ms"), "wall_s": med("wall_s"),
-            "outputs": [o.token_ids for o in runs[-1]]}
+            "outputs": [o.outputs[0].token_ids for o in runs[-1]]}
 
 
 def bench(model_name: str, conversations: int, turns: int, first: int, new: int, max_tokens: int,
@@ -80,15 +96,14 @@ def bench(model_name: str, conversations: int, turns: int, first: int, new: int,
     # The pool holds max_num_seqs requests of the longest length (nothing is preempted) and
     # about half of the workload's distinct blocks.
     num_blocks = 1 + max(max_num_seqs * -(-longest // z), distinct // 2)
-    base = dict(num_blocks=num_blocks, block_size=z, max_num_seqs=max_num_seqs, max_model_len=longest,
+    base = dict(num_gpu_blocks_override=num_blocks, block_size=z, max_num_seqs=max_num_seqs, max_model_len=longest,
                 steps_per_call=8)
     bytes_per_block = model.config.kv_spec().bytes_per_block(z)
     rows = [run_variant(model, prompts, max_tokens, repeats, **base)]
     for frac in fractions:
         gib = max(1, round(frac * distinct)) * bytes_per_block / 2**30
         for policy in policies:
-            rows.append(run_variant(model, prompts, max_tokens, repeats, kv_offload_gib=gib,
-                                    kv_offload_policy=policy, **base))
+            rows.append(run_variant(model, prompts, max_tokens, repeats, policy, kv_offloading_size=gib, **base))
             rows[-1]["fraction"] = frac
     unshared = conversations * (first + (turns - 1) * new)
     want = rows[0]["outputs"]
@@ -111,15 +126,14 @@ def markdown(r: dict) -> str:
              f"{r['bytes_per_block']:,} bytes. Medians of {r['repeats']} runs after a compiling one. "
              f"`python -m kvjax.experiments.offload_bench{'' if r['model'] == 'small-gqa' else ' --model ' + r['model']}"
              f"{' --quick' if r.get('quick') else ''}`", "",
-             "| host tier | policy | host blocks | prefill tokens | host hit tokens | host hit rate | TTFT p50 ms "
-             "| TTFT p99 ms | total s | TTFT p50 off / on | same tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for row in r["rows"]:
-        tier = f"{row['fraction']:g} × workload" if "fraction" in row else "off"
-        lines.append(f"| {tier} | {row['settings'].get('kv_offload_policy', '-')} | {row['host_blocks']:,} "
-                     f"| {row['prefill_tokens']:,} | {row['host_hit_tokens']:,} | {100 * row['host_hit_rate']:.1f}% "
-                     f"| {row['ttft_p50_ms']:,.1f} | {row['ttft_p99_ms']:,.1f} | {row['wall_s']:.2f} "
-                     f"| {row['ttft_ratio_off_over_on']:.2f}× | {row['same_tokens']} |")
+             *markdown_table(
+                 ["host tier", "policy", "host blocks", "prefill tokens", "host hit tokens", "host hit rate",
+                  "TTFT p50 ms", "TTFT p99 ms", "total s", "TTFT p50 off / on", "same tokens"],
+                 [[f"{row['fraction']:g} × workload" if "fraction" in row else "off", _policy(row) or "-",
+                   f"{row['host_blocks']:,}", f"{row['prefill_tokens']:,}", f"{row['host_hit_tokens']:,}",
+                   f"{100 * row['host_hit_rate']:.1f}%", f"{row['ttft_p50_ms']:,.1f}", f"{row['ttft_p99_ms']:,.1f}",
+                   f"{row['wall_s']:.2f}", f"{row['ttft_ratio_off_over_on']:.2f}×", row["same_tokens"]]
+                  for row in r["rows"]], "llrrrrrrrrl")]
     full = [row for row in r["rows"] if row.get("fraction", 0) >= 1]
     u = r["unshared_prefill_tokens"]
     got = ", ".join(f"{row['prefill_tokens']:,}" for row in full)
@@ -131,6 +145,12 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _policy(row: dict) -> str | None:
+    """A row's host tier eviction policy (None: no tier). Results written before the vLLM-named
+    API kept it in their settings as kv_offload_policy."""
+    return row.get("policy", row["settings"].get("kv_offload_policy"))
+
+
 def plot(r: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -140,7 +160,7 @@ def plot(r: dict, path: pathlib.Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     off = r["rows"][0]
     for policy, marker in (("lru", "o"), ("arc", "s")):
-        rows = [row for row in r["rows"] if row["settings"].get("kv_offload_policy") == policy]
+        rows = [row for row in r["rows"] if _policy(row) == policy]
         gib = [row["host_blocks"] * r["bytes_per_block"] / 2**20 for row in rows]
         ax1.plot(gib, [100 * row["host_hit_rate"] for row in rows], marker=marker, label=policy.upper())
         ax2.plot(gib, [row["ttft_p50_ms"] for row in rows], marker=marker, label=f"{policy.upper()} p50")
@@ -198,10 +218,10 @@ def bandwidth(block_sizes=(1, 4, 16, 64), blocks: int = 32, repeats: int = 5) ->
 def bandwidth_markdown(r: dict) -> str:
     lines = [f"# Host tier transfers ({r['meta']['device']}, {r['meta']['backend']})", "", f"Blocks of {r['spec']}; "
              "`python -m kvjax.experiments.offload_bench --bandwidth`", "",
-             "| block size (tokens) | bytes per block | blocks per call | host pages | host → device GB/s "
-             "| device → host GB/s |", "|---:|---:|---:|---|---:|---:|"]
-    lines += [f"| {x['block_size']} | {x['bytes_per_block']:,} | {x['blocks']} | {x['memory_kind']} "
-              f"| {x['load_gb_s']:.2f} | {x['store_gb_s']:.2f} |" for x in r["rows"]]
+             *markdown_table(["block size (tokens)", "bytes per block", "blocks per call", "host pages",
+                              "host → device GB/s", "device → host GB/s"],
+                             [[x["block_size"], f"{x['bytes_per_block']:,}", x["blocks"], x["memory_kind"],
+                               f"{x['load_gb_s']:.2f}", f"{x['store_gb_s']:.2f}"] for x in r["rows"]], "rrrlrr")]
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,10 @@ Measured per batch size (1 and 8; 128-token prompts, 128 new tokens):
   time to the first token of a fresh `LLM` (its prefill compile included when the process has
   not compiled that shape yet: the first kvjax row of each batch size).
 
+Every kvjax run starts from an empty prefix cache (`reset_prefix_cache`, as vLLM's benchmarks
+do; the LLM's engine would otherwise keep the blocks of the run before), so each one prefills
+its whole prompts as transformers does.
+
     python -m kvjax.experiments.decode_bench --vs-transformers [--model smollm2-135m]
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax
 import numpy as np
 
 from kvjax import LLM, SamplingParams
+from kvjax.markdown import markdown_table
 from kvjax.models.hub import LoadedModel
 from kvjax.models.loader import save_checkpoint
 
@@ -89,18 +94,25 @@ def kvjax_run(model: LoadedModel, prompts: np.ndarray, new_tokens: int, steps_pe
     settings = dict(max_num_seqs=b, max_model_len=p + new_tokens, block_size=16, steps_per_call=steps_per_call,
                     enable_prefix_caching=False)
     llm = LLM(model, **settings)
-    t0 = time.perf_counter()
-    first = llm.generate(prompts.tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
-    ttft = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    cold = llm.generate(prompts.tolist(), params)  # compiles the decode steps
-    warm = [llm.generate(prompts.tolist(), params) for _ in range(repeats)]
+
+    def run(max_tokens: int):
+        """(outputs, seconds) of one greedy run from an empty prefix cache (the reset not timed)."""
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache was not reset: a request is still running")
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts.tolist(), params, use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    first, ttft = run(1)
+    cold, _ = run(new_tokens)  # compiles the decode steps
+    warm = [run(new_tokens)[0] for _ in range(repeats)]
     prefill = [w.summary.prefill_tokens_per_s for w in warm]
     median = lambda key: statistics.median(getattr(w.summary, key) for w in warm)  # noqa: E731
     return {"steps_per_call": steps_per_call, "prefill_tok_s": statistics.median(prefill), "prefill_samples": prefill,
             "decode_tok_s": median("decode_tokens_per_s"), "step_p50_ms": median("step_latency_p50_ms"),
             "first_token_s": ttft, "compile_s": first.summary.compile_s + cold.summary.compile_s,
-            "tokens": [o.token_ids for o in warm[0]]}
+            "tokens": [o.outputs[0].token_ids for o in warm[0]]}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -137,18 +149,17 @@ def compare(model: LoadedModel, batches=(1, 8), prompt_len: int = 128, new_token
 
 
 def markdown(r: dict) -> str:
-    lines = [f"## kvjax vs transformers — {r['model']}, fp32 weights, greedy, same prompts", "",
-             "| batch | | prefill tok/s | decode tok/s | step p50 ms | first token s | compile s | same tokens |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    cells = []
     for row in r["rows"]:
-        tf = row["transformers"]
-        lines.append(f"| {row['batch']} | transformers (eager, own KV cache) | {tf['prefill_tok_s']:,.0f} | "
-                     f"{tf['decode_tok_s']:,.1f} | | | | |")
-        for k, kv in row["kvjax"].items():
-            lines.append(f"| {row['batch']} | kvjax, {k} step(s) per call | {kv['prefill_tok_s']:,.0f} | "
-                         f"{kv['decode_tok_s']:,.1f} | {kv['step_p50_ms']:.1f} | {kv['first_token_s']:.1f} | "
-                         f"{kv['compile_s']:.1f} | {100 * row['token_agreement'][k]:.0f}% |")
-        ratios = row["ratios"]
-        lines.append(f"| {row['batch']} | kvjax / transformers | {ratios['prefill']:.2f}× | "
-                     f"{ratios['decode_K1']:.2f}× (K=1), {ratios['decode_K8']:.2f}× (K=8) | | | | |")
+        b, tf, ratios = row["batch"], row["transformers"], row["ratios"]
+        cells.append([b, "transformers (eager, own KV cache)", f"{tf['prefill_tok_s']:,.0f}",
+                      f"{tf['decode_tok_s']:,.1f}", "", "", "", ""])
+        cells += [[b, f"kvjax, {k} step(s) per call", f"{kv['prefill_tok_s']:,.0f}", f"{kv['decode_tok_s']:,.1f}",
+                   f"{kv['step_p50_ms']:.1f}", f"{kv['first_token_s']:.1f}", f"{kv['compile_s']:.1f}",
+                   f"{100 * row['token_agreement'][k]:.0f}%"] for k, kv in row["kvjax"].items()]
+        cells.append([b, "kvjax / transformers", f"{ratios['prefill']:.2f}×",
+                      f"{ratios['decode_K1']:.2f}× (K=1), {ratios['decode_K8']:.2f}× (K=8)", "", "", "", ""])
+    lines = [f"## kvjax vs transformers — {r['model']}, fp32 weights, greedy, same prompts", "",
+             *markdown_table(["batch", "", "prefill tok/s", "decode tok/s", "step p50 ms", "first token s", "compile s",
+                              "same tokens"], cells, "rlrrrrrr")]
     return "\n".join(lines) + "\n"

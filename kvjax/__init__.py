@@ -3,9 +3,9 @@
 The Python API mirrors vLLM's offline one (see kvjax.llm):
 
     import kvjax
-    llm = kvjax.LLM("small-gqa", kv_dtype="fp8")
+    llm = kvjax.LLM("small-gqa", kv_cache_dtype="fp8")
     outs = llm.generate(["def fib(n):"], kvjax.SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9))
-    print(outs[0].text, outs[0].finish_reason)
+    print(outs[0].outputs[0].text, outs[0].outputs[0].finish_reason)
 
 The names below load on first use, so that `import kvjax.spec` or the `kvjax plan` command
 do not pay for importing JAX.
@@ -23,6 +23,8 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+
+__version__ = "0.1.0"  # pyproject.toml's; `kvjax --version` reads the installed metadata first
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CHECKOUT = os.path.dirname(_HERE)
@@ -51,6 +53,7 @@ if _in_checkout() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_
 
 _EXPORTS = {
     "LLM": "kvjax.llm", "LLMError": "kvjax.llm", "RequestOutput": "kvjax.llm", "CompletionOutput": "kvjax.llm",
+    "Logprob": "kvjax.llm", "RequestMetrics": "kvjax.llm",
     "SamplingParams": "kvjax.sampling", "SamplingParamsError": "kvjax.sampling",
 }
 

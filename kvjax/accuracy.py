@@ -1,7 +1,7 @@
 """How much accuracy does a quantized KV cache cost against bf16, and how much do scales win back?
 
 For one model and held-out text, every variant below scores the same teacher-forced windows
-(`LLM.score`) and greedily decodes the same prompts (`LLM.generate`) through the paged cache;
+(`LLM.score_windows`) and greedily decodes the same prompts (`LLM.generate`) through the paged cache;
 only the cache's dtype and scales change:
 
     bf16                            the baseline (vLLM's kv_cache_dtype auto for a bf16 model)
@@ -53,6 +53,7 @@ from kvjax.accuracy_metrics import BUCKETS, ChunkedScorer, Tally, compare
 from kvjax.calibration import calibrate
 from kvjax.data import HELDOUT, PROSE
 from kvjax.llm import LLM
+from kvjax.markdown import markdown_table
 from kvjax.sampling import SamplingParams
 from kvjax.scoring import windows
 from kvjax.errors import KvjaxError
@@ -207,7 +208,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     t = time.time()
     vlist = variants(config.num_layers, skip_sets)
     say(f"calibration; scoring {len(eval_windows)} windows of {seq_len} with {len(vlist)} variants")
-    llms = {v["name"]: LLM(loaded, kv_dtype=v["kv_dtype"], scales=scales_for(v), kv_skip_layers=v.get("skip", ()),
+    llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
+                           kv_cache_dtype_skip_layers=v.get("skip", ()),
                            kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
                            max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8) for v in vlist}
     phases["calibration"] = time.time() - t
@@ -216,11 +218,11 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     phases["score"] = time.time() - t
     t = time.time()
     say(f"greedy decoding: {prompts} prompts × {decode_tokens} tokens per variant")
-    greedy_params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)  # always decode_tokens tokens
+    greedy_params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)  # decode_tokens tokens
     results, base_greedy = [], None
     for v in vlist:
         llm = llms[v["name"]]
-        greedy = np.asarray([o.token_ids for o in llm.generate(prompt_list, greedy_params)])
+        greedy = np.asarray([o.outputs[0].token_ids for o in llm.generate(prompt_list, greedy_params, use_tqdm=False)])
         base_greedy = greedy if base_greedy is None else base_greedy
         same = greedy == base_greedy
         until = np.where(same.all(1), decode_tokens, np.argmin(same, axis=1))
@@ -271,7 +273,7 @@ def _score_short(llms: dict, eval_windows: np.ndarray) -> dict[str, Tally]:
         targets = jnp.asarray(part[:, 1:], jnp.int32)
         base = None
         for name, llm in llms.items():
-            logp = jnp.asarray(llm.score(part, batch)[:, :-1])  # [b, S-1, V] predicting tokens 1..S-1
+            logp = jnp.asarray(llm.score_windows(part, batch)[:, :-1])  # [b, S-1, V] predicting tokens 1..S-1
             base = logp if base is None else base
             tallies[name].add(positions, *compare(base, logp, targets))
     return tallies
@@ -281,7 +283,7 @@ def _score_long(loaded, vlist: list[dict], scales_for, long_set: np.ndarray, chu
     """KL by position over long windows: window outer, chunk next, variant inner (the baseline,
     vlist[0], first); every variant keeps its own cache from chunk to chunk."""
     seq_len = long_set.shape[1]
-    scorers = {v["name"]: ChunkedScorer(LLM(loaded, kv_dtype=v["kv_dtype"], scales=scales_for(v),
+    scorers = {v["name"]: ChunkedScorer(LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
                                             block_size=block_size, max_num_seqs=1, max_model_len=block_size),
                                         seq_len, chunk) for v in vlist}
     tallies = {name: Tally() for name in scorers}
@@ -307,12 +309,11 @@ def markdown(res: dict) -> str:
     head = (f"**{res['model']}**{' with inflated K channels ×' + str(res['outlier_factor']) if res['outlier_channels'] else ''}: "
             f"{res['scored_tokens']:,} held-out tokens ({res['windows']} windows of {res['seq_len']}), "
             f"{res['prompts']} greedy prompts × {res['decode_tokens']} tokens; {res['machine']}.\n\n")
-    rows = ["| KV variant | bytes/token | perplexity | KL(bf16‖variant) | top-1 agree | greedy tokens to divergence |",
-            "|---|---:|---:|---:|---:|---:|"]
-    for r in res["results"]:
-        rows.append(f"| {r['variant']} | {r['bytes_per_token']:,} | {r['perplexity']:.4f} | {r['kl_vs_bf16']:.2e} | "
-                    f"{100 * r['top1_agreement']:.2f}% | {r['greedy_tokens_until_divergence']:.1f} / "
-                    f"{res['decode_tokens']} |")
+    rows = markdown_table(
+        ["KV variant", "bytes/token", "perplexity", "KL(bf16‖variant)", "top-1 agree", "greedy tokens to divergence"],
+        [[r["variant"], f"{r['bytes_per_token']:,}", f"{r['perplexity']:.4f}", f"{r['kl_vs_bf16']:.2e}",
+          f"{100 * r['top1_agreement']:.2f}%", f"{r['greedy_tokens_until_divergence']:.1f} / {res['decode_tokens']}"]
+         for r in res["results"]], align="lrrrrr")
     out = head + "\n".join(rows) + "\n"
     if "long" in res:
         out += "\n" + _positions_markdown(res)
@@ -330,16 +331,16 @@ def _positions_markdown(res: dict) -> str:
     long = res["long"]
     edges = [(BUCKETS[i], BUCKETS[i + 1]) for i in range(len(BUCKETS) - 1)]
     names = ["window", "variant"] + [_bucket_name(dict(start=a, end=b)) for a, b in edges] + ["all"]
-    rows = [f"KL(bf16‖variant) by context position (the predicting token's position); top-1 agreement in "
-            f"parentheses. Long: {long['windows']} windows of {long['seq_len']:,} tokens prefilled "
-            f"{long['chunk']:,} at a time ({long['scored_tokens']:,} positions); short: the table's windows.\n",
-            "| " + " | ".join(names) + " |", "|---|---|" + "---:|" * (len(edges) + 1)]
+    caption = (f"KL(bf16‖variant) by context position (the predicting token's position); top-1 agreement in "
+               f"parentheses. Long: {long['windows']} windows of {long['seq_len']:,} tokens prefilled "
+               f"{long['chunk']:,} at a time ({long['scored_tokens']:,} positions); short: the table's windows.\n")
+    rows = []
 
     def row(label, name, buckets, overall):
         got = {(b["start"], b["end"]): b for b in buckets}
         cells = [f"{got[e]['kl_vs_bf16']:.2e} ({100 * got[e]['top1_agreement']:.1f}%)" if e in got else "–"
                  for e in edges]
-        return f"| {label} | {name} | " + " | ".join(cells) + f" | {overall:.2e} |"
+        return [label, name, *cells, f"{overall:.2e}"]
 
     for name, v in long["variants"].items():
         if name != "bf16":
@@ -349,7 +350,8 @@ def _positions_markdown(res: dict) -> str:
         if name != "bf16":
             rows.append(row(f"{res['seq_len']}", name, buckets, by[name]["kl_vs_bf16"]))
     ppl = " / ".join(f"{_bucket_name(b)}: {b['perplexity']:.2f}" for b in long["variants"]["bf16"]["buckets"])
-    return "\n".join(rows) + f"\n\nbf16 perplexity by position (long windows): {ppl}.\n"
+    table = markdown_table(names, rows, align="ll" + "r" * (len(edges) + 1))
+    return "\n".join([caption, *table]) + f"\n\nbf16 perplexity by position (long windows): {ppl}.\n"
 
 
 def _layers_markdown(res: dict) -> str:
@@ -367,7 +369,7 @@ def _layers_markdown(res: dict) -> str:
                      f"{', '.join(map(str, sat)) if sat else 'none'}.")
     cols = (["sensitivity KL", "top-1 agree"] if sens else []) + \
         (["max abs K", "max abs V", "K channel ratio", "V channel ratio"] if outl else [])
-    rows = ["| layer | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
+    rows = []
     num_layers = len(sens["layers"]) if sens else len(outl["k_amax"])
     for i in range(num_layers):
         cells = []
@@ -378,5 +380,6 @@ def _layers_markdown(res: dict) -> str:
             cells += [f"{max(outl['k_amax'][i]):.1f}", f"{max(outl['v_amax'][i], default=math.nan):.2f}",
                       f"{max(outl['k_channel_ratio'][i]):.1f}",
                       f"{max(outl['v_channel_ratio'][i], default=math.nan):.1f}"]
-        rows.append(f"| {i} | " + " | ".join(cells) + " |")
-    return " ".join(parts) + "\n\n" + "\n".join(rows) + "\n"
+        rows.append([i, *cells])
+    table = markdown_table(["layer", *cols], rows, align="r" * (len(cols) + 1))
+    return " ".join(parts) + "\n\n" + "\n".join(table) + "\n"

@@ -81,12 +81,12 @@ def layer_sensitivity(loaded, token_windows, kv_dtype: str, scales=None, *, bloc
     def llm(**kw):  # scoring only: the engine's pool is the smallest that builds
         return LLM(loaded, block_size=block_size, max_num_seqs=1, max_model_len=block_size, **kw)
 
-    base = llm(kv_dtype="bf16").score(windows, batch_size)[:, :-1]  # f32[W, S-1, V]
+    base = llm(kv_cache_dtype="bf16").score_windows(windows, batch_size)[:, :-1]  # f32[W, S-1, V]
     rows = []
     for i in range(num_layers):
-        variant = llm(kv_dtype=kv_dtype, scales=scales, kv_skip_layers=[j for j in range(num_layers) if j != i],
-                      kv_skip_dtype="bf16")
-        kl, top1, _ = compare(base, variant.score(windows, batch_size)[:, :-1], targets)
+        others = [j for j in range(num_layers) if j != i]
+        variant = llm(kv_cache_dtype=kv_dtype, scales=scales, kv_cache_dtype_skip_layers=others, kv_skip_dtype="bf16")
+        kl, top1, _ = compare(base, variant.score_windows(windows, batch_size)[:, :-1], targets)
         rows.append(dict(layer=i, kl_vs_bf16=max(float(np.mean(np.asarray(kl, np.float64))), 0.0),
                          top1_agreement=float(np.mean(top1))))
     return rows

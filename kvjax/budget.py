@@ -205,7 +205,7 @@ def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
         requested = math.ceil(total_bytes * util)
         budget = requested - rank_weights - activations_bytes - cudagraph_bytes
     else:
-        warnings.append("no GPU memory given (--gpu-gib or --kv-cache-memory-gib): budget not computed")
+        warnings.append("no GPU memory given (--device-memory-gib or --kv-cache-memory-bytes): budget not computed")
 
     num_blocks = usable = slots = conc = conc_blocks = None
     conc_exact = None

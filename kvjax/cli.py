@@ -5,6 +5,13 @@
     kvjax replay   drive the functional block pool from a JSONL trace, one JSON state per op
     kvjax decode | calibrate | accuracy | memory | report   (kvjax.commands.*: these run models)
 
+Flags take vLLM's engine-arg names wherever vLLM has the concept (--kv-cache-dtype,
+--gpu-memory-utilization, --num-gpu-blocks-override, --kv-cache-memory-bytes,
+--enable-prefix-caching, --max-num-seqs, --max-model-len, --tensor-parallel-size / -tp, ...),
+one name per concept in every command; kvjax's own flags keep kvjax names (--scales,
+--steps-per-call, --device-memory-gib, ...). A flag's old kvjax name is refused with one line
+naming the new one (`RENAMED`). With --json every command prints JSON (replay: one object a line).
+
 Bad input exits with status 2 and one line naming the bad value, never a traceback.
 Subcommands that need JAX import it lazily, so `plan` and `tables` start instantly.
 """
@@ -17,9 +24,10 @@ import sys
 from typing import Any, Sequence
 
 from kvjax import budget as bud
+from kvjax.commands import check_plot_file, human_int_arg, kv_cache_dtype_arg
 from kvjax.config import PRESETS, from_hf_config, preset
-from kvjax.errors import KvjaxError, UsageError, check_output_file, int_arg, one_line
-from kvjax.spec import KV_DTYPES, KVSpec
+from kvjax.errors import MAX_GIB, KvjaxError, UsageError, int_arg, one_line
+from kvjax.spec import KVSpec
 
 # Subcommands implemented in their own modules, each with add_parser(sub) and run(args); a module
 # is imported only when its command runs (they import JAX), the others show their help line.
@@ -31,6 +39,51 @@ _MODULE_COMMANDS = {
     "memory": ("kvjax.commands.memory", "size the cache from a profiled budget; analytic vs measured bytes"),
     "report": ("kvjax.commands.report", "the end-to-end report on the built-in small models"),
 }
+
+_VLLM = "vLLM's name"
+_OURS = "one name in plan, memory and decode"
+# Old kvjax flag → (its new name, why). Consulted before argparse sees the command line, in
+# every command, for `--flag value` and `--flag=value` alike.
+RENAMED = {
+    "--kv-dtype": ("--kv-cache-dtype", _VLLM),
+    "--util": ("--gpu-memory-utilization", _VLLM),
+    "--num-blocks": ("--num-gpu-blocks-override", _VLLM),
+    "--no-prefix-caching": ("--no-enable-prefix-caching", _VLLM),
+    "--no-chunked-prefill": ("--no-enable-chunked-prefill", _VLLM),
+    "--kv-offload-gib": ("--kv-offloading-size", "vLLM's name, in GiB"),
+    "--kv-offload-policy": ("--kv-transfer-config '{\"kv_connector_extra_config\": {\"eviction_policy\": \"arc\"}}'",
+                            "vLLM's OffloadingConnector setting"),
+    "--tp": ("--tensor-parallel-size (or -tp)", _VLLM),
+    "--kv-cache-memory-gib": ("--kv-cache-memory-bytes", "vLLM's name, in bytes: 4G = 4 GiB, 4g = 4e9"),
+    "--priority": ("--scheduling-policy priority", _VLLM),
+    "--attn-impl": ("--attention-backend", _VLLM),
+    "--context": ("--max-model-len", "vLLM's name for tokens per request"),
+    "--gpu-gib": ("--device-memory-gib", _OURS),
+    "--total-gib": ("--device-memory-gib", _OURS),
+}
+
+
+def refuse_renamed(argv: Sequence[str]) -> None:
+    """A UsageError naming the new flag for the first old flag name in argv (up to a `--`)."""
+    for arg in argv:
+        if arg == "--":
+            return
+        name = arg.split("=", 1)[0]
+        if name in RENAMED:
+            new, why = RENAMED[name]
+            raise UsageError(f"{name} is now {new} ({why})")
+
+
+def kvjax_version() -> str:
+    """The installed distribution's version, else (a checkout run without installing) kvjax.__version__."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvjax")
+    except metadata.PackageNotFoundError:
+        import kvjax
+
+        return getattr(kvjax, "__version__", "unknown")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,8 +99,9 @@ class _Parser(argparse.ArgumentParser):
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="KV bytes per token/block/request, budget, blocks and concurrency",
                        description="Size a vLLM-style KV cache: bytes per token, per block, per request; "
-                                   "requested = ceil(GPU × util); budget = requested − weights − activations "
-                                   "− CUDA graphs; blocks = budget // block bytes (block 0 is null).")
+                                   "requested = ceil(device memory × gpu_memory_utilization); budget = requested − "
+                                   "weights − activations − CUDA graphs (or --kv-cache-memory-bytes); "
+                                   "blocks = budget // block bytes (block 0 is null).")
     src = p.add_argument_group("model (one of)")
     src.add_argument("--group", choices=sorted(bud.GROUPS), type=str.upper,
                      help="a SPEC simulator group (A, B, C); other flags override its values")
@@ -56,25 +110,34 @@ def _add_plan(sub) -> None:
     src.add_argument("--kind", help="mha | gqa | mqa | mla, with --layers --heads --kv-heads --head-dim")
     for flag in _SHAPE_FLAGS:
         src.add_argument(flag, type=int_arg(1))
-    p.add_argument("--kv-dtype", help=f"one of {', '.join(KV_DTYPES)} (default bf16)")
-    p.add_argument("--context", type=int_arg(1), help="tokens per request (default 8192)")
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg,
+                   help="auto (the model's dtype; bf16 for --kind), fp8 (= fp8_e4m3), fp8_e5m2, bf16, "
+                        "int8_per_token_head, nvfp4, ... (default auto)")
+    p.add_argument("--max-model-len", type=human_int_arg(1), metavar="TOKENS",
+                   help="tokens per request, the context concurrency is counted for (default 8192)")
     p.add_argument("--block-size", type=int_arg(1), help="tokens per block (default 64)")
     mem = p.add_argument_group("memory")
-    mem.add_argument("--gpu-gib", help="memory of one GPU in GiB (1024³)")
-    mem.add_argument("--util", help="gpu_memory_utilization in (0, 1] (default 0.92)")
-    mem.add_argument("--extensible", action="store_true", help="extensible KV cache: util unset → 1.0")
+    mem.add_argument("--device-memory-gib", metavar="GIB",
+                     help="memory of one device (GPU) in GiB (1024³), the total gpu_memory_utilization takes a "
+                          "share of")
+    mem.add_argument("--gpu-memory-utilization", metavar="U", help="a share in (0, 1] (default 0.92)")
+    mem.add_argument("--extensible", action="store_true", help="extensible KV cache: utilization unset → 1.0")
     mem.add_argument("--weights-gib", help="weights of the whole model in GiB")
     mem.add_argument("--params-b", help="parameters in billions (weights = params × --weight-dtype bytes)")
     mem.add_argument("--weight-dtype", default=None, help=f"one of {', '.join(bud.WEIGHT_DTYPE_BYTES)} (default bf16)")
     mem.add_argument("--activations-gib", help="peak activations (default 0)")
     mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
-    mem.add_argument("--kv-cache-memory-gib", help="explicit KV cache size: overrides the whole budget")
-    mem.add_argument("--tp", type=int_arg(1), help="tensor-parallel size (default 1)")
-    mem.add_argument("--kv-offload-gib", help="host memory for offloaded KV blocks, all ranks together, as vLLM's "
-                                              "--kv-offloading-size (each rank gets 1/tp); 0 = no host tier")
+    mem.add_argument("--kv-cache-memory-bytes", type=human_int_arg(1, MAX_GIB * bud.GiB), metavar="BYTES",
+                     help="the KV budget of one device in bytes (4G = 4 GiB, 4g = 4e9): replaces the "
+                          "utilization arithmetic")
+    mem.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1), metavar="N", help="ranks (default 1)")
+    mem.add_argument("--kv-offloading-size", metavar="GIB",
+                     help="host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
+                          "as vLLM; 0 = no host tier")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="plot max concurrency vs context for bf16 and fp8")
+    p.add_argument("--plot", metavar="FILE", help="plot max concurrency vs context for bf16 and fp8 "
+                                                  "(.png, .svg or .pdf)")
 
 
 _SHAPE_FLAGS = ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim")
@@ -93,7 +156,7 @@ def _check_plan_flags(args) -> None:
         if wrong:
             raise UsageError(f"{wrong[0]} does not apply to --kind {args.kind}")
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot)
 
 
 def _resolve_plan_inputs(args) -> dict[str, Any]:
@@ -103,7 +166,7 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     if len(model_flags) > 1:
         raise UsageError(f"choose one model source, got --{' and --'.join(f.replace('_', '-') for f in model_flags)}")
     _check_plan_flags(args)
-    kv_dtype = args.kv_dtype or g.get("kv_dtype", "bf16")
+    kv_dtype = args.kv_cache_dtype or g.get("kv_dtype", "auto")
     params = None
     if args.preset or (g and not model_flags):
         config = preset(args.preset or g["preset"])
@@ -112,12 +175,11 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         spec = from_hf_config(args.hf_config).kv_spec(kv_dtype)
         title = spec.name
     elif args.kind:
-        spec, title = _manual_spec(args, kv_dtype), f"custom {args.kind.upper()}"
+        spec, title = _manual_spec(args, "bf16" if kv_dtype == "auto" else kv_dtype), f"custom {args.kind.upper()}"
     else:
         raise UsageError("no model: give --group, --preset, --hf-config, or --kind with --layers --heads "
                          "--kv-heads --head-dim")
-    spec.replace(kv_dtype=kv_dtype)  # validates the dtype
-    tp = args.tp if args.tp is not None else g.get("tp", 1)
+    tp = args.tensor_parallel_size if args.tensor_parallel_size is not None else g.get("tp", 1)
     weight_dtype = args.weight_dtype or "bf16"
     if weight_dtype not in bud.WEIGHT_DTYPE_BYTES:
         raise UsageError(f"--weight-dtype {weight_dtype!r}: choose one of {', '.join(bud.WEIGHT_DTYPE_BYTES)}")
@@ -139,21 +201,21 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     else:
         weights = 0
         warnings.append("no --weights-gib or --params-b: weights counted as 0")
-    if args.util is not None:
-        bud.utilization(args.util, "--util")  # named by its flag before plan() checks it again
-    gpu = args.gpu_gib if args.gpu_gib is not None else g.get("gpu_gib")
-    util = args.util if args.util is not None else (None if args.extensible else g.get("util"))
+    util_flag = args.gpu_memory_utilization
+    if util_flag is not None:
+        bud.utilization(util_flag, "--gpu-memory-utilization")  # named by its flag before plan() checks it again
+    device = args.device_memory_gib if args.device_memory_gib is not None else g.get("gpu_gib")
+    util = util_flag if util_flag is not None else (None if args.extensible else g.get("util"))
+    host = bud.gib(args.kv_offloading_size or 0, "--kv-offloading-size")
     return dict(spec=spec, title=g.get("title", title), warnings=warnings, kw=dict(
-        context=args.context if args.context is not None else g.get("context", 8192),
+        context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
         block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
-        total_bytes=None if gpu is None else bud.gib(gpu, "--gpu-gib"),
+        total_bytes=None if device is None else bud.gib(device, "--device-memory-gib"),
         util=util, extensible=args.extensible, weights_bytes=weights,
         activations_bytes=bud.gib(args.activations_gib or 0, "--activations-gib"),
         cudagraph_bytes=bud.gib(args.cudagraph_gib or 0, "--cudagraph-gib"),
-        kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None
-        else bud.gib(args.kv_cache_memory_gib, "--kv-cache-memory-gib"),
-        tp=tp, pooled=args.pooled,
-        host_offload_bytes=bud.gib(args.kv_offload_gib or 0, "--kv-offload-gib") or None))  # 0: no host tier
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, tp=tp, pooled=args.pooled,
+        host_offload_bytes=host or None))  # 0: no host tier
 
 
 def _manual_spec(args, kv_dtype: str) -> KVSpec:
@@ -175,7 +237,7 @@ def _run_plan(args) -> int:
     inputs = _resolve_plan_inputs(args)
     result = bud.plan(inputs["spec"], **inputs["kw"])
     if result.num_host_blocks == 0:
-        raise UsageError(f"--kv-offload-gib {args.kv_offload_gib}: {result.host_bytes} bytes per device is "
+        raise UsageError(f"--kv-offloading-size {args.kv_offloading_size}: {result.host_bytes} bytes per device is "
                          f"smaller than one block of {result.bytes_per_block} bytes")
     warnings = inputs["warnings"] + list(result.warnings)
     if args.plot:
@@ -268,7 +330,7 @@ def _plot_concurrency(inputs: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------------------------
 def _add_tables(sub) -> None:
     p = sub.add_parser("tables", help="recompute SPEC Tables 1 and 2 from the formulas")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object: the two tables' rows")
 
 
 def _run_tables(args) -> int:
@@ -289,6 +351,7 @@ def _run_tables(args) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module (if it has one) is imported."""
     parser = _Parser(prog="kvjax", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"kvjax {kvjax_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_plan(sub)
     _add_tables(sub)
@@ -311,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     known = command in _RUNNERS or command in _MODULE_COMMANDS
     try:
+        refuse_renamed(argv)
         args = build_parser(command if known else None).parse_args(argv)
         if args.command in _RUNNERS:
             return _RUNNERS[args.command](args)

@@ -227,9 +227,10 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def kv_spec(self, kv_dtype: str | None = None, skip_layers: tuple[int, ...] = ()) -> KVSpec:
-        """The KV layout this model caches (kv_dtype defaults to the model dtype)."""
+        """The KV layout this model caches (kv_dtype None or "auto": the model dtype, as vLLM's
+        kv_cache_dtype="auto")."""
         model_dtype = DTYPES[self.dtype]
-        kv_dtype = kv_dtype or model_dtype
+        kv_dtype = model_dtype if kv_dtype is None or str(kv_dtype).lower() == "auto" else kv_dtype
         if self.is_mla:
             return KVSpec.mla(self.num_layers, self.num_heads, kv_lora_rank=self.kv_lora_rank,
                               qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,

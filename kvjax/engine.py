@@ -8,8 +8,15 @@ how many tokens each computes (`kvjax.scheduler`, with the block pool's allocati
 prefix-cache hits and preemption by recompute), the model runs the plan over the KV cache,
 a token is sampled for every request whose last token was computed (`kvjax.sampling`, each
 request with its own `SamplingParams`), and the scheduler takes the tokens back, finishing
-requests that reached their length or sampled a stop token (EOS unless ignored, or one of
-stop_token_ids).
+requests that sampled a stop token (EOS unless ignored, or one of stop_token_ids) or reached
+their length; the engine then checks stop strings in the detokenized text.
+
+The engine lives as long as its owner (`kvjax.LLM`), as vLLM's engine core does: one scheduler,
+block pool, prefix cache and host tier serve every `generate` call, so a second call whose
+prompts share a system prompt with the first hits the blocks the first cached, until
+`reset_prefix_cache`. A prompt's n samples (SamplingParams.n, vLLM's parallel sampling) are n
+requests: the first caches the prompt's full blocks as it is scheduled and the others hit them,
+so the prompt's blocks are held once with ref_cnt n.
 
 Chunked prefill is on by default, as in vLLM V1: the running requests are scheduled first (a
 decode takes one token of the step's budget, `max_num_batched_tokens`, default 2048), then
@@ -52,8 +59,7 @@ the scheduler keeps its index (kvjax.host_cache) and plans, at admission, the lo
 hits that follow a request's device prefix hits (`StepPlan.loads`); the engine copies those
 pages into their fresh blocks before the step (kvjax.offload.HostPages.load) and, after the
 step, copies out the blocks that the step computed in full and the tier newly took
-(`Scheduler.take_stores`), without waiting for the copies. Each `generate` call starts with
-an empty tier, as it starts with an empty pool.
+(`Scheduler.take_stores`), without waiting for the copies.
 
 The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
 the reference attention reads every position of the table it is given, so a short batch is
@@ -74,7 +80,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from kvjax import kv_cache_manager as manager
 from kvjax import offload, sampling
@@ -113,6 +118,7 @@ class EngineConfig:
     kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
     kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.offload); 0 = none
     kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
+    max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "steps_per_call"):
@@ -137,38 +143,53 @@ class EngineConfig:
 
 
 @dataclasses.dataclass
+class TokenLogprobs:
+    """The log-probabilities reported for one generated token (SamplingParams.logprobs = J)."""
+
+    logprob: float  # the chosen token's raw log-probability
+    rank: int  # its rank in the vocabulary (1 = most likely)
+    top_ids: list[int]  # the J most likely tokens, most likely first
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass
 class RequestResult:
-    index: int  # position in the prompts passed to generate
+    """One generated sequence: sample `sample` (of SamplingParams.n) of prompt `index`."""
+
+    index: int  # position of its prompt in the prompts passed to generate
+    sample: int  # which of the prompt's n samples, 0 .. n-1
+    request_id: str  # the scheduler's id, unique over the engine's lifetime
     prompt_tokens: int
     output: list[int]  # generated token ids (a stop token included)
-    logprobs: list[float] | None = None  # log-probability of each generated token, when asked
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
     error: str | None = None  # why this request was refused; None if it ran
     finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
+    text: str | None = None  # the output's text (with a tokenizer and detokenize), cut at a stop string
     preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
     ttft_s: float | None = None  # seconds from the start of generate to this request's first token
+    last_token_s: float | None = None  # seconds from the start of generate to its last token
 
 
 @dataclasses.dataclass
 class EngineRun:
-    results: list[RequestResult]
+    results: list[RequestResult]  # prompt by prompt, each prompt's n samples in order
     summary: Summary
 
 
 # ----------------------------------------------------------------------------------- device calls
-@functools.partial(jax.jit, static_argnames="model", donate_argnames="cache")
-def _ragged_step(model, params, cache, tokens, md, sampling_rows):
-    """One ragged step. tokens: i32[T]; sampling_rows: `_SamplingRows` → (sampled i32[B],
-    log-probs f32[B], cache)."""
+@functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")
+def _ragged_step(model, params, cache, tokens, md, rows: sampling.SamplingRows, positions, *, num_logprobs: int):
+    """One ragged step. tokens: i32[T]; rows: each row's sampling parameters; positions: i32[B]
+    the position each sampled token takes → (sampling.Sampled per row, cache)."""
     logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)  # f32[B, V]
-    r = sampling_rows
-    tokens, logprobs = sampling.sample(logits, r.keys, r.positions, r.temperature, r.top_k, r.top_p)
-    return tokens, logprobs, cache
+    return sampling.sample(logits, rows, positions, num_logprobs), cache
 
 
-@functools.partial(jax.jit, static_argnames=("model", "num_steps", "width"), donate_argnames="cache")
+@functools.partial(jax.jit, static_argnames=("model", "num_steps", "width", "num_logprobs"), donate_argnames="cache")
 def _decode_loop(model, params, state: manager.KVCacheManager, cache, slots, tokens, computed, remaining, stop_ids,
-                 sampling_rows, max_steps, *, num_steps: int, width: int):
+                 sampling_rows: sampling.SamplingRows, max_steps, *, num_steps: int, width: int, num_logprobs: int):
     """Up to max_steps (<= num_steps) decode steps of the same requests, in one call.
 
     Per row (B): slots i32 pool slots, -1 = empty row; tokens i32 each row's last token (its KV
@@ -184,16 +205,16 @@ def _decode_loop(model, params, state: manager.KVCacheManager, cache, slots, tok
     slot = jnp.where(active, slots, 0)
     scatter_at = jnp.where(active, slots, state.reqs.max_requests)  # empty rows scatter out of range
     usable = state.pool.num_blocks - 1
-    r = sampling_rows
 
     def body(c):
-        i, state, cache, tokens, computed, remaining, out, out_lp, used, refusal, _ = c
+        i, state, cache, rows, tokens, computed, remaining, out, used, refusal, _ = c
         used = used.at[i].set(usable - state.pool.num_free)
         tables = jnp.where(active[:, None], state.reqs.block_table[slot, :width], 0)  # i32[B, M]
         md = decode_metadata(tables, computed, active, state.reqs.block_size)
         logits, cache = model.apply({"params": params}, tokens, md, cache)  # f32[B, V]
-        new, logprobs = sampling.sample(logits, r.keys, computed + 1, r.temperature, r.top_k, r.top_p)
-        new = jnp.where(active, new, 0)
+        sampled = sampling.sample(logits, rows, computed + 1, num_logprobs)
+        new = jnp.where(active, sampled.tokens, 0)
+        rows = rows.add_tokens(new, active)
         remaining = remaining - active
         stopped = (new[:, None] == stop_ids).any(axis=1)
         keep = active & (remaining > 0) & ~stopped  # a request's last token is never appended (Scheduler.update)
@@ -216,46 +237,43 @@ def _decode_loop(model, params, state: manager.KVCacheManager, cache, slots, tok
         alloc_refused = keep & ~allocated
         refusal = (refusal[0] | append_refused, refusal[1] | alloc_refused, jnp.where(alloc_refused, need, refusal[2]),
                    jnp.where(alloc_refused.any(), state.pool.num_free, refusal[3]))
-        return (i + 1, state, cache, new, computed + 1, remaining, out.at[i].set(new), out_lp.at[i].set(logprobs),
-                used, refusal, go_on & fits & ~alloc_refused.any())
+        out = jax.tree.map(lambda o, x: o.at[i].set(x), out, sampled.replace(tokens=new))
+        return (i + 1, state, cache, rows, new, computed + 1, remaining, out, used, refusal,
+                go_on & fits & ~alloc_refused.any())
 
     b = slots.shape[0]
     no = jnp.zeros(b, bool)
-    init = (jnp.int32(0), state, cache, tokens, computed, remaining, jnp.zeros((num_steps, b), jnp.int32),
-            jnp.zeros((num_steps, b), jnp.float32), jnp.zeros(num_steps, jnp.int32),
+    out = sampling.Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b), jnp.float32),
+                           jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b, num_logprobs), jnp.int32),
+                           jnp.zeros((num_steps, b, num_logprobs), jnp.float32))
+    init = (jnp.int32(0), state, cache, sampling_rows, tokens, computed, remaining, out, jnp.zeros(num_steps, jnp.int32),
             (no, no, jnp.zeros(b, jnp.int32), jnp.int32(0)), jnp.bool_(True))
-    n, state, cache, _, _, _, out, out_lp, used, refusal, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
-    return state, cache, out, out_lp, n, used, refusal
-
-
-@struct.dataclass
-class _SamplingRows:
-    """Each row's sampling parameters (kvjax.sampling.sample), as arrays: one compile serves any mix."""
-
-    keys: jax.Array  # u32[B, 2] the row's request key
-    positions: jax.Array  # i32[B] the position of the token sampled (ragged steps; decode steps compute it)
-    temperature: jax.Array  # f32[B]
-    top_k: jax.Array  # i32[B]
-    top_p: jax.Array  # f32[B]
+    n, state, cache, _, _, _, _, out, used, refusal, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
+    return state, cache, out, n, used, refusal
 
 
 @dataclasses.dataclass
 class _Active:
     """What the engine keeps of a request it runs, beside the scheduler's own record."""
 
-    params: SamplingParams
+    params: SamplingParams  # this sample's own (n = 1; the j-th of n samples has seed + j)
     key: np.ndarray  # u32[2]
     stop_ids: tuple[int, ...]
-    logprobs: list[float]
+    prompt: list[int]
+    result: RequestResult
 
 
 # ----------------------------------------------------------------------------------- the engine
 class Engine:
-    """Batched generation over one model and one KV cache; `generate` may be called again
-    (each call starts from an empty pool; compiled steps are reused)."""
+    """Batched generation over one model and one KV cache. The engine lives as long as its
+    owner: the block pool, its prefix cache and the host tier carry over from one `generate`
+    call to the next (vLLM's engine core), until `reset_prefix_cache`."""
 
     def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
-                 max_position_embeddings: int | None = None, vocab_size: int | None = None):
+                 max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None):
+        """tokenizer: anything with decode(ids) → str; it gives results their text and is needed
+        for stop strings. eos_token_ids: the model's EOS ids, the first being its primary EOS
+        (a stop on it has stop_reason None; the others act as stop_token_ids, as in vLLM)."""
         model_config = getattr(model, "config", None)
         model_len = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
         self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
@@ -264,7 +282,7 @@ class Engine:
         if config.max_model_len is not None and not 1 <= config.max_model_len <= model_len:
             raise EngineError(f"max_model_len={config.max_model_len} must be in [1, {model_len}] "
                               "(the model's max_position_embeddings)")
-        self.model, self.params, self.config = model, params, config
+        self.model, self.params, self.config, self.tokenizer = model, params, config, tokenizer
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_model_len = config.max_model_len or model_len  # what a request may reach
         self.usable_blocks = config.num_blocks - 1
@@ -287,14 +305,32 @@ class Engine:
         # Committed to the device, as every step's output is: otherwise the first call of each
         # compiled step would see an uncommitted cache, a second jit cache entry to compile.
         self.cache = jax.device_put(cache, jax.devices()[0])
-        self.scheduler: Scheduler | None = None  # the latest run's, for inspection
-        self.host_pages: offload.HostPages | None = None  # the latest run's host tier pages
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.host_pages = offload.HostPages(config.kv_offload_blocks, self.cache) if config.kv_offload_blocks else None
+        self._next_request = 0  # request numbers: ids, and the random stream of unseeded requests
+        self._active: dict[str, _Active] = {}
+        self._rows: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ the prefix cache
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`);
+        reset_connector also empties the host tier. False, changing nothing, while requests run."""
+        if self.scheduler.has_unfinished():
+            return False
+        state, ok = manager.reset_prefix_cache(self.scheduler.state)
+        if not bool(ok):  # nothing runs, so every block is free: the pool's own rule must agree
+            raise SchedulerError("the block pool refused to reset its prefix cache with no request running")
+        self.scheduler.state = state
+        if reset_connector and self.host_pages is not None:
+            self.scheduler.host = self.scheduler.new_host_index()
+        return True
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
         """(why the request is refused or None, tokens it may generate: max_tokens clamped to
         max_model_len). Rules: a non-empty prompt of ids in the vocabulary, shorter than
-        max_model_len; prompt + new tokens fit the pool's usable blocks."""
+        max_model_len; prompt + new tokens fit the pool's usable blocks; logprobs within
+        max_logprobs; stop strings need a tokenizer."""
         z, n = self.config.block_size, len(prompt)
         if n == 0:
             return "empty prompt: at least one token is needed", 0
@@ -304,45 +340,86 @@ class Engine:
         if n >= self.max_model_len:
             return (f"prompt has {n} tokens; the model's max length is {self.max_model_len} tokens "
                     "including at least one generated token"), 0
-        new = min(params.max_tokens, self.max_model_len - n)
+        room = self.max_model_len - n
+        new = room if params.max_tokens is None else min(params.max_tokens, room)
         need = -(-(n + new) // z)
         if need > self.usable_blocks:
             return (f"needs {need} blocks of {z} tokens ({n} prompt + {new} new), but the pool has only "
                     f"{self.usable_blocks} usable blocks"), 0
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            k = self.vocab_size if k == -1 else k
+            if k is not None and limit != -1 and k > limit:
+                return f"requested {name}={k}, more than max_logprobs={limit}", 0
+        if params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer (the engine was built without one)", 0
         return None, new
+
+    def num_logprobs(self, params: SamplingParams) -> int:
+        """How many most likely tokens the request's logprobs report (0 when it asks for none)."""
+        return 0 if params.logprobs is None else self.vocab_size if params.logprobs == -1 else params.logprobs
 
     # ------------------------------------------------------------------ the loop
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  *, priorities: Sequence[int] | None = None,
                  progress: Callable[[int], None] | None = None) -> EngineRun:
         """Generate for every prompt (token id lists). params: one SamplingParams for all, or one
-        per prompt; priorities (policy "priority" only): lower runs first, as in vLLM. A request
-        that breaks a rule gets an error in its result and the others still run.
-        progress(n) is called with the number of tokens each device call generated."""
+        per prompt; a prompt's n samples run as n requests that share its blocks (vLLM's parallel
+        sampling). priorities (policy "priority" only): lower runs first, as in vLLM. A request
+        that breaks a rule gets an error in its result and the others still run. progress(n) is
+        called with the number of tokens each device call generated. The results and the
+        Summary are this call's; the pool and its cache carry over to the next call."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise EngineError(f"give one SamplingParams for all prompts or one per prompt; got {len(params)} "
                               f"for {len(prompts)} prompts")
-        if priorities is not None and self.config.policy != "priority":
-            raise EngineError("priorities need policy='priority' (the scheduler would ignore them)")
         if priorities is not None and len(priorities) != len(prompts):
             raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
-        sched = self.scheduler = Scheduler(self.scheduler_config)
-        host = self.host_pages = offload.HostPages(self.config.kv_offload_blocks, self.cache) \
-            if self.config.kv_offload_blocks else None
-        results, self._active, self._rows = [], {}, {}
+        if priorities is not None and self.config.policy != "priority" and any(int(p) != 0 for p in priorities):
+            # vLLM ignores them silently; 0, the neutral value, is accepted
+            raise EngineError("priorities need policy='priority' (the scheduler would ignore them)")
+        sched = self.scheduler
+        if sched.has_unfinished():
+            raise EngineError("generate is already running: it cannot be called from its own progress callback")
+        # Every check first (a seed + j out of range raises here), then the requests go in.
+        samples = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             prompt = [int(t) for t in prompt]
             error, new = self.check_request(prompt, sp)
-            results.append(RequestResult(i, len(prompt), [], None if sp.logprobs is None else [], error))
+            for j in range(sp.n):
+                child = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                samples.append((i, j, prompt, child, error, new))
+        results, self._active, self._rows = [], {}, {}
+        for i, j, prompt, child, error, new in samples:
+            rid = str(self._next_request)
+            self._next_request += 1
+            res = RequestResult(i, j, rid, len(prompt), [], None if child.logprobs is None else [], error)
+            results.append(res)
             if error is None:
-                stop = sp.stop_ids(self.eos_token_ids)
-                sched.add_request(str(i), prompt, new, priority=0 if priorities is None else int(priorities[i]),
+                stop = child.stop_ids(self.eos_token_ids)
+                sched.add_request(rid, prompt, new, priority=0 if priorities is None else int(priorities[i]),
                                   stop_ids=stop)
-                self._active[str(i)] = _Active(sp, sampling.request_key(self.config.seed, i, sp.seed),
-                                               tuple(sorted(stop)), [])
+                self._active[rid] = _Active(child, sampling.request_key(self.config.seed, int(rid), child.seed),
+                                            tuple(sorted(stop)), prompt, res)
+        try:
+            return self._run(results, progress)
+        except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
+            for rid, req in list(sched.requests.items()):
+                if req.status != "finished":
+                    sched.finish_request(rid, "abort")
+                sched.requests.pop(rid)
+            raise
+
+    def _run(self, results: list[RequestResult], progress) -> EngineRun:
+        """generate's loop over engine steps, once its requests are in the scheduler."""
+        sched, host = self.scheduler, self.host_pages
+        by_id = {r.request_id: r for r in results}
         stats = RunStats(self.usable_blocks)
+        # the scheduler's and the tier's counters run over the engine's life: this call's are differences
+        preemptions, host_hits = sched.num_preemptions, sched.host_hit_tokens
+        stored, loaded = (host.bytes_stored, host.bytes_loaded) if host is not None else (0, 0)
         start = time.perf_counter()
         while sched.has_unfinished():
             t0 = time.perf_counter()
@@ -356,7 +433,7 @@ class Engine:
             for rid in plan.req_ids:
                 if rid not in self._rows:
                     self._rows[rid] = free_rows.pop(0)
-            stats.admissions(sched, plan, running, results)
+            stats.admissions(sched, plan, running, by_id)
             if len(plan.loads):  # host tier hits: copied in before the step that reads them
                 self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
                 sched.loads_done(plan)
@@ -366,6 +443,7 @@ class Engine:
                 steps, used, finished = self._decode_call(sched, plan)
             else:
                 (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
+            finished += self._stop_strings(sched, plan, finished)
             for rid in finished:
                 self._rows.pop(rid)
             if host is not None:  # blocks this step computed in full, copied out without waiting
@@ -373,8 +451,10 @@ class Engine:
                 host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
             now = time.perf_counter() - start
             for rid, do in zip(plan.req_ids, plan.sample):
-                if do and results[int(rid)].ttft_s is None:
-                    results[int(rid)].ttft_s = now
+                if do:
+                    res = by_id[rid]
+                    res.ttft_s = now if res.ttft_s is None else res.ttft_s
+                    res.last_token_s = now
             generated = int(plan.sample.sum()) + (steps - 1) * plan.num_requests
             decode_tokens = plan.num_requests * steps - len(prefill) if decode_form else \
                 plan.num_requests - len(prefill)
@@ -383,29 +463,71 @@ class Engine:
             if progress is not None:
                 progress(generated)
         wall = time.perf_counter() - start
-        for res in results:
-            if res.error is None:
-                req = sched.requests[str(res.index)]
-                res.output, res.preemptions, res.finish_reason = list(req.output), req.num_preemptions, \
-                    req.finish_reason
-                if res.logprobs is not None:
-                    res.logprobs = self._active[str(res.index)].logprobs
+        for rid, a in self._active.items():
+            req, res = sched.requests.pop(rid), a.result  # finished: the scheduler forgets it (vLLM does)
+            res.output, res.preemptions = list(req.output), req.num_preemptions
+            res.finish_reason = res.finish_reason or req.finish_reason
+            if res.stop_reason is None and req.finish_reason == "stop" and (
+                    not self.eos_token_ids or req.output[-1] != self.eos_token_ids[0]):
+                res.stop_reason = req.output[-1]  # a stop token id (the primary EOS gives None)
+            if res.text is None and self.tokenizer is not None and a.params.detokenize:
+                res.text = self.tokenizer.decode(res.output)
         tier = None if host is None else dict(
-            host_blocks=host.num_slots, host_memory_kind=host.memory_kind, host_hit_tokens=sched.host_hit_tokens,
-            host_bytes_stored=host.bytes_stored, host_bytes_loaded=host.bytes_loaded,
+            host_blocks=host.num_slots, host_memory_kind=host.memory_kind,
+            host_hit_tokens=sched.host_hit_tokens - host_hits,
+            host_bytes_stored=host.bytes_stored - stored, host_bytes_loaded=host.bytes_loaded - loaded,
             host_blocks_in_use=int(sched.host.valid.sum()))
-        return EngineRun(results, stats.summary(results, sched.num_preemptions, wall, tier))
+        return EngineRun(results, stats.summary(results, sched.num_preemptions - preemptions, wall, tier))
 
-    def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> _SamplingRows:
+    def _stop_strings(self, sched: Scheduler, plan: StepPlan, finished: list[str]) -> list[str]:
+        """vLLM's stop-string check after each sampled token: a stop string in the text ends the
+        request ("stop", stop_reason the string; also after a length finish), the text cut before
+        it (after it with include_stop_str_in_output). Returns the requests it finished."""
+        ended = []
+        for rid, do in zip(plan.req_ids, plan.sample):
+            a = self._active[rid]
+            req = sched.requests[rid]
+            if not do or not a.params.stop or (rid in finished and req.finish_reason == "stop"):
+                continue
+            text = self.tokenizer.decode(req.output)
+            new_chars = len(text) - len(self.tokenizer.decode(req.output[:-1]))
+            hits = [(at, s) for s in a.params.stop
+                    if (at := text.find(s, max(0, len(text) - new_chars - len(s) + 1))) >= 0]
+            if not hits:
+                continue
+            at, s = min(hits)
+            a.result.text = text[:at + len(s)] if a.params.include_stop_str_in_output else text[:at]
+            a.result.finish_reason, a.result.stop_reason = "stop", s
+            if rid not in finished:
+                sched.finish_request(rid, "stop")
+                ended.append(rid)
+        return ended
+
+    def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> sampling.SamplingRows:
         """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused)."""
         b = self.config.max_num_seqs
-        keys, temp = np.zeros((b, 2), np.uint32), np.zeros(b, np.float32)
-        top_k, top_p, positions = np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros(b, np.int32)
-        for rid, row, seq_len in zip(plan.req_ids, rows, plan.seq_lens):
+        params, keys, prompts, outputs = [None] * b, [None] * b, [()] * b, [()] * b
+        for rid, row in zip(plan.req_ids, rows):
             a = self._active[rid]
-            keys[row], temp[row], top_k[row], top_p[row] = a.key, a.params.temperature, a.params.top_k, a.params.top_p
-            positions[row] = seq_len  # the index the sampled token takes
-        return _SamplingRows(keys, positions, temp, top_k, top_p)
+            params[row], keys[row], prompts[row] = a.params, a.key, a.prompt
+            outputs[row] = self.scheduler.requests[rid].output
+        return sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
+
+    def _plan_logprobs(self, plan: StepPlan) -> int:
+        """The step's static J: the most log-probabilities any of its requests asks for, bucketed."""
+        k = max(self.num_logprobs(self._active[r].params) for r in plan.req_ids)
+        return 0 if k == 0 else min(pow2_bucket(k), self.vocab_size)
+
+    def _record(self, rid: str, sampled, row: int, steps=slice(None)) -> None:
+        """Keep request rid's reported log-probabilities from sampling.Sampled arrays (host copies)."""
+        res = self._active[rid].result
+        if res.logprobs is None:
+            return
+        k = self.num_logprobs(self._active[rid].params)
+        for lp, rank, ids, lps in zip(np.atleast_1d(sampled.logprobs[steps, row]), np.atleast_1d(sampled.ranks[steps, row]),
+                                      np.atleast_2d(sampled.top_ids[steps, row]),
+                                      np.atleast_2d(sampled.top_logprobs[steps, row])):
+            res.logprobs.append(TokenLogprobs(float(lp), int(rank), ids[:k].tolist(), lps[:k].tolist()))
 
     def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str]]:
         cfg, z = self.config, self.config.block_size
@@ -418,19 +540,24 @@ class Engine:
                             block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
                             rows=rows, max_query_len=pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket))
         tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
-        sampled, logprobs, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
-                                                     self._sampling_rows(plan, rows))
-        sampled, logprobs = jax.device_get((sampled, logprobs))
+        positions = np.zeros(cfg.max_num_seqs, np.int32)
+        positions[rows] = plan.seq_lens  # the index each sampled token takes
+        sampled, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
+                                           self._sampling_rows(plan, rows), positions,
+                                           num_logprobs=self._plan_logprobs(plan))
+        sampled = jax.device_get(sampled)
         for rid, row, do in zip(plan.req_ids, rows, plan.sample):
             if do:
-                self._active[rid].logprobs.append(float(logprobs[row]))
-        return 1, sched.update(plan, sampled[rows])
+                self._record(rid, jax.tree.map(lambda x: x[None], sampled), row, 0)
+        return 1, sched.update(plan, sampled.tokens[rows])
 
     def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[int], list[str]]:
         cfg, z, k = self.config, self.config.block_size, self.config.steps_per_call
         b = cfg.max_num_seqs
-        # A step that preempted skipped admission (vLLM does too): the next one may admit.
-        max_steps = 1 if plan.preempted else k
+        # A step that preempted skipped admission (vLLM does too): the next one may admit. Stop
+        # strings are checked on the host after every token.
+        one = plan.preempted or any(self._active[r].params.stop for r in plan.req_ids)
+        max_steps = 1 if one else k
         width = pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
                              sched.max_blocks)
         rows = [self._rows[r] for r in plan.req_ids]
@@ -444,14 +571,15 @@ class Engine:
             remaining[row] = req.max_new_tokens - len(req.output)
             stop_ids[row, :len(a.stop_ids)] = a.stop_ids
         # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).
-        state, self.cache, out, out_lp, steps, used, refusal = _decode_loop(
+        state, self.cache, out, steps, used, refusal = _decode_loop(
             self.model, self.params, sched.state, self.cache, slots, tokens, computed, remaining, stop_ids,
-            self._sampling_rows(plan, rows), np.int32(max_steps), num_steps=k, width=width)
-        out, out_lp, steps, used, refusal = jax.device_get((out, out_lp, steps, used, refusal))  # one transfer
+            self._sampling_rows(plan, rows), np.int32(max_steps), num_steps=k, width=width,
+            num_logprobs=self._plan_logprobs(plan))
+        out, steps, used, refusal = jax.device_get((out, steps, used, refusal))  # one transfer
         _raise_refusal(plan, rows, refusal)
         for rid, row in zip(plan.req_ids, rows):
-            self._active[rid].logprobs.extend(float(x) for x in out_lp[:steps, row])
-        finished = sched.apply_decode_steps(plan, out[:steps][:, rows], state)
+            self._record(rid, out, row, slice(0, steps))
+        finished = sched.apply_decode_steps(plan, out.tokens[:steps][:, rows], state)
         return int(steps), [int(u) for u in used[:steps]], finished
 
 

@@ -1,151 +1,223 @@
-"""The Python API: `kvjax.LLM` and its outputs, shaped like vLLM's offline API.
+"""The Python API: `kvjax.LLM`, `SamplingParams` and their outputs, with vLLM's names and shapes.
 
-    import kvjax
-    llm = kvjax.LLM("small-gqa", kv_dtype="fp8", block_size=16)
-    outs = llm.generate(["def fib(n):"], kvjax.SamplingParams(max_tokens=32))
-    print(outs[0].outputs[0].text, outs[0].finish_reason, outs.summary.decode_tokens_per_s)
+    from kvjax import LLM, SamplingParams
+    llm = LLM("small-gqa", kv_cache_dtype="fp8", block_size=16, enable_prefix_caching=True)
+    outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, n=2, logprobs=1))
+    print(outs[0].outputs[1].text, outs[0].outputs[1].logprobs[0], outs[0].num_cached_tokens)
+
+A vLLM script runs unchanged: `LLM(model, **engine args)` takes vLLM's names (kv_cache_dtype,
+num_gpu_blocks_override, gpu_memory_utilization, kv_cache_memory_bytes, enable_prefix_caching,
+enable_chunked_prefill, max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy,
+attention_backend, kv_offloading_size, kv_cache_dtype_skip_layers, tensor_parallel_size, seed,
+dtype, max_logprobs, generation_config) with vLLM's meanings; kvjax's own extras keep kvjax
+names (scales, kv_layout, steps_per_call, kv_skip_dtype, total_memory_bytes). A vLLM argument
+that means nothing here is refused by name (LLMError, one line), never silently dropped.
 
 `LLM(model, ...)` loads a model (models.hub: a built-in name, a Hugging Face folder, or
 `preset:NAME` with random weights; or an already loaded `models.hub.LoadedModel`), sizes the
-block pool, and builds one `kvjax.engine.Engine` over it; `generate` runs every prompt through
-that engine (the only code that produces tokens) and `score` computes teacher-forced
-log-probabilities through the same model and cache format. Like vLLM's `LLM`, it is a thin
-layer: the scheduler, block pool, paged cache and sampler it drives live in their own modules.
+block pool, and builds one `kvjax.engine.Engine` that lives as long as the LLM: its block pool,
+prefix cache and host tier carry over from one `generate` / `chat` call to the next, and
+`reset_prefix_cache()` clears them (vLLM's engine core). `generate` runs every prompt through
+that engine (the only code that produces tokens); `prompt_logprobs` and `score_windows`
+(teacher-forced log-probabilities, kvjax's batch form of vLLM's prompt_logprobs) run the same
+model over a fresh cache of the same KV format.
 
-Pool size: `num_blocks` when given; else `gpu_memory_utilization` sizes it the way vLLM does
-(kvjax.sizing: profile one prefill, then (ceil(total × util) − weights − activations) //
-bytes per block, total = the device's memory, or `total_memory_bytes` on a CPU); with neither,
-a GPU uses vLLM's default utilization 0.92 and a CPU gets enough blocks for max_num_seqs
-requests of max_model_len tokens (nothing is ever preempted).
+Pool size: `num_gpu_blocks_override` when given; else `kv_cache_memory_bytes` (the KV budget in
+bytes, as vLLM) or `gpu_memory_utilization` sizes it the way vLLM does (kvjax.sizing: profile
+one prefill, then (ceil(total × util) − weights − activations) // bytes per block, total = the
+device's memory, or `total_memory_bytes` on a CPU); with none, a GPU uses vLLM's default
+utilization 0.92 and a CPU gets enough blocks for max_num_seqs requests of max_model_len
+tokens (nothing is ever preempted).
 
 This is the API layer: it imports `models/` (lazily), which the core modules never do.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+import os
+import sys
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import offload, quant
-from kvjax.attention import default_impl
-from kvjax.budget import cdiv
+from kvjax.attention import IMPLS, default_impl
+from kvjax.budget import cdiv, pow2_bucket
 from kvjax.cache import PagedCache
-from kvjax.engine import DEFAULT_BUDGET, Engine, EngineConfig, EngineError
+from kvjax.engine import DEFAULT_BUDGET, Engine, EngineConfig, EngineError, RequestResult
 from kvjax.errors import INT32_MAX, KvjaxError
-from kvjax.stats import Summary
 from kvjax.sampling import SamplingParams
 from kvjax.scoring import sequence_logits
 from kvjax.spec import kv_dtype as lookup_kv_dtype
+from kvjax.stats import Summary
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
+
+# vLLM LLM(...) / engine arguments that kvjax does not implement, with the reason given.
+_NOT_HERE = {
+    "quantization": "weight quantization is not implemented (kvjax quantizes the KV cache only)",
+    "cpu_offload_gb": "weight offloading is not implemented", "speculative_config": "speculative decoding is not "
+    "implemented", "enable_lora": "LoRA is not implemented", "pipeline_parallel_size": "pipeline parallelism is not "
+    "implemented", "data_parallel_size": "data parallelism is not implemented", "tokenizer": "kvjax reads the "
+    "checkpoint's own tokenizer", "tokenizer_mode": "kvjax reads the checkpoint's own tokenizer",
+    "trust_remote_code": "kvjax runs no code from checkpoints", "revision": "kvjax loads local folders and its "
+    "registry only", "hf_overrides": "config overrides are not implemented", "calculate_kv_scales": "dynamic KV scales "
+    "are not implemented (pass scales=)", "kv_offloading_backend": None, "enforce_eager": None, "swap_space": "V1 "
+    "recomputes on preemption; it never swaps", "disable_log_stats": None, "runner": None, "convert": None,
+    "skip_tokenizer_init": "kvjax always loads the tokenizer", "compilation_config": "JAX compiles every step",
+    "mm_processor_kwargs": "multimodal inputs are not implemented", "limit_mm_per_prompt": "multimodal inputs are "
+    "not implemented", "structured_outputs_config": "structured outputs are not implemented",
+    "logits_processors": "custom logits processors are not implemented", "pooler_config": "pooling is not "
+    "implemented", "spec_method": "speculative decoding is not implemented",
+}
+# Accepted when they say what kvjax does anyway.
+_NEUTRAL = {"kv_offloading_backend": "native", "enforce_eager": None, "disable_log_stats": None, "runner": "auto",
+            "convert": "auto", "swap_space": None}
 
 
 class LLMError(KvjaxError):
     """An LLM built or called with values that break a rule; the message names the value."""
 
 
-@dataclasses.dataclass(frozen=True)
+# ----------------------------------------------------------------------------------- outputs
+@dataclasses.dataclass
+class Logprob:
+    """vLLM `Logprob`: a token's log-probability, its rank in the vocabulary (1 = most likely)
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """vLLM's per-request stats (`RequestStateStats`), with the prefix-cache hit. Times are
+    seconds from the start of the `generate` call."""
+
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    first_token_latency: float | None = None
+    last_token_ts: float | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
-    """One generated sequence (vLLM `CompletionOutput`)."""
+    """One generated sequence (vLLM `CompletionOutput`, its fields in its order). logprobs: one
+    {token id: Logprob} per generated token (the sampled token and the k most likely); stop_reason:
+    the stop string or stop token id that ended it (None for EOS or length)."""
 
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[float] | None  # each generated token's log-probability, when SamplingParams.logprobs is 0
     cumulative_logprob: float | None
-    finish_reason: str | None  # "length" or "stop"; None if the request was refused
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "length" or "stop"; None if the request was refused
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RequestOutput:
-    """What one prompt produced (vLLM `RequestOutput`). `text`, `token_ids`, `finish_reason` and
-    `logprobs` are its single completion's; `error` says why a request was refused (the other
-    prompts still run)."""
+    """What one prompt produced (vLLM `RequestOutput`). outputs: its n completions;
+    prompt_logprobs: None, then one {token id: Logprob} per later prompt token, when asked.
+    kvjax's extra: `error` says why a request was refused (the other prompts still run)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
-    num_cached_tokens: int  # prompt tokens found in the prefix cache when first scheduled
-    num_preemptions: int  # times it was preempted and recomputed
-    error: str | None = None
     finished: bool = True
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self.outputs[0].logprobs
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
+    error: str | None = None
 
 
 class GenerateOutputs(list):
-    """The RequestOutputs of one `generate` call, in prompt order, and the run's `summary`
-    (kvjax.stats.Summary: throughput, latencies, prefix hits, preemptions, blocks in use)."""
+    """The RequestOutputs of one `generate` call, in prompt order (a list, as vLLM returns), and
+    the call's `summary` (kvjax.stats.Summary: throughput, latencies, prefix hits, preemptions,
+    blocks in use)."""
 
     def __init__(self, outputs: list[RequestOutput], summary: Summary):
         super().__init__(outputs)
         self.summary = summary
 
 
+# ----------------------------------------------------------------------------------- the LLM
 class LLM:
     """A model served through kvjax's engine. See the module docstring."""
 
-    def __init__(self, model, *, kv_dtype: str | None = None, scales=None, block_size: int = 16,
-                 num_blocks: int | None = None, gpu_memory_utilization: float | None = None, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, attn_impl: str | None = None,
-                 steps_per_call: int = 1, seed: int = 0, dtype: str | None = None,
-                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
-                 scheduling_policy: str = "fcfs",
-                 kv_layout: str = "paged", kv_skip_layers: Sequence[int] = (), kv_skip_dtype: str | None = None,
-                 total_memory_bytes: int | None = None, kv_offload_gib: float = 0,
-                 kv_offload_policy: str = "lru"):
+    def __init__(self, model, *, dtype: str = "auto", seed: int = 0, block_size: int = 16,
+                 gpu_memory_utilization: float | None = None, kv_cache_dtype: str = "auto",
+                 kv_cache_dtype_skip_layers: Sequence[int | str] = (), num_gpu_blocks_override: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
+                 attention_backend: str | None = None, tensor_parallel_size: int = 1,
+                 kv_offloading_size: float | None = None, kv_transfer_config: dict | None = None,
+                 max_logprobs: int = 20, generation_config: str = "auto", chat_template: str | None = None,
+                 use_tqdm_on_load: bool = True,
+                 scales=None, kv_layout: str = "paged", steps_per_call: int = 1, kv_skip_dtype: str | None = None,
+                 total_memory_bytes: int | None = None, **kwargs):
         """model: a built-in name, a checkpoint folder, `preset:NAME`, or a models.hub.LoadedModel.
-        kv_dtype: vLLM's kv_cache_dtype (fp8 = fp8_e4m3, fp8_e5m2, int8_per_token_head, bf16, ...;
-        default the model dtype); scales: fp8 KVScales or a scales file (default 1.0, vLLM's);
-        kv_skip_layers keep kv_skip_dtype (default the model dtype: vLLM's
-        kv_cache_dtype_skip_layers). kv_layout "contiguous" is the unpaged baseline (needs
-        enable_prefix_caching=False). scheduling_policy "priority" lets generate take priorities.
-        max_num_batched_tokens: the step's token budget (default 2048); enable_chunked_prefill
-        (default on, as in vLLM V1) prefills a prompt longer than the budget over several steps.
-        Other arguments as vLLM's, plus steps_per_call (decode steps per device call) and
-        total_memory_bytes (the memory gpu_memory_utilization takes a share of, on a CPU).
-        kv_offload_gib: a host-memory tier of that many GiB (vLLM's kv_offloading_size) keeps
-        computed blocks that the device evicts and loads them back on a prefix hit;
-        kv_offload_policy "lru" (default) or "arc" evicts from it (kvjax.offload)."""
+        vLLM's arguments as in vLLM (module docstring), with kvjax's defaults where vLLM's follow
+        the GPU (max_num_seqs 8). kv_cache_dtype: "auto" (the model dtype), fp8 = fp8_e4m3, fp8_e5m2,
+        int8_per_token_head, bf16, ...; kv_cache_dtype_skip_layers keep kv_skip_dtype (default the
+        model dtype). attention_backend: "reference" or "pallas" (kvjax's backends; default by kv
+        dtype). kv_offloading_size: GiB of host memory for offloaded KV blocks (vLLM's native CPU
+        offloading); its eviction policy is kv_transfer_config={"kv_connector_extra_config":
+        {"eviction_policy": "lru" | "arc"}}, as vLLM's OffloadingConnector. tensor_parallel_size:
+        1 (the engine runs on one device; `kvjax memory --tensor-parallel-size` shards a JAX mesh).
+        generation_config: "auto" takes default sampling parameters from the checkpoint's
+        generation_config.json, "vllm" uses SamplingParams(). chat_template: a template (text or
+        file) used by `chat` instead of the checkpoint's. use_tqdm_on_load: a progress bar on
+        stderr while the model is fetched and loaded (vLLM's, default on).
+        kvjax's extras: scales (fp8 KVScales or a scales file; default 1.0, vLLM's), kv_layout
+        "contiguous" (the unpaged baseline; needs enable_prefix_caching=False), steps_per_call
+        (decode steps per device call), total_memory_bytes (the memory gpu_memory_utilization
+        takes a share of, on a CPU)."""
         from kvjax.models.hub import LoadedModel, load_model
 
-        if num_blocks is not None and gpu_memory_utilization is not None:
-            raise LLMError("give num_blocks or gpu_memory_utilization, not both")
-        if attn_impl is None:
-            attn_impl = default_impl(lookup_kv_dtype(kv_dtype).name if kv_dtype else None)
+        self._refuse_unknown(kwargs)
+        given = [n for n, v in (("num_gpu_blocks_override", num_gpu_blocks_override),
+                                ("kv_cache_memory_bytes", kv_cache_memory_bytes),
+                                ("gpu_memory_utilization", gpu_memory_utilization)) if v is not None]
+        if len(given) > 1:
+            raise LLMError(f"give one of {' or '.join(given)}: each sizes the block pool")
+        if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
+            raise LLMError(f"tensor_parallel_size={tensor_parallel_size!r}: kvjax's engine runs on one device "
+                           "(kvjax memory --tensor-parallel-size shards a JAX mesh for the byte accounting)")
+        if attention_backend is not None and attention_backend not in IMPLS:
+            raise LLMError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
+        if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, str)
+                                                               and os.path.isdir(generation_config)):
+            raise LLMError(f"generation_config={generation_config!r}: 'auto', 'vllm' or a folder with "
+                           "generation_config.json")
+        kv_dtype = None if str(kv_cache_dtype).lower() == "auto" else kv_cache_dtype
+        attn_impl = attention_backend or default_impl(lookup_kv_dtype(kv_dtype).name if kv_dtype else None)
+        model_dtype = None if dtype == "auto" else dtype
         if isinstance(model, LoadedModel):
-            if dtype is not None and dtype != model.config.dtype:
+            if model_dtype is not None and model_dtype != model.config.dtype:
                 raise LLMError(f"dtype={dtype!r}: the loaded model is already {model.config.dtype}")
             from kvjax.models import build_model
 
             loaded = model if model.module.attn_impl == attn_impl else \
                 model.replace(module=build_model(model.config, attn_impl=attn_impl))
         elif isinstance(model, str):
-            loaded = load_model(model, dtype=dtype, attn_impl=attn_impl, seed=seed)
+            loaded = load_model(model, dtype=model_dtype, attn_impl=attn_impl, seed=seed,
+                                progress=bool(use_tqdm_on_load))
         else:
             raise LLMError(f"model must be a name, a folder, preset:NAME or a LoadedModel, got {type(model).__name__}")
         self.model = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        spec = loaded.config.kv_spec(kv_dtype, skip_layers=tuple(kv_skip_layers))
+        spec = loaded.config.kv_spec(kv_dtype, skip_layers=_skip_layers(kv_cache_dtype_skip_layers))
         self.kv_spec = spec.replace(model_dtype=lookup_kv_dtype(kv_skip_dtype).name) if kv_skip_dtype else spec
         if isinstance(scales, str):
             scales = quant.KVScales.load(scales)
@@ -157,6 +229,8 @@ class LLM:
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
                 raise LLMError(f"{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise LLMError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
         self.block_size = block_size
         model_len = loaded.config.max_position_embeddings
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
@@ -164,25 +238,48 @@ class LLM:
             raise LLMError(f"max_model_len must be an integer in [1, {model_len}] (the model's maximum length), "
                            f"got {max_model_len!r}")
         self.max_model_len = max_model_len or model_len
+        num_blocks = num_gpu_blocks_override
         if num_blocks is None:
-            num_blocks = self._size(gpu_memory_utilization, total_memory_bytes, max_num_seqs, max_num_batched_tokens,
-                                    enable_chunked_prefill)
-        host_blocks = offload.host_blocks(kv_offload_gib, self.kv_spec.bytes_per_block(block_size))
+            num_blocks = self._size(gpu_memory_utilization, kv_cache_memory_bytes, total_memory_bytes, max_num_seqs,
+                                    max_num_batched_tokens, enable_chunked_prefill)
+        host_blocks = 0 if kv_offloading_size is None else \
+            offload.host_blocks(kv_offloading_size, self.kv_spec.bytes_per_block(block_size))
         self.engine_config = EngineConfig(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
-            prefix_caching=enable_prefix_caching,
-            steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy, kv_layout=kv_layout,
-            kv_offload_blocks=host_blocks, kv_offload_policy=kv_offload_policy)
+            prefix_caching=enable_prefix_caching, steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy,
+            kv_layout=kv_layout, kv_offload_blocks=host_blocks,
+            kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size), max_logprobs=max_logprobs)
         from kvjax.sizing import check_cache_fits
 
         check_cache_fits(self.kv_spec, num_blocks, block_size)  # before allocating the pages
         self.engine = Engine(loaded.module, loaded.params, self.kv_spec, self.engine_config, scales=scales,
-                             eos_token_ids=loaded.eos_token_ids)
+                             eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer)
+        self.chat_template = _read_template(chat_template) if chat_template is not None else loaded.chat_template
+        self.default_sampling_params = _generation_defaults(
+            None if generation_config == "vllm" else generation_config if generation_config != "auto"
+            else loaded.folder)
         self._score_fn = None
 
-    def _size(self, util, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
+    @staticmethod
+    def _refuse_unknown(kwargs: dict) -> None:
+        for name, value in kwargs.items():
+            if name in _NEUTRAL and value == _NEUTRAL[name]:
+                continue
+            if name in _NOT_HERE:
+                reason = _NOT_HERE[name] or "kvjax has no such setting"
+                raise LLMError(f"LLM({name}={value!r}): {reason}")
+            raise LLMError(f"LLM() has no argument {name!r}")
+
+    def _size(self, util, kv_bytes, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
         """num_blocks when none was given (see the module docstring)."""
+        if kv_bytes is not None:
+            if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 1:
+                raise LLMError(f"kv_cache_memory_bytes must be a positive integer, got {kv_bytes!r}")
+            per_block = self.kv_spec.bytes_per_block(self.block_size)
+            if kv_bytes // per_block < 1:
+                raise LLMError(f"kv_cache_memory_bytes={kv_bytes:,} holds no block of {per_block:,} bytes")
+            return 1 + kv_bytes // per_block  # vLLM: the budget's blocks, block 0 among them as the null block
         if util is None and jax.default_backend() == "cpu":
             return 1 + max_num_seqs * cdiv(self.max_model_len, self.block_size)
         from kvjax.sizing import profile_and_size
@@ -205,65 +302,158 @@ class LLM:
     def num_blocks(self) -> int:
         return self.engine_config.num_blocks
 
+    def get_tokenizer(self):
+        """The model's tokenizer (models.tokenizer.Tokenizer: encode, decode)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when generate is given none: the checkpoint's
+        generation_config.json values over vLLM's defaults (generation_config="auto")."""
+        return self.default_sampling_params
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached block so that no later request hits (vLLM's semantics: False while
+        requests run, e.g. from a progress callback); reset_connector also empties the host tier."""
+        if reset_running_requests:
+            raise LLMError("reset_prefix_cache(reset_running_requests=True): kvjax cannot preempt from outside a "
+                           "step; call it between generate calls")
+        return self.engine.reset_prefix_cache(reset_connector)
+
     # ------------------------------------------------------------------ generation
-    def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt: a string (through the model's tokenizer) or a list of ids."""
+    def _prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt in vLLM's forms: a string, {"prompt": str},
+        {"prompt_token_ids": [...]}, or (kvjax) a list of token ids."""
+        if isinstance(prompt, dict):
+            extra = set(prompt) - {"prompt", "prompt_token_ids"}
+            if extra:
+                raise LLMError(f"prompt field {sorted(extra)[0]!r} is not implemented in kvjax (a prompt is "
+                               "{'prompt': str} or {'prompt_token_ids': [...]})")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._ids(prompt["prompt_token_ids"])
+            if not isinstance(prompt.get("prompt"), str):
+                raise LLMError(f"a prompt dict needs 'prompt' (a string) or 'prompt_token_ids', got {prompt!r:.80}")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            raise LLMError(f"a prompt is a string or a list of token ids, got {prompt!r:.80}")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, self._ids(prompt)
+
+    @staticmethod
+    def _ids(ids) -> list[int]:
+        ids = list(ids) if isinstance(ids, (list, tuple, np.ndarray)) else None
+        if ids is None or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise LLMError(f"prompt token ids must be a list of integers, got {ids!r:.80}")
         return [int(t) for t in ids]
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priority: Sequence[int] | None = None,
+                 use_tqdm: bool | Callable = True, priority: int | Sequence[int] | None = None,
                  progress: Callable[[int], None] | None = None) -> GenerateOutputs:
-        """Generate for one prompt or a list of prompts (strings or token-id lists).
-        sampling_params: one for all, one per prompt, or None (SamplingParams()); priority: one
-        per prompt, lower first (scheduling_policy="priority"); progress(n) is called with the
-        tokens each device call generated. Returns one RequestOutput per prompt, with the run's
-        Summary as `.summary`."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
-                                        all(isinstance(t, (int, np.integer)) for t in prompts)):
+        """Generate for one prompt or a list of prompts (module docstring's forms).
+        sampling_params: one for all, one per prompt, or None (get_default_sampling_params());
+        priority: an int for all or one per prompt, lower first (scheduling_policy="priority");
+        use_tqdm: a progress bar of generated tokens on stderr (or a tqdm-like class to use);
+        progress(n) (kvjax's extra) is called with the tokens each device call generated.
+        Returns one RequestOutput per prompt, with the call's Summary as `.summary`."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and
+                                                 all(isinstance(t, (int, np.integer)) for t in prompts)):
             prompts = [prompts]
-        prompts = list(prompts)
-        ids = [self.encode(p) for p in prompts]
-        params = SamplingParams() if sampling_params is None else sampling_params
+        pairs = [self._prompt(p) for p in prompts]
+        params = self.default_sampling_params if sampling_params is None else sampling_params
+        if isinstance(priority, (int, np.integer)) and not isinstance(priority, bool):
+            priority = [int(priority)] * len(pairs)
+        bar = _progress_bar(use_tqdm, "Generating")
+        if bar is not None:
+            progress = _both(progress, lambda n: _advance(bar, n))
         try:
-            run = self.engine.generate(ids, params, priorities=priority, progress=progress)
+            run = self.engine.generate([ids for _, ids in pairs], params, priorities=priority, progress=progress)
         except EngineError as e:
             raise LLMError(str(e)) from None
+        finally:
+            if bar is not None:
+                bar.close()
+        per_prompt: list[list[RequestResult]] = [[] for _ in pairs]
+        for res in run.results:
+            per_prompt[res.index].append(res)
+        params_list = [params] * len(pairs) if isinstance(params, SamplingParams) else list(params)
         outputs = []
-        for prompt, prompt_ids, res in zip(prompts, ids, run.results):
-            text = "" if res.error else self.tokenizer.decode(res.output)
-            completion = CompletionOutput(0, text, res.output, res.logprobs,
-                                          None if res.logprobs is None else float(sum(res.logprobs)),
-                                          res.finish_reason)
-            outputs.append(RequestOutput(str(res.index), prompt if isinstance(prompt, str) else None, prompt_ids,
-                                         [completion], res.num_cached_tokens, res.preemptions, res.error))
+        for (text, ids), results, sp in zip(pairs, per_prompt, params_list):
+            first = results[0]
+            error = first.error
+            prompt_lps = None if error or sp.prompt_logprobs is None else self._prompt_logprobs(ids, sp.prompt_logprobs)
+            metrics = None if error else RequestMetrics(
+                sum(len(r.output) for r in results), sum(r.preemptions for r in results), first.num_cached_tokens,
+                first.ttft_s, max((r.last_token_s or 0.0) for r in results))
+            outputs.append(RequestOutput(
+                first.request_id, text, ids, prompt_lps, [self._completion(r) for r in results], True,
+                metrics, None if error else first.num_cached_tokens, error))
         return GenerateOutputs(outputs, run.summary)
 
-    def chat(self, conversations, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **kwargs) -> GenerateOutputs:
+    def _completion(self, res: RequestResult) -> CompletionOutput:
+        text = "" if res.error or res.text is None else res.text
+        logprobs = None if res.logprobs is None else [
+            self._logprob_dict(tok, t.logprob, t.rank, t.top_ids, t.top_logprobs)
+            for tok, t in zip(res.output, res.logprobs)]
+        cumulative = None if res.logprobs is None else float(sum(t.logprob for t in res.logprobs))
+        return CompletionOutput(res.sample, text, list(res.output), cumulative, logprobs, res.finish_reason,
+                                res.stop_reason)
+
+    def _logprob_dict(self, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:
+        """vLLM's per-token dict: the chosen token first, then the k most likely (ranks 1..k)."""
+        out = {int(token): Logprob(float(logprob), int(rank), self.tokenizer.decode([int(token)]))}
+        for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+            out.setdefault(int(t), Logprob(float(lp), r, self.tokenizer.decode([int(t)])))
+        return out
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
+        """vLLM's prompt_logprobs: None for the first token, then for each later prompt token its
+        log-probability given the tokens before it, its rank, and the k most likely (-1: all)."""
+        length = pow2_bucket(len(ids), 16, max(16, self.config.max_position_embeddings))
+        window = np.zeros((1, length), np.int32)
+        window[0, :len(ids)] = ids  # causal: the padding after the prompt changes nothing before it
+        lp = self.score_windows(window)[0, :len(ids) - 1]  # [S-1, V]: row s predicts token s + 1
+        k = lp.shape[-1] if k == -1 else k
+        out: list[dict[int, Logprob] | None] = [None]
+        for s, token in enumerate(ids[1:]):
+            row = lp[s]
+            top = np.argsort(-row, kind="stable")[:k]
+            out.append(self._logprob_dict(token, row[token], int((row >= row[token]).sum()), top, row[top]))
+        return out
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, **kwargs) -> GenerateOutputs:
         """Generate the assistant's reply to one conversation or a list of them (vLLM `LLM.chat`):
-        each is a list of {"role", "content"} messages, rendered with the model's chat template
+        each is a list of {"role", "content"} messages, rendered with chat_template (default the
+        LLM's: the checkpoint's, or LLM(chat_template=...)) as transformers renders it
         (models.tokenizer.render_chat). Other arguments as `generate`."""
         from kvjax.models.tokenizer import render_chat
 
-        template = self.model.chat_template
+        template = _read_template(chat_template) if chat_template is not None else self.chat_template
         if not template:
-            raise LLMError(f"model {self.model.name!r} has no chat template")
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        prompts = [render_chat(template, list(c)) for c in conversations]
-        return self.generate(prompts, sampling_params, **kwargs)
+            raise LLMError(f"model {self.model.name!r} has no chat template: pass chat_template=")
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        variables = dict(bos_token=self._special(0), eos_token=self._special(-1))
+        variables.update(chat_template_kwargs or {})
+        prompts = [render_chat(template, list(c), add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools, **variables)
+                   for c in messages]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
+
+    def _special(self, which: int) -> str:
+        """The text of the model's BOS (which=0, when known) or first EOS (which=-1) token."""
+        if which == -1 and self.model.eos_token_ids:
+            return self.tokenizer.id_to_token(self.model.eos_token_ids[0]) or ""
+        bos = getattr(self.config, "bos_token_id", None)
+        return (self.tokenizer.id_to_token(bos) or "") if which == 0 and bos is not None else ""
 
     # ------------------------------------------------------------------ scoring
-    def score(self, token_windows, batch_size: int = 8) -> np.ndarray:
+    def score_windows(self, token_windows, batch_size: int = 8) -> np.ndarray:
         """Teacher-forced log-probabilities f32[W, S, V] of token_windows i32[W, S]: position s
-        holds log p(next token | tokens ≤ s). Each window is prefilled alone into a fresh cache
-        of this LLM's KV format (dtype, scales, skipped layers, block size), so the keys and values
-        every query reads are stored and read back exactly as in generation."""
+        holds log p(next token | tokens ≤ s); kvjax's batch form of vLLM's prompt_logprobs (not
+        vLLM's pooling `score`). Each window is prefilled alone into a fresh cache of this LLM's
+        KV format (dtype, scales, skipped layers, block size), so the keys and values every query
+        reads are stored and read back exactly as in generation."""
         windows = np.asarray(token_windows)
         if windows.ndim != 2 or windows.shape[1] < 1 or not np.issubdtype(windows.dtype, np.integer):
             raise LLMError(f"token_windows must be integer ids [W, S], got {windows.dtype} {windows.shape}")
@@ -285,5 +475,110 @@ class LLM:
         return np.concatenate([np.asarray(p) for p in parts])
 
     def __repr__(self) -> str:
-        return (f"LLM({self.model.name!r}, kv_dtype={self.kv_spec.kv_dtype!r}, block_size={self.block_size}, "
-                f"num_blocks={self.num_blocks}, max_num_seqs={self.engine_config.max_num_seqs})")
+        return (f"LLM({self.model.name!r}, kv_cache_dtype={self.kv_spec.kv_dtype!r}, block_size={self.block_size}, "
+                f"num_gpu_blocks_override={self.num_blocks}, max_num_seqs={self.engine_config.max_num_seqs})")
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _skip_layers(layers) -> tuple[int, ...]:
+    """vLLM's kv_cache_dtype_skip_layers: layer indices (ints or digit strings)."""
+    if isinstance(layers, (str, int)):
+        layers = [layers]
+    out = []
+    for x in layers:
+        if isinstance(x, str) and x.strip().isdigit():
+            x = int(x)
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise LLMError(f"kv_cache_dtype_skip_layers: {x!r} is not a layer index (attention-type names such as "
+                           "'sliding_window' need hybrid KV cache groups, not implemented yet)")
+        out.append(x)
+    return tuple(out)
+
+
+def eviction_policy(config: dict | None, size) -> str:
+    """The host tier's eviction policy from vLLM's kv_transfer_config (OffloadingConnector's
+    kv_connector_extra_config["eviction_policy"], default "lru")."""
+    if config is None:
+        return "lru"
+    if not isinstance(config, dict):
+        raise LLMError(f"kv_transfer_config must be a dict, got {type(config).__name__}")
+    known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+    if set(config) - known:
+        raise LLMError(f"kv_transfer_config field {sorted(set(config) - known)[0]!r} is not implemented in kvjax "
+                       "(only the offloading connector's eviction_policy is)")
+    if config.get("kv_connector") not in (None, "OffloadingConnector"):
+        raise LLMError(f"kv_transfer_config kv_connector={config['kv_connector']!r}: kvjax has the "
+                       "OffloadingConnector's host tier only")
+    extra = config.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict) or set(extra) - {"eviction_policy"}:
+        raise LLMError(f"kv_connector_extra_config {extra!r}: kvjax reads only 'eviction_policy'")
+    if size is None and extra:
+        raise LLMError("an eviction_policy needs kv_offloading_size (the host tier it evicts from)")
+    policy = extra.get("eviction_policy", "lru")
+    offload.check_policy(policy)
+    return policy
+
+
+def _read_template(template: str) -> str:
+    """A chat template given as its text or as a file holding it (vLLM's chat_template)."""
+    if not isinstance(template, str) or not template:
+        raise LLMError(f"chat_template must be a template or a file, got {template!r:.80}")
+    if "{" not in template and os.path.isfile(template):
+        from kvjax.errors import decode_utf8, read_bytes
+
+        return decode_utf8(read_bytes(template, "chat template"), template, "chat template")
+    return template
+
+
+_GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                      "top_p", "min_p", "max_new_tokens", "skip_special_tokens")
+
+
+def _generation_defaults(folder: str | None) -> SamplingParams:
+    """vLLM's get_default_sampling_params: the generation_config.json values it reads (max_new_tokens
+    as max_tokens), over SamplingParams()."""
+    path = None if folder is None or not os.path.isdir(folder) else os.path.join(folder, "generation_config.json")
+    if path is None or not os.path.exists(path):
+        return SamplingParams()
+    from kvjax.errors import read_json_object
+
+    config = read_json_object(path, "generation_config.json")
+    values = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
+    if "max_new_tokens" in values:
+        values["max_tokens"] = values.pop("max_new_tokens")
+    try:
+        return SamplingParams(**values)
+    except KvjaxError as e:
+        raise LLMError(f"{path}: {e}") from None
+
+
+def _progress_bar(use_tqdm, desc: str):
+    """A tqdm bar of generated tokens on stderr, or None (use_tqdm False)."""
+    if use_tqdm is False or use_tqdm is None:
+        return None
+    if use_tqdm is True:
+        from tqdm import tqdm
+
+        return tqdm(unit="tok", desc=desc, file=sys.stderr, dynamic_ncols=True)
+    if callable(use_tqdm):
+        return use_tqdm(unit="tok", desc=desc)
+    raise LLMError(f"use_tqdm must be True, False or a tqdm-like class, got {use_tqdm!r}")
+
+
+def _advance(bar, n: int) -> None:
+    """Move the generate bar by n tokens, showing the seconds spent compiling so far (the first
+    calls of each step shape compile; kvjax.stats counts it)."""
+    from kvjax.stats import COMPILE_S
+
+    bar.set_postfix_str(f"compile {COMPILE_S[0]:.1f} s", refresh=False)
+    bar.update(n)
+
+
+def _both(first, second):
+    if first is None:
+        return second
+    return lambda n: (first(n), second(n))
+
+
+__all__ = ["LLM", "LLMError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+           "GenerateOutputs"]

@@ -39,9 +39,9 @@ class OffloadError(KvjaxError):
     """A host tier sized or configured with a bad value; the message names it."""
 
 
-def host_blocks(gib, bytes_per_block: int, name: str = "kv_offload_gib") -> int:
+def host_blocks(gib, bytes_per_block: int, name: str = "kv_offloading_size") -> int:
     """Host blocks that `gib` GiB hold: whole bytes (kvjax.budget.gib, as `kvjax plan` reads
-    --kv-offload-gib) // bytes per block, vLLM's kv_offloading_size // page bytes. Refuses a
+    --kv-offloading-size) // bytes per block, vLLM's kv_offloading_size // page bytes. Refuses a
     negative, non-finite or non-numeric size and a positive one below a single block."""
     nbytes = budget.gib(gib, name)
     if nbytes and nbytes < bytes_per_block:

@@ -17,6 +17,8 @@ req, ok, hit_blocks, hit_tokens, new_blocks, blocks (the request's whole table),
 free_queue (head -> tail), num_free, ref_cnt (non-zero only), cached (ids holding a hash),
 usage. A failed op prints "ok": false and the unchanged state (a failed add leaves no
 request behind, so a later op on that name is an unknown request). Blank lines are skipped.
+`--show` draws the pool as text after each JSON line; with `--json` every output line stays one
+JSON object, and the drawing is its "drawing" field.
 
 The host offload tier (`kvjax/host_cache.py`, vLLM's CPU offloading): `init` may add
 "host_blocks": H (default 0 = no tier; needs prefix_caching) and "host_policy": "lru" |
@@ -414,7 +416,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("trace", metavar="TRACE", help="JSONL file, one op per line ('-' = stdin)")
     p.add_argument("--show", action="store_true",
-                   help="after each JSON line, draw the pool as text")
+                   help="after each JSON line, draw the pool as text (with --json: as each line's \"drawing\")")
+    p.add_argument("--json", action="store_true",
+                   help="every output line is one JSON object (the default output; with --show the drawing "
+                        "joins each object instead of following it as text)")
     return p
 
 
@@ -432,11 +437,14 @@ def run(args: argparse.Namespace) -> int:
             raise ReplayError(f"cannot read trace {args.trace!r}: {e.strerror}") from None
     else:
         f = sys.stdin.buffer
+    text_drawing = args.show and not args.json
     with f:
         try:
             for out, replay in iter_trace(f):
-                print(json.dumps(out), flush=not args.show)
-                if args.show:
+                if args.show and args.json:
+                    out = dict(out, drawing=replay.draw())
+                print(json.dumps(out), flush=not text_drawing)
+                if text_drawing:
                     print(replay.draw(), flush=True)
         except ReplayError as e:
             sys.stdout.flush()
@@ -445,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
     return 0
+
 
 if __name__ == "__main__":
     from kvjax.cli import main

@@ -44,10 +44,11 @@ tokens each request has computed (the plan's `seq_lens` are read from it, never 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
 requests run, how many tokens each, their token ids and block tables as NumPy arrays) that a
 model runner consumes; `update(plan, sampled)` takes the sampled tokens back, appends them
-(one batched `append_token_step`), and finishes requests (vLLM `check_stop`): "length" when a
-request reached its `max_new_tokens` (the engine clamps it to max_model_len), else "stop" when
-the token is one of its stop ids (its stop_token_ids, and the model's EOS unless it ignores
-EOS). A finished request's blocks return to the pool at once; its full blocks stay cached.
+(one batched `append_token_step`), and finishes requests (vLLM 0.33 `check_stop`, in its
+order): "stop" when the token is one of its stop ids (its stop_token_ids, and the model's EOS
+unless it ignores EOS), else "length" when it reached its `max_new_tokens` (the engine clamps it
+to max_model_len). `finish_request` ends one from outside (a stop string). A finished request's
+blocks return to the pool at once; its full blocks stay cached.
 
 The running requests' allocation asks `manager.step_fits` first — the same rule the engine's
 device decode loop applies before each of its steps — and, when everything fits, is one
@@ -185,17 +186,24 @@ class Scheduler:
         z = config.block_size
         self.max_blocks = -(-config.max_model_len // z)
         self.num_slots = config.max_requests or 2 * config.max_num_seqs
-        self.state = manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,
-                               config.prefix_caching)
+        # Committed to the device, as every pool function's output is: otherwise a function first
+        # called on the fresh state compiles once more when it later sees a committed one.
+        self.state = jax.device_put(manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,
+                                                 config.prefix_caching), jax.devices()[0])
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = 0
         # The host offload tier's index; the engine moves the bytes (kvjax.offload).
-        self.host = host_cache.init(config.num_host_blocks, config.host_policy) if config.num_host_blocks else None
+        self.host = self.new_host_index() if config.num_host_blocks else None
         self.stores: list[tuple[int, int]] = []  # (device block, host slot) to copy after the step
         self.host_hit_tokens = 0
+
+    def new_host_index(self) -> host_cache.HostIndex:
+        """An empty host tier index, committed to the device like the pool state."""
+        return jax.device_put(host_cache.init(self.config.num_host_blocks, self.config.host_policy),
+                              jax.devices()[0])
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,
@@ -412,11 +420,11 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(req: Request) -> str | None:
-        """vLLM `check_stop` after a token was appended: the length cap first, then stop ids."""
-        if len(req.output) >= req.max_new_tokens:
-            return "length"
+        """vLLM `check_stop` after a token was appended: stop ids first, then the length cap."""
         if req.output[-1] in req.stop_ids:
             return "stop"
+        if len(req.output) >= req.max_new_tokens:
+            return "length"
         return None
 
     def update(self, plan: StepPlan, sampled) -> list[str]:
@@ -451,6 +459,22 @@ class Scheduler:
         for req in finished:
             self._finish(req)
         return [r.req_id for r in finished]
+
+    def finish_request(self, req_id: str, reason: str) -> None:
+        """End a running or waiting request from outside (vLLM `finish_requests`: a stop string
+        the detokenizer found, an abort): its blocks return to the pool."""
+        req = self.requests[req_id]
+        if req.status == "finished":
+            raise SchedulerError(f"request {req_id!r} already finished ({req.finish_reason})")
+        req.finish_reason = reason
+        if req.status == "running":
+            self._finish(req)
+            return
+        self.waiting.remove(req)
+        if req.slot is not None:
+            self.state, ok = manager.remove_request(self.state, req.slot)
+            _require(ok, f"the pool refused to remove waiting request {req_id!r} from slot {req.slot}")
+        req.status, req.slot = "finished", None
 
     def _finish(self, req: Request) -> None:
         self.state, ok = manager.free(self.state, req.slot)

@@ -90,8 +90,9 @@ class RunStats:
     def used(self, sched) -> int:
         return self.usable - int(sched.state.pool.num_free)
 
-    def admissions(self, sched, plan, running: set[str], results) -> list[int]:
-        """Rows of requests admitted by this plan; records their prefix-cache lookups."""
+    def admissions(self, sched, plan, running: set[str], results: dict) -> list[int]:
+        """Rows of requests admitted by this plan; records their prefix-cache lookups in
+        results[request id]."""
         rows = [i for i, r in enumerate(plan.req_ids) if r not in running]
         for i in rows:
             req = sched.requests[plan.req_ids[i]]
@@ -99,7 +100,7 @@ class RunStats:
             self.queried += req.num_tokens
             self.hits += hit
             if req.num_preemptions == 0:  # vLLM's num_cached_tokens: the hit when first scheduled
-                results[int(plan.req_ids[i])].num_cached_tokens = hit
+                results[plan.req_ids[i]].num_cached_tokens = hit
         return rows
 
     def call(self, seconds: float, steps: int, used: list[int], *, prefill_tokens: int, decode_tokens: int) -> None:

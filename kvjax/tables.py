@@ -10,6 +10,7 @@ from typing import Any
 
 from kvjax import budget as bud
 from kvjax.config import preset
+from kvjax.markdown import markdown_table
 
 
 def table1() -> list[dict[str, Any]]:
@@ -49,21 +50,18 @@ def _num(x: float, digits: int = 6) -> str:
 
 
 def table1_markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| model | kind | L | Hkv | D | bf16/token | fp8/token | 128K bf16 | vs same-shape MHA |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['model']} | {r['kind']} | {r['layers']} | {r['kv_heads']} | {r['head_dim']} | "
-                   f"{bud.human_bytes(r['bf16_bytes_per_token'])} | {bud.human_bytes(r['fp8_bytes_per_token'])} | "
-                   f"{bud.human_bytes(r['bf16_bytes_128k'])} | {r['mha_ratio']:.3g}× |")
-    return "\n".join(out)
+    headers = ["model", "kind", "L", "Hkv", "D", "bf16/token", "fp8/token", "128K bf16", "vs same-shape MHA"]
+    cells = [[r["model"], r["kind"], r["layers"], r["kv_heads"], r["head_dim"],
+              bud.human_bytes(r["bf16_bytes_per_token"]), bud.human_bytes(r["fp8_bytes_per_token"]),
+              bud.human_bytes(r["bf16_bytes_128k"]), f"{r['mha_ratio']:.3g}×"] for r in rows]
+    return "\n".join(markdown_table(headers, cells, align="llrrrrrrr"))
 
 
 def table2_markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| scenario | GPU GiB | util | weights GiB | budget GiB | context | KV/request | budget/request | "
-           "concurrency | block-pool concurrency |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        note = " (pooled arithmetic only)" if r["pooled"] else ""
-        out.append(f"| {r['scenario']} | {_num(r['gpu_gib'])} | {r['util']:g} | {_num(r['weights_gib'])} | "
-                   f"{r['budget_gib']:,.6g} | {r['context'] // 1024}K | {bud.human_bytes(r['kv_bytes_per_request'])} | "
-                   f"{r['budget_per_request']:.4g} | {r['concurrency']}{note} | {r['concurrency_blocks']} |")
-    return "\n".join(out)
+    headers = ["scenario", "GPU GiB", "util", "weights GiB", "budget GiB", "context", "KV/request", "budget/request",
+               "concurrency", "block-pool concurrency"]
+    cells = [[r["scenario"], _num(r["gpu_gib"]), f"{r['util']:g}", _num(r["weights_gib"]), f"{r['budget_gib']:,.6g}",
+              f"{r['context'] // 1024}K", bud.human_bytes(r["kv_bytes_per_request"]), f"{r['budget_per_request']:.4g}",
+              f"{r['concurrency']}" + (" (pooled arithmetic only)" if r["pooled"] else ""), r["concurrency_blocks"]]
+             for r in rows]
+    return "\n".join(markdown_table(headers, cells, align="lrrrrrrrrr"))

@@ -135,31 +135,67 @@ def chat_template(folder: str) -> str | None:
 
 
 def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, progress: bool = False) -> LoadedModel:
     """Load what `name_or_dir` names (see the module docstring). dtype overrides the weights'
     dtype (a GGUF dequantizes to float32 unless told otherwise); attn_impl None picks the
-    backend's default (kvjax.attention.default_impl)."""
+    backend's default (kvjax.attention.default_impl). progress: a tqdm bar on stderr through
+    the stages (fetch or locate, read the weights, build), as vLLM's use_tqdm_on_load."""
     from kvjax.models import build_model, init_params
     from kvjax.models.loader import is_gguf, load_checkpoint, load_params
 
-    if name_or_dir.startswith("preset:"):
-        config = preset(name_or_dir.split(":", 1)[1])
-        config = config.replace(dtype=dtype) if dtype else config
-        module = build_model(config, attn_impl=attn_impl)
-        return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
-    path = resolve_model(name_or_dir)
-    if is_gguf(path):
-        from kvjax.models.gguf import GGUFFile
+    stages = _Stages(progress, name_or_dir)
+    with stages:
+        if name_or_dir.startswith("preset:"):
+            stages.next("random weights")
+            config = preset(name_or_dir.split(":", 1)[1])
+            config = config.replace(dtype=dtype) if dtype else config
+            module = build_model(config, attn_impl=attn_impl)
+            return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
+        stages.next("fetch" if name_or_dir in REGISTRY and not _cached(name_or_dir) else "locate")
+        path = resolve_model(name_or_dir)
+        stages.next("read weights")
+        if is_gguf(path):
+            from kvjax.models.gguf import GGUFFile
 
-        with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
-            config = gguf.config(dtype)
-            tokenizer = Tokenizer(backend=gguf.tokenizer())
-            params = load_params(gguf, config)
-            return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
-                               gguf.eos_token_ids, path, gguf.chat_template)
-    config, params = load_checkpoint(path, dtype=dtype)
-    return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, Tokenizer(path),
-                       eos_token_ids(path), path, chat_template(path))
+            with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
+                config = gguf.config(dtype)
+                tokenizer = Tokenizer(backend=gguf.tokenizer())
+                params = load_params(gguf, config)
+                stages.next("build")
+                return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
+                                   gguf.eos_token_ids, path, gguf.chat_template)
+        config, params = load_checkpoint(path, dtype=dtype)
+        stages.next("build")
+        return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, Tokenizer(path),
+                           eos_token_ids(path), path, chat_template(path))
+
+
+class _Stages:
+    """A tqdm bar over load_model's stages (or nothing when progress is off)."""
+
+    def __init__(self, progress: bool, name: str):
+        self.bar, self.name, self.started = None, name, False
+        if progress:
+            from tqdm import tqdm
+
+            total = 1 if name.startswith("preset:") else 3
+            self.bar = tqdm(total=total, desc=f"load {name}", unit="stage", file=sys.stderr)
+
+    def next(self, stage: str) -> None:
+        """The previous stage is done; `stage` starts."""
+        if self.bar is not None:
+            self.bar.update(int(self.started))
+            self.bar.set_description(f"load {self.name} ({stage})")
+            self.started = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            if exc[0] is None:
+                self.bar.update(self.bar.total - self.bar.n)
+            self.bar.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,6 +203,11 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
 # --------------------------------------------------------------------------------------------
 def cache_dir() -> str:
     return os.environ.get("KVJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvjax")
+
+
+def _cached(name: str) -> bool:
+    model = REGISTRY[name]
+    return os.path.exists(os.path.join(cache_dir(), name, os.path.basename(model.member)))
 
 
 def fetch(name: str) -> str:

@@ -120,8 +120,8 @@ def test_chunked_scoring_matches_one_step(tiny_checkpoint):
     assert [md.block_tables.shape[1] for _, md in layouts] == [8, 16, 19]
     assert [md.num_tokens for _, md in layouts] == [128, 128, 44]
     window = np.frombuffer((tiny_checkpoint / "data.txt").read_bytes()[:300], np.uint8).astype(np.int32)
-    llm = LLM(str(tiny_checkpoint / "model"), kv_dtype="fp32", max_num_seqs=1, max_model_len=16)
-    one_step = llm.score(window[None])[0]  # f32[S, V]
+    llm = LLM(str(tiny_checkpoint / "model"), kv_cache_dtype="fp32", max_num_seqs=1, max_model_len=16)
+    one_step = llm.score_windows(window[None])[0]  # f32[S, V]
     whole = np.concatenate([np.asarray(lp) for _, lp in ChunkedScorer(llm, 300, 300).chunks(window)])
     np.testing.assert_array_equal(whole, one_step)
     chunked = np.concatenate([np.asarray(lp) for _, lp in ChunkedScorer(llm, 300, 128).chunks(window)])
@@ -193,7 +193,7 @@ def test_full_suite(full_suite, tiny_checkpoint, tmp_path):
     # the long window is source 0's tokens right after its two 64-token windows
     window = np.frombuffer((root / "data.txt").read_bytes()[128:128 + 640], np.uint8).astype(np.int32)
     loaded = load_model(str(root / HOT))
-    base, var = (LLM(loaded, kv_dtype=dt, max_num_seqs=1, max_model_len=16).score(window[None])[0, :-1]
+    base, var = (LLM(loaded, kv_cache_dtype=dt, max_num_seqs=1, max_model_len=16).score_windows(window[None])[0, :-1]
                  .astype(np.float64) for dt in ("bf16", "fp8_e4m3"))  # [639, V] each
     kl = np.sum(np.exp(base) * (base - var), axis=-1)
     got = res["long"]["variants"]["fp8_e4m3 unit"]["buckets"]

@@ -10,6 +10,7 @@ a few also run through the installed `kvjax` script to check the real entry poin
 """
 from __future__ import annotations
 
+import argparse
 import builtins
 import json
 import os
@@ -115,24 +116,28 @@ DECODE = "decode --model small-gqa --max-tokens 2"
 DECODE_OK = DECODE + " --prompts ok.txt"
 CASES = [
     # plan: numbers at the edge of floats and ints, conflicting and ignored flags, files, outputs
-    (GPU_A + " --gpu-gib 1e400", "--gpu-gib"),
-    (GPU_A + " --kv-cache-memory-gib 1e307", "--kv-cache-memory-gib"),
-    (GPU_A + " --gpu-gib inf", "--gpu-gib"),
-    (GPU_A + " --gpu-gib nan", "--gpu-gib"),
-    (GPU_A + " --gpu-gib -80", "--gpu-gib"),
-    (GPU_A + " --util 1.5", "util"),
-    (GPU_A + " --util nan", "util"),
+    (GPU_A + " --device-memory-gib 1e400", "--device-memory-gib"),
+    (GPU_A + " --kv-cache-memory-bytes 1e307", "--kv-cache-memory-bytes"),
+    (GPU_A + " --kv-cache-memory-bytes 1.5G", "decimals are not allowed with the binary suffix G"),
+    (GPU_A + " --kv-cache-memory-bytes 0", "--kv-cache-memory-bytes"),
+    (GPU_A + " --kv-cache-memory-bytes 99999T", "--kv-cache-memory-bytes"),
+    (GPU_A + " --device-memory-gib inf", "--device-memory-gib"),
+    (GPU_A + " --device-memory-gib nan", "--device-memory-gib"),
+    (GPU_A + " --device-memory-gib -80", "--device-memory-gib"),
+    (GPU_A + " --gpu-memory-utilization 1.5", "--gpu-memory-utilization"),
+    (GPU_A + " --gpu-memory-utilization nan", "--gpu-memory-utilization"),
     (GPU_A + " --params-b 1e400", "--params-b"),
     (GPU_A + " --weight-dtype int3", "int3"),
-    (GPU_A + " --kv-dtype fp4", "fp4"),
-    (GPU_A + " --context 0", "--context"),
+    (GPU_A + " --kv-cache-dtype fp4", "fp4"),
+    (GPU_A + " --max-model-len 0", "--max-model-len"),
     (GPU_A + " --block-size 4294967296", "--block-size"),
-    (GPU_A + " --tp 0", "--tp"),
-    (GPU_A + " --kv-offload-gib -1", "--kv-offload-gib"),
-    (GPU_A + " --kv-offload-gib abc", "abc"),
-    (GPU_A + " --kv-offload-gib nan", "--kv-offload-gib"),
-    (GPU_A + " --kv-offload-gib inf", "--kv-offload-gib"),
-    (GPU_A + " --kv-offload-gib 1e-9", "smaller than one block of 20971520 bytes"),
+    (GPU_A + " --tensor-parallel-size 0", "--tensor-parallel-size"),
+    (GPU_A + " -tp x", "--tensor-parallel-size"),
+    (GPU_A + " --kv-offloading-size -1", "--kv-offloading-size"),
+    (GPU_A + " --kv-offloading-size abc", "abc"),
+    (GPU_A + " --kv-offloading-size nan", "--kv-offloading-size"),
+    (GPU_A + " --kv-offloading-size inf", "--kv-offloading-size"),
+    (GPU_A + " --kv-offloading-size 1e-9", "smaller than one block of 20971520 bytes"),
     ("plan --kind gqa --layers " + "1" * 31 + " --kv-heads 8 --head-dim 128", "--layers"),
     ("plan --kind gqa --layers 1e30 --kv-heads 8 --head-dim 128", "--layers"),
     ("plan --preset llama-3-8b --layers 4", "--layers"),
@@ -152,6 +157,9 @@ CASES = [
     (GPU_A + " --plot nodir/x.png", "--plot"),
     (GPU_A + " --plot ok.txt/x.png", "--plot"),
     (GPU_A + " --plot folder", "--plot"),
+    (GPU_A + " --plot c.txt", "must end in .png, .svg, .pdf"),
+    (GPU_A + " --plot concurrency", "must end in .png, .svg, .pdf"),
+    (GPU_A + " --plot c.jpeg", "--plot 'c.jpeg'"),
     ("plan", "no model"),
     ("tables --bogus", "--bogus"),
     # replay: malformed traces and pools too large to be a reading exercise
@@ -164,25 +172,47 @@ CASES = [
     ("replay t_nan.jsonl", "NaN"),
     ("replay t_unknown.jsonl", "explode"),
     # decode: flags
-    (DECODE_OK + " --num-blocks 1e20", "--num-blocks"),
-    (DECODE_OK + " --num-blocks 100000000000000000000", "--num-blocks"),
+    (DECODE_OK + " --num-gpu-blocks-override 1e20", "--num-gpu-blocks-override"),
+    (DECODE_OK + " --num-gpu-blocks-override 100000000000000000000", "--num-gpu-blocks-override"),
+    (DECODE_OK + " --num-gpu-blocks-override 8 --kv-cache-memory-bytes 4M", "not allowed with argument"),
+    (DECODE_OK + " --kv-cache-memory-bytes 4Q", "--kv-cache-memory-bytes"),
     (DECODE_OK + " --block-size 4294967296", "--block-size"),
-    (DECODE_OK + " --util 0.5 --total-gib inf", "--total-gib"),
-    (DECODE_OK + " --total-gib 2", "--total-gib"),
-    (DECODE_OK + " --util 0", "--util"),
+    (DECODE_OK + " --gpu-memory-utilization 0.5 --device-memory-gib inf", "--device-memory-gib"),
+    (DECODE_OK + " --device-memory-gib 2", "--device-memory-gib"),
+    (DECODE_OK + " --gpu-memory-utilization 0.5", "pass --device-memory-gib"),
+    (DECODE_OK + " --gpu-memory-utilization 0", "--gpu-memory-utilization"),
     (DECODE_OK + " --temperature nan", "--temperature"),
     (DECODE_OK + " --temperature 1 --top-p 2", "--top-p"),
-    (DECODE_OK + " --top-k 5", "--top-k"),
+    (DECODE_OK + " --greedy --top-k 5", "--top-k"),
+    (DECODE_OK + " --greedy --temperature 0.5", "not allowed with argument"),
+    (DECODE_OK + " --top-k -2", "--top-k"),
+    (DECODE_OK + " --min-p 1.5", "--min-p"),
+    (DECODE_OK + " --presence-penalty 3", "--presence-penalty"),
+    (DECODE_OK + " --frequency-penalty -2.5", "--frequency-penalty"),
+    (DECODE_OK + " --repetition-penalty 0", "--repetition-penalty"),
+    (DECODE_OK + " --min-tokens 3", "--min-tokens 3 exceeds --max-tokens 2"),
+    (DECODE_OK + " --greedy --n 2", "--n 2"),
+    (DECODE_OK + " --n 0", "--n"),
+    (DECODE_OK + " --logprobs -2", "--logprobs"),
+    (DECODE_OK + " --logprobs", "--logprobs"),
+    (DECODE_OK + " --scheduling-policy lifo", "--scheduling-policy"),
+    (DECODE_OK + " --attention-backend flash", "--attention-backend"),
+    (DECODE_OK + " --dtype fp64", "--dtype"),
     (DECODE_OK + " --seed -1", "--seed"),
     (DECODE_OK + " --max-num-seqs 4294967296", "--max-num-seqs"),
     (DECODE_OK + " --stop-token-ids 1,x", "--stop-token-ids"),
     (DECODE_OK + " --stop-token-ids 99999999999", "--stop-token-ids"),
     (DECODE_OK + " --shared-prefix 4", "--shared-prefix"),
-    (DECODE_OK + " --kv-offload-gib -1", "--kv-offload-gib"),
-    (DECODE_OK + " --kv-offload-gib 1GiB", "--kv-offload-gib"),
-    (DECODE_OK + " --kv-offload-gib 1e-12", "--kv-offload-gib '1e-12' GiB = 1 bytes is smaller than one block"),
-    (DECODE_OK + " --kv-offload-gib 0.5 --no-prefix-caching", "--kv-offload-gib"),
-    (DECODE_OK + " --kv-offload-policy mru", "--kv-offload-policy"),
+    (DECODE_OK + " --kv-offloading-size -1", "--kv-offloading-size"),
+    (DECODE_OK + " --kv-offloading-size 1GiB", "--kv-offloading-size"),
+    (DECODE_OK + " --kv-offloading-size 1e-12", "--kv-offloading-size '1e-12' GiB = 1 bytes is smaller than one block"),
+    (DECODE_OK + " --kv-offloading-size 0.5 --no-enable-prefix-caching", "--kv-offloading-size"),
+    (DECODE_OK + " --kv-offloading-size 0.5 --kv-transfer-config "
+     '{"kv_connector_extra_config":{"eviction_policy":"mru"}}', "kv offload policy must be one of lru, arc"),
+    (DECODE_OK + ' --kv-offloading-size 0.5 --kv-transfer-config {"kv_role":"kv_both","x":1}', "'x'"),
+    (DECODE_OK + " --kv-offloading-size 0.5 --kv-transfer-config [1]", "--kv-transfer-config '[1]': a JSON array"),
+    (DECODE_OK + " --kv-offloading-size 0.5 --kv-transfer-config {", "--kv-transfer-config '{': not valid JSON"),
+    (DECODE_OK + " --kv-transfer-config {}", "--kv-transfer-config"),
     (DECODE + " --synthetic 0", "--synthetic"),
     (DECODE + " --synthetic 2 --chat", "--chat"),
     (DECODE + " --max-tokens 0 --prompts ok.txt", "--max-tokens"),
@@ -199,20 +229,20 @@ CASES = [
     (DECODE + " --prompts p_float.jsonl", "p_float.jsonl:1"),
     (DECODE + " --prompts p_unknown.jsonl", "temperature"),
     (DECODE + " --prompts p_both.jsonl", "p_both.jsonl:1"),
-    (DECODE + " --prompts p_priority.jsonl", "--priority"),
+    (DECODE + " --prompts p_priority.jsonl", "--scheduling-policy priority"),
     (DECODE + " --prompts p_bigint.jsonl", "p_bigint.jsonl:1"),
     (DECODE + " --prompts p_line3.jsonl", "p_line3.jsonl:3"),
     (DECODE + " --prompts p_array.jsonl", "p_array.jsonl:1"),
     (DECODE + " --prompts p_maxtok.jsonl", "max_tokens"),
     # decode: scales files and their match with the cache
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_k5.json", "s_k5.json"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_banana.json", "banana"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_e5m2.json", "fp8_e5m2"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_negative.json", "s_negative.json"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_mode.json", "per_channel"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales s_extra.json", "scale"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales deep.json", "deep.json"),
-    (DECODE_OK + " --kv-dtype fp8_e4m3 --scales missing.json", "missing.json"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales s_k5.json", "s_k5.json"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales s_banana.json", "banana"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales s_e5m2.json", "fp8_e5m2"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales s_negative.json", "s_negative.json"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales s_mode.json", "per_channel"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales s_extra.json", "scale"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales deep.json", "deep.json"),
+    (DECODE_OK + " --kv-cache-dtype fp8_e4m3 --scales missing.json", "missing.json"),
     (DECODE_OK + " --scales s_e5m2.json", "--scales"),
     # decode: checkpoints (corrupt, truncated, pickled) and limits that need the model
     ("decode --model ckpt_corrupt --max-tokens 2 --prompts ok.txt", "model.safetensors"),
@@ -225,8 +255,8 @@ CASES = [
     ("decode --model trunc.gguf --max-tokens 2 --prompts ok.txt", "trunc.gguf"),
     ("decode --model nowhere --max-tokens 2 --prompts ok.txt", "nowhere"),
     (DECODE_OK + " --max-model-len 100000000", "--max-model-len"),
-    (DECODE_OK + " --num-blocks 2000000000", "int32"),
-    (DECODE_OK + " --num-blocks 100000000", "more than the device"),
+    (DECODE_OK + " --num-gpu-blocks-override 2000000000", "int32"),
+    (DECODE_OK + " --num-gpu-blocks-override 100000000", "more than the device"),
     (DECODE + " --synthetic 2 --prompt-len 5000", "--prompt-len"),
     (DECODE_OK + " --chat", "chat template"),
     # calibrate
@@ -246,14 +276,16 @@ CASES = [
     ("accuracy --seq-len -5", "--seq-len"),
     ("accuracy --max-windows 1e9", "--max-windows"),
     # memory
-    ("memory --model small-gqa --total-gib inf", "--total-gib"),
-    ("memory --model small-gqa --total-gib 1e400", "--total-gib"),
-    ("memory --model small-gqa --total-gib 1 --util 2", "--util"),
-    ("memory --model small-gqa --total-gib 1 --max-model-len 100000000", "--max-model-len"),
-    ("memory --model small-gqa --total-gib 1 --max-num-batched-tokens 1000000000", "--max-num-batched-tokens"),
-    ("memory --model small-gqa --total-gib 1 --tp 0", "--tp"),
-    ("memory --model ckpt_pickle_st --total-gib 1", "model.safetensors"),
-    ("memory --model preset:nope --total-gib 1", "nope"),
+    ("memory --model small-gqa --device-memory-gib inf", "--device-memory-gib"),
+    ("memory --model small-gqa --device-memory-gib 1e400", "--device-memory-gib"),
+    ("memory --model small-gqa --device-memory-gib 1 --gpu-memory-utilization 2", "--gpu-memory-utilization"),
+    ("memory --model small-gqa --device-memory-gib 1 --max-model-len 100000000", "--max-model-len"),
+    ("memory --model small-gqa --device-memory-gib 1 --max-num-batched-tokens 1G", "--max-num-batched-tokens"),
+    ("memory --model small-gqa --device-memory-gib 1 --tensor-parallel-size 0", "--tensor-parallel-size"),
+    ("memory --model small-gqa --device-memory-gib 1 --kv-cache-dtype fp9", "--kv-cache-dtype"),
+    ("memory --model small-gqa --device-memory-gib 1 --dtype double", "--dtype"),
+    ("memory --model ckpt_pickle_st --device-memory-gib 1", "model.safetensors"),
+    ("memory --model preset:nope --device-memory-gib 1", "nope"),
     # report and the top level
     ("report --out ok.txt/x", "--out"),
     ("report --skip bogus", "bogus"),
@@ -316,7 +348,7 @@ def test_bad_input_exits_2_with_one_line(command, fragment, workdir, monkeypatch
 @pytest.mark.parametrize("command,fragment", [
     ("decode --model ckpt_pickle_st --max-tokens 2 --prompts ok.txt", "model.safetensors"),
     ("decode --model ckpt_pickle_bin --max-tokens 2 --prompts ok.txt", "pickled"),
-    ("plan --group A --gpu-gib 1e400", "--gpu-gib"),
+    ("plan --group A --device-memory-gib 1e400", "--device-memory-gib"),
     ("replay deep.jsonl", "deep.jsonl: line 1"),
 ])
 def test_the_installed_script_keeps_the_contract(command, fragment, workdir):
@@ -344,3 +376,53 @@ def test_replay_keeps_state_after_a_refused_op(tmp_path, capsys):
     # the refused add of b left a's blocks and the free queue exactly as after a's add
     assert states[2]["free_queue"] == states[1]["free_queue"] and states[2]["num_free"] == states[1]["num_free"]
     assert err.startswith(f"kvjax replay: error: {trace}: line 4:") and len(err.splitlines()) == 1
+
+
+# Every old kvjax flag name, in the commands that had it: refused with one line naming vLLM's
+# name (or kvjax's one name for a kvjax concept), before argparse or any work, in both forms.
+OLD_FLAGS = {  # old: (its new name, the commands that had it)
+    "--kv-dtype": ("--kv-cache-dtype", ("plan", "decode", "memory")),
+    "--util": ("--gpu-memory-utilization", ("plan", "decode", "memory")),
+    "--num-blocks": ("--num-gpu-blocks-override", ("decode",)),
+    "--no-prefix-caching": ("--no-enable-prefix-caching", ("decode",)),
+    "--no-chunked-prefill": ("--no-enable-chunked-prefill", ("decode",)),
+    "--kv-offload-gib": ("--kv-offloading-size", ("plan", "decode")),
+    "--kv-offload-policy": ("--kv-transfer-config", ("decode",)),
+    "--tp": ("--tensor-parallel-size", ("plan", "memory")),
+    "--kv-cache-memory-gib": ("--kv-cache-memory-bytes", ("plan",)),
+    "--priority": ("--scheduling-policy", ("decode",)),
+    "--attn-impl": ("--attention-backend", ("decode",)),
+    "--context": ("--max-model-len", ("plan",)),
+    "--gpu-gib": ("--device-memory-gib", ("plan",)),
+    "--total-gib": ("--device-memory-gib", ("memory", "decode")),
+}
+COMMAND_LINES = {"plan": GPU_A, "decode": DECODE_OK, "memory": "memory --model small-gqa"}
+OLD_CASES = [(old, new, cmd, form) for old, (new, cmds) in OLD_FLAGS.items() for cmd in cmds
+             for form in ("{old} 1", "{old}=1")]
+
+
+def test_the_old_flag_table_is_the_cli_table():
+    from kvjax.cli import RENAMED
+
+    assert set(OLD_FLAGS) == set(RENAMED)
+
+
+def _options(command: str) -> set[str]:
+    from kvjax.cli import build_parser
+
+    sub = next(a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices[command]._option_string_actions)
+
+
+@pytest.mark.parametrize("old, new, command, form", OLD_CASES,
+                         ids=[f"{c}-{f.format(old=o)}" for o, _, c, f in OLD_CASES])
+def test_old_flag_names_are_refused_with_the_new_name(old, new, command, form, workdir, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    before = _listing(workdir)
+    assert main([*COMMAND_LINES[command].split(), *form.format(old=old).split()]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"kvjax {command}: error: {old} is now {new}"), err
+    assert _listing(workdir) == before
+    options = _options(command)
+    assert new in options and old not in options  # the hint names a flag the command has

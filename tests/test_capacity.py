@@ -12,7 +12,6 @@ request, SPEC's simulator) says one more request fits than the block pool can ho
 from __future__ import annotations
 
 import json
-from decimal import Decimal, getcontext
 
 import numpy as np
 import pytest
@@ -72,11 +71,9 @@ def test_cli_plan_reports_the_same_concurrency(capsys):
     """`kvjax plan --json` with the same budget as the first case above gives the same numbers."""
     block_size, context = 4, 14
     budget = (1 + 3 * 4 + 3) * SPEC.bytes_per_block(block_size) + 100
-    getcontext().prec = 80
-    gib = Decimal(budget) / Decimal(bud.GiB)  # exact: 2^30 has a finite decimal expansion
     argv = ["plan", "--kind", "gqa", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-            "--kv-dtype", "bf16", "--context", str(context), "--block-size", str(block_size),
-            "--kv-cache-memory-gib", format(gib, "f"), "--json"]
+            "--kv-cache-dtype", "bf16", "--max-model-len", str(context), "--block-size", str(block_size),
+            "--kv-cache-memory-bytes", str(budget), "--json"]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["budget_bytes"] == budget and out["concurrency_blocks"] == 3 and out["num_blocks"] == 16

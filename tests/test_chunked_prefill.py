@@ -43,7 +43,7 @@ def generate(tiny, **kw):
     config, model, params = tiny
     cfg = EngineConfig(**{"num_blocks": 160, "block_size": Z, "max_num_seqs": 4, "max_model_len": MAX_LEN, **kw})
     eng = Engine(model, params, config.kv_spec(), cfg)
-    run = eng.generate(prompts(), SamplingParams(max_tokens=NEW))
+    run = eng.generate(prompts(), SamplingParams(max_tokens=NEW, temperature=0.0))
     assert all(r.error is None for r in run.results), [r.error for r in run.results]
     state = eng.scheduler.state
     manager.check_invariants(state)
@@ -95,7 +95,8 @@ def test_a_prompt_longer_than_the_budget_samples_once_at_its_last_chunk(tiny):
 
     sched_mod.Scheduler.schedule = spy
     try:
-        run = eng.generate([list(range(1, 101)) * 2], SamplingParams(max_tokens=2))  # 200 tokens, budget 64
+        # 200 tokens, budget 64
+        run = eng.generate([list(range(1, 101)) * 2], SamplingParams(max_tokens=2, temperature=0.0))
     finally:
         sched_mod.Scheduler.schedule = original
     assert [int(p.num_scheduled[0]) for p in sched_plans] == [64, 64, 64, 8, 1]

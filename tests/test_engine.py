@@ -54,7 +54,7 @@ def prompts(seed=0, lengths=(5, 9, 13, 3, 7, 11), shared=8):
 
 
 def greedy(n, **kw):
-    return SamplingParams(max_tokens=n, **kw)
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
 def full_recompute(tiny, prompts, n):
@@ -181,9 +181,16 @@ def test_stop_tokens_end_requests_in_the_device_loop_as_in_the_host_loop(tiny):
         eng = engine(tiny, num_blocks=SMALL, steps_per_call=k)
         run = eng.generate(ps, greedy(12, stop_token_ids=[stop]))
         assert outputs(run) == want, f"steps_per_call={k}"
-        # vLLM's check_stop looks at the length first: a stop token that is also the 12th token is "length"
-        assert [r.finish_reason for r in run.results] == ["stop" if stop in out[:-1] else "length" for out in free_run]
+        # vLLM's check_stop looks at stop tokens before the length: a stop token that is also the
+        # 12th (last allowed) token is "stop"
+        assert [r.finish_reason for r in run.results] == ["stop" if stop in out else "length" for out in free_run]
         assert_pool_empty(eng)
+    # The edge itself: a request whose last allowed token is its only stop token.
+    last = next(i for i, out in enumerate(free_run) if out[-1] not in out[:-1])
+    for k in (1, 8):
+        run = engine(tiny, steps_per_call=k).generate([ps[last]], greedy(12, stop_token_ids=[free_run[last][-1]]))
+        (res,) = run.results
+        assert res.output == free_run[last] and (res.finish_reason, res.stop_reason) == ("stop", free_run[last][-1])
     config, model, params = tiny  # the same stop as the model's EOS id, which ignore_eos skips
     with_eos = Engine(model, params, config.kv_spec(), EngineConfig(num_blocks=64, block_size=Z, max_num_seqs=4,
                                                                     max_model_len=MAX_LEN, steps_per_call=8),
@@ -195,14 +202,14 @@ def test_stop_tokens_end_requests_in_the_device_loop_as_in_the_host_loop(tiny):
 def test_logprobs_are_the_models_log_softmax_of_each_chosen_token(tiny):
     config, model, params = tiny
     ps = prompts(6)[:2]
-    run = engine(tiny, steps_per_call=8).generate(ps, SamplingParams(max_tokens=5, logprobs=0))
+    run = engine(tiny, steps_per_call=8).generate(ps, greedy(5, logprobs=0))
     logits_of = jax.jit(lambda t: sequence_logits(model, params, t, config.kv_spec(), Z))
     for p, res in zip(ps, run.results):
         seq = list(p) + res.output
         row = jnp.asarray([seq + [0] * (MAX_LEN - len(seq))], jnp.int32)
         logp = np.asarray(jax.nn.log_softmax(logits_of(row)[0], axis=-1))
         want = [logp[len(p) - 1 + i, t] for i, t in enumerate(res.output)]
-        np.testing.assert_allclose(res.logprobs, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose([t.logprob for t in res.logprobs], want, rtol=1e-5, atol=1e-5)
     assert engine(tiny).generate(ps, greedy(3)).results[0].logprobs is None
 
 

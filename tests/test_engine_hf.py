@@ -72,7 +72,7 @@ def run(case, attn_impl="reference", **kw):
     config, params, _ = case
     cfg = EngineConfig(**{"num_blocks": 64, "block_size": Z, "max_num_seqs": 4, "max_model_len": 40, **kw})
     return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(
-        PROMPTS, SamplingParams(max_tokens=MAX_NEW))
+        PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
 
 def check(case, result):

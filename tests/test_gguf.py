@@ -250,7 +250,7 @@ def test_tokenizer_ids_match_transformers(tiny):
 def test_memory_reconciles_a_gguf_to_the_byte(tiny, capsys):
     """`kvjax memory --model PATH.gguf`: the dequantized weights are counted exactly (CPU)."""
     path, original, _ = tiny
-    rc = cli.main(["memory", "--model", path, "--total-gib", "0.004", "--block-size", "16",
+    rc = cli.main(["memory", "--model", path, "--device-memory-gib", "0.004", "--block-size", "16",
                    "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--max-model-len", "128", "--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -476,14 +476,15 @@ def test_smollm_greedy_through_the_paged_engine(smollm, smollm_llm):
         margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in out.scores]
         near = [i for i, m in enumerate(margins) if m < MARGIN]
         want.append((out.sequences[0, len(prompt):].tolist(), near[0] if near else MAX_NEW))
-    outs = smollm_llm.generate(ids, kvjax.SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    outs = smollm_llm.generate(ids, kvjax.SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+                               use_tqdm=False)
     compared = 0
     for prompt, out, (tokens, n) in zip(PROMPTS, outs, want):
         assert out.error is None, out.error
-        assert out.token_ids[:n] == tokens[:n], prompt
+        assert out.outputs[0].token_ids[:n] == tokens[:n], prompt
         compared += n
     assert compared >= 0.9 * MAX_NEW * len(PROMPTS), "too many near-ties to compare"
-    assert outs[0].text.startswith(" Paris")
+    assert outs[0].outputs[0].text.startswith(" Paris")
 
 
 @pytest.mark.slow
@@ -501,12 +502,13 @@ def test_smollm_chat_renders_as_transformers_and_stops_at_its_eos(smollm, smollm
     for c in conversations:
         assert render_chat(loaded.chat_template, c) == tok.apply_chat_template(c, tokenize=False,
                                                                                add_generation_prompt=True)
-    outs = smollm_llm.chat(conversations, kvjax.SamplingParams(max_tokens=40))
+    outs = smollm_llm.chat(conversations, kvjax.SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
     hf.generation_config.eos_token_id = 2
     for c, out in zip(conversations, outs):
         x = torch.tensor([loaded.tokenizer.encode(render_chat(loaded.chat_template, c))])
         with torch.no_grad():
             want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False,
                                pad_token_id=2)[0, x.shape[1]:].tolist()
-        assert out.token_ids == want and out.finish_reason == "stop" and out.token_ids[-1] == 2
-    assert outs[0].text.startswith("The capital of France is Paris")
+        got = out.outputs[0]
+        assert got.token_ids == want and got.finish_reason == "stop" and got.token_ids[-1] == 2
+    assert outs[0].outputs[0].text.startswith("The capital of France is Paris")

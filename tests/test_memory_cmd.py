@@ -32,7 +32,7 @@ HF = {
             "tie_word_embeddings": False, "dtype": "float32",
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
 }
-SMALL = ["--total-gib", "0.004", "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+SMALL = ["--device-memory-gib", "0.004", "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
          "--max-model-len", "128"]
 
 
@@ -89,7 +89,8 @@ def test_gqa_json_reconciles_to_the_byte(checkpoints, capsys):
 
 
 def test_gqa_tp4_fp8_replicates_kv_heads(checkpoints, capsys):
-    rc, out, err = _memory(capsys, "--model", checkpoints["gqa"], *SMALL, "--tp", "4", "--kv-dtype", "fp8", "--json")
+    rc, out, err = _memory(capsys, "--model", checkpoints["gqa"], *SMALL, "--tensor-parallel-size", "4",
+                           "--kv-cache-dtype", "fp8", "--json")
     assert rc == 0, err
     report = json.loads(out)
     _check_exact(report)
@@ -100,7 +101,7 @@ def test_gqa_tp4_fp8_replicates_kv_heads(checkpoints, capsys):
 
 
 def test_mla_tp2_keeps_the_latent_whole_on_every_rank(checkpoints, capsys):
-    rc, out, err = _memory(capsys, "--model", checkpoints["mla"], *SMALL, "--tp", "2", "--kv-dtype", "bf16")
+    rc, out, err = _memory(capsys, "--model", checkpoints["mla"], *SMALL, "-tp", "2", "--kv-cache-dtype", "bf16")
     assert rc == 0, err
     lines = out.splitlines()
     assert "MLA latent replicated on every rank" in out and "all 2 devices measure the same" in out
@@ -114,15 +115,16 @@ def test_mla_tp2_keeps_the_latent_whole_on_every_rank(checkpoints, capsys):
 def test_errors_are_one_line(checkpoints, capsys):
     cases = [
         (["--model", checkpoints["gqa"], "--max-num-batched-tokens", "64"],
-         "kvjax memory: error: the cpu device reports no memory limit: pass --total-gib"),
-        (["--model", checkpoints["gqa"], *SMALL, "--tp", "3"],
+         "kvjax memory: error: the cpu device reports no memory limit: pass --device-memory-gib"),
+        (["--model", checkpoints["gqa"], *SMALL, "--tensor-parallel-size", "3"],
          "kvjax memory: error: tp 3 does not divide the 4 query heads"),
         (["--model", "no-such-model", *SMALL],
          "kvjax memory: error: model 'no-such-model' is neither a built-in model"),
         (["--model", "preset:nope", *SMALL], "kvjax memory: error: unknown model preset 'nope'"),
         (["--model", checkpoints["gqa"], *SMALL, "--block-size", "0"],
          "kvjax memory: error: argument --block-size: must be in [1, 2147483647], got '0'"),
-        (["--model", checkpoints["gqa"], "--total-gib", "0.0001", "--block-size", "16", "--max-num-batched-tokens",
+        (["--model", checkpoints["gqa"], "--device-memory-gib", "0.0001", "--block-size", "16",
+          "--max-num-batched-tokens",
           "64", "--max-model-len", "128"], "no usable block"),
     ]
     for args, want in cases:
@@ -133,9 +135,22 @@ def test_errors_are_one_line(checkpoints, capsys):
 
 @pytest.mark.slow
 def test_preset_random_weights_runs_on_cpu(capsys):
-    rc, out, err = _memory(capsys, "--model", "preset:tiny-mla", *SMALL, "--kv-dtype", "fp8", "--json")
+    rc, out, err = _memory(capsys, "--model", "preset:tiny-mla", *SMALL, "--kv-cache-dtype", "fp8", "--json")
     assert rc == 0, err
     report = json.loads(out)
     _check_exact(report)
     assert report["model"] == "preset:tiny-mla" and report["kv_dtype"] == "fp8"
     assert report["total_bytes"] == bud.gib("0.004")
+
+
+def test_progress_bar_on_a_terminal_and_never_with_no_progress(checkpoints, capsys, monkeypatch):
+    """The phases show on stderr when it is a terminal; --no-progress silences them; stdout keeps
+    the JSON alone either way."""
+    import kvjax.commands
+
+    monkeypatch.setattr(kvjax.commands, "stderr_is_terminal", lambda: True)
+    rc, out, err = _memory(capsys, "--model", checkpoints["gqa"], *SMALL, "--json")
+    assert rc == 0 and json.loads(out)["num_blocks"] > 0
+    assert "memory:" in err and "phases" in err and "profile one step" in err
+    rc, out, err = _memory(capsys, "--model", checkpoints["gqa"], *SMALL, "--json", "--no-progress")
+    assert rc == 0 and json.loads(out)["num_blocks"] > 0 and err == ""

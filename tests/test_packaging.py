@@ -77,9 +77,10 @@ def test_installed_kvjax_runs_beside_a_users_own_models_package(wheel, tmp_path)
         for m in (kvjax, kvjax.models, kvjax.experiments):
             assert m.__file__.startswith(site), m.__file__
         assert models.OWNER == experiments.OWNER == 'the user'
-        out = kvjax.LLM('small-gqa', max_num_seqs=2).generate(['def f(x):'], kvjax.SamplingParams(max_tokens=4, temperature=0))
-        assert len(out[0].token_ids) == 4, out[0]
-        print('ok', out[0].text.encode())
+        llm = kvjax.LLM('small-gqa', max_num_seqs=2)
+        out = llm.generate(['def f(x):'], kvjax.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4, out[0]
+        print('ok', out[0].outputs[0].text.encode())
     """
     env = {**os.environ, "PYTHONPATH": str(site)}  # before the checkout's editable install on sys.path
     p = subprocess.run([sys.executable, "-c", code, str(site)], cwd=user, env=env, capture_output=True, text=True,

@@ -183,7 +183,7 @@ PROMPT_LINES = (st.lists(REQUEST, max_size=4) | st.lists(JSON | REQUEST, max_siz
 
 
 def read_prompts_checked(data: bytes | str) -> None:
-    """read_prompts on the content as p.jsonl and as p.txt (with and without --priority); each
+    """read_prompts on the content as p.jsonl and as p.txt (with and without --scheduling-policy priority); each
     parse must be honest about the schema."""
     with tempfile.TemporaryDirectory() as folder:
         for name in ("p.jsonl", "p.txt"):

@@ -20,7 +20,7 @@ def test_quick_report_writes_markdown_plots_and_json(tmp_path):
     out = tmp_path / "rep"
     text = _quick_report(out, "accuracy,memory,smollm")
     assert "Table 1" in text and "Simulator group C" in text and "concurrency 0" in text
-    assert "## 2. Decoding" in text and "preemptions" in text
+    assert "## 2. Decoding" in text and "| preemptions |" in text and "| quantity | value |\n|---|---|\n" in text
     for png in ("concurrency_vs_context.png", "blocks_in_use.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     data = json.loads((out / "report.json").read_text())
@@ -29,6 +29,10 @@ def test_quick_report_writes_markdown_plots_and_json(tmp_path):
     assert s["failed"] == 0 and s["generated_tokens"] == 8 * 48
     assert s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0  # the run is sized to show both
     assert s["peak_blocks_used"] <= s["usable_blocks"] == 48
+    # the warm-up run and the timed run are separated by reset_prefix_cache(): the timed run's first
+    # request finds nothing cached (without the reset it would find its whole prompt's full blocks)
+    cached = data["decode"]["num_cached_tokens"]
+    assert cached[0] == 0 and all(c % 16 == 0 for c in cached) and max(cached) >= 96
 
 
 def test_report_rejects_unknown_sections(tmp_path):
@@ -41,7 +45,8 @@ def test_report_rejects_unknown_sections(tmp_path):
 def test_quick_report_real_model_section(tmp_path):
     out = tmp_path / "rep"
     text = _quick_report(out, "decode,accuracy,memory")
-    assert "## 5. A real pretrained LLM: SmolLM2-135M-Instruct" in text
+    assert "## 5. A real pretrained LLM: SmolLM2-135M-Instruct" in text and "### Chat decoding" in text
+    assert "| question | answer |" in text
     data = json.loads((out / "report.json").read_text())["smollm"]
     s = data["decode"]["summary"]
     assert s["requests"] == 4 and s["failed"] == 0 and 0 < s["generated_tokens"] <= 4 * 24

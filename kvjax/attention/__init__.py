@@ -66,6 +66,7 @@ _IMPLS: dict[str, AttentionImpl] = {
     "pallas": AttentionImpl(paged_attention_reference, _pallas_decode,
                             mla_paged_attention_reference, _pallas_mla_decode),
 }
+IMPLS = tuple(_IMPLS)  # the names: vLLM's attention_backend, kvjax's backends
 
 
 def default_impl(kv_dtype: str | None = None) -> str:

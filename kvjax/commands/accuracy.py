@@ -4,9 +4,10 @@
     kvjax accuracy --model small-mla --outlier-channels --out results/
     kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: 23 min on 2 cores)
 
-Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table; the full
-suite (a real LLM) also writes _positions.png (KL by context position), _layers.png (layer
-sensitivity) and _amax.png (the outlier heatmap).
+Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table (with
+--json: the results as JSON); the full suite (a real LLM) also writes _positions.png (KL by
+context position), _layers.png (layer sensitivity) and _amax.png (the outlier heatmap). Its
+phases show on a progress bar on stderr when that is a terminal (--no-progress: never).
 
 --suite picks the defaults of every option left unset: "basic" (the built-in byte-level models:
 one stdlib window set, the fixed skip 0,L-1 variant) or "full" (kvjax.accuracy.FULL_SUITE: code
@@ -18,9 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 
+from kvjax.commands import Phases, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_dir, float_arg, int_arg
 
 DEFAULT_OUT = "results"
@@ -57,6 +57,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16 "
                                                        "(fp8_e4m3 unit)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT}/)")
+    add_progress_flag(ap)
 
 
 def add_parser(sub) -> None:
@@ -206,17 +207,17 @@ def write_outputs(res: dict, out_dir: str) -> dict:
 
 
 def run_from_args(args) -> dict:
+    """evaluate() with the flags' arguments, its phases on a progress bar (stderr), and the
+    outputs written to --out; the results with their paths under "outputs"."""
     from kvjax.accuracy import evaluate
 
     kw = evaluate_kwargs(args)
     check_output_dir(args.out, "--out")
-    start = time.time()
-
-    def progress(message: str) -> None:
-        print(f"[{time.time() - start:6.0f} s] {message}", file=sys.stderr, flush=True)
-
-    res = evaluate(args.model, kw.pop("data"), kw.pop("calib"), progress=progress, **kw)
-    res["outputs"] = write_outputs(res, args.out)
+    with Phases("accuracy", None, progress_enabled(args)) as phases:
+        phases.start(f"load {args.model}")
+        res = evaluate(args.model, kw.pop("data"), kw.pop("calib"), progress=phases.start, **kw)
+        phases.start(f"write {args.out}")
+        res["outputs"] = write_outputs(res, args.out)
     return res
 
 

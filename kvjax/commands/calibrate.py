@@ -3,9 +3,14 @@
     kvjax calibrate --model small-gqa --data text.txt --mode per_head --out scales.json
 
 The scales file this writes is what `kvjax decode --scales` and `kvjax.LLM(scales=...)` load.
+It prints one line saying what it wrote, or with --json one object: the file, the format, the
+mode, the windows calibrated on, and the scales themselves (as in the file).
 """
 from __future__ import annotations
 
+import json
+
+from kvjax.commands import Phases, add_dtype_flag, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
 
 
@@ -14,32 +19,44 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="small-gqa | small-mla | smollm2-135m | PATH.gguf | a Hugging Face folder")
+    add_dtype_flag(p)
     p.add_argument("--data", required=True, help="calibration text file")
     p.add_argument("--mode", choices=["per_tensor", "per_head"], default="per_tensor")
     p.add_argument("--format", choices=["fp8_e4m3", "fp8_e5m2"], default="fp8_e4m3")
-    p.add_argument("--seq-len", type=int_arg(1), default=256)
-    p.add_argument("--max-windows", type=int_arg(1), default=32)
+    p.add_argument("--seq-len", type=int_arg(1), default=256, help="tokens per calibration window (256)")
+    p.add_argument("--max-windows", type=int_arg(1), default=32, help="windows at most (32)")
     p.add_argument("--out", required=True, help="scales file to write (JSON)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the line")
+    add_progress_flag(p)
 
 
 def run(args) -> int:
     from kvjax.calibration import calibrate
-    from kvjax.scoring import windows
     from kvjax.models.hub import load_model
+    from kvjax.scoring import windows
 
     check_output_file(args.out, "--out")
     check_input_file(args.data, "--data")
-    loaded = load_model(args.model)
+    show = progress_enabled(args)
+    loaded = load_model(args.model, dtype=args.dtype, progress=show)  # its own bar: fetch, read the weights, build
     if args.seq_len > loaded.config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's maximum length "
                          f"{loaded.config.max_position_embeddings}")
-    tokens = loaded.tokenizer.encode_file(args.data)
-    if len(tokens) < args.seq_len:
-        raise UsageError(f"--data {args.data!r} holds {len(tokens)} tokens, fewer than one window of --seq-len "
-                         f"{args.seq_len}")
-    toks = windows(tokens, args.seq_len, args.max_windows)
-    scales = calibrate(loaded.config, loaded.module, loaded.params, toks, args.format, args.mode)
+    with Phases("calibrate", 2, show) as phases:
+        phases.start(f"tokenize {args.data}")
+        tokens = loaded.tokenizer.encode_file(args.data)
+        if len(tokens) < args.seq_len:
+            raise UsageError(f"--data {args.data!r} holds {len(tokens)} tokens, fewer than one window of --seq-len "
+                             f"{args.seq_len}")
+        toks = windows(tokens, args.seq_len, args.max_windows)
+        phases.start(f"prefill {len(toks)} windows and take max |K|, |V| (compiles first)")
+        scales = calibrate(loaded.config, loaded.module, loaded.params, toks, args.format, args.mode)
     scales.save(args.out)
-    print(f"wrote {args.format} {args.mode} scales for {loaded.config.num_layers} layers from {len(toks)} windows "
-          f"of {args.seq_len} tokens to {args.out}")
+    if args.json:
+        print(json.dumps(dict(out=args.out, model=args.model, format=args.format, mode=args.mode,
+                              layers=loaded.config.num_layers, windows=len(toks), seq_len=args.seq_len,
+                              scales=scales.to_json()), indent=1))
+    else:
+        print(f"wrote {args.format} {args.mode} scales for {loaded.config.num_layers} layers from {len(toks)} "
+              f"windows of {args.seq_len} tokens to {args.out}")
     return 0

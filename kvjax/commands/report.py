@@ -12,7 +12,9 @@ Sections, each computed in this run (nothing is copied from a stored result):
    requests sharing its system prompt (prefix hits), a cut-down fp8 accuracy table, and the
    memory reconciliation. The full accuracy suite is `kvjax accuracy --model smollm2-135m`.
 
-Writes `results/REPORT.md` beside its PNG plots and a `report.json` with every number.
+Writes `results/REPORT.md` beside its PNG plots and a `report.json` with every number; prints
+a line per section (with --json: report.json's content and the files written, as one object).
+The sections show on a progress bar on stderr when it is a terminal (--no-progress: never).
 """
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ import os
 import time
 from typing import Any
 
+from kvjax.commands import Phases, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_output_dir
+from kvjax.markdown import markdown_table
 
 DEFAULT_OUT = "results"
+SECTIONS = ("decode", "accuracy", "memory", "smollm")  # after section 1, the tables, which always runs
 
 
 def add_parser(sub) -> None:
@@ -31,8 +36,9 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: results/)")
     p.add_argument("--quick", action="store_true", help="fewer windows and requests (a smoke run)")
-    p.add_argument("--skip", default="", help="comma-separated sections to leave out: "
-                                              "decode,accuracy,memory,smollm")
+    p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
+    p.add_argument("--json", action="store_true", help="print report.json's content and the files written")
+    add_progress_flag(p)
 
 
 def _section_tables(out: str) -> tuple[str, dict]:
@@ -104,24 +110,27 @@ def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
 def run(args) -> int:
     out = check_output_dir(args.out, "--out")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = skip - {"decode", "accuracy", "memory", "smollm"}
+    unknown = skip - set(SECTIONS)
     if unknown:
         raise UsageError(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; "
-                         "choose from decode, accuracy, memory, smollm")
+                         f"choose from {', '.join(SECTIONS)}")
     os.makedirs(out, exist_ok=True)
     start = time.time()
     sections: list[str] = []
     data: dict[str, Any] = {}
-    text, data["tables"] = _section_tables(out)
-    sections.append(text)
-    for name, fn in (("decode", _section_decode), ("accuracy", _section_accuracy), ("memory", _section_memory),
-                     ("smollm", _section_smollm)):
-        if name in skip:
-            continue
-        t0 = time.time()
-        text, data[name] = fn(out, args.quick)
+    todo = [(name, fn) for name, fn in (("decode", _section_decode), ("accuracy", _section_accuracy),
+                                        ("memory", _section_memory), ("smollm", _section_smollm)) if name not in skip]
+    with Phases("report", 1 + len(todo), progress_enabled(args)) as phases:
+        phases.start("tables")
+        text, data["tables"] = _section_tables(out)
         sections.append(text)
-        print(f"kvjax report: {name} done in {time.time() - t0:.0f} s", flush=True)
+        for name, fn in todo:
+            phases.start(name)
+            t0 = time.time()
+            text, data[name] = fn(out, args.quick)
+            sections.append(text)
+            if not args.json:
+                print(f"kvjax report: {name} done in {time.time() - t0:.0f} s", flush=True)
     import jax
 
     head = ["# kvjax report", "",
@@ -131,7 +140,11 @@ def run(args) -> int:
         fh.write("\n".join(head + sections))
     with open(os.path.join(out, "report.json"), "w") as fh:
         json.dump(data, fh, indent=2, default=str)
-    print(f"wrote {os.path.join(out, 'REPORT.md')} in {time.time() - start:.0f} s")
+    if args.json:
+        files = dict(report_md=os.path.join(out, "REPORT.md"), report_json=os.path.join(out, "report.json"))
+        print(json.dumps(dict(data, outputs=files, seconds=round(time.time() - start, 1)), indent=1, default=str))
+    else:
+        print(f"wrote {os.path.join(out, 'REPORT.md')} in {time.time() - start:.0f} s")
     return 0
 
 
@@ -148,11 +161,12 @@ def _section_decode(out: str, quick: bool) -> tuple[str, dict]:
     prompts = [system + list(text[4096 + 200 * i: 4096 + 200 * i + 24 + 8 * (i % 5)]) for i in range(n)]
     max_tokens = 48
     block_size, num_blocks, max_seqs = 16, 1 + 48, 8  # 8 running requests would need up to 96 blocks
-    llm = LLM("small-gqa", kv_dtype="bf16", num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
-              enable_prefix_caching=True, steps_per_call=8)
-    params = SamplingParams(max_tokens=max_tokens)
-    llm.generate(prompts, params)  # compile every step shape once
-    run = llm.generate(prompts, params)  # the timed run
+    llm = LLM("small-gqa", kv_cache_dtype="bf16", num_gpu_blocks_override=num_blocks, block_size=block_size,
+              max_num_seqs=max_seqs, enable_prefix_caching=True, steps_per_call=8, use_tqdm_on_load=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate(prompts, params, use_tqdm=False)  # compile every step shape once
+    llm.reset_prefix_cache()  # so that the timed run starts cold: its hits are the shared prefix's alone
+    run = llm.generate(prompts, params, use_tqdm=False)  # the timed run
     s = run.summary
     _plot_blocks(s, os.path.join(out, "blocks_in_use.png"))
     sample = run[0]
@@ -170,13 +184,13 @@ def _section_decode(out: str, quick: bool) -> tuple[str, dict]:
           f"`small-gqa`, {n} prompts of held-out text sharing a 96-byte prefix, {max_tokens} new tokens each, "
           f"greedy, bf16 KV, block size {block_size}, a pool of {num_blocks} blocks ({num_blocks - 1} usable) "
           f"for up to {max_seqs} running requests, 8 decode steps per device call (second of two identical runs, "
-          "so no step compiles):", "", "| | |", "|---|---|"]
-    md += [f"| {a} | {b} |" for a, b in rows]
-    md += ["", f"First request's continuation: `{sample.text!r}`", "",
+          "the prefix cache reset between them: no step compiles and the timed run starts cold):", ""]
+    md += markdown_table(["quantity", "value"], rows)
+    md += ["", f"First request's continuation: `{sample.outputs[0].text!r}`", "",
            "![blocks in use per step](blocks_in_use.png)", ""]
-    return "\n".join(md), {"summary": s.to_json(), "config": dict(num_blocks=num_blocks, block_size=block_size,
-                                                                   max_num_seqs=max_seqs, requests=n,
-                                                                   max_tokens=max_tokens)}
+    return "\n".join(md), {"summary": s.to_json(), "num_cached_tokens": [o.num_cached_tokens for o in run],
+                           "config": dict(num_gpu_blocks_override=num_blocks, block_size=block_size,
+                                          max_num_seqs=max_seqs, requests=n, max_tokens=max_tokens)}
 
 
 def _plot_blocks(summary, path: str) -> None:
@@ -202,7 +216,7 @@ def _memory_json(args: list[str]) -> dict:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "kvjax.cli", "memory", *args, "--json"]
+    cmd = [sys.executable, "-m", "kvjax.cli", "memory", *args, "--json", "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[2:])} failed: {proc.stderr.strip()[-500:]}")
@@ -214,17 +228,18 @@ def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
     from kvjax.commands.memory import render
 
     md = ["## 4. Analytic KV bytes against what the device holds (`kvjax memory`)", "",
-          "A 48 MiB \"device\" (`--total-gib 0.046875`, util 0.92): the budget is profiled the way vLLM does "
+          "A 48 MiB \"device\" (`--device-memory-gib 0.046875`, util 0.92): the budget is profiled the way vLLM does "
           "(weights, then one forward over max_num_batched_tokens, then divide what is left by the block size), "
           "the cache is allocated, and every row is measured on the device (CPU: live arrays and XLA's memory "
           "analysis).", ""]
     data = {}
-    for model, extra in (("small-gqa", []), ("small-mla", []), ("small-gqa", ["--kv-dtype", "fp8", "--tp", "2"])):
-        r = _memory_json(["--model", model, "--total-gib", "0.046875", "--max-num-batched-tokens", "512",
+    for model, extra in (("small-gqa", []), ("small-mla", []),
+                         ("small-gqa", ["--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2"])):
+        r = _memory_json(["--model", model, "--device-memory-gib", "0.046875", "--max-num-batched-tokens", "512",
                           "--max-num-seqs", "16", *extra])
         key = " ".join([model, *extra])
         data[key] = r
-        md += [f"### `kvjax memory --model {key} --total-gib 0.046875 --max-num-batched-tokens 512`", "", "```",
+        md += [f"### `kvjax memory --model {key} --device-memory-gib 0.046875 --max-num-batched-tokens 512`", "", "```",
                render(r), "```", ""]
     return "\n".join(md), data
 
@@ -244,11 +259,13 @@ def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
     questions = [q for q in open(CHAT_PROMPTS).read().splitlines() if q][:4 if quick else 8]
     max_tokens = 24 if quick else 48
     # max_model_len bounds each sequence's block table, which decode attention reads in full
-    llm = LLM(loaded, kv_dtype="bf16", block_size=16, num_blocks=1 + 8 * 512 // 16, max_num_seqs=8, max_model_len=512,
-              enable_prefix_caching=True, steps_per_call=8)
-    run = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(max_tokens=max_tokens))
+    llm = LLM(loaded, kv_cache_dtype="bf16", block_size=16, num_gpu_blocks_override=1 + 8 * 512 // 16,
+              max_num_seqs=8, max_model_len=512, enable_prefix_caching=True, steps_per_call=8)
+    run = llm.chat([[{"role": "user", "content": q}] for q in questions],
+                   SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     s = run.summary
-    stops = sum(o.finish_reason == "stop" for o in run)
+    answers = [o.outputs[0] for o in run]
+    stops = sum(a.finish_reason == "stop" for a in answers)
     rows = [("requests", f"{s.requests} chat requests ({stops} ended at EOS, the rest at {max_tokens} tokens)"),
             ("prompt tokens", f"{s.prompt_tokens:,}"),
             ("prefix-cache hits", f"{s.prefix_hit_tokens:,} of {s.prefix_queried_tokens:,} looked-up tokens "
@@ -260,11 +277,11 @@ def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
     md = ["## 5. A real pretrained LLM: SmolLM2-135M-Instruct (GGUF)", "",
           f"`{model}`: 30 layers, 9 query / 3 kv heads × 64, vocabulary 49,152; the Q4_1/Q8_0 GGUF dequantized "
           "to fp32 weights, bf16 KV, block size 16, max_model_len 512, greedy, one run (rates leave out the "
-          "device calls that compiled).", "", "### Chat decoding with prefix caching", "", "| | |", "|---|---|"]
-    md += [f"| {a} | {b} |" for a, b in rows]
-    md += ["", "| question | answer |", "|---|---|"]
-    cell = lambda text: " ".join(text.split()).replace("|", "\\|").replace("`", "'")  # noqa: E731  one table row
-    md += [f"| {q} | {cell(o.text)} |" for q, o in zip(questions, run)]
+          "device calls that compiled).", "", "### Chat decoding with prefix caching", ""]
+    md += markdown_table(["quantity", "value"], rows)
+    # a backquote in an answer would open a code span across the table's cells
+    md += [""] + markdown_table(["question", "answer"],
+                                [(q, a.text.replace("`", "'")) for q, a in zip(questions, answers)])
     del llm
 
     acc = None
@@ -279,9 +296,9 @@ def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
                "layer sensitivity) is `kvjax accuracy --model smollm2-135m` (README).", "", markdown(acc),
                f"![accuracy {model}]({os.path.basename(paths['png'])})", ""]
 
-    memory_args = ["--model", model, "--total-gib", "2", "--max-num-batched-tokens", "512"]
+    memory_args = ["--model", model, "--device-memory-gib", "2", "--max-num-batched-tokens", "512"]
     mem = _memory_json(memory_args)
     md += ["### Analytic KV bytes against what the device holds", "",
            f"`kvjax memory {' '.join(memory_args)}`:", "", "```", render(mem), "```", ""]
     return "\n".join(md), {"decode": dict(summary=s.to_json(), questions=questions,
-                                           answers=[o.text for o in run]), "accuracy": acc, "memory": mem}
+                                           answers=[a.text for a in answers]), "accuracy": acc, "memory": mem}
