@@ -55,26 +55,36 @@ from kvjax.stats import Summary
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
 
-# vLLM LLM(...) / engine arguments that kvjax does not implement, with the reason given.
+# vLLM LLM(...) / engine arguments that kvjax does not implement: (the values that mean what kvjax
+# does anyway, the reason any other value is refused). vLLM's defaults are accepted, so a script
+# that spells them out still runs.
 _NOT_HERE = {
-    "quantization": "weight quantization is not implemented (kvjax quantizes the KV cache only)",
-    "cpu_offload_gb": "weight offloading is not implemented", "speculative_config": "speculative decoding is not "
-    "implemented", "enable_lora": "LoRA is not implemented", "pipeline_parallel_size": "pipeline parallelism is not "
-    "implemented", "data_parallel_size": "data parallelism is not implemented", "tokenizer": "kvjax reads the "
-    "checkpoint's own tokenizer", "tokenizer_mode": "kvjax reads the checkpoint's own tokenizer",
-    "trust_remote_code": "kvjax runs no code from checkpoints", "revision": "kvjax loads local folders and its "
-    "registry only", "hf_overrides": "config overrides are not implemented", "calculate_kv_scales": "dynamic KV scales "
-    "are not implemented (pass scales=)", "kv_offloading_backend": None, "enforce_eager": None, "swap_space": "V1 "
-    "recomputes on preemption; it never swaps", "disable_log_stats": None, "runner": None, "convert": None,
-    "skip_tokenizer_init": "kvjax always loads the tokenizer", "compilation_config": "JAX compiles every step",
-    "mm_processor_kwargs": "multimodal inputs are not implemented", "limit_mm_per_prompt": "multimodal inputs are "
-    "not implemented", "structured_outputs_config": "structured outputs are not implemented",
-    "logits_processors": "custom logits processors are not implemented", "pooler_config": "pooling is not "
-    "implemented", "spec_method": "speculative decoding is not implemented",
+    "quantization": ((None,), "weight quantization is not implemented (kvjax quantizes the KV cache only)"),
+    "cpu_offload_gb": ((0,), "weight offloading is not implemented"),
+    "enable_lora": ((False,), "LoRA is not implemented"),
+    "speculative_config": ((None,), "speculative decoding is not implemented"),
+    "pipeline_parallel_size": ((1,), "pipeline parallelism is not implemented"),
+    "data_parallel_size": ((1,), "data parallelism is not implemented"),
+    "tokenizer": ((None,), "kvjax reads the checkpoint's own tokenizer"),
+    "tokenizer_mode": (("auto",), "kvjax reads the checkpoint's own tokenizer"),
+    "skip_tokenizer_init": ((False,), "kvjax always loads the tokenizer"),
+    "trust_remote_code": ((False,), "kvjax runs no code from checkpoints"),
+    "revision": ((None,), "kvjax loads local folders and its own registry"),
+    "hf_overrides": ((None,), "config overrides are not implemented"),
+    "calculate_kv_scales": ((False,), "dynamic KV scales are not implemented (pass scales=)"),
+    "kv_offloading_backend": (("native",), "kvjax's host tier is vLLM's native backend"),
+    "enforce_eager": ((False,), "kvjax compiles every step with XLA (there are no CUDA graphs to turn off)"),
+    "compilation_config": ((None,), "kvjax compiles every step with XLA"),
+    "disable_log_stats": ((True, False), ""),  # kvjax logs no stats: either value holds
+    "runner": (("auto", "generate"), "kvjax runs generative models only"),
+    "convert": (("auto", "none"), "kvjax runs generative models only"),
+    "pooler_config": ((None,), "pooling is not implemented"),
+    "mm_processor_kwargs": ((None,), "multimodal inputs are not implemented"),
+    "limit_mm_per_prompt": ((None,), "multimodal inputs are not implemented"),
+    "structured_outputs_config": ((None,), "structured outputs are not implemented"),
+    "logits_processors": ((None,), "custom logits processors are not implemented"),
+    "swap_space": ((), "vLLM V1 recomputes on preemption; it never swaps"),
 }
-# Accepted when they say what kvjax does anyway.
-_NEUTRAL = {"kv_offloading_backend": "native", "enforce_eager": None, "disable_log_stats": None, "runner": "auto",
-            "convert": "auto", "swap_space": None}
 
 
 class LLMError(KvjaxError):
@@ -264,12 +274,11 @@ class LLM:
     @staticmethod
     def _refuse_unknown(kwargs: dict) -> None:
         for name, value in kwargs.items():
-            if name in _NEUTRAL and value == _NEUTRAL[name]:
-                continue
-            if name in _NOT_HERE:
-                reason = _NOT_HERE[name] or "kvjax has no such setting"
+            if name not in _NOT_HERE:
+                raise LLMError(f"LLM() has no argument {name!r}")
+            neutral, reason = _NOT_HERE[name]
+            if not any(value == v and type(value) is type(v) for v in neutral):
                 raise LLMError(f"LLM({name}={value!r}): {reason}")
-            raise LLMError(f"LLM() has no argument {name!r}")
 
     def _size(self, util, kv_bytes, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
         """num_blocks when none was given (see the module docstring)."""

@@ -241,6 +241,9 @@ def test_auto_kv_dtype_is_the_models_and_memory_bytes_size_the_pool():
     (dict(num_blocks=8), "LLM() has no argument 'num_blocks'"),
     (dict(attn_impl="reference"), "LLM() has no argument 'attn_impl'"),
     (dict(quantization="fp8"), "LLM(quantization='fp8'): weight quantization is not implemented"),
+    (dict(enforce_eager=True), "LLM(enforce_eager=True): kvjax compiles every step with XLA"),
+    (dict(trust_remote_code=True), "LLM(trust_remote_code=True): kvjax runs no code from checkpoints"),
+    (dict(swap_space=4), "LLM(swap_space=4): vLLM V1 recomputes on preemption"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2: kvjax's engine runs on one device"),
     (dict(attention_backend="FLASH_ATTN"), "attention_backend='FLASH_ATTN': kvjax's backends are reference, pallas"),
     (dict(num_gpu_blocks_override=8, kv_cache_memory_bytes=10**6), "give one of num_gpu_blocks_override or"),
@@ -251,6 +254,13 @@ def test_vllm_arguments_that_mean_nothing_here_are_refused_by_name(kw, message):
     with pytest.raises(LLMError) as e:
         LLM("small-gqa", **kw)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vllms_defaults_spelled_out_are_accepted():
+    llm = LLM("small-gqa", num_gpu_blocks_override=8, max_num_seqs=1, enforce_eager=False, trust_remote_code=False,
+              quantization=None, tokenizer=None, disable_log_stats=True, pipeline_parallel_size=1,
+              kv_offloading_backend="native", use_tqdm_on_load=False)
+    assert llm.num_blocks == 8
 
 
 def test_chat_takes_vllms_arguments(fresh):
