@@ -61,6 +61,12 @@ pages into their fresh blocks before the step (kvjax.offload.HostPages.load) and
 step, copies out the blocks that the step computed in full and the tier newly took
 (`Scheduler.take_stores`), without waiting for the copies.
 
+Tensor parallelism (`tensor_parallel_size` > 1, vLLM's): the params and the paged cache are
+placed on a one-axis mesh with kvjax.sharding's rules (column / row split, pages by kv heads)
+and the same jitted steps run on them; XLA's partitioner splits the work and inserts the
+all-reduces. The pool state is replicated on every rank, as every vLLM worker holds the same
+block tables.
+
 The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
 the reference attention reads every position of the table it is given, so a short batch is
 not charged for max_model_len.
@@ -82,7 +88,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import kv_cache_manager as manager
+from jax.sharding import NamedSharding, PartitionSpec
+
 from kvjax import offload, sampling
+from kvjax import sharding as shd
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.budget import pow2_bucket
 from kvjax.cache import ContiguousCache, PagedCache
@@ -119,6 +128,7 @@ class EngineConfig:
     kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.offload); 0 = none
     kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
+    tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.sharding)
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "steps_per_call"):
@@ -140,6 +150,12 @@ class EngineConfig:
         offload.check_policy(self.kv_offload_policy)
         if value and not self.prefix_caching:
             raise EngineError("a host offload tier needs prefix caching: its blocks are found by their hashes")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and (value or self.kv_layout != "paged"):
+            raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
+                              "tier copies whole pages of one device)")
 
 
 @dataclasses.dataclass
@@ -272,7 +288,10 @@ class Engine:
     def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
                  max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None):
         """tokenizer: anything with decode(ids) → str; it gives results their text and is needed
-        for stop strings. eos_token_ids: the model's EOS ids, the first being its primary EOS
+        for stop strings. With config.tensor_parallel_size > 1 the params are placed on a mesh
+        of that many devices (kvjax.sharding) and the KV pages split over it by kv heads; with
+        more ranks than kv heads, `model` and `params` must already carry the repeated heads
+        (sharding.replicate_kv_heads, a model built with TPLayout.cache_kv_heads), as kvjax.LLM does. eos_token_ids: the model's EOS ids, the first being its primary EOS
         (a stop on it has stop_reason None; the others act as stop_token_ids, as in vLLM)."""
         model_config = getattr(model, "config", None)
         model_len = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
@@ -298,14 +317,23 @@ class Engine:
             max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
             policy=config.policy, chunked_prefill=config.chunked_prefill,
             num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
-        if config.kv_layout == "contiguous":
-            cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
+        tp = config.tensor_parallel_size
+        if tp > 1:  # Megatron TP as vLLM applies it, as shardings the partitioner propagates
+            self.mesh = shd.make_mesh(tp)
+            layout = shd.tp_layout(kv_spec, tp)
+            self.cache = shd.create_cache(layout, config.num_blocks, z, self.mesh, scales)
+            self.params = shd.shard_params(params, self.mesh)
+            placement = NamedSharding(self.mesh, PartitionSpec())  # the pool state: on every rank
         else:
-            cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
-        # Committed to the device, as every step's output is: otherwise the first call of each
-        # compiled step would see an uncommitted cache, a second jit cache entry to compile.
-        self.cache = jax.device_put(cache, jax.devices()[0])
-        self.scheduler = Scheduler(self.scheduler_config)
+            self.mesh, placement = None, jax.devices()[0]
+            if config.kv_layout == "contiguous":
+                cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
+            else:
+                cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
+            # Committed to the device, as every step's output is: otherwise the first call of each
+            # compiled step would see an uncommitted cache, a second jit cache entry to compile.
+            self.cache = jax.device_put(cache, placement)
+        self.scheduler = Scheduler(self.scheduler_config, placement=placement)
         self.host_pages = offload.HostPages(config.kv_offload_blocks, self.cache) if config.kv_offload_blocks else None
         self._next_request = 0  # request numbers: ids, and the random stream of unseeded requests
         self._active: dict[str, _Active] = {}

@@ -183,7 +183,8 @@ class LLM:
         dtype). kv_offloading_size: GiB of host memory for offloaded KV blocks (vLLM's native CPU
         offloading); its eviction policy is kv_transfer_config={"kv_connector_extra_config":
         {"eviction_policy": "lru" | "arc"}}, as vLLM's OffloadingConnector. tensor_parallel_size:
-        1 (the engine runs on one device; `kvjax memory --tensor-parallel-size` shards a JAX mesh).
+        devices the model and the KV pages are split over (a JAX mesh, kvjax.sharding; the
+        reference attention, no host tier).
         generation_config: "auto" takes default sampling parameters from the checkpoint's
         generation_config.json, "vllm" uses SamplingParams(). chat_template: a template (text or
         file) used by `chat` instead of the checkpoint's. use_tqdm_on_load: a progress bar on
@@ -200,9 +201,12 @@ class LLM:
                                 ("gpu_memory_utilization", gpu_memory_utilization)) if v is not None]
         if len(given) > 1:
             raise LLMError(f"give one of {' or '.join(given)}: each sizes the block pool")
-        if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
-            raise LLMError(f"tensor_parallel_size={tensor_parallel_size!r}: kvjax's engine runs on one device "
-                           "(kvjax memory --tensor-parallel-size shards a JAX mesh for the byte accounting)")
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise LLMError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and attention_backend == "pallas":
+            raise LLMError(f"attention_backend='pallas' with tensor_parallel_size={tp}: the Pallas kernels are not "
+                           "partitioned over a mesh; use 'reference'")
         if attention_backend is not None and attention_backend not in IMPLS:
             raise LLMError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
         if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, str)
@@ -210,7 +214,8 @@ class LLM:
             raise LLMError(f"generation_config={generation_config!r}: 'auto', 'vllm' or a folder with "
                            "generation_config.json")
         kv_dtype = None if str(kv_cache_dtype).lower() == "auto" else kv_cache_dtype
-        attn_impl = attention_backend or default_impl(lookup_kv_dtype(kv_dtype).name if kv_dtype else None)
+        attn_impl = attention_backend or ("reference" if tp > 1 else
+                                          default_impl(lookup_kv_dtype(kv_dtype).name if kv_dtype else None))
         model_dtype = None if dtype == "auto" else dtype
         if isinstance(model, LoadedModel):
             if model_dtype is not None and model_dtype != model.config.dtype:
@@ -248,6 +253,8 @@ class LLM:
             raise LLMError(f"max_model_len must be an integer in [1, {model_len}] (the model's maximum length), "
                            f"got {max_model_len!r}")
         self.max_model_len = max_model_len or model_len
+        self.tensor_parallel_size = tp
+        self._engine_model = self._place(tp, attn_impl)
         num_blocks = num_gpu_blocks_override
         if num_blocks is None:
             num_blocks = self._size(gpu_memory_utilization, kv_cache_memory_bytes, total_memory_bytes, max_num_seqs,
@@ -259,11 +266,13 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
             prefix_caching=enable_prefix_caching, steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy,
             kv_layout=kv_layout, kv_offload_blocks=host_blocks,
-            kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size), max_logprobs=max_logprobs)
+            kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size), max_logprobs=max_logprobs,
+            tensor_parallel_size=tp)
         from kvjax.sizing import check_cache_fits
 
         check_cache_fits(self.kv_spec, num_blocks, block_size)  # before allocating the pages
-        self.engine = Engine(loaded.module, loaded.params, self.kv_spec, self.engine_config, scales=scales,
+        module, params, _ = self._engine_model
+        self.engine = Engine(module, params, self.kv_spec, self.engine_config, scales=scales,
                              eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer)
         self.chat_template = _read_template(chat_template) if chat_template is not None else loaded.chat_template
         self.default_sampling_params = _generation_defaults(
@@ -280,12 +289,34 @@ class LLM:
             if not any(value == v and type(value) is type(v) for v in neutral):
                 raise LLMError(f"LLM({name}={value!r}): {reason}")
 
+    def _place(self, tp: int, attn_impl: str):
+        """(module, params, mesh) the engine runs: the loaded model on one device, or with tp > 1
+        its params on a mesh of tp devices (kvjax.sharding: Megatron's column / row split, the KV
+        pages by kv heads), each kv head repeated when there are more ranks than kv heads."""
+        if tp == 1:
+            return self.model.module, self.model.params, None
+        from kvjax import sharding as shd
+
+        try:
+            layout = shd.tp_layout(self.kv_spec, tp)
+            mesh = shd.make_mesh(tp)
+        except shd.ShardingError as e:
+            raise LLMError(f"tensor_parallel_size={tp}: {e}") from None
+        module, params = self.model.module, self.model.params
+        if layout.head_replicas > 1:
+            from kvjax.models import build_model
+
+            module = build_model(self.config.replace(num_kv_heads=layout.cache_kv_heads), attn_impl=attn_impl)
+            params = shd.replicate_kv_heads(params, layout, self.config.head_dim)
+        return module, shd.shard_params(params, mesh), mesh
+
     def _size(self, util, kv_bytes, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
         """num_blocks when none was given (see the module docstring)."""
         if kv_bytes is not None:
             if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 1:
                 raise LLMError(f"kv_cache_memory_bytes must be a positive integer, got {kv_bytes!r}")
-            per_block = self.kv_spec.bytes_per_block(self.block_size)
+            # per device, as vLLM: one rank's share of a block
+            per_block = self.kv_spec.per_rank(self.tensor_parallel_size).bytes_per_block(self.block_size)
             if kv_bytes // per_block < 1:
                 raise LLMError(f"kv_cache_memory_bytes={kv_bytes:,} holds no block of {per_block:,} bytes")
             return 1 + kv_bytes // per_block  # vLLM: the budget's blocks, block 0 among them as the null block
@@ -296,7 +327,8 @@ class LLM:
         # Profile the largest step the engine can schedule: its token budget (kvjax.engine's
         # default), or all rows prefilling max_model_len tokens if that is less.
         budget = max_num_batched_tokens or max(max_num_seqs, DEFAULT_BUDGET, 0 if chunked else self.max_model_len)
-        report = profile_and_size(self.model.module, self.model.params, self.kv_spec,
+        module, params, mesh = self._engine_model
+        report = profile_and_size(module, params, self.kv_spec, mesh=mesh,
                                   util=DEFAULT_UTIL if util is None else util, total_bytes=total_bytes,
                                   block_size=self.block_size,
                                   max_num_batched_tokens=min(budget, max_num_seqs * self.max_model_len),

@@ -181,15 +181,18 @@ class Scheduler:
     """Requests, their queues, and the block pool state (the one owner of block tables and of
     how many tokens each request has computed); see the module docstring."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, placement=None):
+        """placement: the device (or a replicated sharding over a tensor-parallel mesh) that holds
+        the pool state; default the first device."""
         self.config = config
+        self.placement = placement if placement is not None else jax.devices()[0]
         z = config.block_size
         self.max_blocks = -(-config.max_model_len // z)
         self.num_slots = config.max_requests or 2 * config.max_num_seqs
         # Committed to the device, as every pool function's output is: otherwise a function first
         # called on the fresh state compiles once more when it later sees a committed one.
         self.state = jax.device_put(manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,
-                                                 config.prefix_caching), jax.devices()[0])
+                                                 config.prefix_caching), self.placement)
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -203,7 +206,7 @@ class Scheduler:
     def new_host_index(self) -> host_cache.HostIndex:
         """An empty host tier index, committed to the device like the pool state."""
         return jax.device_put(host_cache.init(self.config.num_host_blocks, self.config.host_policy),
-                              jax.devices()[0])
+                              self.placement)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,

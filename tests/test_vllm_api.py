@@ -244,7 +244,8 @@ def test_auto_kv_dtype_is_the_models_and_memory_bytes_size_the_pool():
     (dict(enforce_eager=True), "LLM(enforce_eager=True): kvjax compiles every step with XLA"),
     (dict(trust_remote_code=True), "LLM(trust_remote_code=True): kvjax runs no code from checkpoints"),
     (dict(swap_space=4), "LLM(swap_space=4): vLLM V1 recomputes on preemption"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2: kvjax's engine runs on one device"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3: tp 3 does not divide the 4 query heads"),
     (dict(attention_backend="FLASH_ATTN"), "attention_backend='FLASH_ATTN': kvjax's backends are reference, pallas"),
     (dict(num_gpu_blocks_override=8, kv_cache_memory_bytes=10**6), "give one of num_gpu_blocks_override or"),
     (dict(kv_transfer_config={"kv_connector": "LMCacheConnectorV1"}), "kvjax has the OffloadingConnector's"),
@@ -319,3 +320,23 @@ def test_each_calls_summary_counts_that_call_only():
         runs.append((s.requests, s.generated_tokens, s.preemptions, s.host_hit_tokens, s.host_bytes_stored,
                      s.host_bytes_loaded, s.prefix_hit_tokens))
     assert runs[0] == runs[1] and runs[0][4] > 0 and runs[0][0] == 6
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 > the model's 2 kv heads: each head held by 2 ranks
+def test_tensor_parallel_size_decodes_the_same_tokens(tp):
+    prompts = [SYSTEM + "def add(a, b):", "import os\n"]
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    one = LLM("small-gqa", num_gpu_blocks_override=32, max_num_seqs=2, use_tqdm_on_load=False)
+    many = LLM("small-gqa", num_gpu_blocks_override=32, max_num_seqs=2, tensor_parallel_size=tp,
+               use_tqdm_on_load=False)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    for _ in range(2):  # the second call hits the prefix cache, on the sharded pages
+        got = many.generate(prompts, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+    assert got[0].num_cached_tokens > 0
+    # each rank holds its share of the kv heads: 2 / tp heads, or 1 head (a copy) when tp > 2
+    k = many.engine.cache.layers[0].k
+    assert len(k.sharding.device_set) == tp
+    assert k.sharding.shard_shape(k.shape)[2] == max(1, 2 // tp) and k.shape[2] == max(2, tp)
+    with pytest.raises(LLMError, match="the Pallas kernels are not partitioned"):
+        LLM("small-gqa", tensor_parallel_size=2, attention_backend="pallas")

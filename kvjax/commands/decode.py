@@ -119,6 +119,8 @@ def add_parser(sub) -> None:
     cache.add_argument("--attention-backend", choices=["reference", "pallas"],
                        help="decode attention (default: pallas on GPU, except for int8_per_token_head KV; reference "
                             "elsewhere)")
+    cache.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1, 256), default=1, metavar="N",
+                       help="devices the weights and KV pages are split over (a JAX mesh; default 1)")
     cache.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="sampling and --synthetic seed (0)")
     cache.add_argument("--max-logprobs", type=int_arg(-1), default=20,
                        help="the most --logprobs a request may ask for (20; -1: no limit)")
@@ -226,7 +228,7 @@ def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
                enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
                attention_backend=args.attention_backend, seed=args.seed, max_logprobs=args.max_logprobs,
                kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=transfer,
-               steps_per_call=args.steps_per_call)
+               steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _sampling_params(requests: list[dict], base) -> tuple[list[tuple[int, dict, object]], dict[int, str]]:
@@ -282,7 +284,8 @@ def _config_json(args, llm, base, transfer: dict | None) -> dict:
                 scheduling_policy=args.scheduling_policy, attention_backend=llm.model.module.attn_impl,
                 kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=transfer,
                 eviction_policy=llm.engine_config.kv_offload_policy if args.kv_offloading_size else None,
-                seed=args.seed, steps_per_call=args.steps_per_call, max_logprobs=args.max_logprobs,
+                seed=args.seed, steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size,
+                max_logprobs=args.max_logprobs,
                 eos_token_ids=list(engine.eos_token_ids), warmup=args.warmup,
                 sampling_params=dataclasses.asdict(dataclasses.replace(base, max_tokens=args.max_tokens)))
 
