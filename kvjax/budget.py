@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -38,6 +39,11 @@ KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_UTIL = Fraction("0.92")
 DEFAULT_BLOCK_SIZE = 64
 MAX_EXACT = 10**18  # bound on exact() inputs: parameters, GiB, utilization
+# A decimal's text is bounded before Fraction builds it: Fraction("1e999999999") is exact and would
+# take a billion digits (minutes of work), while no kvjax quantity needs more than these.
+MAX_NUMBER_CHARS = 100
+MAX_DECIMAL_EXPONENT = 400
+_EXPONENT = re.compile(r"[eE]([+-]?\d+)\s*$")
 
 WEIGHT_DTYPE_BYTES = {"fp32": Fraction(4), "bf16": Fraction(2), "fp16": Fraction(2), "fp8": Fraction(1),
                       "int8": Fraction(1), "int4": Fraction(1, 2)}
@@ -55,6 +61,11 @@ def exact(value: Any, name: str = "value", limit: int | None = MAX_EXACT) -> Fra
         return value
     if isinstance(value, int):
         return Fraction(value)
+    if isinstance(value, str):
+        found = _EXPONENT.search(value)
+        if len(value) > MAX_NUMBER_CHARS or (found and abs(int(found.group(1)[:8])) > MAX_DECIMAL_EXPONENT):
+            raise BudgetError(f"{name} must be a number of at most {MAX_NUMBER_CHARS} characters with an exponent "
+                              f"of at most {MAX_DECIMAL_EXPONENT}, got {value[:40]!r}")
     try:
         result = Fraction(str(value)) if isinstance(value, (float, str)) else Fraction(value)
     except (ValueError, TypeError, ZeroDivisionError):

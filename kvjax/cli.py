@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -369,7 +370,9 @@ _RUNNERS = {"plan": _run_plan, "tables": _run_tables}
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. The bad-input contract lives here, once for every command: a KvjaxError
     (kvjax.errors; every reader and validator raises one) is printed as one line
-    `kvjax CMD: error: ...` and the exit status is 2. Anything else is a bug and keeps its traceback."""
+    `kvjax CMD: error: ...` and the exit status is 2. Ctrl-C prints one line and exits 130; a
+    closed stdout (a pipe whose reader left) exits 141 silently. Anything else is a bug and keeps
+    its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     known = command in _RUNNERS or command in _MODULE_COMMANDS
@@ -382,6 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvjaxError as e:
         print(f"kvjax{' ' + command if known else ''}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        print(f"kvjax{' ' + command if known else ''}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvjax ... | head`: the reader left; stop quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error again at exit
+        return 141
 
 
 if __name__ == "__main__":

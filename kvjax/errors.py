@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import tempfile
 from typing import Any, Iterator
 
@@ -116,14 +117,38 @@ def _show(value: Any) -> str:
 # --------------------------------------------------------------------------------------------
 # Input files
 # --------------------------------------------------------------------------------------------
+def file_kind(mode: int) -> str:
+    """What a stat mode names, for messages: "a folder", "a FIFO (named pipe)", "a device", ..."""
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _regular(path: str, what: str) -> None:
+    """Refuse, by stat and without opening it, anything but a regular file: opening a FIFO blocks
+    until a writer comes, and a device such as /dev/zero reads without end."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = file_kind(mode)
+        raise KvjaxError(f"{what} {path!r} is {kind}, not a file" if kind == "a folder" else
+                         f"{what} {path!r} is {kind}, not a regular file")
+
+
 def read_bytes(path: str | os.PathLike, what: str) -> bytes:
-    """A file's bytes; a missing file, a folder, an unreadable or oversized file raise naming it."""
+    """A regular file's bytes, at most MAX_INPUT_BYTES (read with that bound, so it holds whatever
+    the size says); a missing file, a folder, a FIFO or device, an unreadable or oversized file
+    raise naming it."""
     path = os.fspath(path)
     try:
-        if os.path.getsize(path) > MAX_INPUT_BYTES:
-            raise InputFileError(path, f"{what} is larger than {MAX_INPUT_BYTES // 2**20} MiB")
+        _regular(path, what)
         with open(path, "rb") as fh:
-            return fh.read()
+            data = fh.read(MAX_INPUT_BYTES + 1)
+        if len(data) > MAX_INPUT_BYTES:
+            raise InputFileError(path, f"{what} is larger than {MAX_INPUT_BYTES // 2**20} MiB")
+        return data
     except FileNotFoundError:
         raise KvjaxError(f"{what} {path!r} does not exist") from None
     except IsADirectoryError:
@@ -135,10 +160,9 @@ def read_bytes(path: str | os.PathLike, what: str) -> bytes:
 def check_input_file(path: str | os.PathLike, what: str) -> str:
     """An input file that exists and can be read, checked before any work (read later)."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise KvjaxError(f"{what} {path!r} is a folder, not a file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise KvjaxError(f"{what} {path!r} does not exist")
+    _regular(path, what)
     if not os.access(path, os.R_OK):
         raise KvjaxError(f"{what} {path!r} cannot be read")
     return path
@@ -244,20 +268,23 @@ def check_output_file(path: str | os.PathLike, flag: str) -> str:
         raise OutputPathError(f"{flag} is an empty path")
     if os.path.isdir(path):
         raise OutputPathError(f"{flag} {path!r} is a folder; give a file name")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO would block
+        raise OutputPathError(f"{flag} {path!r} is {file_kind(os.stat(path).st_mode)}, not a regular file")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: the folder {folder!r} does not exist")
-    existed = os.path.lexists(path)
+    target = os.path.realpath(path)  # a dangling symlink: the probe creates its target, then removes it
+    existed = os.path.exists(target)
     try:
         with open(path, "a"):
             pass
     except OSError as e:
         raise OutputPathError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
     finally:
-        if not existed and os.path.exists(path):
-            os.remove(path)
+        if not existed and os.path.exists(target):
+            os.remove(target)
     return path
 
 

@@ -60,7 +60,7 @@ import numpy as np
 
 from kvjax import block_pool, hashing, host_cache
 from kvjax import kv_cache_manager as manager
-from kvjax.errors import KvjaxError, loads
+from kvjax.errors import KvjaxError, check_input_file, loads
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
 _KEYS = {"init": {"num_blocks", "block_size", "prefix_caching", "host_blocks", "host_policy"},
@@ -423,12 +423,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+MAX_LINE_BYTES = 1 << 20  # no op comes near 1 MiB; stdin (or a huge file) is read a bounded line at a time
+
+
+def _bounded_lines(f) -> Iterator[bytes]:
+    """f's lines, refusing one longer than MAX_LINE_BYTES instead of reading it to its end."""
+    lineno = 0
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        lineno += 1
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise ReplayError(f"line {lineno}: longer than {MAX_LINE_BYTES // 2**20} MiB")
+        yield line
+
+
 def run(args: argparse.Namespace) -> int:
     """Print one JSON line per op; bad input raises ReplayError naming the file and line (the
     CLI prints it as one line, exit status 2). Lines are read as bytes and decoded one at a time,
     so `kvjax replay -` streams."""
     name = "<stdin>" if args.trace == "-" else args.trace
     if args.trace != "-":
+        check_input_file(args.trace, "trace")  # a FIFO or a device is refused, never opened
         try:
             f = open(args.trace, "rb")
         except IsADirectoryError:
@@ -440,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
     text_drawing = args.show and not args.json
     with f:
         try:
-            for out, replay in iter_trace(f):
+            for out, replay in iter_trace(_bounded_lines(f)):
                 if args.show and args.json:
                     out = dict(out, drawing=replay.draw())
                 print(json.dumps(out), flush=not text_drawing)

@@ -107,6 +107,11 @@ def workdir(tmp_path_factory):
     _checkpoint(root, "ckpt_truncated", {"model.safetensors": _safetensors_header_only()})
     _checkpoint(root, "ckpt_index", {"model.safetensors.index.json": '{"weight_map": 7}'})
     _write(root, "ckpt_deep_config/config.json", "[" * 100_000)
+    # Files that are not regular files: opening a FIFO blocks until a writer comes, and a device
+    # like /dev/zero reads without end; every reader and writer must refuse them by stat.
+    for name in ("pipe.txt", "pipe.jsonl", "pipe.json", "pipe.png", "pipe_out.json"):
+        os.mkfifo(os.path.join(root, name))
+    os.symlink("/dev/zero", os.path.join(root, "zero.txt"))
     return root
 
 
@@ -114,6 +119,22 @@ def workdir(tmp_path_factory):
 GPU_A = "plan --group A"
 DECODE = "decode --model small-gqa --max-tokens 2"
 DECODE_OK = DECODE + " --prompts ok.txt"
+ROUND_TWO = [  # issue 23: special files and numeric extremes
+    ("decode --model small-gqa --max-tokens 2 --prompts pipe.txt", "'pipe.txt' is a FIFO (named pipe)"),
+    ("decode --model small-gqa --max-tokens 2 --prompts pipe.jsonl", "'pipe.jsonl' is a FIFO (named pipe)"),
+    ("decode --model small-gqa --max-tokens 2 --prompts zero.txt", "'zero.txt' is a character device"),
+    ("plan --hf-config pipe.json", "'pipe.json' is a FIFO (named pipe)"),
+    ("replay pipe.jsonl", "'pipe.jsonl' is a FIFO (named pipe)"),
+    ("replay zero.txt", "'zero.txt' is a character device"),
+    ("plan --group A --plot pipe.png", "--plot 'pipe.png' is a FIFO (named pipe)"),
+    ("calibrate --model small-gqa --data pipe.txt --out c.json", "'pipe.txt' is a FIFO (named pipe)"),
+    ("calibrate --model small-gqa --data ok.txt --out pipe_out.json", "'pipe_out.json' is a FIFO (named pipe)"),
+    ("plan --group A --device-memory-gib 1e999999999", "an exponent of at most 400"),
+    ("plan --group A --gpu-memory-utilization 1e-999999999", "an exponent of at most 400"),
+    ("plan --group A --kv-offloading-size 1e999999999", "an exponent of at most 400"),
+    ("plan --group A --weights-gib 1" + "0" * 200, "at most 100 characters"),
+]
+
 CASES = [
     # plan: numbers at the edge of floats and ints, conflicting and ignored flags, files, outputs
     (GPU_A + " --device-memory-gib 1e400", "--device-memory-gib"),
@@ -311,6 +332,9 @@ def _listing(root: str) -> dict[str, float]:
     return out
 
 
+CASES += ROUND_TWO
+
+
 def test_the_table_is_large():
     assert len(CASES) >= 60 and len({c for c, _ in CASES}) == len(CASES)
 
@@ -426,3 +450,43 @@ def test_old_flag_names_are_refused_with_the_new_name(old, new, command, form, w
     assert _listing(workdir) == before
     options = _options(command)
     assert new in options and old not in options  # the hint names a flag the command has
+
+
+def test_an_output_check_leaves_no_target_behind_a_dangling_symlink(tmp_path):
+    from kvjax.errors import check_output_file
+
+    link = tmp_path / "plot.png"
+    os.symlink(tmp_path / "target.png", link)  # the target does not exist yet
+    check_output_file(str(link), "--plot")
+    assert not os.path.exists(tmp_path / "target.png") and os.path.islink(link)
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    """`kvjax tables | head -c 10`: the reader leaves; no traceback, SIGPIPE's status 141."""
+    script = shutil.which("kvjax", path=os.path.dirname(sys.executable)) or "kvjax"
+    proc = subprocess.run(f"'{script}' tables | head -c 10 > /dev/null; echo \"${{PIPESTATUS[0]}}\"", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.stderr == "" and proc.stdout.strip() == "141"
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    import kvjax.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli._RUNNERS, "tables", interrupted)
+    assert main(["tables"]) == 130
+    assert capsys.readouterr().err == "kvjax tables: interrupted\n"
+
+
+def test_the_python_api_refuses_special_files_too(tmp_path):
+    from kvjax.errors import KvjaxError, read_text
+    from kvjax.quant import KVScales
+
+    fifo = tmp_path / "scales.json"
+    os.mkfifo(fifo)
+    for reader in (lambda: read_text(str(fifo), "text"), lambda: KVScales.load(str(fifo)),
+                   lambda: read_text("/dev/zero", "text")):
+        with pytest.raises(KvjaxError, match="not a regular file"):
+            reader()
