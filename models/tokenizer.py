@@ -47,7 +47,16 @@ class Tokenizer:
         return self._tok is None
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8")) if self._tok is None else self._tok.encode(text).ids
+        """Token ids of a text. Refused (KvjaxError naming the position): a non-string, and a
+        lone surrogate such as "\\ud800" (JSON's escapes can make one), which is no Unicode text."""
+        if not isinstance(text, str):
+            raise KvjaxError(f"a text to tokenize must be a string, got {type(text).__name__}")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise KvjaxError(f"the text has a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
+                             "not valid Unicode") from None
+        return list(data) if self._tok is None else self._tok.encode(text).ids
 
     def decode(self, ids) -> str:
         if self._tok is None:

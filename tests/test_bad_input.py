@@ -490,3 +490,25 @@ def test_the_python_api_refuses_special_files_too(tmp_path):
                    lambda: read_text("/dev/zero", "text")):
         with pytest.raises(KvjaxError, match="not a regular file"):
             reader()
+
+
+def test_text_prompts_split_on_newlines_only_and_jsonl_in_any_case(tmp_path):
+    from kvjax.commands.decode import read_prompts
+
+    text = tmp_path / "p.txt"
+    text.write_bytes("a\fb\u2028c\nsecond\r\n\nthird\n".encode())
+    # str.splitlines would also split at \f and U+2028; the .jsonl reader does not, nor does this one
+    assert [r["prompt"] for r in read_prompts(str(text))] == ["a\fb\u2028c", "second", "", "third"]
+    upper = tmp_path / "P.JSONL"
+    upper.write_text('{"prompt": "hi"}\n')
+    assert [r["prompt"] for r in read_prompts(str(upper))] == ["hi"]
+
+
+def test_a_lone_surrogate_is_refused_before_the_tokenizer():
+    from kvjax.errors import KvjaxError
+    from kvjax.models.tokenizer import Tokenizer
+
+    with pytest.raises(KvjaxError, match=r"lone surrogate U\+D800 at character 2"):
+        Tokenizer().encode("ab\ud800c")
+    with pytest.raises(KvjaxError, match="must be a string, got NoneType"):
+        Tokenizer().encode(None)

@@ -415,13 +415,17 @@ def read_prompts(path: str, allow_priority: bool = False) -> list[dict]:
     """A prompts file, checked line by line before any model is loaded. One dict per request:
     prompt (text, or None), tokens (ids, or None), max_tokens (None: the flag's), priority.
 
-    Plain text: one prompt per line. `.jsonl`: one object per non-blank line with exactly one of
+    Plain text: one prompt per line, lines ended by "\n" (or "\r\n") only, as the .jsonl reader
+    splits (form feeds and U+2028 stay inside a prompt). `.jsonl` (any case): one object per non-blank line with exactly one of
     "prompt" (a string) and "tokens" (a list of ints in [0, 2**31)), optional "max_tokens" (an
     int; one ≤ 0 fails that request alone, as vLLM's would) and "priority" (an int, with
     --scheduling-policy priority). Anything else is an InputFileError naming the line."""
-    if not path.endswith(".jsonl"):
-        return [dict(prompt=line, tokens=None, max_tokens=None, priority=0)
-                for line in read_text(path, "prompts file").splitlines()]
+    if not path.lower().endswith(".jsonl"):
+        text = read_text(path, "prompts file")
+        lines = text.split("\n")
+        if text.endswith("\n"):
+            lines.pop()  # the last line's end, not an empty prompt after it
+        return [dict(prompt=line.removesuffix("\r"), tokens=None, max_tokens=None, priority=0) for line in lines]
     requests = []
     for n, obj in read_jsonl(path, "prompts file"):
         bad = lambda msg: InputFileError(path, msg, n)  # noqa: E731
