@@ -95,11 +95,13 @@ from kvjax import sharding as shd
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.budget import pow2_bucket
 from kvjax.cache import ContiguousCache, PagedCache
-from kvjax.errors import KvjaxError
-from kvjax.sampling import SamplingParams
+from kvjax.errors import INT32_MAX, KvjaxError, check_int
+from kvjax.sampling import MAX_SEED, SamplingParams
 from kvjax.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
 from kvjax.stats import RunStats, Summary
 
+MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
+MAX_NUM_SEQS = 2**16  # rows of every step
 MIN_TABLE_TOKENS = 64  # smallest block-table width bucket, in tokens
 MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
 DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
@@ -131,10 +133,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.sharding)
 
     def __post_init__(self):
-        for name in ("num_blocks", "block_size", "max_num_seqs", "steps_per_call"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        # Every value bounded where it is given: beyond these, XLA would be asked for the impossible
+        # (steps_per_call=10**9 aborts the process inside the compiler) or int32 indices would wrap.
+        for name, low, high in (("num_blocks", 1, INT32_MAX), ("block_size", 1, INT32_MAX),
+                                ("max_num_seqs", 1, MAX_NUM_SEQS), ("steps_per_call", 1, MAX_STEPS_PER_CALL),
+                                ("seed", 0, MAX_SEED), ("max_logprobs", -1, INT32_MAX),
+                                ("tensor_parallel_size", 1, 256), ("kv_offload_blocks", 0, INT32_MAX)):
+            check_int(getattr(self, name), name, low, high, EngineError)
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, 1, INT32_MAX, EngineError)
+        for name in ("chunked_prefill", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_blocks < 2:
             raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
         if self.policy not in ("fcfs", "priority"):
@@ -145,8 +156,6 @@ class EngineConfig:
             raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
                               "turn prefix caching off")
         value = self.kv_offload_blocks
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise EngineError(f"kv_offload_blocks must be an integer >= 0, got {value!r}")
         offload.check_policy(self.kv_offload_policy)
         if value and not self.prefix_caching:
             raise EngineError("a host offload tier needs prefix caching: its blocks are found by their hashes")

@@ -65,12 +65,14 @@ def one_line(message: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Numbers
 # --------------------------------------------------------------------------------------------
-def check_int(value: Any, name: str, lo: int = 0, hi: int = INT32_MAX) -> int:
-    """An int (not a bool, not a float) in [lo, hi], else a KvjaxError naming `name`."""
+def check_int(value: Any, name: str, lo: int = 0, hi: int = INT32_MAX, error: type = None) -> int:
+    """An int (not a bool, not a float) in [lo, hi], else a KvjaxError (or `error`, a subclass)
+    naming `name`."""
+    error = error or KvjaxError
     if isinstance(value, bool) or not isinstance(value, int):
-        raise KvjaxError(f"{name} must be an integer, got {_show(value)}")
+        raise error(f"{name} must be an integer, got {_show(value)}")
     if not lo <= value <= hi:
-        raise KvjaxError(f"{name} must be in [{lo}, {hi}], got {_show(value)}")
+        raise error(f"{name} must be in [{lo}, {hi}], got {_show(value)}")
     return value
 
 

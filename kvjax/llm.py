@@ -34,6 +34,7 @@ This is the API layer: it imports `models/` (lazily), which the core modules nev
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -47,7 +48,7 @@ from kvjax.attention import IMPLS, default_impl
 from kvjax.budget import cdiv, pow2_bucket
 from kvjax.cache import PagedCache
 from kvjax.engine import DEFAULT_BUDGET, Engine, EngineConfig, EngineError, RequestResult
-from kvjax.errors import INT32_MAX, KvjaxError
+from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int
 from kvjax.sampling import SamplingParams
 from kvjax.scoring import sequence_logits
 from kvjax.spec import kv_dtype as lookup_kv_dtype
@@ -196,14 +197,30 @@ class LLM:
         from kvjax.models.hub import LoadedModel, load_model
 
         self._refuse_unknown(kwargs)
+        # Every argument's type and range first, before a model is loaded: no bad value reaches
+        # JAX, NumPy or XLA. The engine's own rules run on a probe config.
+        try:
+            EngineConfig(num_blocks=2, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
+                         prefix_caching=enable_prefix_caching, steps_per_call=steps_per_call, seed=seed,
+                         policy=scheduling_policy, kv_layout=kv_layout, max_logprobs=max_logprobs,
+                         tensor_parallel_size=tensor_parallel_size,
+                         kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size))
+        except EngineError as e:
+            raise LLMError(str(e).replace("policy must", "scheduling_policy must").replace(
+                "chunked_prefill must", "enable_chunked_prefill must").replace(
+                "prefix_caching must", "enable_prefix_caching must")) from None
+        _check_args(dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, generation_config=generation_config,
+                         attention_backend=attention_backend, kv_skip_dtype=kv_skip_dtype, chat_template=chat_template),
+                    dict(gpu_memory_utilization=gpu_memory_utilization, kv_offloading_size=kv_offloading_size),
+                    dict(num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                         total_memory_bytes=total_memory_bytes), use_tqdm_on_load, scales)
         given = [n for n, v in (("num_gpu_blocks_override", num_gpu_blocks_override),
                                 ("kv_cache_memory_bytes", kv_cache_memory_bytes),
                                 ("gpu_memory_utilization", gpu_memory_utilization)) if v is not None]
         if len(given) > 1:
             raise LLMError(f"give one of {' or '.join(given)}: each sizes the block pool")
         tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise LLMError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if tp > 1 and attention_backend == "pallas":
             raise LLMError(f"attention_backend='pallas' with tensor_parallel_size={tp}: the Pallas kernels are not "
                            "partitioned over a mesh; use 'reference'")
@@ -394,6 +411,8 @@ class LLM:
         use_tqdm: a progress bar of generated tokens on stderr (or a tqdm-like class to use);
         progress(n) (kvjax's extra) is called with the tokens each device call generated.
         Returns one RequestOutput per prompt, with the call's Summary as `.summary`."""
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise LLMError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and
                                                  all(isinstance(t, (int, np.integer)) for t in prompts)):
             prompts = [prompts]
@@ -401,6 +420,11 @@ class LLM:
         params = self.default_sampling_params if sampling_params is None else sampling_params
         if isinstance(priority, (int, np.integer)) and not isinstance(priority, bool):
             priority = [int(priority)] * len(pairs)
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)):
+                raise LLMError(f"priority must be an int or one per prompt, got {type(priority).__name__}")
+            for p in priority:  # a fractional priority is refused, not truncated
+                check_int(p, "a priority", -INT32_MAX - 1, INT32_MAX, LLMError)
         bar = _progress_bar(use_tqdm, "Generating")
         if bar is not None:
             progress = _both(progress, lambda n: _advance(bar, n))
@@ -495,7 +519,11 @@ class LLM:
         vLLM's pooling `score`). Each window is prefilled alone into a fresh cache of this LLM's
         KV format (dtype, scales, skipped layers, block size), so the keys and values every query
         reads are stored and read back exactly as in generation."""
-        windows = np.asarray(token_windows)
+        check_int(batch_size, "batch_size", 1, INT32_MAX, LLMError)
+        try:
+            windows = np.asarray(token_windows)
+        except ValueError:  # ragged: NumPy cannot make one array of them
+            raise LLMError("token_windows must be integer ids [W, S]: the windows have different lengths") from None
         if windows.ndim != 2 or windows.shape[1] < 1 or not np.issubdtype(windows.dtype, np.integer):
             raise LLMError(f"token_windows must be integer ids [W, S], got {windows.dtype} {windows.shape}")
         if windows.shape[1] > self.config.max_position_embeddings:
@@ -521,6 +549,32 @@ class LLM:
 
 
 # ----------------------------------------------------------------------------------- helpers
+def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales) -> None:
+    """The LLM arguments the engine's config does not check: strings (None where optional),
+    real numbers (gpu_memory_utilization in (0, 1], kv_offloading_size in GiB >= 0), byte and block
+    counts, a real bool, and scales (a file name or KVScales)."""
+    optional = {"attention_backend", "kv_skip_dtype", "chat_template"}
+    for name, value in texts.items():
+        if not (isinstance(value, str) or (value is None and name in optional)):
+            raise LLMError(f"{name} must be a string{' or None' if name in optional else ''}, got {value!r:.60}")
+    for name, value in reals.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise LLMError(f"{name} must be a finite number, got {value!r:.60}")
+        if name == "gpu_memory_utilization" and not 0 < value <= 1:
+            raise LLMError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
+        if name == "kv_offloading_size" and not 0 <= value <= MAX_GIB:
+            raise LLMError(f"kv_offloading_size must be in [0, {MAX_GIB}] GiB, got {value!r}")
+    for name, value in counts.items():
+        if value is not None:
+            check_int(value, name, 2 if name == "num_gpu_blocks_override" else 1, 2**62, LLMError)
+    if not isinstance(use_tqdm_on_load, bool):
+        raise LLMError(f"use_tqdm_on_load must be True or False, got {use_tqdm_on_load!r:.60}")
+    if scales is not None and not isinstance(scales, (str, quant.KVScales)):
+        raise LLMError(f"scales must be a scales file or kvjax.quant.KVScales, got {type(scales).__name__}")
+
+
 def _skip_layers(layers) -> tuple[int, ...]:
     """vLLM's kv_cache_dtype_skip_layers: layer indices (ints or digit strings)."""
     if isinstance(layers, (str, int)):

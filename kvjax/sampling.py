@@ -52,6 +52,8 @@ from kvjax.errors import KvjaxError
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+MAX_SEED = 2**32 - 1  # jax.random.key(seed) keeps 32 bits
+INT32_MAX = 2**31 - 1  # token ids and counts are int32 on the device
 
 # vLLM SamplingParams fields that kvjax does not implement: refused by name, with the reason.
 _NOT_IMPLEMENTED = {
@@ -148,19 +150,21 @@ class SamplingParams:
         put("top_p", real("top_p", self.top_p, 0, 1, "in (0, 1]"))
         if self.top_p <= 0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        put("top_k", integer("top_k", self.top_k, -1))
+        put("top_k", integer("top_k", self.top_k, -1, INT32_MAX))
         put("min_p", real("min_p", self.min_p, 0, 1, "in [0, 1]"))
         if self.seed is not None:
-            put("seed", None if self.seed == -1 else integer("seed", self.seed, 0, 2**63 - 1))
+            # JAX's threefry key keeps a seed's low 32 bits: a larger seed would alias a smaller one
+            put("seed", None if self.seed == -1 else integer("seed", self.seed, 0, MAX_SEED))
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+        if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Sequence) or \
+                not all(isinstance(s, str) and s for s in stop):
             raise SamplingParamsError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         put("stop", tuple(dict.fromkeys(stop)))
         ids = () if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise SamplingParamsError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
-        put("stop_token_ids", tuple(dict.fromkeys(integer("a stop token id", t, 0) for t in ids)))
+        put("stop_token_ids", tuple(dict.fromkeys(integer("a stop token id", t, 0, INT32_MAX) for t in ids)))
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
             flag(name)
         if not self.skip_special_tokens:
@@ -169,14 +173,14 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise SamplingParamsError("stop strings need detokenize=True")
         if self.max_tokens is not None:
-            put("max_tokens", integer("max_tokens", self.max_tokens, 1))
+            put("max_tokens", integer("max_tokens", self.max_tokens, 1, INT32_MAX))
         put("min_tokens", integer("min_tokens", self.min_tokens, 0, self.max_tokens))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is True:
                 value = 1
             if value is not None:
-                put(name, integer(name, value, -1))
+                put(name, integer(name, value, -1, INT32_MAX))
         if self.temperature < SAMPLING_EPS:  # greedy: vLLM resets the filters and refuses n > 1
             put("top_p", 1.0), put("top_k", 0), put("min_p", 0.0)
             if self.n > 1:

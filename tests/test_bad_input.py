@@ -512,3 +512,70 @@ def test_a_lone_surrogate_is_refused_before_the_tokenizer():
         Tokenizer().encode("ab\ud800c")
     with pytest.raises(KvjaxError, match="must be a string, got NoneType"):
         Tokenizer().encode(None)
+
+
+# ----------------------------------------------------------------------------------- the Python API's types
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=4),
+                 st.binary(max_size=4), st.lists(st.integers(), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_INT, _BOOL, _STR, _NONE = ("int",), ("bool",), ("str",), ("none",)
+LLM_ARGS = {  # argument → the kinds of value it takes (anything else must be refused)
+    **{n: _INT for n in ("block_size", "max_num_seqs", "seed", "steps_per_call", "max_logprobs",
+                         "tensor_parallel_size")},
+    **{n: _INT + _NONE for n in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                                 "kv_cache_memory_bytes", "total_memory_bytes")},
+    **{n: _BOOL for n in ("enable_prefix_caching", "enable_chunked_prefill", "use_tqdm_on_load")},
+    **{n: ("real", "none") for n in ("gpu_memory_utilization", "kv_offloading_size")},
+    **{n: _STR for n in ("dtype", "kv_cache_dtype", "scheduling_policy", "kv_layout", "generation_config")},
+    **{n: _STR + _NONE for n in ("attention_backend", "kv_skip_dtype", "chat_template", "scales")},
+    "kv_transfer_config": ("dict", "none"),
+}
+SAMPLING_ARGS = {
+    **{n: _INT for n in ("n", "top_k", "min_tokens")},
+    **{n: _INT + _NONE for n in ("max_tokens", "seed", "logprobs", "prompt_logprobs")},
+    **{n: ("real",) for n in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                              "top_p", "min_p")},
+    **{n: _BOOL for n in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output")},
+    "stop": ("str", "list", "none"), "stop_token_ids": ("list", "none"),
+}
+
+
+def _kind(value) -> set[str]:
+    if value is None:
+        return {"none"}
+    if isinstance(value, bool):
+        return {"bool"}
+    if isinstance(value, int):
+        return {"int", "real"}
+    if isinstance(value, float):
+        return {"real"}
+    return {type(value).__name__}
+
+
+@pytest.mark.parametrize("name", sorted(LLM_ARGS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=_ANY)
+def test_llm_refuses_a_wrong_type_for_every_argument(name, value):
+    from kvjax import LLM
+    from kvjax.errors import KvjaxError
+
+    if _kind(value) & set(LLM_ARGS[name]) or (name == "logprobs" and isinstance(value, bool)):
+        return  # a value of a kind the argument takes: not this test's subject
+    with pytest.raises(KvjaxError):  # refused before any model is loaded: never a TypeError from deep inside
+        LLM("small-gqa", **{name: value})
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING_ARGS))
+@settings(max_examples=40, deadline=None)
+@given(value=_ANY)
+def test_sampling_params_refuse_a_wrong_type_for_every_field(name, value):
+    from kvjax import SamplingParams
+    from kvjax.errors import KvjaxError
+
+    if _kind(value) & set(SAMPLING_ARGS[name]) or (name in ("logprobs", "prompt_logprobs") and value is True):
+        return
+    with pytest.raises(KvjaxError):
+        SamplingParams(**{name: value})

@@ -73,7 +73,7 @@ def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
     errs = [r["error"] for r in out["outputs"]]
     assert errs[0] is None and errs[4] is None
     assert "prompt has 60 tokens; the model's max length is 40" in errs[1]
-    assert "max_tokens must be an integer >= 1, got 0" in errs[2]
+    assert "max_tokens must be an integer in [1, 2147483647], got 0" in errs[2]
     assert "needs 10 blocks of 4 tokens (32 prompt + 8 new), but the pool has only 9 usable blocks" in errs[3]
     assert "token id 500 is outside the model's vocabulary [0, 128)" in errs[5]
     assert [len(t) for t in tokens(out)] == [5, 0, 0, 0, 3, 0]

@@ -244,7 +244,7 @@ def test_auto_kv_dtype_is_the_models_and_memory_bytes_size_the_pool():
     (dict(enforce_eager=True), "LLM(enforce_eager=True): kvjax compiles every step with XLA"),
     (dict(trust_remote_code=True), "LLM(trust_remote_code=True): kvjax runs no code from checkpoints"),
     (dict(swap_space=4), "LLM(swap_space=4): vLLM V1 recomputes on preemption"),
-    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be in [1, 256], got 0"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3: tp 3 does not divide the 4 query heads"),
     (dict(attention_backend="FLASH_ATTN"), "attention_backend='FLASH_ATTN': kvjax's backends are reference, pallas"),
     (dict(num_gpu_blocks_override=8, kv_cache_memory_bytes=10**6), "give one of num_gpu_blocks_override or"),
@@ -290,7 +290,7 @@ def test_an_interrupted_generate_leaves_the_llm_usable(fresh):
     assert len(out[0].outputs[0].token_ids) == 4
     # a seed + j past the seed range is refused before any request goes in
     with pytest.raises(Exception, match="seed must be an integer"):
-        fresh.generate("abc", SamplingParams(n=2, seed=2**63 - 1), use_tqdm=False)
+        fresh.generate("abc", SamplingParams(n=2, seed=2**32 - 1), use_tqdm=False)
     assert not sched.requests
 
 
