@@ -109,16 +109,22 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def eos_token_ids(folder: str) -> tuple[int, ...]:
-    """EOS ids of a checkpoint folder: config.json's and generation_config.json's eos_token_id."""
-    ids: set[int] = set()
+    """EOS ids of a checkpoint folder: config.json's eos_token_id first (the model's primary EOS,
+    whose stop has stop_reason None in vLLM), then generation_config.json's others. An id that is
+    not a non-negative integer (a string "10", a float) is refused naming the file, not dropped:
+    dropping it would let generation run past the model's EOS."""
+    ids: dict[int, None] = {}
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(folder, name)
         if not os.path.exists(path):
             continue
         value = read_json_object(path, name).get("eos_token_id")
-        values = value if isinstance(value, list) else [value]
-        ids |= {v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
-    return tuple(sorted(ids))
+        values = [] if value is None else value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise KvjaxError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r:.60}")
+            ids[v] = None
+    return tuple(ids)
 
 
 def chat_template(folder: str) -> str | None:

@@ -579,3 +579,16 @@ def test_sampling_params_refuse_a_wrong_type_for_every_field(name, value):
         return
     with pytest.raises(KvjaxError):
         SamplingParams(**{name: value})
+
+
+def test_a_config_eos_id_of_the_wrong_kind_is_refused_not_dropped(tmp_path):
+    from kvjax.errors import KvjaxError
+    from kvjax.models.hub import eos_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    assert eos_token_ids(str(tmp_path)) == (7, 3)  # config.json's first: the primary EOS
+    for bad in ("10", 2.5, [1, "2"], -1):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(KvjaxError, match="generation_config.json: eos_token_id must be a token id"):
+            eos_token_ids(str(tmp_path))
