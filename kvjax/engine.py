@@ -286,6 +286,7 @@ class _Active:
     stop_ids: tuple[int, ...]
     prompt: list[int]
     result: RequestResult
+    text_chars: int = 0  # characters of its output's text at the last stop-string check
 
 
 # ----------------------------------------------------------------------------------- the engine
@@ -526,10 +527,11 @@ class Engine:
             req = sched.requests[rid]
             if not do or not a.params.stop or (rid in finished and req.finish_reason == "stop"):
                 continue
+            # One token came since the last check (a request with stop strings decodes one step
+            # per device call), so the new characters start where the last check's text ended.
             text = self.tokenizer.decode(req.output)
-            new_chars = len(text) - len(self.tokenizer.decode(req.output[:-1]))
-            hits = [(at, s) for s in a.params.stop
-                    if (at := text.find(s, max(0, len(text) - new_chars - len(s) + 1))) >= 0]
+            start, a.text_chars = a.text_chars, len(text)
+            hits = [(at, s) for s in a.params.stop if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if not hits:
                 continue
             at, s = min(hits)

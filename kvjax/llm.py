@@ -329,9 +329,7 @@ class LLM:
 
     def _size(self, util, kv_bytes, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
         """num_blocks when none was given (see the module docstring)."""
-        if kv_bytes is not None:
-            if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 1:
-                raise LLMError(f"kv_cache_memory_bytes must be a positive integer, got {kv_bytes!r}")
+        if kv_bytes is not None:  # an integer >= 1 (_check_args)
             # per device, as vLLM: one rank's share of a block
             per_block = self.kv_spec.per_rank(self.tensor_parallel_size).bytes_per_block(self.block_size)
             if kv_bytes // per_block < 1:
