@@ -90,6 +90,7 @@ import numpy as np
 from kvjax import kv_cache_manager as manager
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kvjax import memory as mem
 from kvjax import offload, sampling
 from kvjax import sharding as shd
 from kvjax.attention.metadata import build_metadata, decode_metadata
@@ -97,6 +98,7 @@ from kvjax.budget import pow2_bucket
 from kvjax.cache import ContiguousCache, PagedCache
 from kvjax.errors import INT32_MAX, KvjaxError, check_int
 from kvjax.sampling import MAX_SEED, SamplingParams
+from kvjax.spec import KVSpec
 from kvjax.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
 from kvjax.stats import RunStats, Summary
 
@@ -328,26 +330,50 @@ class Engine:
             policy=config.policy, chunked_prefill=config.chunked_prefill,
             num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
         tp = config.tensor_parallel_size
+        self.mesh = shd.make_mesh(tp) if tp > 1 else None
+        self._check_fits(kv_spec, sched_len, scales)
         if tp > 1:  # Megatron TP as vLLM applies it, as shardings the partitioner propagates
-            self.mesh = shd.make_mesh(tp)
-            layout = shd.tp_layout(kv_spec, tp)
-            self.cache = shd.create_cache(layout, config.num_blocks, z, self.mesh, scales)
+            self.cache = shd.create_cache(shd.tp_layout(kv_spec, tp), config.num_blocks, z, self.mesh, scales)
             self.params = shd.shard_params(params, self.mesh)
             placement = NamedSharding(self.mesh, PartitionSpec())  # the pool state: on every rank
         else:
-            self.mesh, placement = None, jax.devices()[0]
-            if config.kv_layout == "contiguous":
-                cache = ContiguousCache.create(kv_spec, config.max_num_seqs, -(-sched_len // z) * z)
-            else:
-                cache = PagedCache.create(kv_spec, config.num_blocks, z, scales)
+            placement = jax.devices()[0]
             # Committed to the device, as every step's output is: otherwise the first call of each
             # compiled step would see an uncommitted cache, a second jit cache entry to compile.
-            self.cache = jax.device_put(cache, placement)
+            self.cache = jax.device_put(self._make_cache(kv_spec, sched_len, scales)(), placement)
         self.scheduler = Scheduler(self.scheduler_config, placement=placement)
         self.host_pages = offload.HostPages(config.kv_offload_blocks, self.cache) if config.kv_offload_blocks else None
         self._next_request = 0  # request numbers: ids, and the random stream of unseeded requests
         self._active: dict[str, _Active] = {}
         self._rows: dict[str, int] = {}
+
+    def _make_cache(self, kv_spec: KVSpec, sched_len: int, scales):
+        """A thunk that creates the one-device KV cache (pages, or contiguous rows)."""
+        cfg, z = self.config, self.config.block_size
+        if cfg.kv_layout == "contiguous":
+            return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, -(-sched_len // z) * z)
+        return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales)
+
+    def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales) -> None:
+        """Refuse, before allocating any of it, an engine whose KV cache, scheduler tables and
+        one step's logits rows (max_num_seqs × vocab f32) exceed what each device could hold."""
+        cfg = self.config
+        if self.mesh is not None:
+            layout = shd.tp_layout(kv_spec, cfg.tensor_parallel_size)
+            shapes = jax.eval_shape(lambda: PagedCache.create(layout.cache_spec, cfg.num_blocks, cfg.block_size,
+                                                              shd.replicate_scales(scales, layout)))
+            cache_bytes = mem.shard_bytes(shapes, shd.cache_shardings(shapes, self.mesh))
+            devices = list(self.mesh.devices.flat)
+        else:
+            cache_bytes, devices = mem.tree_bytes(jax.eval_shape(self._make_cache(kv_spec, sched_len, scales))), None
+        logits = cfg.max_num_seqs * self.vocab_size * 4
+        mem.check_fits(f"the KV cache ({cache_bytes:,} B), the scheduler's tables "
+                       f"({self.scheduler_config.describe()}) and one step's logits ({logits:,} B)",
+                       cache_bytes + self.scheduler_config.state_bytes() + logits, devices)
+        if cfg.kv_offload_blocks:  # the host tier's pages fill as blocks are stored: at most this many
+            per_block = kv_spec.bytes_per_block(cfg.block_size)
+            mem.check_host_fits(f"the host tier's {cfg.kv_offload_blocks:,} blocks of {per_block:,} B",
+                                cfg.kv_offload_blocks * per_block)
 
     # ------------------------------------------------------------------ the prefix cache
     def reset_prefix_cache(self, reset_connector: bool = False) -> bool:

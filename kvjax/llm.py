@@ -272,10 +272,10 @@ class LLM:
         self.max_model_len = max_model_len or model_len
         self.tensor_parallel_size = tp
         self._engine_model = self._place(tp, attn_impl)
-        num_blocks = num_gpu_blocks_override
+        num_blocks, why = num_gpu_blocks_override, ""
         if num_blocks is None:
-            num_blocks = self._size(gpu_memory_utilization, kv_cache_memory_bytes, total_memory_bytes, max_num_seqs,
-                                    max_num_batched_tokens, enable_chunked_prefill)
+            num_blocks, why = self._size(gpu_memory_utilization, kv_cache_memory_bytes, total_memory_bytes,
+                                         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         host_blocks = 0 if kv_offloading_size is None else \
             offload.host_blocks(kv_offloading_size, self.kv_spec.bytes_per_block(block_size))
         self.engine_config = EngineConfig(
@@ -287,7 +287,7 @@ class LLM:
             tensor_parallel_size=tp)
         from kvjax.sizing import check_cache_fits
 
-        check_cache_fits(self.kv_spec, num_blocks, block_size)  # before allocating the pages
+        check_cache_fits(self.kv_spec, num_blocks, block_size, why=why)  # before allocating the pages
         module, params, _ = self._engine_model
         self.engine = Engine(module, params, self.kv_spec, self.engine_config, scales=scales,
                              eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer)
@@ -327,16 +327,20 @@ class LLM:
             params = shd.replicate_kv_heads(params, layout, self.config.head_dim)
         return module, shd.shard_params(params, mesh), mesh
 
-    def _size(self, util, kv_bytes, total_bytes, max_num_seqs: int, max_num_batched_tokens, chunked: bool) -> int:
-        """num_blocks when none was given (see the module docstring)."""
+    def _size(self, util, kv_bytes, total_bytes, max_num_seqs: int, max_num_batched_tokens,
+              chunked: bool) -> tuple[int, str]:
+        """num_blocks when none was given (see the module docstring), and how it was chosen when
+        that is no budget (for a message that refuses it)."""
         if kv_bytes is not None:  # an integer >= 1 (_check_args)
             # per device, as vLLM: one rank's share of a block
             per_block = self.kv_spec.per_rank(self.tensor_parallel_size).bytes_per_block(self.block_size)
             if kv_bytes // per_block < 1:
                 raise LLMError(f"kv_cache_memory_bytes={kv_bytes:,} holds no block of {per_block:,} bytes")
-            return 1 + kv_bytes // per_block  # vLLM: the budget's blocks, block 0 among them as the null block
+            return 1 + kv_bytes // per_block, ""  # vLLM: the budget's blocks, block 0 among them as the null block
         if util is None and jax.default_backend() == "cpu":
-            return 1 + max_num_seqs * cdiv(self.max_model_len, self.block_size)
+            return 1 + max_num_seqs * cdiv(self.max_model_len, self.block_size), (
+                f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × cdiv(max_model_len={self.max_model_len:,}, "
+                f"block_size={self.block_size}))")
         from kvjax.sizing import profile_and_size
 
         # Profile the largest step the engine can schedule: its token budget (kvjax.engine's
@@ -352,7 +356,7 @@ class LLM:
             raise LLMError(f"gpu_memory_utilization={util} leaves {report.plan.budget_bytes:,} bytes for KV after "
                            f"{report.weights_bytes:,} of weights and {report.activations_bytes:,} of activations: "
                            f"no usable block of {report.plan.bytes_per_block:,} bytes")
-        return report.num_blocks
+        return report.num_blocks, ""
 
     @property
     def num_blocks(self) -> int:

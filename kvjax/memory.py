@@ -16,13 +16,21 @@ The second half is the reconciliation that kvjax.sizing.reconcile builds and `kv
 prints: a `Row` per item (weights, KV pages, scales, block tables, activation peak) holding the
 analytic and the measured bytes of one device, and `explain_arrays`, which names the cause of a
 difference (the GPU allocator's 256-byte rounding, or other buffers allocated or freed meanwhile).
+
+Before any large allocation that follows from a user's input (weights, KV pages, the scheduler's
+tables, the host tier), `check_fits` refuses it when it exceeds what the device could ever hold:
+its `bytes_limit`, or on CPU, which reports none, the host's physical memory. A ceiling for
+refusing impossible sizes up front, not a budget: the budget is kvjax.sizing's.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Sequence
 
 import jax
+
+from kvjax.errors import KvjaxError
 
 
 def _devices(device: jax.Device | None) -> list[jax.Device]:
@@ -73,6 +81,47 @@ def bytes_limit(device: jax.Device) -> int | None:
     return None if not stats else stats.get("bytes_limit")
 
 
+def host_ram_bytes() -> int:
+    """The host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class WontFitError(KvjaxError):
+    """An allocation that follows from the input and exceeds what the device could ever hold."""
+
+
+def check_fits(what: str, nbytes: int, devices: jax.Device | Sequence[jax.Device] | None = None) -> None:
+    """Refuse, before allocating it, `nbytes` on each of `devices` (default the first device)
+    when that is more than one device's bytes_limit, or, for devices that report none (CPU,
+    whose devices all share the host), when their sum is more than the host's RAM.
+    WontFitError names `what`, both byte counts and where the ceiling comes from."""
+    devs = [jax.devices()[0]] if devices is None else [devices] if isinstance(devices, jax.Device) else list(devices)
+    limit = bytes_limit(devs[0])
+    if limit is not None:
+        need, ceiling, where = nbytes, limit, f"the {devs[0].platform} device's bytes_limit"
+    else:
+        need, ceiling = nbytes * len(devs), host_ram_bytes()
+        where = "the host's RAM (a CPU device reports no limit)"
+    if need > ceiling:
+        per = f" ({len(devs)} devices × {nbytes:,} B)" if need != nbytes else ""
+        raise WontFitError(f"{what} need {need:,} B ({_human(need)}){per}, more than {where}, "
+                           f"{ceiling:,} B ({_human(ceiling)})")
+
+
+def check_host_fits(what: str, nbytes: int) -> None:
+    """Refuse host memory (the offload tier's pages) beyond the host's RAM."""
+    ceiling = host_ram_bytes()
+    if nbytes > ceiling:
+        raise WontFitError(f"{what} need {nbytes:,} B ({_human(nbytes)}), more than the host's RAM, "
+                           f"{ceiling:,} B ({_human(ceiling)})")
+
+
+def _human(nbytes: int) -> str:
+    from kvjax.budget import human_bytes
+
+    return human_bytes(nbytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledMemory:
     """XLA's memory analysis of one compiled computation, in bytes."""
@@ -106,8 +155,19 @@ def analyse(compiled) -> CompiledMemory:
 
 
 def tree_bytes(tree: Any) -> int:
-    """Bytes of every array leaf of a pytree (global size, all shards)."""
-    return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "nbytes"))
+    """Bytes of every array leaf of a pytree (global size, all shards), arrays or the
+    jax.ShapeDtypeStruct leaves of jax.eval_shape."""
+    return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree)
+               if hasattr(leaf, "dtype") and hasattr(leaf, "size"))
+
+
+def shard_bytes(tree: Any, shardings: Any) -> int:
+    """The bytes one device holds of a pytree (arrays or ShapeDtypeStructs) placed by
+    `shardings` (a matching pytree of shardings): each leaf's shard shape, without allocating."""
+    import math
+
+    leaves, shards = jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings)
+    return sum(math.prod(sh.shard_shape(tuple(x.shape))) * x.dtype.itemsize for x, sh in zip(leaves, shards))
 
 
 def tree_bytes_on(tree: Any, device: jax.Device) -> int:

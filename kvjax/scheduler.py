@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import hashing, host_cache
+from kvjax import memory as mem
 from kvjax import kv_cache_manager as manager
 from kvjax.budget import pow2_bucket
 from kvjax.errors import KvjaxError
@@ -116,6 +117,32 @@ class SchedulerConfig:
                              "caching (its blocks are named by their hashes)")
         if self.max_requests is not None and self.max_requests < self.max_num_seqs:
             raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
+
+    @property
+    def num_slots(self) -> int:
+        """The pool's request slots: max_requests, default 2 × max_num_seqs."""
+        return self.max_requests or 2 * self.max_num_seqs
+
+    def state_bytes(self) -> int:
+        """The bytes of the pool state and host index a Scheduler allocates, from their shapes
+        (jax.eval_shape: nothing is allocated)."""
+        z = self.block_size
+        shapes = jax.eval_shape(lambda: manager.init(self.num_blocks, z, self.num_slots, -(-self.max_model_len // z),
+                                                     self.prefix_caching))
+        host = jax.eval_shape(lambda: host_cache.init(self.num_host_blocks, self.host_policy)) \
+            if self.num_host_blocks else ()
+        return mem.tree_bytes((shapes, host))
+
+    def describe(self) -> str:
+        """The sizes the tables follow from, for messages."""
+        return (f"num_blocks={self.num_blocks:,}, max_num_seqs={self.max_num_seqs:,} ({self.num_slots:,} request "
+                f"slots), max_model_len={self.max_model_len:,}, block_size={self.block_size}"
+                + (f", num_host_blocks={self.num_host_blocks:,}" if self.num_host_blocks else ""))
+
+
+def _devices(placement) -> list:
+    """The devices a placement (a device, or a sharding) puts an array on."""
+    return [placement] if isinstance(placement, jax.Device) else sorted(placement.device_set, key=lambda d: d.id)
 
 
 @dataclass
@@ -188,7 +215,9 @@ class Scheduler:
         self.placement = placement if placement is not None else jax.devices()[0]
         z = config.block_size
         self.max_blocks = -(-config.max_model_len // z)
-        self.num_slots = config.max_requests or 2 * config.max_num_seqs
+        self.num_slots = config.num_slots
+        mem.check_fits(f"the scheduler's tables ({config.describe()})", config.state_bytes(),
+                       _devices(self.placement))
         # Committed to the device, as every pool function's output is: otherwise a function first
         # called on the fresh state compiles once more when it later sees a committed one.
         self.state = jax.device_put(manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,

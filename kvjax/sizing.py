@@ -29,7 +29,6 @@ repeated kv heads (TPLayout.cache_kv_heads, sharding.replicate_kv_heads).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Sequence
 
 import jax
@@ -71,29 +70,18 @@ class NoUsableBlockError(SizingError):
                          "no usable block; raise total_bytes or util, or lower max_num_batched_tokens")
 
 
-def memory_ceiling_bytes(device: jax.Device) -> int:
-    """The most memory an allocation on `device` can hope for: its bytes_limit, or on a device
-    that reports none (CPU) the host's physical memory. A ceiling for refusing impossible sizes
-    up front, not a budget."""
-    total = mem.bytes_limit(device)
-    if total is None:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total
-
-
-def check_cache_fits(spec: KVSpec, num_blocks: int, block_size: int, device: jax.Device | None = None) -> None:
+def check_cache_fits(spec: KVSpec, num_blocks: int, block_size: int, device: jax.Device | None = None,
+                     why: str = "") -> None:
     """Refuse a pool that cannot exist before allocating it: token slots are int32 indices, and
-    the pages must fit the device's memory (SizingError naming both numbers)."""
+    the pages must fit the device's memory (kvjax.memory.check_fits). why: where num_blocks
+    came from, for the message."""
     from kvjax.errors import INT32_MAX
 
     if num_blocks * block_size > INT32_MAX:
         raise SizingError(f"num_blocks {num_blocks:,} × block_size {block_size:,} = {num_blocks * block_size:,} "
                           f"token slots; slots are int32 indices (at most {INT32_MAX:,})")
-    need = num_blocks * spec.bytes_per_block(block_size)
-    ceiling = memory_ceiling_bytes(device or jax.devices()[0])
-    if need > ceiling:
-        raise SizingError(f"num_blocks {num_blocks:,} of {spec.bytes_per_block(block_size):,} B need {need:,} B of "
-                          f"KV cache, more than the device's {ceiling:,} B")
+    mem.check_fits(f"num_blocks {num_blocks:,}{why} of {spec.bytes_per_block(block_size):,} B of KV cache",
+                   num_blocks * spec.bytes_per_block(block_size), device)
 
 
 def device_total_bytes(device: jax.Device) -> int:

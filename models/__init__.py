@@ -32,9 +32,16 @@ def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
 
 
 def init_params(model: CausalLM, rng: jax.Array):
-    """Random parameters (Flax default initializers) for `model`, traced on a one-token batch."""
+    """Random parameters (Flax default initializers) for `model`, traced on a one-token batch;
+    refused (kvjax.memory.check_fits) before any is made when they cannot fit the device."""
+    from kvjax import memory as mem
+
     tokens, md, cache = _dummy_inputs(model.config)
-    return jax.jit(lambda key: model.init(key, tokens, md, cache)["params"])(rng)
+    make = jax.jit(lambda key: model.init(key, tokens, md, cache)["params"])
+    mem.check_fits(f"the {model.config.dtype} weights of a {model.config.model_type} model "
+                   f"({model.config.num_layers} layers, hidden {model.config.hidden_size})",
+                   mem.tree_bytes(make.eval_shape(rng)))
+    return make(rng)
 
 
 def param_shapes(model: CausalLM):

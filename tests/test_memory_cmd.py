@@ -123,7 +123,7 @@ def test_errors_are_one_line(checkpoints, capsys):
         (["--model", "preset:nope", *SMALL], "kvjax memory: error: unknown model preset 'nope'"),
         (["--model", checkpoints["gqa"], *SMALL, "--block-size", "0"],
          "kvjax memory: error: argument --block-size: must be in [1, 2147483647], got '0'"),
-        (["--model", checkpoints["gqa"], "--device-memory-gib", "0.0001", "--block-size", "16",
+        (["--model", checkpoints["gqa"], "--device-memory-gib", "0.0005", "--block-size", "16",
           "--max-num-batched-tokens",
           "64", "--max-model-len", "128"], "no usable block"),
     ]

@@ -154,6 +154,7 @@ class _Setup:
     def __init__(self, args):
         import jax
 
+        from kvjax import memory as mem
         from kvjax import sharding as shd
         from kvjax.models import build_model, param_shapes
 
@@ -180,6 +181,10 @@ class _Setup:
         self.shapes = param_shapes(self.model)
         self.param_shardings = shd.param_shardings(self.shapes, self.mesh)
         self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(self.config))))
+        self.weights_per_device = mem.shard_bytes(self.shapes, self.param_shardings)
+        mem.check_fits(f"the {self.config.dtype} weights of {self.name} ({self.num_params:,} parameters"
+                       + (f", tp {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + ")",
+                       self.weights_per_device, self.devices)
 
 
 def measure(args, phases: Phases | None = None) -> dict:
@@ -199,6 +204,10 @@ def measure(args, phases: Phases | None = None) -> dict:
                  else sizing.device_total_bytes(devices[0]))
     except sizing.NoMemoryLimitError:
         raise UsageError(f"the {platform} device reports no memory limit: pass --device-memory-gib") from None
+    if setup.weights_per_device > total:
+        source = "--device-memory-gib" if args.device_memory_gib is not None else "its bytes_limit"
+        raise UsageError(f"the weights of {setup.name} take {setup.weights_per_device:,} B per device, more than "
+                         f"the device's {total:,} B ({source}): no budget is left for the KV cache")
 
     # Compiled from shapes before any weight is on the device (see sizing.compile_profile).
     say(f"compile the profiling step ({args.max_num_batched_tokens} tokens)")
