@@ -20,6 +20,7 @@ import zlib
 import numpy as np
 
 from kvjax.data import CALIB, HELDOUT
+from kvjax.errors import write_file
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 MAX_FILE = 256 * 1024
 
@@ -65,10 +66,10 @@ def write_data(out_dir: str, heldout_bytes: int = 256 * 1024, calib_bytes: int =
     out_dir, under the names kvjax/data/ ships them as; returns the two paths."""
     os.makedirs(out_dir, exist_ok=True)
     heldout, calib = (os.path.join(out_dir, os.path.basename(p)) for p in (HELDOUT, CALIB))
-    with open(heldout, "wb") as fh:
+    with write_file(heldout, "--out", binary=True) as fh:
         fh.write(load_split("heldout")[:heldout_bytes])
     train = load_split("train")
     start = len(train) // 2  # from the middle of the training split, away from its first files
-    with open(calib, "wb") as fh:
+    with write_file(calib, "--out", binary=True) as fh:
         fh.write(train[start:start + calib_bytes])
     return heldout, calib

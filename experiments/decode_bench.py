@@ -49,6 +49,7 @@ import numpy as np
 
 from kvjax import LLM, SamplingParams
 from kvjax.config import preset
+from kvjax.errors import write_text
 from kvjax.experiments import require, results_dir
 from kvjax.markdown import markdown_table
 from kvjax.models import build_model, init_params
@@ -196,8 +197,8 @@ def _meta() -> dict:
 
 def _write(out_dir: pathlib.Path, stem: str, result: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=float))
-    (out_dir / f"{stem}.md").write_text(markdown)
+    write_text(out_dir / f"{stem}.json", json.dumps(result, indent=1, default=float), "--out")
+    write_text(out_dir / f"{stem}.md", markdown, "--out")
 
 
 def _markdown(r: dict) -> str:

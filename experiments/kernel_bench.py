@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from kvjax.attention.pallas_decode import paged_decode, paged_decode_reference
 from kvjax.attention.pallas_mla import mla_paged_decode, mla_paged_decode_reference
 from kvjax.attention.tiles import default_mla_tiles, default_tiles
+from kvjax.errors import write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 
@@ -223,7 +224,7 @@ def _row_cells(r: dict) -> list:
 
 def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "kernel_bench.json").write_text(json.dumps({**meta, "rows": rows, "summary": checks}, indent=2))
+    write_text(out_dir / "kernel_bench.json", json.dumps({**meta, "rows": rows, "summary": checks}, indent=2), "--out")
     lines = [f"# Decode kernel bandwidth ({meta['device']}, {'tiny interpret mode' if meta['tiny'] else 'compiled'})",
              "", f"copy bandwidth: {meta['copy_gbps']:.1f} GB/s (read + write of {meta['copy_bytes'] / GiB:.3g} GiB)",
              "", *markdown_table(["model", "kv dtype", "batch", "context", "impl", "µs", "KV MiB", "GB/s",
@@ -234,7 +235,7 @@ def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
                                "target shape"],
                               [[c["kind"], c["batch"], c["context"], c["bf16_pct_of_copy"], c["fp8_speedup_over_bf16"],
                                 c["bf16_speedup_over_jax_shipped"], c["target_shape"]] for c in checks])]
-    (out_dir / "kernel_bench.md").write_text("\n".join(lines) + "\n")
+    write_text(out_dir / "kernel_bench.md", "\n".join(lines) + "\n", "--out")
 
 
 def main(argv=None) -> dict:

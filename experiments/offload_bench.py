@@ -41,6 +41,7 @@ import numpy as np
 from kvjax.experiments import results_dir
 from kvjax.experiments.decode_bench import _meta, _write
 from kvjax import LLM, SamplingParams
+from kvjax.errors import save_figure
 from kvjax.markdown import markdown_table
 from kvjax.models.hub import load_model
 
@@ -172,7 +173,7 @@ def plot(r: dict, path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{r['model']}: {r['conversations']} conversations × {r['turns']} turns")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, "--out", dpi=110)
     plt.close(fig)
 
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.experiments import corpus, require
+from kvjax.errors import write_json
 from kvjax.models import build_model, from_hf_config, init_params
 from kvjax.models.loader import load_checkpoint, save_checkpoint
 from kvjax.scoring import next_token_nll, sequence_logits, windows
@@ -117,8 +118,7 @@ def train(name: str, steps: int, batch: int, seq_len: int, lr: float, seed: int,
               "lr": lr, "seed": seed, "train_seconds": round(seconds, 1), "final_train_loss": float(np.mean(losses[-50:])),
               "heldout": ppl, "machine": f"{jax.devices()[0].platform}, {os.cpu_count()} cores",
               "corpus": "Python standard library source (experiments/corpus.py), byte tokens"}
-    with open(os.path.join(folder, "training.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
+    write_json(os.path.join(folder, "training.json"), report, "--out")
     return report
 
 

@@ -18,6 +18,7 @@ Subcommands that need JAX import it lazily, so `plan` and `tables` start instant
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 from kvjax import budget as bud
 from kvjax.commands import check_plot_file, human_int_arg, kv_cache_dtype_arg
 from kvjax.config import PRESETS, from_hf_config, preset
-from kvjax.errors import MAX_GIB, KvjaxError, UsageError, int_arg, one_line
+from kvjax.errors import MAX_GIB, KvjaxError, UsageError, int_arg, one_line, save_figure
 from kvjax.spec import KVSpec
 
 # Subcommands implemented in their own modules, each with add_parser(sub) and run(args); a module
@@ -156,8 +157,18 @@ def _check_plan_flags(args) -> None:
         wrong = [f for f in given if f in (_NOT_MLA if args.kind.lower() == "mla" else _MLA_ONLY)]
         if wrong:
             raise UsageError(f"{wrong[0]} does not apply to --kind {args.kind}")
+    if args.kv_cache_memory_bytes is not None:  # vLLM: the KV budget, in place of the whole subtraction
+        fixed = [f for f in _BUDGET_FLAGS if getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+        if fixed:
+            raise UsageError(f"{fixed[0]} with --kv-cache-memory-bytes: the KV budget is given, so the budget's "
+                             "subtraction, and this flag, would be ignored")
     if args.plot:
         check_plot_file(args.plot)
+
+
+# The flags of the budget's subtraction, which --kv-cache-memory-bytes replaces.
+_BUDGET_FLAGS = ("--gpu-memory-utilization", "--extensible", "--weights-gib", "--params-b", "--weight-dtype",
+                 "--activations-gib", "--cudagraph-gib")
 
 
 def _resolve_plan_inputs(args) -> dict[str, Any]:
@@ -322,7 +333,7 @@ def _plot_concurrency(inputs: dict[str, Any], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, "--plot", dpi=120)
     plt.close(fig)
 
 
@@ -370,27 +381,49 @@ _RUNNERS = {"plan": _run_plan, "tables": _run_tables}
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. The bad-input contract lives here, once for every command: a KvjaxError
     (kvjax.errors; every reader and validator raises one) is printed as one line
-    `kvjax CMD: error: ...` and the exit status is 2. Ctrl-C prints one line and exits 130; a
-    closed stdout (a pipe whose reader left) exits 141 silently. Anything else is a bug and keeps
-    its traceback."""
+    `kvjax CMD: error: ...` and the exit status is 2, as is a stdout that cannot take the output
+    (a full disk: files kvjax writes report their own failures, kvjax.errors.write_file). Ctrl-C
+    prints one line and exits 130; a closed stdout (a pipe whose reader left) exits 141 silently.
+    Anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     known = command in _RUNNERS or command in _MODULE_COMMANDS
+    prog = f"kvjax{' ' + command if known else ''}"
     try:
         refuse_renamed(argv)
         args = build_parser(command if known else None).parse_args(argv)
         if args.command in _RUNNERS:
-            return _RUNNERS[args.command](args)
-        return importlib.import_module(_MODULE_COMMANDS[args.command][0]).run(args)
+            status = _RUNNERS[args.command](args)
+        else:
+            status = importlib.import_module(_MODULE_COMMANDS[args.command][0]).run(args)
+        sys.stdout.flush()  # a write to stdout that fails (a full disk) fails here, inside the contract
+        return status
     except KvjaxError as e:
-        print(f"kvjax{' ' + command if known else ''}: error: {one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
-        print(f"kvjax{' ' + command if known else ''}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kvjax ... | head`: the reader left; stop quietly, as a Unix tool does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error again at exit
+        _drop_stdout()
         return 141
+    except OSError as e:
+        if e.errno not in STDOUT_ERRNOS:
+            raise
+        _drop_stdout()
+        print(f"{prog}: error: cannot write to standard output: {e.strerror}", file=sys.stderr)
+        return 2
+
+
+# What a write to stdout can fail with once every file kvjax writes goes through
+# kvjax.errors.write_file (which reports its own failures): a full disk or quota, a file-size
+# limit, an I/O error. Any other OSError is a bug and keeps its traceback.
+STDOUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit cannot fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

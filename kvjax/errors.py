@@ -13,16 +13,21 @@ What is checked before any work, so that a refused command has written nothing:
   `MAX_JSON_DEPTH` deep with finite numbers only;
 - outputs: the file's folder exists and is writable, the path is not a folder (or, for an output
   folder, the nearest existing ancestor is a writable folder).
+
+Every output is then written by `write_file` (`write_text`, `write_json`, `save_figure`): to a
+temporary file beside the target, renamed into place only when complete, so that a failure while
+writing (a full disk) is one line and leaves the old file, or none, and no partial one.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import stat
 import tempfile
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 INT32_MAX = 2**31 - 1  # device indices (tokens, positions, slots, blocks) are int32
 MAX_GIB = 2**20  # 1 PiB: far above any device or host, far below float overflow
@@ -121,7 +126,7 @@ def _show(value: Any) -> str:
 # --------------------------------------------------------------------------------------------
 def file_kind(mode: int) -> str:
     """What a stat mode names, for messages: "a folder", "a FIFO (named pipe)", "a device", ..."""
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):
@@ -262,32 +267,87 @@ def json_type(value: Any) -> str:
 # Output paths
 # --------------------------------------------------------------------------------------------
 def check_output_file(path: str | os.PathLike, flag: str) -> str:
-    """An output file that can be written: its folder exists, the path is not a folder, and opening
-    it for appending succeeds (a file this creates is removed again, so a refused command leaves
-    nothing behind). Checked before any work."""
+    """An output file that `write_file` can write, checked before any work: the path that will be
+    written (symlinks resolved, so a dangling link names its target) is not a folder, a FIFO or a
+    device, and its folder exists and takes a new file (a probe file, removed at once). Nothing is
+    created at the path itself, so a command refused later leaves nothing behind."""
     path = os.fspath(path)
     if not path:
         raise OutputPathError(f"{flag} is an empty path")
-    if os.path.isdir(path):
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
         raise OutputPathError(f"{flag} {path!r} is a folder; give a file name")
-    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO would block
-        raise OutputPathError(f"{flag} {path!r} is {file_kind(os.stat(path).st_mode)}, not a regular file")
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):  # opening a FIFO would block
+        raise OutputPathError(f"{flag} {path!r} is {file_kind(os.stat(target).st_mode)}, not a regular file")
+    folder = os.path.dirname(target)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: the folder {folder!r} does not exist")
-    target = os.path.realpath(path)  # a dangling symlink: the probe creates its target, then removes it
-    existed = os.path.exists(target)
     try:
-        with open(path, "a"):
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         raise OutputPathError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
-    finally:
-        if not existed and os.path.exists(target):
-            os.remove(target)
     return path
+
+
+@contextlib.contextmanager
+def write_file(path: str | os.PathLike, flag: str, binary: bool = False) -> Iterator[IO]:
+    """Open an output for writing, atomically: the caller writes to a temporary file beside the
+    target, which replaces the target (os.replace) only when everything was written and synced.
+    A write that fails (a full disk, a quota, a file-size limit) or any exception leaves the
+    target as it was and no temporary file behind; an OSError becomes one OutputPathError
+    naming `flag` and the path. The target is the path with symlinks resolved (the link stays);
+    a new file gets the usual mode (0666 less the umask), a replaced one keeps its mode."""
+    path = os.fspath(path)
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):  # never replace a FIFO or a device
+        raise OutputPathError(f"{flag} {path!r} is {file_kind(os.stat(target).st_mode)}, not a regular file")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
+                                   suffix=".part")
+    except OSError as e:
+        raise OutputPathError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except OSError as e:
+        raise OutputPathError(f"{flag} {path!r}: writing failed: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_text(path: str | os.PathLike, text: str, flag: str) -> None:
+    """`text` as the file at `path` (see write_file)."""
+    with write_file(path, flag) as fh:
+        fh.write(text)
+
+
+def write_json(path: str | os.PathLike, obj: Any, flag: str, indent: int | None = 2, **kw) -> None:
+    """`obj` as a JSON file at `path` (see write_file); kw go to json.dump."""
+    with write_file(path, flag) as fh:
+        json.dump(obj, fh, indent=indent, **kw)
+        fh.write("\n")
+
+
+def save_figure(fig, path: str | os.PathLike, flag: str, **kw) -> None:
+    """A matplotlib figure at exactly `path`, its format from the extension (see write_file);
+    kw go to savefig."""
+    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".") or "png"
+    with write_file(path, flag, binary=True) as fh:
+        fig.savefig(fh, format=ext, **kw)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> str:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import InputFileError, KvjaxError, json_type, read_json_object
+from kvjax.errors import InputFileError, KvjaxError, json_type, read_json_object, write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +140,10 @@ class KVScales:
         return {"format": self.format, "mode": self.mode, "k": lst(self.k), "v": lst(self.v),
                 "amax_k": lst(self.amax_k), "amax_v": lst(self.amax_v)}
 
-    def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_json(), fh)
+    def save(self, path: str | os.PathLike, what: str = "scales file") -> None:
+        """Write the scales as JSON, atomically (kvjax.errors.write_file; `what` names the path
+        in a write failure's message)."""
+        write_json(path, self.to_json(), what, indent=None)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "KVScales":

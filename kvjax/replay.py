@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Iterable, Iterator
 
@@ -466,9 +465,6 @@ def run(args: argparse.Namespace) -> int:
         except ReplayError as e:
             sys.stdout.flush()
             raise ReplayError(f"{name}: {e}") from None
-        except BrokenPipeError:  # e.g. `kvjax replay t.jsonl | head`: stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
     return 0
 
 

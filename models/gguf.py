@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.errors import KvjaxError, check_input_file
 from kvjax.models.loader import CheckpointError, TensorSource
 
 ARCHITECTURE = "llama"
@@ -329,8 +330,10 @@ def _open_reader(path: str):
     truncated or corrupt file, a tensor type the library does not know."""
     import gguf
 
-    if not os.path.isfile(path):
-        raise GGUFFormatError(f"GGUF file {path!r} does not exist")
+    try:
+        check_input_file(path, "GGUF file")  # a folder, FIFO or device is refused, never opened
+    except KvjaxError as e:
+        raise GGUFFormatError(str(e)) from None
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         magic = fh.read(4)

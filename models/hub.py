@@ -35,7 +35,7 @@ from typing import Any
 import jax
 
 from kvjax.config import ModelConfig, preset
-from kvjax.errors import KvjaxError, read_json_object, read_text
+from kvjax.errors import KvjaxError, check_input_file, file_kind, read_json_object, read_text
 from kvjax.models.tokenizer import Tokenizer
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
@@ -98,9 +98,13 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path in REGISTRY:
         return fetch(name_or_path)
     if name_or_path.lower().endswith(".gguf"):
-        if not os.path.isfile(name_or_path):
-            raise ModelNotFoundError(f"GGUF file {name_or_path!r} does not exist")
-        return name_or_path
+        try:
+            return check_input_file(name_or_path, "GGUF file")  # a folder or a FIFO so named is said to be one
+        except KvjaxError as e:
+            raise ModelNotFoundError(str(e)) from None
+    if os.path.exists(name_or_path) and not os.path.isdir(name_or_path):
+        raise ModelNotFoundError(f"model {name_or_path!r} is {file_kind(os.stat(name_or_path).st_mode)}, not a "
+                                 "checkpoint folder (a GGUF file's name ends in .gguf)")
     if not os.path.isdir(name_or_path):
         known = ", ".join([*BUILTIN, *REGISTRY])
         raise ModelNotFoundError(f"model {name_or_path!r} is neither a built-in model ({known}), a preset:NAME, "

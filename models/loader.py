@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import re
 
@@ -34,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
+from kvjax import memory as mem
 from kvjax.config import ModelConfig, from_hf_config
-from kvjax.errors import KvjaxError, one_line, read_json_object
+from kvjax.errors import KvjaxError, check_input_file, file_kind, one_line, read_json_object, write_file, write_json
 from kvjax.models import build_model, param_shapes
 
 SAFETENSORS = "model.safetensors"
@@ -179,6 +179,7 @@ def load_params(source: TensorSource | str | os.PathLike, config: ModelConfig) -
     available = set(source.names())
     expected = param_shapes(build_model(config))
     dtype = jnp.dtype(config.dtype)
+    mem.check_fits(f"the {config.dtype} weights of {source.where!r}", mem.tree_bytes(expected))
     used = set()
 
     def load(path, leaf):
@@ -214,9 +215,9 @@ def save_checkpoint(folder: str | os.PathLike, hf_config: dict, params: dict) ->
         name, transpose = hf_name(path)
         array = np.asarray(leaf)
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
-    save_file(tensors, os.path.join(folder, SAFETENSORS), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json"), "w") as fh:
-        json.dump(hf_config, fh, indent=2, sort_keys=True)
+    with write_file(os.path.join(folder, SAFETENSORS), "checkpoint", binary=True) as fh:
+        fh.write(save(tensors, metadata={"format": "pt"}))
+    write_json(os.path.join(folder, "config.json"), hf_config, "checkpoint", sort_keys=True)
 
 
 def hf_name(path) -> tuple[str, bool]:
@@ -233,6 +234,8 @@ def hf_name(path) -> tuple[str, bool]:
 def _check_folder(folder: str) -> None:
     if os.path.isfile(folder) and folder.endswith(PICKLE_SUFFIXES):
         raise _pickled([folder])
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder!r} is {file_kind(os.stat(folder).st_mode)}, not a folder")
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
 
@@ -263,9 +266,13 @@ def _tensor_files(folder: str) -> dict[str, str]:
 
 def _safe_open(path: str):
     """safetensors' safe_open, its own errors (a corrupt, truncated or non-safetensors file: e.g.
-    a pickle renamed) converted to CheckpointError naming the file. It never unpickles."""
+    a pickle renamed) converted to CheckpointError naming the file. It never unpickles. A shard
+    that is a folder, FIFO or device is refused by kvjax.errors.check_input_file, never opened."""
     try:
+        check_input_file(path, "safetensors file")
         return safe_open(path, framework="numpy")
+    except KvjaxError as e:
+        raise CheckpointError(str(e)) from None
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path!r} is not a readable safetensors file: {one_line(e)[:200]}") from None
 

@@ -22,7 +22,7 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvjax.errors import KvjaxError, decode_utf8, one_line, read_bytes
+from kvjax.errors import KvjaxError, check_input_file, decode_utf8, one_line, read_bytes
 
 
 class Tokenizer:
@@ -36,6 +36,7 @@ class Tokenizer:
         if backend is None and path is not None and os.path.exists(path):
             from tokenizers import Tokenizer as HFTokenizer
 
+            check_input_file(path, "tokenizer file")  # a FIFO or a device is refused, never opened
             try:
                 self._tok = HFTokenizer.from_file(path)
             except Exception as e:  # the tokenizers library raises its own Exception: name the file

@@ -17,6 +17,7 @@ import os
 import pickle
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -109,9 +110,18 @@ def workdir(tmp_path_factory):
     _write(root, "ckpt_deep_config/config.json", "[" * 100_000)
     # Files that are not regular files: opening a FIFO blocks until a writer comes, and a device
     # like /dev/zero reads without end; every reader and writer must refuse them by stat.
-    for name in ("pipe.txt", "pipe.jsonl", "pipe.json", "pipe.png", "pipe_out.json"):
+    for name in ("pipe.txt", "pipe.jsonl", "pipe.json", "pipe.png", "pipe_out.json", "pipe.gguf"):
         os.mkfifo(os.path.join(root, name))
     os.symlink("/dev/zero", os.path.join(root, "zero.txt"))
+    os.makedirs(os.path.join(root, "dir.gguf"))  # a folder named like a GGUF file
+    from kvjax.models.hub import BUILTIN
+
+    for name, fifo in (("ckpt_fifo_shard", "model.safetensors"), ("ckpt_fifo_tokenizer", "tokenizer.json")):
+        shutil.copytree(BUILTIN["small-gqa"], os.path.join(root, name))
+        if os.path.exists(os.path.join(root, name, fifo)):
+            os.remove(os.path.join(root, name, fifo))
+        os.mkfifo(os.path.join(root, name, fifo))  # a library (safetensors, tokenizers) would block on it
+    _write(root, "p_tokens.jsonl", '{"prompt": "a"}\n{"tokens": [1, 2]}\n')
     return root
 
 
@@ -133,6 +143,26 @@ ROUND_TWO = [  # issue 23: special files and numeric extremes
     ("plan --group A --gpu-memory-utilization 1e-999999999", "an exponent of at most 400"),
     ("plan --group A --kv-offloading-size 1e999999999", "an exponent of at most 400"),
     ("plan --group A --weights-gib 1" + "0" * 200, "at most 100 characters"),
+    # checkpoints and GGUF files that a library opens: refused by stat first, named as what they are
+    (DECODE_OK.replace("small-gqa", "dir.gguf"), "GGUF file 'dir.gguf' is a folder, not a file"),
+    (DECODE_OK.replace("small-gqa", "pipe.gguf"), "GGUF file 'pipe.gguf' is a FIFO (named pipe)"),
+    (DECODE_OK.replace("small-gqa", "ok.txt"), "model 'ok.txt' is a file, not a checkpoint folder"),
+    (DECODE_OK.replace("small-gqa", "ckpt_fifo_shard"), "model.safetensors' is a FIFO (named pipe)"),
+    (DECODE_OK.replace("small-gqa", "ckpt_fifo_tokenizer"), "tokenizer.json' is a FIFO (named pipe)"),
+    ("memory --model pipe.gguf --device-memory-gib 1", "'pipe.gguf' is a FIFO (named pipe)"),
+    # memory: what follows from the input is checked before it is allocated
+    ("memory --model small-gqa --device-memory-gib 0.0001", "per device, more than the device's 107,375 B"),
+    (DECODE + " --synthetic 2 --max-num-seqs 65536 --prompt-len 1000", "of KV cache need"),
+    (DECODE_OK + " --kv-offloading-size 10000", "more than the host's RAM"),
+    # flags that would be ignored, or whose effect another flag fixes
+    (DECODE + " --prompts p_tokens.jsonl --chat", "p_tokens.jsonl:2: \"tokens\" with --chat"),
+    (DECODE_OK + " --logprobs 2", "--logprobs 2: only --json prints"),
+    (DECODE_OK + " --kv-cache-dtype-skip-layers 0", "--kv-cache-dtype-skip-layers"),
+    (GPU_A + " --kv-cache-memory-bytes 4G --gpu-memory-utilization 0.5", "--gpu-memory-utilization with "
+                                                                          "--kv-cache-memory-bytes"),
+    (GPU_A + " --kv-cache-memory-bytes 4G --weights-gib 3", "--weights-gib with --kv-cache-memory-bytes"),
+    (GPU_A + " --kv-cache-memory-bytes 4G --activations-gib 1", "--activations-gib with --kv-cache-memory-bytes"),
+    (GPU_A + " --kv-cache-memory-bytes 4G --extensible", "--extensible with --kv-cache-memory-bytes"),
 ]
 
 CASES = [
@@ -277,7 +307,7 @@ CASES = [
     ("decode --model nowhere --max-tokens 2 --prompts ok.txt", "nowhere"),
     (DECODE_OK + " --max-model-len 100000000", "--max-model-len"),
     (DECODE_OK + " --num-gpu-blocks-override 2000000000", "int32"),
-    (DECODE_OK + " --num-gpu-blocks-override 100000000", "more than the device"),
+    (DECODE_OK + " --num-gpu-blocks-override 100000000", "need 3,276,800,000,000 B"),
     (DECODE + " --synthetic 2 --prompt-len 5000", "--prompt-len"),
     (DECODE_OK + " --chat", "chat template"),
     # calibrate
@@ -462,9 +492,11 @@ def test_an_output_check_leaves_no_target_behind_a_dangling_symlink(tmp_path):
 
 
 def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
-    """`kvjax tables | head -c 10`: the reader leaves; no traceback, SIGPIPE's status 141."""
+    """`kvjax tables | true`: the reader left before the output came (`true` exits at once, kvjax
+    takes a moment to start); no traceback, SIGPIPE's status 141. (With `| head -c 10` the status
+    depends on a race: output that reaches the pipe before head exits is written, status 0.)"""
     script = shutil.which("kvjax", path=os.path.dirname(sys.executable)) or "kvjax"
-    proc = subprocess.run(f"'{script}' tables | head -c 10 > /dev/null; echo \"${{PIPESTATUS[0]}}\"", shell=True,
+    proc = subprocess.run(f"'{script}' tables | true; echo \"${{PIPESTATUS[0]}}\"", shell=True,
                           executable="/bin/bash", capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.stderr == "" and proc.stdout.strip() == "141"
 
@@ -592,3 +624,133 @@ def test_a_config_eos_id_of_the_wrong_kind_is_refused_not_dropped(tmp_path):
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
         with pytest.raises(KvjaxError, match="generation_config.json: eos_token_id must be a token id"):
             eos_token_ids(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing: every output goes through kvjax.errors.write_file (atomic, failures as one line)
+# --------------------------------------------------------------------------------------------
+def _kvjax_script() -> str:
+    return shutil.which("kvjax", path=os.path.dirname(sys.executable)) or "kvjax"
+
+
+def test_a_write_that_fails_is_one_line_and_leaves_the_old_file(tmp_path):
+    """`--plot` under a 4 KB file-size limit: the PNG (~50 KB) cannot be written. One line, exit
+    2, the old file untouched, no temporary file left."""
+    old = tmp_path / "c.png"
+    old.write_bytes(b"the old plot")
+    # bash's `ulimit -f` counts KiB; SIGXFSZ ignored (and so across exec), a write past it fails with EFBIG
+    proc = subprocess.run(["bash", "-c", f"trap '' XFSZ; ulimit -f 4; exec '{_kvjax_script()}' plan --group A "
+                           "--plot c.png"], cwd=tmp_path, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "kvjax plan: error: --plot 'c.png': writing failed: File too large\n"
+    assert old.read_bytes() == b"the old plot" and sorted(os.listdir(tmp_path)) == ["c.png"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this platform")
+@pytest.mark.parametrize("command", [["tables"], ["plan", "--group", "A", "--json"]])
+def test_a_full_stdout_is_one_line(command, tmp_path):
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([_kvjax_script(), *command], cwd=tmp_path, timeout=120, stdout=full,
+                              stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr == f"kvjax {command[0]}: error: cannot write to standard output: No space left on device\n"
+
+
+def test_write_file_replaces_atomically_keeps_links_and_modes(tmp_path):
+    from kvjax.errors import OutputPathError, write_file, write_text
+
+    target = tmp_path / "out.md"
+    target.write_text("old")
+    os.chmod(target, 0o600)
+    with pytest.raises(RuntimeError):  # any failure in the middle: the old file stays, no temp file
+        with write_file(target, "--out") as fh:
+            fh.write("half")
+            raise RuntimeError("the work failed")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.md"]
+    with pytest.raises(OutputPathError, match="--out .*out.md.*: writing failed: No space left on device"):
+        with write_file(target, "--out") as fh:
+            raise OSError(28, "No space left on device")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.md"]
+    write_text(target, "new", "--out")
+    assert target.read_text() == "new" and os.stat(target).st_mode & 0o777 == 0o600  # a replaced file keeps its mode
+    link = tmp_path / "link.md"
+    os.symlink("real.md", link)  # dangling: the write creates the link's target, the link stays
+    old_mask = os.umask(0o022)
+    try:
+        write_text(link, "through the link", "--out")
+    finally:
+        os.umask(old_mask)
+    assert os.path.islink(link) and (tmp_path / "real.md").read_text() == "through the link"
+    assert os.stat(tmp_path / "real.md").st_mode & 0o777 == 0o644  # a new file: 0666 less the umask
+    fifo = tmp_path / "fifo.md"
+    os.mkfifo(fifo)  # never opened (it would block) nor replaced by a file
+    with pytest.raises(OutputPathError, match="'.*fifo.md' is a FIFO"):
+        write_text(fifo, "x", "--out")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("ext, magic", [(".svg", b"<?xml"), (".pdf", b"%PDF"), (".png", b"\x89PNG")])
+def test_the_plot_is_written_at_the_path_checked_in_its_format(ext, magic, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--group", "A", "--plot", f"c{ext}"]) == 0
+    assert os.listdir(tmp_path) == [f"c{ext}"] and (tmp_path / f"c{ext}").read_bytes().startswith(magic)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: sizes that follow from the input are checked before allocation
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_host(monkeypatch):
+    """A host with 8 GiB of RAM (the CPU device's ceiling), whatever this machine has."""
+    from kvjax import memory
+
+    monkeypatch.setattr(memory, "host_ram_bytes", lambda: 8 * 2**30)
+
+
+def test_weights_that_cannot_fit_are_refused_before_any_is_made(small_host, capsys):
+    from kvjax import LLM
+    from kvjax.memory import WontFitError
+
+    start = time.perf_counter()
+    with pytest.raises(WontFitError, match=r"bfloat16 weights of a llama model \(80 layers.* need 141,107,412,992 B"):
+        LLM("preset:llama-3-70b", use_tqdm_on_load=False)
+    assert main(["memory", "--model", "preset:llama-3-70b", "--device-memory-gib", "80"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvjax memory: error: the bfloat16 weights of preset:llama-3-70b (70,553,706,496 "
+                          "parameters) need 141,107,412,992 B") and err.count("\n") == 1
+    assert time.perf_counter() - start < 30
+
+
+def test_the_schedulers_tables_are_sized_from_their_shapes_and_checked(small_host):
+    from kvjax.memory import WontFitError, tree_bytes
+    from kvjax.scheduler import Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(num_blocks=300, block_size=16, max_num_seqs=4, max_model_len=1000, num_host_blocks=50,
+                             host_policy="arc")
+    sched = Scheduler(config)
+    assert config.state_bytes() == tree_bytes((sched.state, sched.host))  # the shapes' bytes = what was allocated
+    huge = SchedulerConfig(num_blocks=2**20, block_size=16, max_num_seqs=65536, max_model_len=2**16)
+    # tokens i32[2·65536, 2¹⁶] alone: 32 GiB
+    with pytest.raises(WontFitError, match=r"scheduler's tables \(num_blocks=1,048,576, max_num_seqs=65,536 "
+                                           r"\(131,072 request slots\)"):
+        Scheduler(huge)
+
+
+def test_the_engine_checks_cache_tables_and_logits_together(monkeypatch):
+    from kvjax import LLM, memory
+    from kvjax.memory import WontFitError
+
+    # 64 MiB: the 100 blocks of KV (3.2 MB) fit alone, but not with 8192 request slots' tables
+    monkeypatch.setattr(memory, "host_ram_bytes", lambda: 64 * 2**20)
+    with pytest.raises(WontFitError, match=r"the KV cache \(3,276,8\d\d B\), the scheduler's tables \(num_blocks=100, "
+                                           r"max_num_seqs=4,096 .* and one step's logits"):
+        LLM("small-gqa", max_num_seqs=4096, num_gpu_blocks_override=100, use_tqdm_on_load=False)
+
+
+def test_a_pool_sized_by_the_cpu_default_says_so(small_host):
+    from kvjax import LLM
+    from kvjax.memory import WontFitError
+
+    # 1 + 65536 × cdiv(2048, 16) blocks of 32 KiB: 256 GiB
+    with pytest.raises(WontFitError, match=r"num_blocks 8,388,609 \(CPU's default: 1 \+ max_num_seqs=65,536 × "
+                                           r"cdiv\(max_model_len=2,048, block_size=16\)\) of 32,768 B"):
+        LLM("small-gqa", max_num_seqs=65536, use_tqdm_on_load=False)

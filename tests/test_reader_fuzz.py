@@ -183,14 +183,15 @@ PROMPT_LINES = (st.lists(REQUEST, max_size=4) | st.lists(JSON | REQUEST, max_siz
 
 
 def read_prompts_checked(data: bytes | str) -> None:
-    """read_prompts on the content as p.jsonl and as p.txt (with and without --scheduling-policy priority); each
-    parse must be honest about the schema."""
+    """read_prompts on the content as p.jsonl and as p.txt (with and without --scheduling-policy priority, and
+    with --chat); each parse must be honest about the schema."""
     with tempfile.TemporaryDirectory() as folder:
         for name in ("p.jsonl", "p.txt"):
             path = write(folder, name, data)
-            for allow_priority in (False, True):
-                requests = parse_or_refuse(read_prompts, path, allow_priority)
+            for allow_priority, chat in ((False, False), (True, False), (False, True)):
+                requests = parse_or_refuse(read_prompts, path, allow_priority, chat)
                 for r in requests or ():
+                    assert not chat or r["tokens"] is None, r  # --chat renders text: a token-id line is refused
                     assert (r["prompt"] is None) != (r["tokens"] is None), r  # exactly one of the two
                     assert r["prompt"] is None or isinstance(r["prompt"], str), r
                     assert r["tokens"] is None or (isinstance(r["tokens"], list) and all(
@@ -624,3 +625,102 @@ def test_iter_trace_host_tier(ops):
                 before = out["host"]
 
     parse_or_refuse(run)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 23's classes, fuzzed: files that are not regular files, exact decimals of any size,
+# text with lone surrogates, and the memory ceiling of sizes that follow from input.
+# --------------------------------------------------------------------------------------------
+def _special_files(folder: str) -> dict[str, str]:
+    """A FIFO, a folder, a character device and a socket, each as a path a reader may be given."""
+    import socket
+
+    paths = {"fifo": os.path.join(folder, "f.json"), "folder": os.path.join(folder, "d.json"),
+             "device": "/dev/zero", "socket": os.path.join(folder, "s.json")}
+    os.mkfifo(paths["fifo"])
+    os.mkdir(paths["folder"])
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(paths["socket"])
+    sock.close()
+    return paths
+
+
+SPECIAL_READERS = {
+    "read_text": lambda p: read_text(p, "text"),
+    "read_json": lambda p: read_json(p, "json"),
+    "read_prompts": lambda p: read_prompts(p),
+    "KVScales.load": KVScales.load,
+    "from_hf_config": from_hf_config,
+    "load_config": load_config,
+    "load_config-gguf": lambda p: load_config(p + ".gguf"),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(SPECIAL_READERS))
+def test_every_reader_refuses_special_files_without_opening_them(reader, tmp_path):
+    """Opening a FIFO would block until a writer came: a refusal by stat answers at once."""
+    paths = _special_files(str(tmp_path))
+    for kind, path in paths.items():
+        if kind == "folder" and reader in ("from_hf_config", "load_config"):
+            continue  # a checkpoint folder is what these take (its config.json is read)
+        if reader == "load_config-gguf":
+            if kind == "device":
+                continue  # /dev/zero has no .gguf name
+            path = path[:-len(".json")]
+            os.rename(path + ".json", path + ".gguf")
+        with pytest.raises(KvjaxError, match="not a regular file|not a file|is a folder|not a folder"):
+            SPECIAL_READERS[reader](path)
+        if reader == "load_config-gguf":
+            os.rename(path + ".gguf", path + ".json")
+
+
+DECIMALS = (st.text(alphabet="0123456789eE+-.", max_size=30)
+            | st.builds(lambda m, e: f"{m}e{e}", st.integers(-10**6, 10**6), st.integers(-10**12, 10**12))
+            | st.decimals(allow_nan=True).map(str) | TEXT)
+
+
+@fuzz(300)
+@given(DECIMALS)
+def test_exact_decimals_answer_at_once(text):
+    """Every exact-decimal reader (GiB sizes, utilizations) answers within a second or refuses:
+    an exponent like 1e999999999 must not build a billion-digit number."""
+    import time
+
+    from kvjax import budget as bud
+
+    for read in (lambda: bud.gib(text, "--device-memory-gib"), lambda: bud.utilization(text, "--util"),
+                 lambda: bud.exact(text, "--params-b")):
+        start = time.perf_counter()
+        parse_or_refuse(read)
+        assert time.perf_counter() - start < 1.0, text
+
+
+@fuzz(200)
+@given(TEXT)
+def test_the_tokenizer_encodes_or_refuses_any_text(text):
+    from kvjax.models.tokenizer import Tokenizer
+
+    ids = parse_or_refuse(Tokenizer().encode, text)
+    assert ids is None or ids == list(text.encode("utf-8"))
+    if ids is None:  # only a lone surrogate is refused
+        assert any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+@fuzz(40)
+@given(num_blocks=st.integers(2, 2**31), block_size=st.sampled_from([1, 16, 64]),
+       max_num_seqs=st.integers(1, 2**16), max_model_len=st.integers(1, 2**20))
+def test_scheduler_sizes_are_checked_before_allocation(num_blocks, block_size, max_num_seqs, max_model_len):
+    """Any scheduler config either builds (its tables at most the host's RAM, here capped at
+    64 MiB so that a test never allocates much) or is refused by a KvjaxError before allocation."""
+    from unittest import mock
+
+    from kvjax import memory
+    from kvjax.memory import tree_bytes
+    from kvjax.scheduler import Scheduler, SchedulerConfig
+
+    with mock.patch.object(memory, "host_ram_bytes", lambda: 64 * 2**20):
+        config = parse_or_refuse(lambda: SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
+                                                         max_num_seqs=max_num_seqs, max_model_len=max_model_len))
+        sched = None if config is None else parse_or_refuse(Scheduler, config)
+    if sched is not None:
+        assert tree_bytes(sched.state) <= 64 * 2**20

@@ -21,7 +21,8 @@ import json
 import os
 
 from kvjax.commands import Phases, add_progress_flag, progress_enabled
-from kvjax.errors import UsageError, check_input_file, check_output_dir, float_arg, int_arg
+from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure,
+                          write_json, write_text)
 
 DEFAULT_OUT = "results"
 SMALL_MODELS = ("small-gqa", "small-mla")
@@ -102,7 +103,7 @@ def _pyplot():
 
 def _save(plt, fig, path: str) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, "--out", dpi=110)
     plt.close(fig)
 
 
@@ -193,10 +194,8 @@ def write_outputs(res: dict, out_dir: str) -> dict:
     stem = os.path.join(out_dir, f"accuracy_{os.path.basename(res['model'].rstrip('/'))}"
                         + ("_outliers" if res["outlier_channels"] else ""))
     paths = {"json": stem + ".json", "md": stem + ".md", "png": stem + ".png"}
-    with open(paths["json"], "w") as fh:
-        json.dump(res, fh, indent=2)
-    with open(paths["md"], "w") as fh:
-        fh.write(markdown(res))
+    write_json(paths["json"], res, "--out")
+    write_text(paths["md"], markdown(res), "--out")
     plot(res, paths["png"])
     for key, fn, needs in (("positions", plot_positions, "long"), ("layers", plot_layers, "sensitivity"),
                            ("amax", plot_amax, "outliers")):

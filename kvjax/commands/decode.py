@@ -160,7 +160,8 @@ def run(args) -> int:
 
     base = _check_flags(args)  # everything that needs no model is checked before loading one
     transfer = _transfer_config(args)
-    raw = read_prompts(args.prompts, allow_priority=args.scheduling_policy == "priority") if args.prompts else None
+    raw = read_prompts(args.prompts, allow_priority=args.scheduling_policy == "priority", chat=args.chat) \
+        if args.prompts else None
     scales = _scales(args)
     if args.gpu_memory_utilization is not None and args.device_memory_gib is None and jax.default_backend() == "cpu":
         raise UsageError("--gpu-memory-utilization: the cpu device reports no memory limit: pass --device-memory-gib")
@@ -331,6 +332,12 @@ def _check_flags(args):
             raise UsageError(f"{ignored[0]} filters what --temperature samples; greedy decoding ignores it")
         if args.n > 1:
             raise UsageError(f"--n {args.n} needs sampling (--temperature > 0): greedy decoding gives one output")
+    if args.kv_cache_dtype_skip_layers and args.kv_cache_dtype == "auto":
+        raise UsageError("--kv-cache-dtype-skip-layers keeps layers in the model's dtype, which --kv-cache-dtype auto "
+                         "already gives every layer: it would be ignored")
+    if args.logprobs is not None and not args.json:
+        raise UsageError(f"--logprobs {args.logprobs}: only --json prints log-probabilities (the text output "
+                         "would drop them); add --json")
     if args.min_tokens > args.max_tokens:
         raise UsageError(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
     if args.kv_offloading_size and not args.enable_prefix_caching:
@@ -411,7 +418,7 @@ def _encode(args, loaded, raw: list[dict]) -> list[dict]:
 _JSONL_KEYS = {"prompt", "tokens", "max_tokens", "priority"}
 
 
-def read_prompts(path: str, allow_priority: bool = False) -> list[dict]:
+def read_prompts(path: str, allow_priority: bool = False, chat: bool = False) -> list[dict]:
     """A prompts file, checked line by line before any model is loaded. One dict per request:
     prompt (text, or None), tokens (ids, or None), max_tokens (None: the flag's), priority.
 
@@ -419,7 +426,8 @@ def read_prompts(path: str, allow_priority: bool = False) -> list[dict]:
     splits (form feeds and U+2028 stay inside a prompt). `.jsonl` (any case): one object per non-blank line with exactly one of
     "prompt" (a string) and "tokens" (a list of ints in [0, 2**31)), optional "max_tokens" (an
     int; one ≤ 0 fails that request alone, as vLLM's would) and "priority" (an int, with
-    --scheduling-policy priority). Anything else is an InputFileError naming the line."""
+    --scheduling-policy priority). With `chat` (--chat) a "tokens" line is refused: a chat
+    template renders text. Anything else is an InputFileError naming the line."""
     if not path.lower().endswith(".jsonl"):
         text = read_text(path, "prompts file")
         lines = text.split("\n")
@@ -445,6 +453,9 @@ def read_prompts(path: str, allow_priority: bool = False) -> list[dict]:
             for i, t in enumerate(tokens):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
                     raise bad(f'token {i} is {json.dumps(t)[:40]}: token ids are ints in [0, 2**31)')
+            if chat:
+                raise bad('"tokens" with --chat: a chat template renders text, so token ids would be sent '
+                          'without it; give "prompt" text')
         if "priority" in obj and not allow_priority:
             raise bad('a "priority" needs --scheduling-policy priority (it would be ignored)')
         try:
