@@ -7,7 +7,7 @@ cached when full). At N concurrent requests, one decode step is N ops. Three way
 * oracle    kvjax/testing/pool_oracle.py, plain Python lists/dicts, one request at a time
             (vLLM's own allocator is plain Python objects like these);
 * jax-call  kv_cache_manager.append_token_step + allocate_step jitted together, one call
-            per step, driven by a host loop (kvjax.scheduler makes calls like these);
+            per step, driven by a host loop (kvjax.core.sched.scheduler makes calls like these);
 * jax-scan  the same two calls for all D steps inside one jitted lax.scan (no host round
             trip; what a fused decode loop does).
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import kv_cache_manager as manager
+from kvjax.core import kv_cache_manager as manager
 from kvjax.errors import write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table

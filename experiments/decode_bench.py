@@ -11,7 +11,7 @@ do): a repeat measures the workload, not the blocks the warm-up left cached.
    both, a pool that never preempts: `kv_layout="paged"` keeps K/V in kvjax's paged cache
    (scattered through the slot mapping, read back by gathering the block table);
    `kv_layout="contiguous"` keeps each row's K/V in a [B, S_max] buffer read in place
-   (kvjax.cache.ContiguousCache). Same Flax modules, same engine, same decode loop, same
+   (kvjax.worker.paged_cache.ContiguousCache). Same Flax modules, same engine, same decode loop, same
    attention math (kvjax.attention.reference): the ratio of decode tokens/s measures paging
    alone. Repeated at other context lengths.
 2. device loop vs host loop: steps_per_call 8 against 1, batch B, decode tokens/s of
@@ -26,7 +26,7 @@ host loop at batch 8 on a small model.
 (experiments/vs_transformers.py; `--model smollm2-135m` for the real model).
 
 `--sweep-kv` instead runs the engine (K = 8) on a random-weight Llama-3-8B-shaped model in bf16
-(`kvjax.config.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
+(`kvjax.config.model.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
 pallas attention: decode tokens/s and step latency per variant, results rewritten after each
 variant so that a time limit leaves what was done. That is the GPU check's decode step
 (experiments/gpu_check.sh); `--tiny` runs it on the tiny preset so it can't rot on CPU.
@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from kvjax import LLM, SamplingParams
-from kvjax.config import preset
+from kvjax.config.model import preset
 from kvjax.errors import write_text
 from kvjax.experiments import require, results_dir
 from kvjax.markdown import markdown_table

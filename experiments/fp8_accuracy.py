@@ -1,6 +1,6 @@
-"""How much accuracy does a quantized KV cache cost against bf16? (kvjax.accuracy, as a script)
+"""How much accuracy does a quantized KV cache cost against bf16? (kvjax.evaluation.accuracy, as a script)
 
-The evaluation (variants, metrics) is the library's `kvjax.accuracy.evaluate`; this script
+The evaluation (variants, metrics) is the library's `kvjax.evaluation.accuracy.evaluate`; this script
 runs it like `kvjax accuracy` does, writing into ./experiments/results/ by default:
 
     python -m kvjax.experiments.fp8_accuracy --model small-gqa
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvjax.accuracy import markdown
+from kvjax.evaluation.accuracy import markdown
 from kvjax.commands.accuracy import add_arguments, run_from_args
 from kvjax.experiments import RESULTS
 

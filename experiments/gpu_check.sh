@@ -10,7 +10,7 @@
 #
 # Steps
 #   env           versions and devices
-#   kernel_tests  tests/test_pallas_decode.py compiled (KVJAX_INTERPRET=0: Triton, no interpreter)
+#   kernel_tests  tests/attention/test_pallas_decode.py compiled (KVJAX_INTERPRET=0: Triton, no interpreter)
 #   kernel_bench  experiments/kernel_bench.py on the GPU shapes, target shapes first, with a time budget
 #   memory_*      kvjax memory on a small model and on Llama-3-8B-shaped random weights (issue 7)
 #   decode_sweep  the engine on Llama-3-8B-shaped random bf16 weights: bf16 vs fp8 KV, pallas vs reference (issue 8)
@@ -41,7 +41,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 }
 
 step env 15 "$PY" -c "import jax, jaxlib, sys; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
-step kernel_tests 90 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_decode.py \
+step kernel_tests 90 env KVJAX_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_pallas_decode.py \
   --junitxml="$OUT_DIR/kernel_tests.xml"
 step kernel_bench 60 "$PY" -m kvjax.experiments.kernel_bench --out "$OUT_DIR" --time-budget 40
 
@@ -52,7 +52,7 @@ step kernel_bench 60 "$PY" -m kvjax.experiments.kernel_bench --out "$OUT_DIR" --
 # CPU smoke run (no bytes_limit there, so give a size):
 #   KVJAX_MEMORY_BIG=preset:tiny KVJAX_MEMORY_ARGS="--device-memory-gib 1" bash experiments/gpu_check.sh
 memory_check() {  # memory_check LABEL MODEL TOKENS
-  "$PY" -m kvjax.cli memory --model "$2" --max-num-batched-tokens "$3" $KVJAX_MEMORY_ARGS --json \
+  "$PY" -m kvjax.commands.main memory --model "$2" --max-num-batched-tokens "$3" $KVJAX_MEMORY_ARGS --json \
     > "$OUT_DIR/memory_$1.json" || return
   "$PY" -c 'import json, sys
 from kvjax.commands.memory import render
@@ -74,7 +74,7 @@ step memory_small 20 bash -c 'memory_check small "$0" 512' "$MEMORY_SMALL"
 step memory_llama8b 45 bash -c 'memory_check llama-3-8b "$0" 4096' "${KVJAX_MEMORY_BIG:-preset:llama-3-8b}"
 
 # ---- decode (issue 8) ------------------------------------------------------------------------
-# kvjax.engine (8 decode steps per call) on Llama-3-8B's shapes, 2 of its 32 layers, random bf16
+# kvjax.engine.core (8 decode steps per call) on Llama-3-8B's shapes, 2 of its 32 layers, random bf16
 # weights: batch 8, 512-token prompts, 32 new tokens; bf16 vs fp8_e4m3 KV × pallas vs reference,
 # the kernel first; variants past the time budget are skipped, results rewritten after each one
 # in $OUT_DIR/decode_sweep.{json,md}. (env 30 → 15 s and kernel_bench 75 → 60 s made room.)

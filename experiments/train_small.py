@@ -8,7 +8,7 @@ under `models/checkpoints/` (copied there from this script's --out folder by han
     small-mla  DeepSeek-V3-style MLA, 4 dense layers, hidden 128, 4 heads, kv_lora_rank 64,
                qk_rope_head_dim 16 (the cache holds 80 lanes per token per layer)
 
-Training runs through the same paged-cache forward the engine serves with (kvjax.scoring),
+Training runs through the same paged-cache forward the engine serves with (kvjax.evaluation.scoring),
 in float32 with AdamW, on fixed-length windows sampled from the training split (see
 experiments/corpus.py). It reports held-out perplexity per byte on the shipped held-out text.
 
@@ -33,7 +33,7 @@ from kvjax.experiments import corpus, require
 from kvjax.errors import write_json
 from kvjax.models import build_model, from_hf_config, init_params
 from kvjax.models.loader import load_checkpoint, save_checkpoint
-from kvjax.scoring import next_token_nll, sequence_logits, windows
+from kvjax.evaluation.scoring import next_token_nll, sequence_logits, windows
 
 PROG = "python -m kvjax.experiments.train_small"
 CHECKPOINTS = "checkpoints"  # in the current directory, never the installed package's own

@@ -1,13 +1,13 @@
 """kvjax: a JAX reference implementation of vLLM V1's paged KV cache.
 
-The Python API mirrors vLLM's offline one (see kvjax.llm):
+The Python API mirrors vLLM's offline one (see kvjax.engine.llm):
 
     import kvjax
     llm = kvjax.LLM("small-gqa", kv_cache_dtype="fp8")
     outs = llm.generate(["def fib(n):"], kvjax.SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9))
     print(outs[0].outputs[0].text, outs[0].outputs[0].finish_reason)
 
-The names below load on first use, so that `import kvjax.spec` or the `kvjax plan` command
+The names below load on first use, so that `import kvjax.core.kv_cache_interface` or the `kvjax plan` command
 do not pay for importing JAX.
 
 Installed, kvjax is the only top-level package: the repository's `models/` and `experiments/`
@@ -52,9 +52,9 @@ if _in_checkout() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_
     sys.meta_path.insert(0, _CheckoutFolders())
 
 _EXPORTS = {
-    "LLM": "kvjax.llm", "LLMError": "kvjax.llm", "RequestOutput": "kvjax.llm", "CompletionOutput": "kvjax.llm",
-    "Logprob": "kvjax.llm", "RequestMetrics": "kvjax.llm",
-    "SamplingParams": "kvjax.sampling", "SamplingParamsError": "kvjax.sampling",
+    "LLM": "kvjax.engine.llm", "LLMError": "kvjax.engine.llm", "RequestOutput": "kvjax.engine.llm", "CompletionOutput": "kvjax.engine.llm",
+    "Logprob": "kvjax.engine.llm", "RequestMetrics": "kvjax.engine.llm",
+    "SamplingParams": "kvjax.engine.sampling", "SamplingParamsError": "kvjax.engine.sampling",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """The bad-input contract: kvjax's own error types and the checks every reader and command shares.
 
 Every rule a user's input can break raises a `KvjaxError` whose message names the value (flag,
-file and line) and the rule. The command line (kvjax.cli.main) turns one into a single stderr
+file and line) and the rule. The command line (kvjax.commands.main.main) turns one into a single stderr
 line `kvjax CMD: error: ...` and exit status 2; any other exception is a bug and keeps its
 traceback. The library's specific errors (SpecError, LLMError, CheckpointError, ...) are
 subclasses, and every `KvjaxError` is a ValueError, so Python callers can catch either.

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from kvjax.attention import default_impl, get_impl
 from kvjax.attention.metadata import build_metadata
-from kvjax.cache import PagedCache
-from kvjax.config import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
+from kvjax.worker.paged_cache import PagedCache
+from kvjax.config.model import PRESETS, ModelConfig, ModelConfigError, from_hf_config, preset
 from kvjax.models.deepseek import DeepseekForCausalLM
 from kvjax.models.layers import CausalLM, UnsupportedModelError, check_supported
 from kvjax.models.llama import LlamaForCausalLM
@@ -33,8 +33,8 @@ def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
 
 def init_params(model: CausalLM, rng: jax.Array):
     """Random parameters (Flax default initializers) for `model`, traced on a one-token batch;
-    refused (kvjax.memory.check_fits) before any is made when they cannot fit the device."""
-    from kvjax import memory as mem
+    refused (kvjax.accounting.memory.check_fits) before any is made when they cannot fit the device."""
+    from kvjax.accounting import memory as mem
 
     tokens, md, cache = _dummy_inputs(model.config)
     make = jax.jit(lambda key: model.init(key, tokens, md, cache)["params"])

@@ -13,7 +13,7 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
 
 - `hf_config()`: the `llama.*` metadata as a config.json dict (block_count → num_hidden_layers,
   embedding_length → hidden_size, rope.dimension_count → head_dim, ...; tied embeddings when
-  the file has no `output.weight`), parsed by kvjax.config.from_hf_config like any other config;
+  the file has no `output.weight`), parsed by kvjax.config.model.from_hf_config like any other config;
 - a `TensorSource`: `blk.N.attn_q.weight` → `model.layers.N.self_attn.q_proj.weight`, etc.,
   dequantized to f32 in torch's [out, in] layout (ggml's dims reversed), so models.loader's
   `load_params` fills the Flax tree with its own name mapping and shape checks. llama.cpp's
@@ -196,8 +196,8 @@ class GGUFFile(TensorSource):
         return cfg
 
     def config(self, dtype: str | None = None):
-        """The kvjax ModelConfig (kvjax.config.from_hf_config of `hf_config()`), named after the file."""
-        from kvjax.config import from_hf_config
+        """The kvjax ModelConfig (kvjax.config.model.from_hf_config of `hf_config()`), named after the file."""
+        from kvjax.config.model import from_hf_config
 
         return from_hf_config(self.hf_config(), dtype=dtype).replace(name=self.name)
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.cache import ContiguousCache, LayerPages, LayerRows, PagedCache
-from kvjax.config import ModelConfig, ModelConfigError
+from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, PagedCache
+from kvjax.config.model import ModelConfig, ModelConfigError
 
 # Model types whose config kvjax parses (to size their KV cache) but whose decoder differs
 # from the Llama / DeepSeek one built here, with what differs.
@@ -37,7 +37,7 @@ class UnsupportedModelError(ModelConfigError):
 def check_supported(config: ModelConfig) -> None:
     """Refuse, by name, what the decoder would otherwise compute wrongly or cannot build.
 
-    kvjax.config parses and records these features, so a config that uses them can still size
+    kvjax.config.model parses and records these features, so a config that uses them can still size
     a KV cache; only building a model refuses them.
     """
     who = config.name or config.model_type

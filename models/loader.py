@@ -35,8 +35,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
-from kvjax import memory as mem
-from kvjax.config import ModelConfig, from_hf_config
+from kvjax.accounting import memory as mem
+from kvjax.config.model import ModelConfig, from_hf_config
 from kvjax.errors import KvjaxError, check_input_file, file_kind, one_line, read_json_object, write_file, write_json
 from kvjax.models import build_model, param_shapes
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.config.model import ModelConfig
 
 
 def rope_pairs(channels, head_dim: int, layout: str) -> list[int]:

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# tests/test_tp.py needs 8 CPU devices. Asked for through JAX's config rather than XLA_FLAGS, which
+# tests/worker/test_tp.py needs 8 CPU devices. Asked for through JAX's config rather than XLA_FLAGS, which
 # JAX hashes into every persistent-cache key: the `kvjax` processes that tests (and .ci/run's report
 # run) start then compile programs with the same keys as the test processes and share them.
 jax.config.update("jax_num_cpu_devices", 8)

@@ -26,7 +26,7 @@ from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadat
 from kvjax.attention import reference as ref
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
-from kvjax.cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
+from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 from kvjax.errors import KvjaxError
 
 

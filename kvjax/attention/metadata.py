@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import NULL_BLOCK
+from kvjax.worker.paged_cache import NULL_BLOCK
 
 
 class MetadataError(ValueError):

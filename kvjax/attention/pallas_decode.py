@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention.reference import paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, cdiv, default_tiles, is_power_of_two
-from kvjax.cache import NULL_BLOCK
+from kvjax.worker.paged_cache import NULL_BLOCK
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: MASK - MASK is 0, not NaN
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

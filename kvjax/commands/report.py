@@ -1,11 +1,11 @@
 """`kvjax report`: the end-to-end report on the built-in small models, on CPU, in minutes.
 
 Sections, each computed in this run (nothing is copied from a stored result):
-1. SPEC Tables 1 and 2 and simulator groups A–C from the formulas (kvjax.tables, kvjax.budget),
+1. SPEC Tables 1 and 2 and simulator groups A–C from the formulas (kvjax.accounting.spec_tables, kvjax.accounting.budget),
    with a plot of max concurrency against context length.
 2. A decode run through scheduler, block pool, paged cache and model, with prefix caching on
    and a pool small enough to force preemption; a plot of blocks in use per step.
-3. The fp8 / int8 KV accuracy table for both small models (kvjax.accuracy), and the
+3. The fp8 / int8 KV accuracy table for both small models (kvjax.evaluation.accuracy), and the
    same for small-gqa with inflated K channels.
 4. The memory reconciliation: analytic vs measured bytes (kvjax memory).
 5. A real pretrained LLM, SmolLM2-135M-Instruct (GGUF, fetched and cached on first use): chat
@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from kvjax.commands import Phases, add_progress_flag, progress_enabled
+from kvjax.commands.common import Phases, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_output_dir, save_figure, write_json, write_text
 from kvjax.markdown import markdown_table
 
@@ -42,9 +42,9 @@ def add_parser(sub) -> None:
 
 
 def _section_tables(out: str) -> tuple[str, dict]:
-    from kvjax import budget as bud
-    from kvjax import tables
-    from kvjax.cli import format_plan
+    from kvjax.accounting import budget as bud
+    from kvjax.accounting import spec_tables as tables
+    from kvjax.commands.main import format_plan
 
     t1, t2 = tables.table1(), tables.table2()
     md = ["## 1. KV bytes, budget and concurrency (SPEC Tables 1–2, simulator groups A–C)", "",
@@ -67,8 +67,8 @@ def _plot_concurrency(path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvjax import budget as bud
-    from kvjax import tables
+    from kvjax.accounting import budget as bud
+    from kvjax.accounting import spec_tables as tables
 
     contexts = [2**k for k in range(10, 18)]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -91,7 +91,7 @@ def _plot_concurrency(path: str) -> None:
 
 
 def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
-    from kvjax.accuracy import evaluate, markdown
+    from kvjax.evaluation.accuracy import evaluate, markdown
     from kvjax.commands.accuracy import write_outputs
     from kvjax.data import CALIB, HELDOUT
 
@@ -150,8 +150,8 @@ def _section_decode(out: str, quick: bool) -> tuple[str, dict]:
     """small-gqa serving held-out prompts that share a system prefix, from a pool too small
     for all of them at once: prefix hits, preemption by recompute, blocks in use per step."""
     from kvjax.data import HELDOUT
-    from kvjax.llm import LLM
-    from kvjax.sampling import SamplingParams
+    from kvjax.engine.llm import LLM
+    from kvjax.engine.sampling import SamplingParams
 
     text = open(HELDOUT, "rb").read()
     system = list(text[:96])  # a shared 96-byte "system prompt": 6 full blocks of 16
@@ -214,7 +214,7 @@ def _memory_json(args: list[str]) -> dict:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "kvjax.cli", "memory", *args, "--json", "--no-progress"]
+    cmd = [sys.executable, "-m", "kvjax.commands.main", "memory", *args, "--json", "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[2:])} failed: {proc.stderr.strip()[-500:]}")
@@ -244,12 +244,12 @@ def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
 
 def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
     """SmolLM2-135M-Instruct: chat decoding with prefix hits, a cut-down accuracy table, memory."""
-    from kvjax.accuracy import evaluate, markdown
+    from kvjax.evaluation.accuracy import evaluate, markdown
     from kvjax.commands.accuracy import write_outputs
     from kvjax.commands.memory import render
     from kvjax.data import CALIB, CHAT_PROMPTS, HELDOUT, PROSE
-    from kvjax.llm import LLM
-    from kvjax.sampling import SamplingParams
+    from kvjax.engine.llm import LLM
+    from kvjax.engine.sampling import SamplingParams
     from kvjax.models.hub import load_model
 
     model = "smollm2-135m"

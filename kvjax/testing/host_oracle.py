@@ -1,4 +1,4 @@
-"""Plain-Python oracle of the host offload index (`kvjax/host_cache.py`), written independently
+"""Plain-Python oracle of the host offload index (`kvjax/kv_offload/manager.py`), written independently
 of it the way vLLM's own managers are written (`vllm/v1/kv_offload/lru_manager.py`,
 `arc_manager.py`): OrderedDicts from hash to slot (LRU end first), one loop per hash, one
 eviction at a time. Only the rules are shared (see host_cache's module docstring): the jitted
@@ -142,7 +142,7 @@ class OracleHostIndex:
 
     # ------------------------------------------------------------------ views
     def entries(self) -> dict:
-        """Same shape as kvjax.host_cache.entries."""
+        """Same shape as kvjax.kv_offload.manager.entries."""
         def listed(lst):
             return [(h, s, self.ref_cnt[s]) for h, s in lst.items()]
         if self.policy == "lru":

@@ -1,7 +1,7 @@
 """Plain-Python oracle of the kvjax block pool (issue 3), written independently of
-`kvjax/block_pool.py` and `kvjax/kv_cache_manager.py`: lists, dicts and a Python list for the
+`kvjax/core/block_pool.py` and `kvjax/core/kv_cache_manager.py`: lists, dicts and a Python list for the
 free queue (head = index 0), the way vLLM V1's `core/block_pool.py` holds them. Only the block hash is shared with the
-library (`kvjax.hashing.block_hash_np`): the hash is a definition, not the thing
+library (`kvjax.core.kv_cache_utils.block_hash_np`): the hash is a definition, not the thing
 under test.
 
 `OraclePool` speaks in request NAMES and whole ops (add / append / free /
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvjax.hashing import block_hash_np, salt_key
+from kvjax.core.kv_cache_utils import block_hash_np, salt_key
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""KV bytes -> budget -> blocks (vLLM V1's `gpu_worker.determine_available_memory` and `kv_cache_utils`' sizing): the arithmetic, the profiled sizing, memory measurement and reconciliation, SPEC's tables."""

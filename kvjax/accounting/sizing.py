@@ -1,0 +1,468 @@
+"""Profile → budget → blocks: size the paged KV cache from measured memory, as vLLM V1 does.
+
+vLLM sizes its cache once at engine start (`vllm/v1/worker/gpu_worker.py:
+determine_available_memory`, SPEC "Budget → blocks"): the weights are loaded and their bytes
+measured while loading (`model_memory_usage`), one profiling forward runs over
+`max_num_batched_tokens` tokens, the allocator's peak gives the activations, and
+`ceil(total × gpu_memory_utilization) − (weights + activations)` goes to KV blocks. kvjax does
+the same on JAX devices:
+
+1. `compile_profile`: the profiling step, one prefill of max_num_batched_tokens tokens (one
+   sequence, the logits of its last token), compiled from shapes alone;
+2. `run_profile`: run it once. GPU: the allocator's `peak_bytes_in_use`; CPU, which keeps no
+   allocator stats: the live arrays at the call plus the compiled step's `memory_analysis()`
+   temporaries and unaliased outputs. Activations = that peak − what was in use before the
+   step's inputs arrived (weights and the profile's own small cache);
+3. `profile_and_size`: total = the caller's bytes or the device's `bytes_limit` (GPU);
+   kvjax.accounting.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
+4. `reconcile`: allocate the planned cache and block tables, measure each increase on every
+   device, and set analytic beside measured bytes (kvjax.accounting.memory.Row) with the cause of any
+   difference. This is what `kvjax memory` prints.
+
+Unlike vLLM's dummy run, which spreads the tokens over min(tokens, max_num_seqs) requests and
+samples max_num_seqs rows, the profile is one sequence with one row of logits.
+
+Tensor parallelism: pass a mesh (kvjax.worker.sharding.make_mesh) and params placed by
+kvjax.worker.sharding.param_shardings; with tp > Hkv the model and params must already carry the
+repeated kv heads (TPLayout.cache_kv_heads, sharding.replicate_kv_heads).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.accounting import budget as bud
+from kvjax.accounting import memory as mem
+from kvjax.worker import sharding as shd
+from kvjax.attention.metadata import build_metadata
+from kvjax.worker.paged_cache import PagedCache
+from kvjax.errors import KvjaxError
+from kvjax.core.kv_cache_interface import KVSpec
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+# max_model_len unset: the model's maximum, capped so that a 128K-context model's block tables
+# and concurrency readout stay at a typical serving length.
+MAX_MODEL_LEN_CAP = 8192
+
+
+class SizingError(KvjaxError):
+    """A sizing input that breaks a rule; the message names the value."""
+
+
+class NoMemoryLimitError(SizingError):
+    """The device reports no memory limit (CPU keeps no allocator stats): pass total_bytes."""
+
+
+class NoUsableBlockError(SizingError):
+    """The budget leaves fewer than 2 blocks: no block besides the null block 0."""
+
+    def __init__(self, plan: bud.Plan):
+        self.plan = plan
+        super().__init__(f"the budget leaves {plan.num_blocks} blocks of {plan.bytes_per_block:,} B (requested "
+                         f"{plan.requested_bytes:,} B, non-KV {plan.weights_bytes + plan.activations_bytes:,} B): "
+                         "no usable block; raise total_bytes or util, or lower max_num_batched_tokens")
+
+
+def check_cache_fits(spec: KVSpec, num_blocks: int, block_size: int, device: jax.Device | None = None,
+                     why: str = "") -> None:
+    """Refuse a pool that cannot exist before allocating it: token slots are int32 indices, and
+    the pages must fit the device's memory (kvjax.accounting.memory.check_fits). why: where num_blocks
+    came from, for the message."""
+    from kvjax.errors import INT32_MAX
+
+    if num_blocks * block_size > INT32_MAX:
+        raise SizingError(f"num_blocks {num_blocks:,} × block_size {block_size:,} = {num_blocks * block_size:,} "
+                          f"token slots; slots are int32 indices (at most {INT32_MAX:,})")
+    mem.check_fits(f"num_blocks {num_blocks:,}{why} of {spec.bytes_per_block(block_size):,} B of KV cache",
+                   num_blocks * spec.bytes_per_block(block_size), device)
+
+
+def device_total_bytes(device: jax.Device) -> int:
+    """The memory the device's allocator may use (GPU `bytes_limit`: with preallocation,
+    XLA_CLIENT_MEM_FRACTION × memory); NoMemoryLimitError where it reports none (CPU)."""
+    total = mem.bytes_limit(device)
+    if total is None:
+        raise NoMemoryLimitError(f"the {device.platform} device reports no memory limit: pass total_bytes")
+    return total
+
+
+def _check_positive(**values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise SizingError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# 1-2. The profiling step
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProfileStep:
+    """The compiled profiling prefill and its inputs, kept on the host until the profile runs."""
+
+    mesh: Mesh
+    layout: shd.TPLayout  # the model's kv heads over the mesh's tp ranks
+    block_size: int
+    tokens: int  # T = max_num_batched_tokens
+    compiled: Any  # (params, ids, metadata, cache, rows) → (logits, cache), the cache donated
+    xla: mem.CompiledMemory  # XLA's buffer plan of `compiled`, per device
+    inputs: tuple  # (ids i32[T], BatchMetadata, logits rows i32[1]), numpy
+    cache_blocks: int  # the profile's own cache: cdiv(T, Z) blocks + the null block
+
+    def make_cache(self):
+        return _cache_maker(self.layout, self.cache_blocks, self.block_size)
+
+
+def _cache_maker(layout: shd.TPLayout, num_blocks: int, block_size: int):
+    return lambda: PagedCache.create(layout.cache_spec, num_blocks, block_size)
+
+
+def _profile_inputs(vocab_size: int, tokens: int, block_size: int):
+    """One sequence of `tokens` tokens in blocks 1..cdiv(tokens, Z): (ids, metadata, logits row,
+    blocks), as host arrays, so that they reach the devices only when the profile measures them."""
+    blocks = -(-tokens // block_size)
+    md = build_metadata([0], [tokens], [list(range(1, blocks + 1))], block_size=block_size, max_tokens=tokens,
+                        max_seqs=1, max_blocks_per_seq=blocks)
+    md = jax.tree_util.tree_map(np.array, md)  # copies: a numpy view would keep the device buffer alive
+    ids = (np.arange(tokens) % vocab_size).astype(np.int32)  # i32[T]
+    return ids, md, md.logits_indices.copy(), blocks + 1
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree` carrying `shardings` (one sharding, or a matching tree)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree_util.tree_map(lambda _: shardings, tree)
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _param_abstract(params: Any, mesh: Mesh) -> Any:
+    """The params' shapes with where they live: an array's own sharding, else kvjax.worker.sharding's rules."""
+    rules = shd.param_shardings(params, mesh)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or s),
+        params, rules)
+
+
+def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = None,
+                    block_size: int = bud.DEFAULT_BLOCK_SIZE,
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> ProfileStep:
+    """Compile the profiling prefill of `model` (a models.build_model decoder with a `.config`).
+
+    params: the parameters, or their shapes (ShapeDtypeStructs; without a sharding they are
+    placed by kvjax.worker.sharding.param_shardings). On a GPU, compile before the weights are loaded:
+    the compiler's autotuning scratch then peaks on an empty device and cannot hide the
+    profile's peak later. mesh None: one device.
+    """
+    _check_positive(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+    mesh = mesh if mesh is not None else shd.make_mesh(1)
+    layout = shd.tp_layout(spec, mesh.shape[shd.AXIS])
+    ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size)
+    cache_shapes = jax.eval_shape(_cache_maker(layout, blocks, block_size))
+    whole = NamedSharding(mesh, P())
+    compiled = shd.make_sharded_step(model, mesh, cache_shapes).lower(
+        _param_abstract(params, mesh), _abstract(ids, whole), _abstract(md, whole),
+        _abstract(cache_shapes, shd.cache_shardings(cache_shapes, mesh)), _abstract(rows, whole)).compile()
+    return ProfileStep(mesh, layout, block_size, max_num_batched_tokens, compiled, mem.analyse(compiled),
+                       (ids, md, rows), blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """One profiling run; tuples hold one value per device of the mesh, in mesh order."""
+
+    tokens: int
+    how: str  # where the peak came from
+    peak_bytes: tuple[int, ...]  # bytes in use at the step's peak
+    base_bytes: tuple[int, ...]  # in use before its inputs arrived: weights + the profile's cache
+    xla_temp: int
+    xla_output: int
+    xla_alias: int
+    inputs: int  # ids + metadata + logits rows on one device
+    profile_cache_bytes: tuple[int, ...]
+    analytic: int  # XLA's plan: inputs + temporaries + unaliased outputs
+    measured: tuple[int | None, ...]  # peak − base; None where an earlier, higher peak hides it
+
+    @property
+    def peak_hidden_by_earlier_peak(self) -> bool:
+        return any(m is None for m in self.measured)
+
+    @property
+    def activations(self) -> int:
+        """Non-KV activations for the budget: the measured peak, or XLA's plan where the device
+        could not show it; the largest over devices (every rank must fit)."""
+        return max(self.analytic if m is None else m for m in self.measured)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "how": self.how, "peak_bytes": list(self.peak_bytes),
+                "base_bytes": list(self.base_bytes), "xla_temp": self.xla_temp, "xla_output": self.xla_output,
+                "xla_alias": self.xla_alias, "inputs": self.inputs,
+                "profile_cache_bytes": list(self.profile_cache_bytes), "analytic": self.analytic,
+                "measured": list(self.measured), "peak_hidden_by_earlier_peak": self.peak_hidden_by_earlier_peak,
+                "activations": self.activations}
+
+
+def run_profile(step: ProfileStep, params: Any) -> Profile:
+    """Run the compiled profiling step once with `params` on the devices; the activation peak."""
+    devices = list(step.mesh.devices.flat)
+    make = step.make_cache()
+    cache = jax.jit(make, out_shardings=shd.cache_shardings(jax.eval_shape(make), step.mesh))()
+    cache_bytes = [mem.tree_bytes_on(cache, d) for d in devices]
+    base = mem.snapshot(devices)  # weights + profile cache (+ anything else alive)
+    peak_before = [mem.peak_bytes(d) for d in devices]
+    ids, md, rows = shd.replicated(step.mesh, step.inputs)
+    input_bytes = mem.tree_bytes_on((ids, md, rows), devices[0])
+    live_at_call = mem.snapshot(devices)
+    logits, cache = step.compiled(params, ids, md, cache, rows)
+    jax.block_until_ready((logits, cache))
+    peak_after = [mem.peak_bytes(d) for d in devices]
+    extra = step.xla.temp + step.xla.output - step.xla.alias
+    if peak_after[0] is None:  # CPU: live arrays at the call + XLA's temporaries and new outputs
+        peaks = [live + extra for live in live_at_call]
+        how = "no allocator stats (cpu): live arrays at the call + XLA temp + unaliased outputs"
+    else:
+        peaks, how = peak_after, "allocator peak_bytes_in_use"
+    # An earlier peak (weight loading) above the profile's hides it: measured is then unknown.
+    measured = [None if before is not None and peak <= before else peak - b
+                for peak, before, b in zip(peaks, peak_before, base)]
+    return Profile(step.tokens, how, tuple(peaks), tuple(base), step.xla.temp, step.xla.output, step.xla.alias,
+                   input_bytes, tuple(cache_bytes), input_bytes + extra, tuple(measured))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Budget → blocks
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class SizingReport:
+    """What profile_and_size measured and decided. Bytes are per device (one tensor-parallel
+    rank); tuples hold one value per device of the mesh."""
+
+    spec: KVSpec  # the model's KV layout, all ranks together
+    layout: shd.TPLayout  # its kv heads over the mesh's ranks
+    mesh: Mesh
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int  # rows of the block tables (reconcile)
+    max_model_len: int  # block-table width in tokens and the plan's context
+    total_bytes: int  # one device's memory: the caller's, or the device's bytes_limit
+    total_from_device: bool  # True when total_bytes is the device's bytes_limit
+    weights_per_device: tuple[int, ...]  # measured while loading, or the params' resident bytes
+    weights_analytic: int  # the params' bytes on one device, by their shardings
+    weight_arrays: tuple[int, ...]  # bytes of each parameter on one device
+    profile: Profile
+    plan: bud.Plan  # budget.plan of layout.rank_spec
+
+    @property
+    def num_blocks(self) -> int:
+        return self.plan.num_blocks
+
+    @property
+    def weights_bytes(self) -> int:
+        """The budget's weights: the largest over devices."""
+        return max(self.weights_per_device)
+
+    @property
+    def activations_bytes(self) -> int:
+        return self.profile.activations
+
+    @property
+    def non_kv_bytes(self) -> int:
+        return self.weights_bytes + self.activations_bytes
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+
+def _resident_weights(params: Any, devices: list[jax.Device]) -> list[int]:
+    """Bytes the params hold on each device; where an allocator keeps stats (GPU), each buffer is
+    counted as the allocator rounds it (kvjax.accounting.memory.ALLOCATOR_ALIGNMENT)."""
+    out = []
+    for d in devices:
+        nbytes = [s.data.nbytes for leaf in jax.tree_util.tree_leaves(params)
+                  for s in getattr(leaf, "addressable_shards", ()) if s.device == d]
+        out.append(sum(nbytes) if mem.peak_bytes(d) is None else mem.rounded_bytes(nbytes))
+    return out
+
+
+def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, total_bytes: int | None = None,
+                     block_size: int = bud.DEFAULT_BLOCK_SIZE,
+                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
+                     mesh: Mesh | None = None, weights_bytes: int | Sequence[int] | None = None,
+                     step: ProfileStep | None = None) -> SizingReport:
+    """Profile `model` with `params` (already on the mesh's devices) and size its KV cache.
+
+    model: a models.build_model decoder (its `.config` gives vocab and max_position_embeddings);
+    spec: the KVSpec it caches (`config.kv_spec(kv_dtype)`). util None: vLLM's 0.92.
+    total_bytes None: the device's bytes_limit; NoMemoryLimitError on CPU, which has none.
+    max_model_len None: min(max_position_embeddings, 8192). mesh None: one device.
+    weights_bytes: what loading the weights took on each device (an int: on every device), as
+    vLLM measures it; None: the params' resident bytes. step: a ProfileStep compiled before the
+    weights were loaded (compile_profile), else one is compiled here.
+    Raises NoUsableBlockError when the budget leaves no block besides the null block.
+    """
+    _check_positive(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs)
+    if max_model_len is not None:
+        _check_positive(max_model_len=max_model_len)
+    if step is not None:
+        mesh = step.mesh if mesh is None else mesh
+        got = (step.mesh, step.layout.spec, step.block_size, step.tokens)
+        if got != (mesh, spec, block_size, max_num_batched_tokens):
+            raise SizingError(f"the profile step was compiled for block_size {step.block_size}, "
+                              f"max_num_batched_tokens {step.tokens} on {step.mesh.shape} devices; asked for "
+                              f"{block_size}, {max_num_batched_tokens} on {mesh.shape}, or another spec")
+    mesh = mesh if mesh is not None else shd.make_mesh(1)
+    devices = list(mesh.devices.flat)
+    total_from_device = total_bytes is None
+    total = device_total_bytes(devices[0]) if total_from_device else total_bytes  # fail before compiling
+    if max_model_len is None:
+        max_model_len = min(model.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
+    if weights_bytes is None:
+        weights = _resident_weights(params, devices)
+    else:
+        weights = ([int(weights_bytes)] * len(devices) if isinstance(weights_bytes, (int, np.integer))
+                   else list(weights_bytes))
+        if len(weights) != len(devices) or any(w < 0 for w in weights):
+            raise SizingError(f"weights_bytes must be ≥ 0 for each of the {len(devices)} devices, "
+                              f"got {weights_bytes}")
+    layout = shd.tp_layout(spec, mesh.shape[shd.AXIS])
+    # The plan without non-KV bytes checks util, total and the sizes before anything compiles.
+    bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total, util=util)
+    if step is None:
+        step = compile_profile(model, params, spec, mesh=mesh, block_size=block_size,
+                               max_num_batched_tokens=max_num_batched_tokens)
+    profile = run_profile(step, params)
+    # The budget of one device for the layout one rank holds: its weights are already per rank.
+    plan = bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total,
+                    util=util, weights_bytes=max(weights), activations_bytes=profile.activations)
+    if plan.num_blocks < 2:
+        raise NoUsableBlockError(plan)
+    leaves = jax.tree_util.tree_leaves(params)
+    arrays = tuple(shd.shard_nbytes(x, x.sharding) for x in leaves)
+    return SizingReport(spec, layout, mesh, block_size, max_num_batched_tokens, max_num_seqs, max_model_len,
+                        total, total_from_device, tuple(weights), sum(arrays), arrays, profile, plan)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Reconcile: allocate what was planned, analytic beside measured
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DeviceCheck:
+    """The reconciliation rows of one device."""
+
+    device: str
+    rows: tuple[mem.Row, ...]  # weights, kv pages, scales + counters, block tables, activation peak, total
+    shard_kv_bytes: int  # the cache's per-slot arrays held on this device
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "rows": [r.to_json() for r in self.rows],
+                "shard_kv_bytes": self.shard_kv_bytes}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciliation:
+    per_device: tuple[DeviceCheck, ...]
+
+    @property
+    def rows(self) -> tuple[mem.Row, ...]:
+        return self.per_device[0].rows
+
+    @property
+    def devices_agree(self) -> bool:
+        first = [r.measured for r in self.rows]
+        return all([r.measured for r in d.rows] == first for d in self.per_device)
+
+    @property
+    def kv_measured_over_analytic(self) -> float | None:
+        return self.rows[1].ratio
+
+
+def _allocate(sized: SizingReport) -> dict:
+    """Pages (with int8's per-slot scale pages), then static scales and counters, then the block
+    tables, each measured as the increase of bytes in use on every device."""
+    devices, mesh = sized.devices, sized.mesh
+    make = _cache_maker(sized.layout, sized.num_blocks, sized.block_size)
+    shapes = jax.eval_shape(make)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes, mesh))
+    groups = {"pages": [i for i, x in enumerate(leaves) if x.ndim >= 2],
+              "static": [i for i, x in enumerate(leaves) if x.ndim < 2]}
+    made, snaps = [None] * len(leaves), [mem.snapshot(devices)]
+    for want in groups.values():
+        arrays = jax.jit(lambda want=want: [jax.tree_util.tree_leaves(make())[i] for i in want],
+                         out_shardings=[shardings[i] for i in want])()
+        jax.block_until_ready(arrays)
+        snaps.append(mem.snapshot(devices))
+        for i, a in zip(want, arrays):
+            made[i] = a
+    cache = jax.tree_util.tree_unflatten(treedef, made)
+    width = -(-sized.max_model_len // sized.block_size)
+    tables = jax.device_put(jnp.zeros((sized.max_num_seqs, width), jnp.int32),
+                            NamedSharding(mesh, P()))  # i32[B, M]
+    jax.block_until_ready(tables)
+    snaps.append(mem.snapshot(devices))
+    return {"cache": cache, "tables": tables, "snapshots": snaps,
+            "page_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["pages"]],
+            "static_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["static"]],
+            "table_bytes": sized.max_num_seqs * width * 4}
+
+
+def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> Reconciliation:
+    """Allocate the planned cache and block tables, then analytic vs measured bytes per device.
+
+    baseline: bytes in use on each device before the weights were loaded, for the "total
+    resident" row; None: in use before the cache minus the weights. The cache and tables are
+    freed on return.
+    """
+    alloc = _allocate(sized)
+    before_kv, after_pages, after_static, after_tables = alloc["snapshots"]
+    if baseline is None:
+        baseline = [b - w for b, w in zip(before_kv, sized.weights_per_device)]
+    platform, rank_spec, z = sized.platform, sized.layout.rank_spec, sized.block_size
+    analytic = {"weights": sized.weights_analytic, "kv pages": sized.num_blocks * rank_spec.bytes_per_block(z),
+                "scales + counters": mem.cache_static_bytes(rank_spec), "block tables": alloc["table_bytes"]}
+    arrays = {"weights": list(sized.weight_arrays), "kv pages": alloc["page_arrays"],
+              "scales + counters": alloc["static_arrays"], "block tables": [alloc["table_bytes"]]}
+    act_analytic = sized.profile.analytic
+    per_device = []
+    for d, dev in enumerate(sized.devices):
+        measured = {"weights": sized.weights_per_device[d], "kv pages": after_pages[d] - before_kv[d],
+                    "scales + counters": after_static[d] - after_pages[d],
+                    "block tables": after_tables[d] - after_static[d]}
+        rows = [mem.Row(k, analytic[k], measured[k], mem.explain_arrays(analytic[k], measured[k], arrays[k],
+                                                                         platform)) for k in analytic]
+        act = sized.profile.measured[d]
+        rows.append(mem.Row("activation peak", act_analytic, act, _explain_activations(act_analytic, act, platform)))
+        resident, expected = after_tables[d] - baseline[d], sum(analytic.values())
+        rows.append(mem.Row("total resident", expected, resident,
+                            "weights + KV + scales + tables; the profile's buffers were freed"
+                            if resident == expected else
+                            "in use now − in use before the weights; beyond the rows above: buffers the "
+                            "runtime keeps for the compiled step (constants) and allocator rounding"))
+        kv = mem.tree_bytes_on([x for x in jax.tree_util.tree_leaves(alloc["cache"]) if x.ndim >= 2], dev)
+        per_device.append(DeviceCheck(str(dev), tuple(rows), kv))
+    return Reconciliation(tuple(per_device))
+
+
+def _explain_activations(analytic: int, measured: int | None, platform: str) -> str:
+    if measured is None:
+        return ("the allocator's peak was set earlier (weight loading) and the profile stayed below it; "
+                "the budget uses XLA's plan")
+    if platform == "cpu":
+        return "cpu keeps no allocator peak: measured is live arrays + XLA temp, so it equals XLA's plan"
+    diff = measured - analytic
+    if diff == 0:
+        return "exact"
+    return (f"allocator peak vs XLA's buffer plan: {diff:+,} B (256 B rounding of each buffer, buffers the "
+            "runtime adds around the call)")

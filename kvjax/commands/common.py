@@ -1,0 +1,154 @@
+"""`kvjax` subcommands that run models. Part of the command line: unlike the library core, these
+modules import both `kvjax` and `models`. Each has add_parser(subparsers) and run(args) -> int.
+
+What every command shares lives here, so that a flag reads and means the same everywhere:
+- flag types with vLLM's engine-arg parsing (`human_int_arg`: vLLM's human_readable_int, so
+  `--kv-cache-memory-bytes 4G` is 4 GiB and `4g` 4·10⁹; `kv_cache_dtype_arg`: "auto" = the
+  model's dtype, or a kv dtype kvjax stores; `model_dtype_arg`: vLLM's --dtype names);
+- `check_plot_file`: a --plot path matplotlib writes as given (.png, .svg, .pdf), checked
+  before any work;
+- `Phases`: a command's progress bar on stderr. Bars are drawn when stderr is a terminal (as
+  git draws its progress) and never with --no-progress, so that a script reading stderr sees
+  exactly the one error line of the bad-input contract.
+
+Nothing here imports JAX: `kvjax plan` and `kvjax tables` import this module and start at once.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from kvjax.errors import INT32_MAX, UsageError, check_output_file
+
+PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
+MODEL_DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                "float": "float32", "float32": "float32"}  # vLLM's --dtype choices → kvjax's model dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Flag types
+# --------------------------------------------------------------------------------------------
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def human_int(text: str) -> int:
+    """vLLM's `human_readable_int`: a plain integer, or a number with a suffix, k/m/g/t decimal
+    (25.6k = 25,600) or K/M/G/T binary (4G = 4·2³⁰; no decimals with a binary suffix)."""
+    text = text.strip()
+    match = _HUMAN.fullmatch(text)
+    if not match:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 10 ** (3 * (1 + "kmgt".index(suffix))))
+    if "." in number:
+        raise ValueError(f"decimals are not allowed with the binary suffix {suffix}; did you mean "
+                         f"{number}{suffix.lower()}?")
+    return int(number) * 2 ** (10 * (1 + "KMGT".index(suffix)))
+
+
+def human_int_arg(lo: int = 1, hi: int = INT32_MAX):
+    """An argparse `type` for an integer flag in [lo, hi] that vLLM reads with human_readable_int."""
+    def parse(text: str) -> int:
+        try:
+            value = human_int(text)
+        except ValueError as e:
+            why = str(e) if "suffix" in str(e) else "an integer, optionally with k/m/g/t or K/M/G/T"
+            raise argparse.ArgumentTypeError(f"must be {why}, got {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo:,}, {hi:,}], got {text[:40]!r}")
+        return value
+    return parse
+
+
+def kv_cache_dtype_arg(text: str) -> str:
+    """vLLM's --kv-cache-dtype: "auto" (the model's dtype) or a kv dtype kvjax stores."""
+    from kvjax.core.kv_cache_interface import KV_DTYPES, SpecError, kv_dtype
+
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        kv_dtype(text)
+    except SpecError:
+        raise argparse.ArgumentTypeError(f"unknown kv cache dtype {text[:40]!r}; choose auto (the model's dtype) "
+                                         f"or one of {', '.join(KV_DTYPES)}") from None
+    return text
+
+
+def model_dtype_arg(text: str) -> str | None:
+    """vLLM's --dtype: auto (the checkpoint's), half, float16, bfloat16, float, float32."""
+    if text.lower() not in MODEL_DTYPES:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(MODEL_DTYPES)}, got {text[:40]!r}")
+    return MODEL_DTYPES[text.lower()]
+
+
+def add_dtype_flag(p) -> None:
+    p.add_argument("--dtype", type=model_dtype_arg, default=None, metavar="DTYPE",
+                   help=f"weights dtype, vLLM's --dtype: {', '.join(MODEL_DTYPES)} (auto: the checkpoint's; "
+                        "a GGUF's is float32)")
+
+
+def check_plot_file(path: str, flag: str = "--plot") -> str:
+    """A plot path that matplotlib writes as named: its extension picks the format (.png, .svg,
+    .pdf; matplotlib would append .png to a name without one), and its folder is writable.
+    Checked before any work."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in PLOT_EXTENSIONS:
+        raise UsageError(f"{flag} {path!r}: the file name must end in {', '.join(PLOT_EXTENSIONS)} "
+                         "(its extension picks the plot's format)")
+    return check_output_file(path, flag)
+
+
+# --------------------------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------------------------
+def add_progress_flag(p) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (bars are drawn only when stderr is a terminal)")
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def progress_enabled(args) -> bool:
+    """Whether the command draws progress bars: not --no-progress, and stderr is a terminal."""
+    return not getattr(args, "no_progress", False) and stderr_is_terminal()
+
+
+class Phases:
+    """One progress bar on stderr for a command's phases (load the model, compile, profile, ...):
+    it counts the phases done and names the one running, with the time spent. `start(name)`
+    ends the running phase and begins the next; use it as a context manager so that an error
+    clears the bar before the error line is printed. Disabled, it does nothing."""
+
+    def __init__(self, command: str, total: int | None = None, enabled: bool = True):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=command, unit="phase", file=sys.stderr, leave=False,
+                            dynamic_ncols=True, bar_format="{desc}: {n_fmt}/{total_fmt} phases [{elapsed}]{postfix}"
+                            if total else "{desc}: [{elapsed}]{postfix}")
+        self.running = False
+
+    def start(self, phase: str) -> None:
+        if self.bar is None:
+            return
+        if self.running:
+            self.bar.update(1)
+        self.running = True
+        self.bar.set_postfix_str(phase)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> "Phases":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

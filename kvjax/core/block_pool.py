@@ -1,0 +1,229 @@
+"""The block pool: vLLM V1's `core/block_pool.py` (BlockPool) and the free queue of
+`core/kv_cache_utils.py` (FreeKVCacheBlockQueue) as pure functions over a small pytree.
+
+It owns the physical blocks: their reference counts, the free queue, and the prefix cache
+(which block holds which chained hash). It knows nothing about requests; the request table
+and vLLM's `allocate_slots` / `free` live in `kvjax/core/kv_cache_manager.py`. The rules (kvjax
+issue 3; where they differ from a vLLM release, the issue wins):
+
+* Block 0 is the null block: never in the free queue, never allocated, freed, touched or
+  cached. The free queue starts as blocks 1..P-1 in id order.
+* Allocation pops from the HEAD of the free queue. A popped block that still holds a hash
+  is evicted from the prefix cache (hash cleared) as it is taken: one queue serves both
+  free blocks and LRU eviction, there is no eviction thread.
+* `touch` (a prefix hit) takes a ref_cnt-0 block out of the queue wherever it sits.
+* `release` frees a request's blocks in REVERSE order (last block first). Blocks reaching
+  ref_cnt 0 WITHOUT a hash go to the HEAD, keeping that reversed order (first released is
+  first reused); blocks WITH a hash are appended at the TAIL in that order, so a request's
+  tail blocks are evicted before its prefix blocks, which other prompts are likelier to share.
+* A block is cached (given its hash) by `cache`, called for every block that becomes full.
+  Identical hashes are not de-duplicated (vLLM keeps block tables append-only), so several
+  blocks may hold one hash; `lookup` returns the one cached EARLIEST (`cached_at`), like the
+  first entry of vLLM's insertion-ordered `{hash: {block_id: block}}`.
+
+The free queue as positions. vLLM links free blocks in a doubly linked list so a touch can
+unlink one in O(1); walking a list is a loop, one tiny kernel per block on a GPU. Here every
+block holds its position in the queue instead (`queue_pos`: 0 = head, ..., num_free - 1 =
+tail; +inf (INT32_MAX) for a held block and the null block). Every operation is then a fixed
+number of vector operations, whatever the number of blocks or requests involved:
+
+* pop n    = the blocks at positions 0..n-1 (one scatter lists them in order); the others
+             move up by n;
+* touch    = the touched blocks leave; each other block moves up by the number of touched
+             blocks before it (a cumulative sum over the queue);
+* release  = u blocks to the head take positions 0..u-1 in release order and the queue moves
+             down by u; h blocks to the tail take num_free + u .. num_free + u + h - 1,
+             each numbered by a cumulative sum over the released table.
+
+No sort, no probe loop, and positions never drift out of int32.
+
+The hash -> block map is a vectorized compare of a request's hashes with the per-block hash
+array: O(M * P) work, but one branch-free vector op with no probe loops, tombstones or
+resizing, and "several blocks per hash" comes for free. Hash and collision odds:
+`kvjax/core/kv_cache_utils.py`.
+
+Axis legend: P blocks (incl. the null block), N blocks passed in, B requests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.errors import KvjaxError, require
+
+NULL_BLOCK = 0
+NOT_LISTED = np.iinfo(np.int32).max  # the position of an entry that is not in a list
+_NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
+
+
+@struct.dataclass
+class BlockPool:
+    """The physical blocks: reference counts, free-queue order and the prefix cache."""
+
+    num_blocks: int = struct.field(pytree_node=False)  # P, including null block 0
+    ref_cnt: jax.Array  # i32[P] block tables pointing at the block; 0 = in the free queue
+    queue_pos: jax.Array  # i32[P] position in the free queue (0 = head); INT32_MAX = not in it
+    num_free: jax.Array  # i32[] blocks in the queue (free or evictable cached)
+    block_hash: jax.Array  # u32[P, 2] chained hash (two 32-bit lanes); 0 when has_hash is False
+    has_hash: jax.Array  # bool[P] block is in the prefix cache (full, hashed, not yet evicted)
+    cached_at: jax.Array  # i32[P] cache_clock when hashed; picks among equal hashes (oldest wins)
+    cache_clock: jax.Array  # i32[] count of blocks ever cached (insertion order of vLLM's dict)
+
+
+def init(num_blocks: int) -> BlockPool:
+    """A fresh pool: every usable block free, in id order (block b at position b - 1)."""
+    if not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool) or num_blocks < 2:
+        raise KvjaxError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
+    p = int(num_blocks)
+    pos = np.arange(-1, p - 1, dtype=np.int32)
+    pos[NULL_BLOCK] = NOT_LISTED
+    return BlockPool(num_blocks=p, ref_cnt=jnp.zeros(p, jnp.int32), queue_pos=jnp.asarray(pos),
+                     num_free=jnp.asarray(p - 1, jnp.int32), block_hash=jnp.zeros((p, 2), jnp.uint32),
+                     has_hash=jnp.zeros(p, bool), cached_at=jnp.full(p, _NEVER, jnp.int32),
+                     cache_clock=jnp.zeros((), jnp.int32))
+
+
+def _evict(pool: BlockPool, mask) -> BlockPool:
+    """Drop the hash of every block where mask (bool[P]) is set."""
+    return pool.replace(block_hash=jnp.where(mask[:, None], jnp.uint32(0), pool.block_hash),
+                        has_hash=pool.has_hash & ~mask, cached_at=jnp.where(mask, _NEVER, pool.cached_at))
+
+
+# ----------------------------------------------------------------------------- lists as positions
+# A list held as one position per entry (0 = first, NOT_LISTED = not in it): the free queue
+# here, the host tier's LRU / ARC lists in kvjax/kv_offload/manager.py.
+def count_before(pos, sub):
+    """For each listed entry: how many sub (bool[M]) entries sit before it in the list."""
+    m = pos.shape[0]
+    listed = pos < NOT_LISTED
+    mark = jnp.zeros(m, jnp.int32).at[jnp.where(sub & listed, pos, m)].set(1, mode="drop")
+    before = jnp.cumsum(mark) - mark  # i32[M] by position
+    return before[jnp.where(listed, pos, 0)]
+
+
+def close_up(pos, gone):
+    """Remove the entries where gone (bool[M]); the others close up, keeping their order."""
+    keep = (pos < NOT_LISTED) & ~gone
+    return jnp.where(keep, pos - count_before(pos, gone), NOT_LISTED)
+
+
+def ordered(pos) -> list[int]:
+    """The listed entries' indices, first to last (host side)."""
+    pos = np.asarray(pos)
+    ids = np.flatnonzero(pos < NOT_LISTED)
+    return [int(i) for i in ids[np.argsort(pos[ids], kind="stable")]]
+
+
+@jax.jit
+def take(pool: BlockPool, counts):
+    """Pop counts.sum() blocks from the HEAD (vLLM get_new_blocks for B requests at once):
+    request i gets the next counts[i] blocks, in request order. Popped blocks get ref_cnt 1
+    and lose any hash they held (the LRU eviction). The caller has checked sum <= num_free.
+
+    counts: i32[B] >= 0. -> (pool, order i32[P], starts i32[B]): request i's k-th block is
+    order[starts[i] + k]."""
+    p, total = pool.num_blocks, counts.sum()
+    popped = pool.queue_pos < total
+    order = jnp.zeros(p, jnp.int32).at[jnp.where(popped, pool.queue_pos, p)].set(
+        jnp.arange(p, dtype=jnp.int32), mode="drop")  # the popped blocks, head first
+    pool = _evict(pool, popped)
+    pool = pool.replace(ref_cnt=jnp.where(popped, 1, pool.ref_cnt),
+                        queue_pos=jnp.where(popped | (pool.queue_pos == NOT_LISTED), NOT_LISTED, pool.queue_pos - total),
+                        num_free=pool.num_free - total)
+    return pool, order, (jnp.cumsum(counts) - counts).astype(jnp.int32)
+
+
+@jax.jit
+def touch(pool: BlockPool, blocks, mask):
+    """ref_cnt += 1 for every blocks[k] with mask[k] (i32[N], bool[N]; a block may repeat);
+    a block leaving ref_cnt 0 leaves the free queue, wherever it sat."""
+    p = pool.num_blocks
+    ref = pool.ref_cnt.at[jnp.where(mask, blocks, p)].add(1, mode="drop")
+    taken = (pool.ref_cnt == 0) & (ref > 0)
+    return pool.replace(ref_cnt=ref, queue_pos=close_up(pool.queue_pos, taken),
+                        num_free=pool.num_free - taken.sum(dtype=jnp.int32))
+
+
+@jax.jit
+def release(pool: BlockPool, blocks, count):
+    """Release blocks[count-1], ..., blocks[0] (reverse order; a request's table: distinct
+    blocks) per the module docstring. blocks: i32[N]."""
+    p = pool.num_blocks
+    live = jnp.arange(blocks.shape[0]) < count
+    at = jnp.where(live, blocks, p)
+    ref = pool.ref_cnt.at[at].add(-1, mode="drop")
+    back = live & (ref.at[at].get(mode="fill", fill_value=1) == 0)  # bool[N]: returns to the queue
+    hashed = pool.has_hash.at[at].get(mode="fill", fill_value=False)
+    # Release order runs from the table's end: rank = how many such blocks sit after this one.
+    to_head, to_tail = back & ~hashed, back & hashed
+    head_rank = jnp.cumsum(to_head[::-1])[::-1] - 1  # 0 for the first released
+    tail_rank = jnp.cumsum(to_tail[::-1])[::-1] - 1
+    u = to_head.sum(dtype=jnp.int32)
+    pos = jnp.where(pool.queue_pos < NOT_LISTED, pool.queue_pos + u, NOT_LISTED)  # the queue moves down by u
+    pos = pos.at[jnp.where(back, blocks, p)].set(jnp.where(to_head, head_rank, pool.num_free + u + tail_rank),
+                                                mode="drop")
+    return pool.replace(ref_cnt=ref, queue_pos=pos, num_free=pool.num_free + back.sum(dtype=jnp.int32))
+
+
+@jax.jit
+def cache(pool: BlockPool, blocks, hashes, mask, rank):
+    """Give blocks[k] the hash hashes[k] where mask[k] (vLLM cache_full_blocks). blocks: i32[N]
+    distinct where masked; hashes: u32[N, 2]; rank: i32[N] the order in which the masked blocks
+    are cached, 0..count-1 (the caller knows it without a cumulative sum over N)."""
+    at = jnp.where(mask, blocks, pool.num_blocks)
+    return pool.replace(block_hash=pool.block_hash.at[at].set(hashes, mode="drop"),
+                        has_hash=pool.has_hash.at[at].set(True, mode="drop"),
+                        cached_at=pool.cached_at.at[at].set(pool.cache_clock + rank, mode="drop"),
+                        cache_clock=pool.cache_clock + mask.sum(dtype=jnp.int32))
+
+
+@jax.jit
+def lookup(pool: BlockPool, hashes):
+    """The oldest cached block holding each hash. hashes: u32[N, 2]. -> (blocks i32[N], found bool[N])."""
+    match = (pool.has_hash[None, :]  # bool[N, P]: block p holds hash n
+             & (pool.block_hash[None, :, 0] == hashes[:, None, 0])
+             & (pool.block_hash[None, :, 1] == hashes[:, None, 1]))
+    block = jnp.argmin(jnp.where(match, pool.cached_at[None, :], _NEVER), axis=1)
+    return block.astype(jnp.int32), match.any(axis=1)
+
+
+@jax.jit
+def reset_prefix_cache(pool: BlockPool):
+    """Clear every block hash; succeeds only when no block is held (vLLM refuses otherwise,
+    since running requests' blocks would lose their cache entries mid-flight). The free
+    queue keeps its order. -> (pool, ok)."""
+    ok = pool.num_free == pool.num_blocks - 1
+    return jax.lax.cond(ok, lambda q: _evict(q, jnp.ones(q.num_blocks, bool)), lambda q: q, pool), ok
+
+
+@jax.jit
+def usage(pool: BlockPool):
+    """Fraction of usable blocks not in the free queue, computed as used / usable so that an
+    empty pool reads exactly 0 and a full one exactly 1."""
+    usable = pool.num_blocks - 1
+    return (usable - pool.num_free).astype(jnp.float32) / usable
+
+
+# ----------------------------------------------------------------------------- host views
+def free_queue(pool: BlockPool) -> list[int]:
+    """Block ids in the free queue, HEAD to TAIL (host side, for inspection)."""
+    return ordered(pool.queue_pos)
+
+
+def check_invariants(pool: BlockPool) -> None:
+    """Check the pool's own invariants on the host; raise AssertionError naming the likely cause."""
+    s = jax.device_get(pool)
+    p, pos, ref = s.num_blocks, np.asarray(s.queue_pos), np.asarray(s.ref_cnt)
+    queue = free_queue(s)
+    require(NULL_BLOCK not in queue, "null block 0 entered the free queue")
+    require(len(queue) == int(s.num_free), f"num_free {int(s.num_free)} != queue length {len(queue)}")
+    require(sorted(pos[pos < NOT_LISTED].tolist()) == list(range(len(queue))),
+            "the free queue's positions are not exactly 0..num_free-1 (two blocks share one, or one is skipped)")
+    require((ref >= 0).all(), f"negative ref_cnt at blocks {np.nonzero(ref < 0)[0]}")
+    zero = {b for b in range(1, p) if ref[b] == 0}
+    require(zero == set(queue), f"free iff ref_cnt 0 broken at blocks {sorted(zero ^ set(queue))}")
+    require(int((ref[1:] > 0).sum()) + int(s.num_free) == p - 1, "free + held != num_blocks - 1: a block leaked")
+    require(not s.has_hash[NULL_BLOCK] and ref[NULL_BLOCK] == 0, "the null block was cached or held")

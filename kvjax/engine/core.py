@@ -1,0 +1,668 @@
+"""The decoding engine: continuous batching through the scheduler, block pool, KV cache and a model.
+
+This is the only code in kvjax that produces tokens: `kvjax.LLM`, `kvjax decode`, the
+accuracy evaluation and the benchmarks all generate through it.
+
+One engine step is vLLM V1's `EngineCore.step`: the scheduler plans which requests run and
+how many tokens each computes (`kvjax.core.sched.scheduler`, with the block pool's allocation,
+prefix-cache hits and preemption by recompute), the model runs the plan over the KV cache,
+a token is sampled for every request whose last token was computed (`kvjax.engine.sampling`, each
+request with its own `SamplingParams`), and the scheduler takes the tokens back, finishing
+requests that sampled a stop token (EOS unless ignored, or one of stop_token_ids) or reached
+their length; the engine then checks stop strings in the detokenized text.
+
+The engine lives as long as its owner (`kvjax.LLM`), as vLLM's engine core does: one scheduler,
+block pool, prefix cache and host tier serve every `generate` call, so a second call whose
+prompts share a system prompt with the first hits the blocks the first cached, until
+`reset_prefix_cache`. A prompt's n samples (SamplingParams.n, vLLM's parallel sampling) are n
+requests: the first caches the prompt's full blocks as it is scheduled and the others hit them,
+so the prompt's blocks are held once with ref_cnt n.
+
+Chunked prefill is on by default, as in vLLM V1: the running requests are scheduled first (a
+decode takes one token of the step's budget, `max_num_batched_tokens`, default 2048), then
+waiting requests fill what remains; a prompt longer than what remains is prefilled over
+several steps and samples only when its last chunk runs (the scheduler's `sample` flag), and
+a prefix-cache hit followed by a chunked rest works the same way. With `chunked_prefill=False`
+(vLLM's `enable_chunked_prefill=False`) a waiting request is admitted only when its whole
+prompt, less its prefix-cache hit, fits the budget, which is therefore at least max_model_len.
+
+Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request
+keeps one row of the step's batch (B = max_num_seqs rows) from admission until it finishes
+or is preempted; empty rows are padding. A paged cache does not care which row a request
+sits in; the contiguous cache (`kv_layout="contiguous"`, kvjax.worker.paged_cache.ContiguousCache, the
+baseline paging is measured against) stores row r's K/V in its row r, so the same modules,
+steps and decode loop serve both layouts.
+
+Two compiled device calls serve every plan; shapes are padded to buckets so that a run
+compiles a handful of programs, never one per step:
+
+* `_ragged_step` — any plan with prefill tokens: the flat ragged batch of vLLM V1's model
+  runner (`BatchMetadata`), T tokens padded to a power of two, B rows.
+* `_decode_loop` — a plan of one token per request, every request sampling: the decode form
+  (T = B; the Pallas kernels with attn_impl "pallas"). It runs that step, then up to K - 1
+  more (`steps_per_call`) inside one `lax.while_loop`, with sampling and the functional
+  block pool in the carry: each iteration appends the sampled tokens (`manager.append_token_step`)
+  and allocates the next token's slot (`manager.allocate_step`), exactly what the host's
+  `update` + `schedule` would do between two steps. The loop stops early, and returns to the
+  host scheduler, when a request finishes (its blocks are freed and a waiting request may be
+  admitted) or when `manager.step_fits` — the rule the host scheduler applies too — says the
+  next step's blocks do not all fit (checked before allocating, so the pool is left as the
+  host expects; the host's next `schedule` repeats the allocation and preempts). Between
+  those events the host scheduler would only have run the same decodes — a waiting request
+  that did not fit cannot fit while blocks are only taken — so K = 8 gives the same schedule,
+  and (with `kvjax.engine.sampling`'s position-keyed draws) the same tokens, as K = 1. A step that
+  preempted runs alone, since the next one may admit. Every `ok` flag the pool returns in
+  the loop is checked; a refusal raises `SchedulerError` naming the request and the counts.
+
+Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`):
+the scheduler keeps its index (kvjax.kv_offload.manager) and plans, at admission, the loads of host
+hits that follow a request's device prefix hits (`StepPlan.loads`); the engine copies those
+pages into their fresh blocks before the step (kvjax.kv_offload.host_pages.HostPages.load) and, after the
+step, copies out the blocks that the step computed in full and the tier newly took
+(`Scheduler.take_stores`), without waiting for the copies.
+
+Tensor parallelism (`tensor_parallel_size` > 1, vLLM's): the params and the paged cache are
+placed on a one-axis mesh with kvjax.worker.sharding's rules (column / row split, pages by kv heads)
+and the same jitted steps run on them; XLA's partitioner splits the work and inserts the
+all-reduces. The pool state is replicated on every rank, as every vLLM worker holds the same
+block tables.
+
+The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
+the reference attention reads every position of the table it is given, so a short batch is
+not charged for max_model_len.
+
+The engine never prints; `generate` takes an optional progress callback. The model is any Flax
+module called as `model.apply({"params": p}, tokens i32[T], md, cache, logits_indices)` →
+(logits f32[R, V], cache) (models.build_model); its `config` supplies max_position_embeddings
+and vocab_size unless they are passed in. This module imports nothing from `models/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.core import kv_cache_manager as manager
+from jax.sharding import NamedSharding, PartitionSpec
+
+from kvjax.accounting import memory as mem
+from kvjax.engine import sampling
+from kvjax.kv_offload import host_pages as offload
+from kvjax.worker import sharding as shd
+from kvjax.attention.metadata import build_metadata, decode_metadata
+from kvjax.accounting.budget import pow2_bucket
+from kvjax.worker.paged_cache import ContiguousCache, PagedCache
+from kvjax.errors import INT32_MAX, KvjaxError, check_int
+from kvjax.engine.sampling import MAX_SEED, SamplingParams
+from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
+from kvjax.engine.stats import RunStats, Summary
+
+MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
+MAX_NUM_SEQS = 2**16  # rows of every step
+MIN_TABLE_TOKENS = 64  # smallest block-table width bucket, in tokens
+MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
+DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
+
+
+class EngineError(KvjaxError):
+    """An engine built or called with values that break a rule; the message names the value."""
+
+
+KV_LAYOUTS = ("paged", "contiguous")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int  # P, including the null block 0
+    block_size: int = 16  # Z
+    max_num_seqs: int = 8  # B: requests running at once (rows of every step)
+    max_model_len: int | None = None  # prompt + generated tokens; None: the model's max_position_embeddings
+    max_num_batched_tokens: int | None = None  # step token budget; None: 2048 (unchunked: ≥ max_model_len)
+    chunked_prefill: bool = True  # False: a prompt is prefilled in one step (vLLM enable_chunked_prefill)
+    prefix_caching: bool = True
+    steps_per_call: int = 1  # K decode steps per device call
+    seed: int = 0  # the random stream of requests without a seed of their own
+    policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
+    kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
+    kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.kv_offload.host_pages); 0 = none
+    kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
+    max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
+    tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.worker.sharding)
+
+    def __post_init__(self):
+        # Every value bounded where it is given: beyond these, XLA would be asked for the impossible
+        # (steps_per_call=10**9 aborts the process inside the compiler) or int32 indices would wrap.
+        for name, low, high in (("num_blocks", 1, INT32_MAX), ("block_size", 1, INT32_MAX),
+                                ("max_num_seqs", 1, MAX_NUM_SEQS), ("steps_per_call", 1, MAX_STEPS_PER_CALL),
+                                ("seed", 0, MAX_SEED), ("max_logprobs", -1, INT32_MAX),
+                                ("tensor_parallel_size", 1, 256), ("kv_offload_blocks", 0, INT32_MAX)):
+            check_int(getattr(self, name), name, low, high, EngineError)
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, 1, INT32_MAX, EngineError)
+        for name in ("chunked_prefill", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.num_blocks < 2:
+            raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
+        if self.policy not in ("fcfs", "priority"):
+            raise EngineError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "contiguous" and self.prefix_caching:
+            raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
+                              "turn prefix caching off")
+        value = self.kv_offload_blocks
+        offload.check_policy(self.kv_offload_policy)
+        if value and not self.prefix_caching:
+            raise EngineError("a host offload tier needs prefix caching: its blocks are found by their hashes")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and (value or self.kv_layout != "paged"):
+            raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
+                              "tier copies whole pages of one device)")
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """The log-probabilities reported for one generated token (SamplingParams.logprobs = J)."""
+
+    logprob: float  # the chosen token's raw log-probability
+    rank: int  # its rank in the vocabulary (1 = most likely)
+    top_ids: list[int]  # the J most likely tokens, most likely first
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """One generated sequence: sample `sample` (of SamplingParams.n) of prompt `index`."""
+
+    index: int  # position of its prompt in the prompts passed to generate
+    sample: int  # which of the prompt's n samples, 0 .. n-1
+    request_id: str  # the scheduler's id, unique over the engine's lifetime
+    prompt_tokens: int
+    output: list[int]  # generated token ids (a stop token included)
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
+    error: str | None = None  # why this request was refused; None if it ran
+    finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
+    text: str | None = None  # the output's text (with a tokenizer and detokenize), cut at a stop string
+    preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
+    ttft_s: float | None = None  # seconds from the start of generate to this request's first token
+    last_token_s: float | None = None  # seconds from the start of generate to its last token
+
+
+@dataclasses.dataclass
+class EngineRun:
+    results: list[RequestResult]  # prompt by prompt, each prompt's n samples in order
+    summary: Summary
+
+
+# ----------------------------------------------------------------------------------- device calls
+@functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")
+def _ragged_step(model, params, cache, tokens, md, rows: sampling.SamplingRows, positions, *, num_logprobs: int):
+    """One ragged step. tokens: i32[T]; rows: each row's sampling parameters; positions: i32[B]
+    the position each sampled token takes → (sampling.Sampled per row, cache)."""
+    logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)  # f32[B, V]
+    return sampling.sample(logits, rows, positions, num_logprobs), cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_steps", "width", "num_logprobs"), donate_argnames="cache")
+def _decode_loop(model, params, state: manager.KVCacheManager, cache, slots, tokens, computed, remaining, stop_ids,
+                 sampling_rows: sampling.SamplingRows, max_steps, *, num_steps: int, width: int, num_logprobs: int):
+    """Up to max_steps (<= num_steps) decode steps of the same requests, in one call.
+
+    Per row (B): slots i32 pool slots, -1 = empty row; tokens i32 each row's last token (its KV
+    is computed now); computed i32 tokens already cached; remaining i32 tokens still to generate;
+    stop_ids i32[B, X] tokens that end the row's request (-1 padding); sampling_rows the rows'
+    sampling parameters. The pool already holds the first step's allocation (the host's `schedule`).
+    → (state, cache, sampled i32[num_steps, B], log-probs f32[num_steps, B], steps run, blocks in
+    use per step i32[num_steps], refusal): refusal = (rows whose sampled token the pool refused
+    bool[B], rows whose allocation it refused although `step_fits` said it fit bool[B], blocks each
+    row needed i32[B], free blocks i32[]); either refusal is a bug that the host raises.
+    """
+    active = slots >= 0  # bool[B]
+    slot = jnp.where(active, slots, 0)
+    scatter_at = jnp.where(active, slots, state.reqs.max_requests)  # empty rows scatter out of range
+    usable = state.pool.num_blocks - 1
+
+    def body(c):
+        i, state, cache, rows, tokens, computed, remaining, out, used, refusal, _ = c
+        used = used.at[i].set(usable - state.pool.num_free)
+        tables = jnp.where(active[:, None], state.reqs.block_table[slot, :width], 0)  # i32[B, M]
+        md = decode_metadata(tables, computed, active, state.reqs.block_size)
+        logits, cache = model.apply({"params": params}, tokens, md, cache)  # f32[B, V]
+        sampled = sampling.sample(logits, rows, computed + 1, num_logprobs)
+        new = jnp.where(active, sampled.tokens, 0)
+        rows = rows.add_tokens(new, active)
+        remaining = remaining - active
+        stopped = (new[:, None] == stop_ids).any(axis=1)
+        keep = active & (remaining > 0) & ~stopped  # a request's last token is never appended (Scheduler.update)
+        finished = active & ~keep
+        append = jnp.zeros(state.reqs.max_requests, jnp.int32).at[scatter_at].set(new, mode="drop")
+        mask = jnp.zeros(state.reqs.max_requests, bool).at[scatter_at].set(keep, mode="drop")
+        state, appended = manager.append_token_step(state, append, mask)
+        append_refused = keep & ~appended[slot]
+        go_on = (i + 1 < max_steps) & ~finished.any() & ~append_refused.any()
+        # The host scheduler's rule (manager.step_fits): allocate the next step only if all of it
+        # fits, so that stopping leaves the pool as the host's next `schedule` expects.
+        reqs = jnp.where(keep, slots, -1)
+        need, fits = manager.step_fits(state, reqs, keep.astype(jnp.int32))
+
+        def allocate(s):
+            return manager.allocate_step(s, reqs, keep.astype(jnp.int32))
+
+        state, allocated = jax.lax.cond(go_on & fits, allocate,
+                                        lambda s: (s, jnp.ones(reqs.shape, bool)), state)
+        alloc_refused = keep & ~allocated
+        refusal = (refusal[0] | append_refused, refusal[1] | alloc_refused, jnp.where(alloc_refused, need, refusal[2]),
+                   jnp.where(alloc_refused.any(), state.pool.num_free, refusal[3]))
+        out = jax.tree.map(lambda o, x: o.at[i].set(x), out, sampled.replace(tokens=new))
+        return (i + 1, state, cache, rows, new, computed + 1, remaining, out, used, refusal,
+                go_on & fits & ~alloc_refused.any())
+
+    b = slots.shape[0]
+    no = jnp.zeros(b, bool)
+    out = sampling.Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b), jnp.float32),
+                           jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b, num_logprobs), jnp.int32),
+                           jnp.zeros((num_steps, b, num_logprobs), jnp.float32))
+    init = (jnp.int32(0), state, cache, sampling_rows, tokens, computed, remaining, out, jnp.zeros(num_steps, jnp.int32),
+            (no, no, jnp.zeros(b, jnp.int32), jnp.int32(0)), jnp.bool_(True))
+    n, state, cache, _, _, _, _, out, used, refusal, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
+    return state, cache, out, n, used, refusal
+
+
+@dataclasses.dataclass
+class _Active:
+    """What the engine keeps of a request it runs, beside the scheduler's own record."""
+
+    params: SamplingParams  # this sample's own (n = 1; the j-th of n samples has seed + j)
+    key: np.ndarray  # u32[2]
+    stop_ids: tuple[int, ...]
+    prompt: list[int]
+    result: RequestResult
+    text_chars: int = 0  # characters of its output's text at the last stop-string check
+
+
+# ----------------------------------------------------------------------------------- the engine
+class Engine:
+    """Batched generation over one model and one KV cache. The engine lives as long as its
+    owner: the block pool, its prefix cache and the host tier carry over from one `generate`
+    call to the next (vLLM's engine core), until `reset_prefix_cache`."""
+
+    def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
+                 max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None):
+        """tokenizer: anything with decode(ids) → str; it gives results their text and is needed
+        for stop strings. With config.tensor_parallel_size > 1 the params are placed on a mesh
+        of that many devices (kvjax.worker.sharding) and the KV pages split over it by kv heads; with
+        more ranks than kv heads, `model` and `params` must already carry the repeated heads
+        (sharding.replicate_kv_heads, a model built with TPLayout.cache_kv_heads), as kvjax.LLM does. eos_token_ids: the model's EOS ids, the first being its primary EOS
+        (a stop on it has stop_reason None; the others act as stop_token_ids, as in vLLM)."""
+        model_config = getattr(model, "config", None)
+        model_len = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
+        self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
+        if model_len is None or self.vocab_size is None:
+            raise EngineError("pass max_position_embeddings and vocab_size: the model has no config with them")
+        if config.max_model_len is not None and not 1 <= config.max_model_len <= model_len:
+            raise EngineError(f"max_model_len={config.max_model_len} must be in [1, {model_len}] "
+                              "(the model's max_position_embeddings)")
+        self.model, self.params, self.config, self.tokenizer = model, params, config, tokenizer
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.max_model_len = config.max_model_len or model_len  # what a request may reach
+        self.usable_blocks = config.num_blocks - 1
+        z = config.block_size
+        # The scheduler's table width: the longest request the pool could ever hold.
+        sched_len = min(self.max_model_len, self.usable_blocks * z)
+        # vLLM's default budget (2048), at least one token per row; without chunking never below
+        # max_model_len, or a long prompt could never be admitted.
+        budget = config.max_num_batched_tokens or max(config.max_num_seqs, DEFAULT_BUDGET,
+                                                      0 if config.chunked_prefill else sched_len)
+        self.scheduler_config = SchedulerConfig(
+            num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
+            policy=config.policy, chunked_prefill=config.chunked_prefill,
+            num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
+        tp = config.tensor_parallel_size
+        self.mesh = shd.make_mesh(tp) if tp > 1 else None
+        self._check_fits(kv_spec, sched_len, scales)
+        if tp > 1:  # Megatron TP as vLLM applies it, as shardings the partitioner propagates
+            self.cache = shd.create_cache(shd.tp_layout(kv_spec, tp), config.num_blocks, z, self.mesh, scales)
+            self.params = shd.shard_params(params, self.mesh)
+            placement = NamedSharding(self.mesh, PartitionSpec())  # the pool state: on every rank
+        else:
+            placement = jax.devices()[0]
+            # Committed to the device, as every step's output is: otherwise the first call of each
+            # compiled step would see an uncommitted cache, a second jit cache entry to compile.
+            self.cache = jax.device_put(self._make_cache(kv_spec, sched_len, scales)(), placement)
+        self.scheduler = Scheduler(self.scheduler_config, placement=placement)
+        self.host_pages = offload.HostPages(config.kv_offload_blocks, self.cache) if config.kv_offload_blocks else None
+        self._next_request = 0  # request numbers: ids, and the random stream of unseeded requests
+        self._active: dict[str, _Active] = {}
+        self._rows: dict[str, int] = {}
+
+    def _make_cache(self, kv_spec: KVSpec, sched_len: int, scales):
+        """A thunk that creates the one-device KV cache (pages, or contiguous rows)."""
+        cfg, z = self.config, self.config.block_size
+        if cfg.kv_layout == "contiguous":
+            return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, -(-sched_len // z) * z)
+        return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales)
+
+    def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales) -> None:
+        """Refuse, before allocating any of it, an engine whose KV cache, scheduler tables and
+        one step's logits rows (max_num_seqs × vocab f32) exceed what each device could hold."""
+        cfg = self.config
+        if self.mesh is not None:
+            layout = shd.tp_layout(kv_spec, cfg.tensor_parallel_size)
+            shapes = jax.eval_shape(lambda: PagedCache.create(layout.cache_spec, cfg.num_blocks, cfg.block_size,
+                                                              shd.replicate_scales(scales, layout)))
+            cache_bytes = mem.shard_bytes(shapes, shd.cache_shardings(shapes, self.mesh))
+            devices = list(self.mesh.devices.flat)
+        else:
+            cache_bytes, devices = mem.tree_bytes(jax.eval_shape(self._make_cache(kv_spec, sched_len, scales))), None
+        logits = cfg.max_num_seqs * self.vocab_size * 4
+        mem.check_fits(f"the KV cache ({cache_bytes:,} B), the scheduler's tables "
+                       f"({self.scheduler_config.describe()}) and one step's logits ({logits:,} B)",
+                       cache_bytes + self.scheduler_config.state_bytes() + logits, devices)
+        if cfg.kv_offload_blocks:  # the host tier's pages fill as blocks are stored: at most this many
+            per_block = kv_spec.bytes_per_block(cfg.block_size)
+            mem.check_host_fits(f"the host tier's {cfg.kv_offload_blocks:,} blocks of {per_block:,} B",
+                                cfg.kv_offload_blocks * per_block)
+
+    # ------------------------------------------------------------------ the prefix cache
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`);
+        reset_connector also empties the host tier. False, changing nothing, while requests run."""
+        if self.scheduler.has_unfinished():
+            return False
+        state, ok = manager.reset_prefix_cache(self.scheduler.state)
+        if not bool(ok):  # nothing runs, so every block is free: the pool's own rule must agree
+            raise SchedulerError("the block pool refused to reset its prefix cache with no request running")
+        self.scheduler.state = state
+        if reset_connector and self.host_pages is not None:
+            self.scheduler.host = self.scheduler.new_host_index()
+        return True
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
+        """(why the request is refused or None, tokens it may generate: max_tokens clamped to
+        max_model_len). Rules: a non-empty prompt of ids in the vocabulary, shorter than
+        max_model_len; prompt + new tokens fit the pool's usable blocks; logprobs within
+        max_logprobs; stop strings need a tokenizer."""
+        z, n = self.config.block_size, len(prompt)
+        if n == 0:
+            return "empty prompt: at least one token is needed", 0
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab_size})", 0
+        if n >= self.max_model_len:
+            return (f"prompt has {n} tokens; the model's max length is {self.max_model_len} tokens "
+                    "including at least one generated token"), 0
+        room = self.max_model_len - n
+        new = room if params.max_tokens is None else min(params.max_tokens, room)
+        need = -(-(n + new) // z)
+        if need > self.usable_blocks:
+            return (f"needs {need} blocks of {z} tokens ({n} prompt + {new} new), but the pool has only "
+                    f"{self.usable_blocks} usable blocks"), 0
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            k = self.vocab_size if k == -1 else k
+            if k is not None and limit != -1 and k > limit:
+                return f"requested {name}={k}, more than max_logprobs={limit}", 0
+        if params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer (the engine was built without one)", 0
+        return None, new
+
+    def num_logprobs(self, params: SamplingParams) -> int:
+        """How many most likely tokens the request's logprobs report (0 when it asks for none)."""
+        return 0 if params.logprobs is None else self.vocab_size if params.logprobs == -1 else params.logprobs
+
+    # ------------------------------------------------------------------ the loop
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 *, priorities: Sequence[int] | None = None,
+                 progress: Callable[[int], None] | None = None) -> EngineRun:
+        """Generate for every prompt (token id lists). params: one SamplingParams for all, or one
+        per prompt; a prompt's n samples run as n requests that share its blocks (vLLM's parallel
+        sampling). priorities (policy "priority" only): lower runs first, as in vLLM. A request
+        that breaks a rule gets an error in its result and the others still run. progress(n) is
+        called with the number of tokens each device call generated. The results and the
+        Summary are this call's; the pool and its cache carry over to the next call."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise EngineError(f"give one SamplingParams for all prompts or one per prompt; got {len(params)} "
+                              f"for {len(prompts)} prompts")
+        if priorities is not None and len(priorities) != len(prompts):
+            raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        if priorities is not None and self.config.policy != "priority" and any(int(p) != 0 for p in priorities):
+            # vLLM ignores them silently; 0, the neutral value, is accepted
+            raise EngineError("priorities need policy='priority' (the scheduler would ignore them)")
+        sched = self.scheduler
+        if sched.has_unfinished():
+            raise EngineError("generate is already running: it cannot be called from its own progress callback")
+        # Every check first (a seed + j out of range raises here), then the requests go in.
+        samples = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            prompt = [int(t) for t in prompt]
+            error, new = self.check_request(prompt, sp)
+            for j in range(sp.n):
+                child = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                samples.append((i, j, prompt, child, error, new))
+        results, self._active, self._rows = [], {}, {}
+        for i, j, prompt, child, error, new in samples:
+            rid = str(self._next_request)
+            self._next_request += 1
+            res = RequestResult(i, j, rid, len(prompt), [], None if child.logprobs is None else [], error)
+            results.append(res)
+            if error is None:
+                stop = child.stop_ids(self.eos_token_ids)
+                sched.add_request(rid, prompt, new, priority=0 if priorities is None else int(priorities[i]),
+                                  stop_ids=stop)
+                self._active[rid] = _Active(child, sampling.request_key(self.config.seed, int(rid), child.seed),
+                                            tuple(sorted(stop)), prompt, res)
+        try:
+            return self._run(results, progress)
+        except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
+            for rid, req in list(sched.requests.items()):
+                if req.status != "finished":
+                    sched.finish_request(rid, "abort")
+                sched.requests.pop(rid)
+            raise
+
+    def _run(self, results: list[RequestResult], progress) -> EngineRun:
+        """generate's loop over engine steps, once its requests are in the scheduler."""
+        sched, host = self.scheduler, self.host_pages
+        by_id = {r.request_id: r for r in results}
+        stats = RunStats(self.usable_blocks)
+        # the scheduler's and the tier's counters run over the engine's life: this call's are differences
+        preemptions, host_hits = sched.num_preemptions, sched.host_hit_tokens
+        stored, loaded = (host.bytes_stored, host.bytes_loaded) if host is not None else (0, 0)
+        start = time.perf_counter()
+        while sched.has_unfinished():
+            t0 = time.perf_counter()
+            running = {r.req_id for r in sched.running}
+            plan = sched.schedule()
+            if plan.num_requests == 0:
+                raise SchedulerError("the scheduler planned an empty step with requests unfinished")
+            for rid in plan.preempted:
+                self._rows.pop(rid, None)
+            free_rows = sorted(set(range(self.config.max_num_seqs)) - set(self._rows.values()))
+            for rid in plan.req_ids:
+                if rid not in self._rows:
+                    self._rows[rid] = free_rows.pop(0)
+            stats.admissions(sched, plan, running, by_id)
+            if len(plan.loads):  # host tier hits: copied in before the step that reads them
+                self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
+                sched.loads_done(plan)
+            prefill = _prefill_rows(sched, plan)
+            decode_form = bool(plan.sample.all() and (plan.num_scheduled == 1).all())
+            if decode_form:
+                steps, used, finished = self._decode_call(sched, plan)
+            else:
+                (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
+            finished += self._stop_strings(sched, plan, finished)
+            for rid in finished:
+                self._rows.pop(rid)
+            if host is not None:  # blocks this step computed in full, copied out without waiting
+                stores = sched.take_stores()
+                host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
+            now = time.perf_counter() - start
+            for rid, do in zip(plan.req_ids, plan.sample):
+                if do:
+                    res = by_id[rid]
+                    res.ttft_s = now if res.ttft_s is None else res.ttft_s
+                    res.last_token_s = now
+            generated = int(plan.sample.sum()) + (steps - 1) * plan.num_requests
+            decode_tokens = plan.num_requests * steps - len(prefill) if decode_form else \
+                plan.num_requests - len(prefill)
+            stats.call(time.perf_counter() - t0, steps, used,
+                       prefill_tokens=int(sum(plan.num_scheduled[i] for i in prefill)), decode_tokens=decode_tokens)
+            if progress is not None:
+                progress(generated)
+        wall = time.perf_counter() - start
+        for rid, a in self._active.items():
+            req, res = sched.requests.pop(rid), a.result  # finished: the scheduler forgets it (vLLM does)
+            res.output, res.preemptions = list(req.output), req.num_preemptions
+            res.finish_reason = res.finish_reason or req.finish_reason
+            if res.stop_reason is None and req.finish_reason == "stop" and (
+                    not self.eos_token_ids or req.output[-1] != self.eos_token_ids[0]):
+                res.stop_reason = req.output[-1]  # a stop token id (the primary EOS gives None)
+            if res.text is None and self.tokenizer is not None and a.params.detokenize:
+                res.text = self.tokenizer.decode(res.output)
+        tier = None if host is None else dict(
+            host_blocks=host.num_slots, host_memory_kind=host.memory_kind,
+            host_hit_tokens=sched.host_hit_tokens - host_hits,
+            host_bytes_stored=host.bytes_stored - stored, host_bytes_loaded=host.bytes_loaded - loaded,
+            host_blocks_in_use=int(sched.host.valid.sum()))
+        return EngineRun(results, stats.summary(results, sched.num_preemptions - preemptions, wall, tier))
+
+    def _stop_strings(self, sched: Scheduler, plan: StepPlan, finished: list[str]) -> list[str]:
+        """vLLM's stop-string check after each sampled token: a stop string in the text ends the
+        request ("stop", stop_reason the string; also after a length finish), the text cut before
+        it (after it with include_stop_str_in_output). Returns the requests it finished."""
+        ended = []
+        for rid, do in zip(plan.req_ids, plan.sample):
+            a = self._active[rid]
+            req = sched.requests[rid]
+            if not do or not a.params.stop or (rid in finished and req.finish_reason == "stop"):
+                continue
+            # One token came since the last check (a request with stop strings decodes one step
+            # per device call), so the new characters start where the last check's text ended.
+            text = self.tokenizer.decode(req.output)
+            start, a.text_chars = a.text_chars, len(text)
+            hits = [(at, s) for s in a.params.stop if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
+            if not hits:
+                continue
+            at, s = min(hits)
+            a.result.text = text[:at + len(s)] if a.params.include_stop_str_in_output else text[:at]
+            a.result.finish_reason, a.result.stop_reason = "stop", s
+            if rid not in finished:
+                sched.finish_request(rid, "stop")
+                ended.append(rid)
+        return ended
+
+    def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> sampling.SamplingRows:
+        """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused)."""
+        b = self.config.max_num_seqs
+        params, keys, prompts, outputs = [None] * b, [None] * b, [()] * b, [()] * b
+        for rid, row in zip(plan.req_ids, rows):
+            a = self._active[rid]
+            params[row], keys[row], prompts[row] = a.params, a.key, a.prompt
+            outputs[row] = self.scheduler.requests[rid].output
+        return sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
+
+    def _plan_logprobs(self, plan: StepPlan) -> int:
+        """The step's static J: the most log-probabilities any of its requests asks for, bucketed."""
+        k = max(self.num_logprobs(self._active[r].params) for r in plan.req_ids)
+        return 0 if k == 0 else min(pow2_bucket(k), self.vocab_size)
+
+    def _record(self, rid: str, sampled, row: int, steps=slice(None)) -> None:
+        """Keep request rid's reported log-probabilities from sampling.Sampled arrays (host copies)."""
+        res = self._active[rid].result
+        if res.logprobs is None:
+            return
+        k = self.num_logprobs(self._active[rid].params)
+        for lp, rank, ids, lps in zip(np.atleast_1d(sampled.logprobs[steps, row]), np.atleast_1d(sampled.ranks[steps, row]),
+                                      np.atleast_2d(sampled.top_ids[steps, row]),
+                                      np.atleast_2d(sampled.top_logprobs[steps, row])):
+            res.logprobs.append(TokenLogprobs(float(lp), int(rank), ids[:k].tolist(), lps[:k].tolist()))
+
+    def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str]]:
+        cfg, z = self.config, self.config.block_size
+        total = int(plan.num_scheduled.sum())
+        budget = self.scheduler_config.max_num_batched_tokens
+        rows = [self._rows[r] for r in plan.req_ids]
+        width = pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), sched.max_blocks)
+        tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
+        md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
+                            block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
+                            rows=rows, max_query_len=pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket))
+        tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
+        positions = np.zeros(cfg.max_num_seqs, np.int32)
+        positions[rows] = plan.seq_lens  # the index each sampled token takes
+        sampled, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
+                                           self._sampling_rows(plan, rows), positions,
+                                           num_logprobs=self._plan_logprobs(plan))
+        sampled = jax.device_get(sampled)
+        for rid, row, do in zip(plan.req_ids, rows, plan.sample):
+            if do:
+                self._record(rid, jax.tree.map(lambda x: x[None], sampled), row, 0)
+        return 1, sched.update(plan, sampled.tokens[rows])
+
+    def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[int], list[str]]:
+        cfg, z, k = self.config, self.config.block_size, self.config.steps_per_call
+        b = cfg.max_num_seqs
+        # A step that preempted skipped admission (vLLM does too): the next one may admit. Stop
+        # strings are checked on the host after every token.
+        one = plan.preempted or any(self._active[r].params.stop for r in plan.req_ids)
+        max_steps = 1 if one else k
+        width = pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
+                             sched.max_blocks)
+        rows = [self._rows[r] for r in plan.req_ids]
+        slots = np.full(b, -1, np.int32)
+        tokens, computed, remaining = (np.zeros(b, np.int32) for _ in range(3))
+        width_stop = pow2_bucket(max(len(self._active[r].stop_ids) for r in plan.req_ids))
+        stop_ids = np.full((b, width_stop), -1, np.int32)
+        for i, (rid, row) in enumerate(zip(plan.req_ids, rows)):
+            req, a = sched.requests[rid], self._active[rid]
+            slots[row], tokens[row], computed[row] = plan.slots[i], plan.token_ids[i], plan.seq_lens[i] - 1
+            remaining[row] = req.max_new_tokens - len(req.output)
+            stop_ids[row, :len(a.stop_ids)] = a.stop_ids
+        # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).
+        state, self.cache, out, steps, used, refusal = _decode_loop(
+            self.model, self.params, sched.state, self.cache, slots, tokens, computed, remaining, stop_ids,
+            self._sampling_rows(plan, rows), np.int32(max_steps), num_steps=k, width=width,
+            num_logprobs=self._plan_logprobs(plan))
+        out, steps, used, refusal = jax.device_get((out, steps, used, refusal))  # one transfer
+        _raise_refusal(plan, rows, refusal)
+        for rid, row in zip(plan.req_ids, rows):
+            self._record(rid, out, row, slice(0, steps))
+        finished = sched.apply_decode_steps(plan, out.tokens[:steps][:, rows], state)
+        return int(steps), [int(u) for u in used[:steps]], finished
+
+
+def _prefill_rows(sched: Scheduler, plan: StepPlan) -> list[int]:
+    """Plan rows that prefill (a prompt or a chunk of one, or a preempted request's recompute);
+    the other rows decode: they compute the one token sampled last."""
+    reqs = [sched.requests[rid] for rid in plan.req_ids]
+    return [i for i, r in enumerate(reqs)
+            if not r.output or plan.seq_lens[i] - plan.num_scheduled[i] < r.num_tokens - 1]
+
+
+def _raise_refusal(plan: StepPlan, rows: list[int], refusal) -> None:
+    """Raise SchedulerError if the device loop's pool refused a token or an allocation."""
+    append_refused, alloc_refused, need, num_free = refusal
+    for rid, row in zip(plan.req_ids, rows):
+        if append_refused[row]:
+            raise SchedulerError(f"the block pool refused request {rid!r}'s sampled token in the device loop")
+        if alloc_refused[row]:
+            raise SchedulerError(f"the block pool refused {int(need[row])} new block(s) for request {rid!r} in the "
+                                 f"device loop with {int(num_free)} free, although manager.step_fits said the step fit")

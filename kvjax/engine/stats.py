@@ -1,0 +1,137 @@
+"""What a generation run reports: its `Summary`, and the per-call bookkeeping that fills it.
+
+A Summary holds what an inference engineer looks at after a run of `kvjax.engine.core.Engine`
+(and of `kvjax.LLM.generate`, whose outputs carry it as `.summary`): requests, prompt and
+generated tokens, prefix-cache lookups and hits, prefill and decode throughput, step
+latencies, device calls, compile time, blocks in use per step and preemptions. Device calls
+during which JAX traced or compiled anything are left out of the rates and latencies; the
+compile time is read from JAX's own monitoring events.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What an inference engineer looks at after a run. Rates and latencies leave out the device
+    calls during which JAX traced or compiled anything (a first call runs several times slower
+    even after its compile time is subtracted); a rate with no such call left is NaN (None in
+    to_json). Run the workload twice on one Engine to time every step."""
+
+    requests: int
+    failed: int  # refused with an error
+    prompt_tokens: int  # of the requests that ran
+    prefix_queried_tokens: int  # tokens looked up in the prefix cache, over all admissions
+    prefix_hit_tokens: int
+    prefix_hit_rate: float  # hit / queried
+    generated_tokens: int
+    prefill_tokens: int  # tokens computed for prompts and for recomputation after preemption
+    decode_tokens: int  # tokens computed for generated tokens, one per request per step
+    prefill_tokens_per_s: float  # prefill tokens / time of the steps that had any
+    decode_tokens_per_s: float  # decode tokens / time of decode-only steps
+    step_latency_p50_ms: float  # per token step, scheduling included; a K-step call counts as K steps
+    step_latency_p99_ms: float
+    steps: int
+    device_calls: int
+    untimed_calls: int  # calls left out of the rates and latencies because they compiled
+    compile_s: float  # tracing + lowering + XLA compile time during the run (every jit, pool ops included)
+    wall_s: float
+    peak_blocks_used: int
+    usable_blocks: int
+    preemptions: int
+    blocks_in_use: tuple[int, ...]  # per step: blocks out of the free queue while it ran
+    ttft_p50_ms: float = float("nan")  # time to first token from the start of the run, over requests that ran
+    ttft_p99_ms: float = float("nan")
+    # The host offload tier (kvjax.kv_offload.host_pages); zeros and None without one.
+    host_blocks: int = 0  # its capacity in blocks
+    host_memory_kind: str | None = None  # "pinned_host" or "numpy"
+    host_hit_tokens: int = 0  # prompt tokens loaded from it instead of prefilled (within prefix_hit_tokens)
+    host_bytes_stored: int = 0  # device -> host
+    host_bytes_loaded: int = 0  # host -> device
+    host_blocks_in_use: int = 0  # at the end of the run
+
+    def to_json(self) -> dict:
+        """A JSON-safe dict: tuples as lists, NaN (a rate with no timed step) as None."""
+        def fix(v):
+            return list(v) if isinstance(v, tuple) else None if isinstance(v, float) and v != v else v
+
+        return {k: fix(v) for k, v in dataclasses.asdict(self).items()}
+
+
+COMPILE_S = [0.0]  # seconds JAX spent tracing, lowering and compiling in this process
+
+
+def _count_compile(name: str, seconds: float, **kwargs) -> None:
+    if name.startswith("/jax/core/compile/"):
+        COMPILE_S[0] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+class RunStats:
+    """Per-call bookkeeping of one `Engine.generate` run, turned into its Summary at the end."""
+
+    def __init__(self, usable: int):
+        self.usable = usable
+        self.latencies: list[float] = []
+        self.blocks: list[int] = []
+        self.prefill_tokens = self.decode_tokens = 0
+        self.prefill_timed = [0, 0.0]  # tokens, seconds of the steps with prefill tokens
+        self.decode_timed = [0, 0.0]  # tokens, seconds of the decode-only steps
+        self.calls = self.untimed_calls = 0
+        self.queried = self.hits = 0
+        self._compile_start = self._compile_mark = COMPILE_S[0]
+
+    def used(self, sched) -> int:
+        return self.usable - int(sched.state.pool.num_free)
+
+    def admissions(self, sched, plan, running: set[str], results: dict) -> list[int]:
+        """Rows of requests admitted by this plan; records their prefix-cache lookups in
+        results[request id]."""
+        rows = [i for i, r in enumerate(plan.req_ids) if r not in running]
+        for i in rows:
+            req = sched.requests[plan.req_ids[i]]
+            hit = int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
+            self.queried += req.num_tokens
+            self.hits += hit
+            if req.num_preemptions == 0:  # vLLM's num_cached_tokens: the hit when first scheduled
+                results[plan.req_ids[i]].num_cached_tokens = hit
+        return rows
+
+    def call(self, seconds: float, steps: int, used: list[int], *, prefill_tokens: int, decode_tokens: int) -> None:
+        compiled, self._compile_mark = COMPILE_S[0] > self._compile_mark, COMPILE_S[0]
+        self.calls += 1
+        self.blocks += used
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+        if compiled:
+            self.untimed_calls += 1
+            return
+        self.latencies += [seconds / steps] * steps
+        timed = self.prefill_timed if prefill_tokens else self.decode_timed
+        timed[0] += prefill_tokens or decode_tokens
+        timed[1] += seconds
+
+    def summary(self, results, preemptions: int, wall: float, host: dict | None = None) -> Summary:
+        """host: the host tier's Summary fields, when there is one."""
+        ran = [r for r in results if r.error is None]
+        lat = np.asarray(self.latencies or [np.nan]) * 1e3
+        ttft = np.asarray([r.ttft_s for r in ran if r.ttft_s is not None] or [np.nan]) * 1e3
+        rate = lambda t: t[0] / t[1] if t[1] > 0 else float("nan")  # noqa: E731
+        return Summary(
+            requests=len(results), failed=len(results) - len(ran), prompt_tokens=sum(r.prompt_tokens for r in ran),
+            prefix_queried_tokens=self.queried, prefix_hit_tokens=self.hits,
+            prefix_hit_rate=self.hits / self.queried if self.queried else 0.0,
+            generated_tokens=sum(len(r.output) for r in ran), prefill_tokens=self.prefill_tokens,
+            decode_tokens=self.decode_tokens, prefill_tokens_per_s=rate(self.prefill_timed),
+            decode_tokens_per_s=rate(self.decode_timed), step_latency_p50_ms=float(np.percentile(lat, 50)),
+            step_latency_p99_ms=float(np.percentile(lat, 99)), steps=len(self.blocks), device_calls=self.calls,
+            untimed_calls=self.untimed_calls,
+            compile_s=COMPILE_S[0] - self._compile_start, wall_s=wall, peak_blocks_used=max(self.blocks, default=0),
+            usable_blocks=self.usable, preemptions=preemptions, blocks_in_use=tuple(self.blocks),
+            ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)), **(host or {}))

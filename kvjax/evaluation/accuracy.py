@@ -1,0 +1,385 @@
+"""How much accuracy does a quantized KV cache cost against bf16, and how much do scales win back?
+
+For one model and held-out text, every variant below scores the same teacher-forced windows
+(`LLM.score_windows`) and greedily decodes the same prompts (`LLM.generate`) through the paged cache;
+only the cache's dtype and scales change:
+
+    bf16                            the baseline (vLLM's kv_cache_dtype auto for a bf16 model)
+    fp32                            a control: wider than the baseline, so its distance is rounding only
+    fp8_e4m3 unit                   vLLM's default `--kv-cache-dtype fp8`: every scale 1.0
+    fp8_e4m3 per_tensor             one calibrated scale per layer for K and for V (amax / 448)
+    fp8_e4m3 per_head               one calibrated scale per layer per kv head
+    fp8_e5m2 unit                   the wider-range, coarser format at scale 1.0
+    int8_per_token_head             a scale per token per head, computed at write time
+    fp8_e4m3 per_tensor skip 0,L-1  the first and last layers kept in bf16 (the model dtype in vLLM)
+
+Metrics per variant: perplexity per token, mean KL(bf16 ‖ variant) of the next-token
+distributions, top-1 agreement with bf16, and greedy-decode agreement (tokens until the first
+divergence from bf16's continuation, over N prompts). `outlier_channels` inflates a few cached
+K channels (models.stress; the model's function is unchanged) to mimic the outliers of large
+models.
+
+The full suite for a real LLM (`FULL_SUITE`, what `kvjax accuracy` runs for any model but the
+built-in byte-level ones) adds:
+
+- held-out text from several sources (code and English prose), windows split between them;
+- an outlier map (kvjax.evaluation.layers.kv_outliers) of the calibration text's K/V;
+- layer sensitivity (kvjax.evaluation.layers.layer_sensitivity) on a slice of the calibration
+  text — not the held-out text, so choosing layers does not peek at what is scored —, which
+  replaces the fixed skip variant by "<variant> skip <the k most sensitive layers>";
+- KL by context position in buckets (kvjax.evaluation.metrics.BUCKETS), over long windows of the
+  model's context (8,192 tokens for SmolLM2) for a reduced variant set, prefilled in chunks.
+
+Memory: windows are the outer loop and variants the inner one; each variant's batch is compared
+with the baseline's at once and only per-position sums are kept (kvjax.evaluation.metrics), so
+no variant's full distributions outlive its batch. `kvjax accuracy` and
+experiments/fp8_accuracy.py run this and render the results.
+
+This is the API layer: it loads models through `models/` (lazily), as kvjax.engine.llm does.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
+from kvjax.evaluation.metrics import BUCKETS, ChunkedScorer, Tally, compare
+from kvjax.quant.calibration import calibrate
+from kvjax.data import HELDOUT, PROSE
+from kvjax.engine.llm import LLM
+from kvjax.markdown import markdown_table
+from kvjax.engine.sampling import SamplingParams
+from kvjax.evaluation.scoring import windows
+from kvjax.errors import KvjaxError
+
+# What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
+# sized to finish within 30 minutes on 2 CPU cores for SmolLM2-135M (README).
+FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=64, calib_windows=8, long_windows=2,
+                  long_chunk=1024, long_variants=("fp8_e4m3 unit",), sensitivity_windows=2,
+                  sensitivity_variant="fp8_e4m3 unit", skip_counts=(1, 3), outlier_map=True)
+
+
+def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None = None) -> list[dict]:
+    """The variant list. skip_sets {variant name: [layer tuples]} replaces the fixed
+    "fp8_e4m3 per_tensor skip 0,L-1" by one skip variant of that variant per layer tuple."""
+    base = [
+        dict(name="bf16", kv_dtype="bf16"),
+        dict(name="fp32", kv_dtype="fp32"),
+        dict(name="fp8_e4m3 unit", kv_dtype="fp8_e4m3", mode="unit"),
+        dict(name="fp8_e4m3 per_tensor", kv_dtype="fp8_e4m3", mode="per_tensor"),
+        dict(name="fp8_e4m3 per_head", kv_dtype="fp8_e4m3", mode="per_head"),
+        dict(name="fp8_e5m2 unit", kv_dtype="fp8_e5m2", mode="unit"),
+        dict(name="int8_per_token_head", kv_dtype="int8_per_token_head"),
+    ]
+    if skip_sets is None:
+        skip_sets = {"fp8_e4m3 per_tensor": [(0, num_layers - 1)]}
+    by_name = {v["name"]: v for v in base}
+    for name, sets in skip_sets.items():
+        for layers in sets:
+            base.append(dict(by_name[name], name=f"{name} skip {','.join(map(str, layers))}", skip=tuple(layers)))
+    return base
+
+
+def _sources(tokenizer, data, seq_len: int, max_windows: int, long_windows: int, long_len: int,
+             prompts: int, prompt_len: int):
+    """Split every source's tokens into (main windows, long windows, greedy prompts), in that
+    order along the text. Main windows: max_windows split evenly (earlier sources take the
+    remainder); long window j comes from source j % n; prompt i from source i % n, after that
+    source's windows (or from its start if too little is left)."""
+    paths = [data] if isinstance(data, str) else list(data)
+    n = len(paths)
+    main, long, prompt_list, info = [], [], [None] * prompts, []
+    for s, path in enumerate(paths):
+        tokens = tokenizer.encode_file(path)
+        quota = max_windows // n + (s < max_windows % n)
+        if quota == 0:
+            raise KvjaxError(f"max_windows {max_windows} leaves no window for {n} data sources")
+        mine = windows(tokens, seq_len, quota)
+        used = len(mine) * seq_len
+        n_long = len(range(s, long_windows, n))
+        if n_long:
+            if len(tokens) - used < n_long * long_len:
+                raise KvjaxError(f"{path}: {len(tokens):,} tokens hold {len(mine)} windows of {seq_len} but not "
+                                 f"{n_long} more of {long_len} (long windows)")
+            long.append(np.asarray(tokens[used:used + n_long * long_len]).reshape(n_long, long_len))
+            used += n_long * long_len
+        rest = tokens[used:]
+        mine_prompts = range(s, prompts, n)
+        rest = rest if len(rest) >= len(mine_prompts) * prompt_len else tokens
+        for j, i in enumerate(mine_prompts):
+            prompt_list[i] = rest[j * prompt_len:(j + 1) * prompt_len].tolist()
+        main.append(mine)
+        info.append(dict(path=os.path.relpath(path), tokens=int(len(tokens)), windows=int(len(mine))))
+    long_arr = np.concatenate(long) if long else np.zeros((0, long_len), np.int64)
+    return np.concatenate(main), long_arr, prompt_list, info
+
+
+def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 32,
+             prompts: int = 8, prompt_len: int = 64, decode_tokens: int = 32, outlier_channels: bool = False,
+             outlier_factor: float = 200.0, block_size: int = 16, calib_windows: int | None = None,
+             outlier_map: bool = False, sensitivity_windows: int = 0, sensitivity_variant: str = "fp8_e4m3 unit",
+             skip_counts: tuple[int, ...] = (1, 3), long_windows: int = 0, long_len: int | None = None,
+             long_chunk: int = 512, long_variants: tuple[str, ...] = ("fp8_e4m3 unit",),
+             progress: Callable[[str], None] | None = None) -> dict:
+    """Run every variant on `model` (anything models.hub.load_model takes, or a LoadedModel)
+    with held-out text `data` (a path, or several: windows are split between them) and
+    calibration text `calib`; returns the results as a JSON-safe dict.
+
+    calib_windows: calibration windows of seq_len (default max_windows). outlier_map: measure
+    kv_outliers on them. sensitivity_windows > 0: measure layer_sensitivity of
+    sensitivity_variant on that many calibration windows, and make one skip variant per k in
+    skip_counts (its k most sensitive layers in bf16). long_windows > 0: also score that many
+    windows of long_len tokens (default the model's context, at most 8,192) with bf16 and
+    long_variants, prefilled long_chunk tokens at a time, for KL by context position.
+    progress(message) is called as each phase starts (the library never prints).
+    """
+    from kvjax.models.hub import LoadedModel, load_model
+
+    for name, value in (("seq_len", seq_len), ("max_windows", max_windows), ("prompts", prompts),
+                        ("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("long_chunk", long_chunk)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KvjaxError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in (("long_windows", long_windows), ("sensitivity_windows", sensitivity_windows)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise KvjaxError(f"{name} must be a non-negative integer, got {value!r}")
+    start = time.time()
+    phases = {}
+    say = progress or (lambda message: None)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    model_name = loaded.name
+    config = loaded.config
+    known = {v["name"]: v for v in variants(config.num_layers)}
+    for name in (sensitivity_variant, *long_variants):
+        if name not in known:
+            raise KvjaxError(f"unknown variant {name!r}; choose one of {', '.join(known)}")
+    if seq_len > config.max_position_embeddings:
+        raise KvjaxError(f"seq_len {seq_len} exceeds the model's maximum length {config.max_position_embeddings}")
+    if outlier_channels:
+        from kvjax.models.stress import inflate_k_channels
+        params = inflate_k_channels(config, loaded.params, (0, 5), outlier_factor)
+        loaded = loaded.replace(params=jax.tree_util.tree_map(jnp.asarray, params))
+    long_len = long_len or min(config.max_position_embeddings, BUCKETS[-1])
+    if long_windows and not seq_len < long_len <= min(config.max_position_embeddings, BUCKETS[-1]):
+        raise KvjaxError(f"long_len {long_len} must exceed seq_len {seq_len} and stay within the model's context "
+                         f"{config.max_position_embeddings} and the last position bucket {BUCKETS[-1]}")
+    eval_windows, long_set, prompt_list, sources = _sources(loaded.tokenizer, data, seq_len, max_windows,
+                                                            long_windows, long_len, prompts, prompt_len)
+    calib_windows = windows(loaded.tokenizer.encode_file(calib), seq_len, calib_windows or max_windows)
+    phases["load"] = time.time() - start
+
+    # Scales, outliers and layer sensitivity all read the calibration split only.
+    calibrated = {}
+
+    def scales_for(v):
+        mode = v.get("mode", "unit")
+        if mode == "unit":
+            return None
+        if (v["kv_dtype"], mode) not in calibrated:
+            calibrated[v["kv_dtype"], mode] = calibrate(config, loaded.module, loaded.params, calib_windows,
+                                                        v["kv_dtype"], mode)
+        return calibrated[v["kv_dtype"], mode]
+
+    outliers = sensitivity = None
+    if outlier_map:
+        say(f"outlier map on {len(calib_windows)} calibration windows")
+        t = time.time()
+        outliers = kv_outliers(config, loaded.module, loaded.params, calib_windows, block_size=block_size)
+        phases["outlier_map"] = time.time() - t
+    skip_sets = None
+    if sensitivity_windows:
+        say(f"layer sensitivity of {sensitivity_variant}: {config.num_layers} layers")
+        t = time.time()
+        sv = known[sensitivity_variant]
+        rows = layer_sensitivity(loaded, calib_windows[:sensitivity_windows], sv["kv_dtype"], scales_for(sv),
+                                 block_size=block_size)
+        skip_sets = {sensitivity_variant: [tuple(most_sensitive(rows, k)) for k in skip_counts]}
+        sensitivity = dict(variant=sensitivity_variant, windows=int(min(sensitivity_windows, len(calib_windows))),
+                           seq_len=seq_len, layers=rows, skip_sets=[list(s) for s in skip_sets[sensitivity_variant]])
+        phases["sensitivity"] = time.time() - t
+
+    # Skipped layers stay at the baseline's bf16 (vLLM keeps them in the model dtype, bf16 there);
+    # one pool with a row per prompt, long enough for prompt and continuation: nothing is preempted.
+    t = time.time()
+    vlist = variants(config.num_layers, skip_sets)
+    say(f"calibration; scoring {len(eval_windows)} windows of {seq_len} with {len(vlist)} variants")
+    llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
+                           kv_cache_dtype_skip_layers=v.get("skip", ()),
+                           kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
+                           max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8) for v in vlist}
+    phases["calibration"] = time.time() - t
+    t = time.time()
+    tallies = _score_short(llms, eval_windows)
+    phases["score"] = time.time() - t
+    t = time.time()
+    say(f"greedy decoding: {prompts} prompts × {decode_tokens} tokens per variant")
+    greedy_params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)  # decode_tokens tokens
+    results, base_greedy = [], None
+    for v in vlist:
+        llm = llms[v["name"]]
+        greedy = np.asarray([o.outputs[0].token_ids for o in llm.generate(prompt_list, greedy_params, use_tqdm=False)])
+        base_greedy = greedy if base_greedy is None else base_greedy
+        same = greedy == base_greedy
+        until = np.where(same.all(1), decode_tokens, np.argmin(same, axis=1))
+        overall = tallies[v["name"]].overall()
+        results.append(dict(variant=v["name"], kv_dtype=v["kv_dtype"], scale_mode=v.get("mode", "-"),
+                            skip_layers=list(v.get("skip", ())), bytes_per_token=llm.kv_spec.bytes_per_token,
+                            perplexity=overall["perplexity"], nll=overall["nll"], kl_vs_bf16=overall["kl_vs_bf16"],
+                            top1_agreement=overall["top1_agreement"],
+                            greedy_tokens_until_divergence=float(until.mean()),
+                            greedy_identical=int(same.all(1).sum())))
+    phases["greedy"] = time.time() - t
+
+    res = dict(model=model_name, data=sources[0]["path"] if len(sources) == 1 else [s["path"] for s in sources],
+               calibration=os.path.relpath(calib), windows=int(len(eval_windows)), seq_len=seq_len,
+               scored_tokens=int(len(eval_windows) * (seq_len - 1)), prompts=prompts, prompt_len=prompt_len,
+               decode_tokens=decode_tokens, outlier_channels=outlier_channels,
+               outlier_factor=outlier_factor if outlier_channels else None,
+               machine=f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}",
+               results=results, sources=sources, calib_windows=int(len(calib_windows)),
+               positions=dict(seq_len=seq_len, windows=int(len(eval_windows)),
+                              variants={name: tl.buckets() for name, tl in tallies.items()}))
+    del llms, tallies
+    if long_windows:
+        say(f"long windows: {long_windows} × {long_len} tokens, bf16 and {', '.join(long_variants)}")
+        t = time.time()
+        res["long"] = _score_long(loaded, [known["bf16"]] + [known[n] for n in long_variants], scales_for,
+                                  long_set, long_chunk, block_size)
+        phases["long"] = time.time() - t
+    if outliers is not None:
+        res["outliers"] = outliers
+    if sensitivity is not None:
+        res["sensitivity"] = sensitivity
+    res["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
+    res["seconds"] = round(time.time() - start, 1)
+    return res
+
+
+def _score_short(llms: dict, eval_windows: np.ndarray) -> dict[str, Tally]:
+    """Windows outer, variants inner: each batch is scored by the baseline (the first LLM) and
+    then every variant, compared at once, and only the sums are kept."""
+    seq_len = eval_windows.shape[1]
+    batch = max(1, 2048 // seq_len)  # ≤ 2,048 positions of log-probs per variant at a time
+    positions = np.arange(seq_len - 1)
+    edges = BUCKETS if seq_len - 1 <= BUCKETS[-1] else BUCKETS + (seq_len,)
+    tallies = {name: Tally(edges) for name in llms}
+    for i in range(0, len(eval_windows), batch):
+        part = eval_windows[i:i + batch]
+        targets = jnp.asarray(part[:, 1:], jnp.int32)
+        base = None
+        for name, llm in llms.items():
+            logp = jnp.asarray(llm.score_windows(part, batch)[:, :-1])  # [b, S-1, V] predicting tokens 1..S-1
+            base = logp if base is None else base
+            tallies[name].add(positions, *compare(base, logp, targets))
+    return tallies
+
+
+def _score_long(loaded, vlist: list[dict], scales_for, long_set: np.ndarray, chunk: int, block_size: int) -> dict:
+    """KL by position over long windows: window outer, chunk next, variant inner (the baseline,
+    vlist[0], first); every variant keeps its own cache from chunk to chunk."""
+    seq_len = long_set.shape[1]
+    scorers = {v["name"]: ChunkedScorer(LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
+                                            block_size=block_size, max_num_seqs=1, max_model_len=block_size),
+                                        seq_len, chunk) for v in vlist}
+    tallies = {name: Tally() for name in scorers}
+    for window in long_set:
+        streams = {name: sc.chunks(window) for name, sc in scorers.items()}
+        for start, _ in scorers[vlist[0]["name"]].layouts:
+            base = None
+            for name, stream in streams.items():
+                at, logp = next(stream)
+                n = min(logp.shape[0], seq_len - 1 - at)  # the window's last position has no target
+                logp = logp[:n]
+                base = logp if base is None else base
+                targets = jnp.asarray(window[at + 1:at + 1 + n], jnp.int32)
+                tallies[name].add(np.arange(at, at + n), *compare(base, logp, targets))
+    return dict(windows=int(len(long_set)), seq_len=seq_len, chunk=chunk,
+                scored_tokens=int(len(long_set) * (seq_len - 1)),
+                variants={name: dict(tl.overall(), buckets=tl.buckets()) for name, tl in tallies.items()})
+
+
+def markdown(res: dict) -> str:
+    """The results as markdown: a one-line header saying what was measured, the variant table,
+    and (when measured) KL by context position, layer sensitivity and the outlier map."""
+    head = (f"**{res['model']}**{' with inflated K channels ×' + str(res['outlier_factor']) if res['outlier_channels'] else ''}: "
+            f"{res['scored_tokens']:,} held-out tokens ({res['windows']} windows of {res['seq_len']}), "
+            f"{res['prompts']} greedy prompts × {res['decode_tokens']} tokens; {res['machine']}.\n\n")
+    rows = markdown_table(
+        ["KV variant", "bytes/token", "perplexity", "KL(bf16‖variant)", "top-1 agree", "greedy tokens to divergence"],
+        [[r["variant"], f"{r['bytes_per_token']:,}", f"{r['perplexity']:.4f}", f"{r['kl_vs_bf16']:.2e}",
+          f"{100 * r['top1_agreement']:.2f}%", f"{r['greedy_tokens_until_divergence']:.1f} / {res['decode_tokens']}"]
+         for r in res["results"]], align="lrrrrr")
+    out = head + "\n".join(rows) + "\n"
+    if "long" in res:
+        out += "\n" + _positions_markdown(res)
+    if "sensitivity" in res or "outliers" in res:
+        out += "\n" + _layers_markdown(res)
+    return out
+
+
+def _bucket_name(b: dict) -> str:
+    k = lambda x: f"{x // 1024}K" if x >= 2048 and x % 1024 == 0 else str(x)  # noqa: E731
+    return f"{k(b['start'])}–{k(b['end'])}"
+
+
+def _positions_markdown(res: dict) -> str:
+    long = res["long"]
+    edges = [(BUCKETS[i], BUCKETS[i + 1]) for i in range(len(BUCKETS) - 1)]
+    names = ["window", "variant"] + [_bucket_name(dict(start=a, end=b)) for a, b in edges] + ["all"]
+    caption = (f"KL(bf16‖variant) by context position (the predicting token's position); top-1 agreement in "
+               f"parentheses. Long: {long['windows']} windows of {long['seq_len']:,} tokens prefilled "
+               f"{long['chunk']:,} at a time ({long['scored_tokens']:,} positions); short: the table's windows.\n")
+    rows = []
+
+    def row(label, name, buckets, overall):
+        got = {(b["start"], b["end"]): b for b in buckets}
+        cells = [f"{got[e]['kl_vs_bf16']:.2e} ({100 * got[e]['top1_agreement']:.1f}%)" if e in got else "–"
+                 for e in edges]
+        return [label, name, *cells, f"{overall:.2e}"]
+
+    for name, v in long["variants"].items():
+        if name != "bf16":
+            rows.append(row(f"{long['seq_len']:,}", name, v["buckets"], v["kl_vs_bf16"]))
+    by = {r["variant"]: r for r in res["results"]}
+    for name, buckets in res["positions"]["variants"].items():
+        if name != "bf16":
+            rows.append(row(f"{res['seq_len']}", name, buckets, by[name]["kl_vs_bf16"]))
+    ppl = " / ".join(f"{_bucket_name(b)}: {b['perplexity']:.2f}" for b in long["variants"]["bf16"]["buckets"])
+    table = markdown_table(names, rows, align="ll" + "r" * (len(edges) + 1))
+    return "\n".join([caption, *table]) + f"\n\nbf16 perplexity by position (long windows): {ppl}.\n"
+
+
+def _layers_markdown(res: dict) -> str:
+    sens, outl = res.get("sensitivity"), res.get("outliers")
+    parts = []
+    if sens:
+        skips = ", ".join(map(str, sens["skip_sets"]))
+        parts.append(f"Layer sensitivity: KL(bf16‖only layer i in {sens['variant']}) on {sens['windows']} "
+                     f"calibration windows of {sens['seq_len']}; skip variants keep layers {skips} in bf16.")
+    if outl:
+        sat = outl["saturated_layers"]
+        parts.append(f"Outlier map on {outl['tokens']:,} calibration tokens: max |K|, max |V| over kv heads, and the "
+                     f"largest channel's amax over the median channel's (max over heads). Layers where unit-scale "
+                     f"{outl['format']} saturates (|K| or |V| > {outl['format_max']:g}): "
+                     f"{', '.join(map(str, sat)) if sat else 'none'}.")
+    cols = (["sensitivity KL", "top-1 agree"] if sens else []) + \
+        (["max abs K", "max abs V", "K channel ratio", "V channel ratio"] if outl else [])
+    rows = []
+    num_layers = len(sens["layers"]) if sens else len(outl["k_amax"])
+    for i in range(num_layers):
+        cells = []
+        if sens:
+            r = sens["layers"][i]
+            cells += [f"{r['kl_vs_bf16']:.2e}", f"{100 * r['top1_agreement']:.2f}%"]
+        if outl:
+            cells += [f"{max(outl['k_amax'][i]):.1f}", f"{max(outl['v_amax'][i], default=math.nan):.2f}",
+                      f"{max(outl['k_channel_ratio'][i]):.1f}",
+                      f"{max(outl['v_channel_ratio'][i], default=math.nan):.1f}"]
+        rows.append([i, *cells])
+    table = markdown_table(["layer", *cols], rows, align="r" * (len(cols) + 1))
+    return " ".join(parts) + "\n\n" + "\n".join(table) + "\n"

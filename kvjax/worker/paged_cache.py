@@ -1,0 +1,319 @@
+"""The paged KV cache: a pytree of per-layer pages, slot-mapped writes, block-table gathers.
+
+This reproduces the device side of vLLM V1's paged KV cache (`vllm/v1/worker/gpu_model_runner.py`
+allocating one tensor per layer from `KVCacheSpec.page_size_bytes`, `reshape_and_cache_flash`
+writing through `slot_mapping`, attention kernels reading through `block_table`):
+
+- Pages. Per layer, K and V are arrays shaped [P, Z, K, H]: P physical blocks of Z token slots
+  for K kv heads of dim H. That is vLLM's flash-attention layout for one layer (its
+  [2, P, Z, K, H] tensor split into its K and V halves). MLA caches one vector per token, the
+  compressed latent c_kv concatenated with the rope key, so its page is [P, Z, C] with
+  C = kv_lora_rank + qk_rope_head_dim (SPEC: f = 1, Hkv = 1).
+- Per-layer arrays, not one layer-stacked array. They match vLLM's per-layer tensors, let a
+  layer skipped by fp8 quantization (`--kv-cache-dtype-skip-layers`) keep its own dtype, and
+  under `jax.jit(..., donate_argnums=...)` each layer's write updates its own buffer in place
+  (a stacked array would need a dynamic-update-slice per layer into one big buffer).
+- Slots. Token slot s = block_id × Z + offset lives at flat row s of the page viewed as
+  [P × Z, ...]. A write is one scatter per array; padding tokens carry slots inside the null
+  block 0, which the block pool never hands out (SPEC "Budget → blocks"), so whatever they
+  write is garbage that no block table points at.
+- Reads gather whole blocks by block table: [B, M] block ids → [B, M × Z, ...] positions.
+  Table entries past a sequence's last block are 0 (the null block); attention masks them by
+  context length, and never lets their values reach an output (see kvjax.attention.reference).
+
+Quantized layers (kvjax.quant.formats) store x / scale in the narrow dtype and keep the scales beside
+the pages, in this pytree: fp8 layers a static f32[K] per kv head for K and for V (a
+per-tensor scale is broadcast; MLA: f32[C] per latent channel), int8_per_token_head layers
+scale pages f32[P, Z, K] (MLA: f32[P, Z]) written with every token. Quantizing writes saturate
+and count non-finite inputs in each layer's `nonfinite` counter, so a NaN or inf reaching a
+quantized cache is reported rather than silently transformed (NaN is kept, visible; ±inf
+saturates to ±max). Unquantized pages store NaN and inf as they are and count nothing.
+
+The contiguous cache (`ContiguousCache`) is the baseline paging is measured against: per
+layer one row of max_len positions per batch row, K/V [R, S, K, H] (MLA [R, S, C]), written at
+(row, position) and read in place, with no block table. Models write every layer through
+`write_step` and attend through `kvjax.attention`, which take either kind, so a paged and a
+contiguous run execute the same Flax modules and differ only in where K/V live. It stores
+unquantized KV only and cannot share prefixes (a row belongs to one request).
+
+Byte accounting is kvjax.core.kv_cache_interface's: `kv_nbytes` (pages, and int8's per-token scale pages, which
+the spec counts per vector) equals P × spec.bytes_per_block(Z) exactly; the static fp8 scales
+are `scale_nbytes`, outside the per-block formula as in vLLM (SPEC: "left out of the simple
+formula: ... quantization scales").
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.quant import formats as quant
+from kvjax.errors import KvjaxError
+from kvjax.core.kv_cache_interface import KVSpec
+
+NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
+
+
+class CacheError(KvjaxError):
+    """A cache built or used with sizes that break a rule; the message names the value."""
+
+
+@struct.dataclass
+class KVPages:
+    """One MHA/GQA/MQA layer: K and V pages, and their dequantization scales if quantized."""
+
+    k: jax.Array  # [P, Z, K, H] in the layer's kv dtype
+    v: jax.Array  # [P, Z, K, H]
+    k_scale: jax.Array | None = None  # fp8: f32[K]; int8_per_token_head: f32[P, Z, K]; else None
+    v_scale: jax.Array | None = None  # as k_scale
+    nonfinite: jax.Array | None = None  # i32[]: NaN/inf values written so far
+
+
+@struct.dataclass
+class LatentPages:
+    """One MLA layer: the latent page, c_kv (first kv_lora_rank lanes) then the rope key."""
+
+    latent: jax.Array  # [P, Z, C]
+    scale: jax.Array | None = None  # fp8: f32[C] per channel; int8_per_token_head: f32[P, Z]; else None
+    nonfinite: jax.Array | None = None  # i32[]
+
+
+LayerPages = KVPages | LatentPages
+
+
+@struct.dataclass
+class ContiguousKV:
+    """One MHA/GQA/MQA layer of the contiguous cache: row r holds batch row r's positions."""
+
+    k: jax.Array  # [R, S, K, H]
+    v: jax.Array  # [R, S, K, H]
+
+
+@struct.dataclass
+class ContiguousLatent:
+    """One MLA layer of the contiguous cache."""
+
+    latent: jax.Array  # [R, S, C]
+
+
+LayerRows = ContiguousKV | ContiguousLatent
+
+
+@struct.dataclass
+class PagedCache:
+    """All layers' pages. `layers[i]` is layer i's KVPages (or LatentPages for MLA)."""
+
+    layers: tuple[LayerPages, ...]
+    block_size: int = struct.field(pytree_node=False)  # Z
+
+    @classmethod
+    def create(cls, spec: KVSpec, num_blocks: int, block_size: int,
+               scales: quant.KVScales | None = None) -> "PagedCache":
+        """Zeroed pages for `spec`: num_blocks blocks (block 0 the null block) of block_size slots.
+
+        fp8 layers take their static scales from `scales` (per layer: K and V f32[K], or the
+        MLA latent's f32[C]); without it they get vLLM's default, 1.0 everywhere.
+        """
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CacheError(f"{name} must be a positive integer, got {value!r}")
+        if num_blocks < 2:
+            raise CacheError(f"num_blocks {num_blocks} leaves no usable block: block 0 is the null block")
+        _check_scales(spec, scales)
+        layers = []
+        for i in range(spec.num_layers):
+            kv = spec.layer_dtype(i)
+            if kv.name == "nvfp4":
+                raise CacheError(f"kv dtype 'nvfp4' (layer {i}) is accounted for by kvjax.core.kv_cache_interface but has no page "
+                                 "format here (it needs per-16-element fp8 scales)")
+            dtype = jnp.dtype(quant.quant_format(kv.name).dtype if kv.quantized else kv.jnp_name)
+            zero = jnp.zeros((), jnp.int32)  # one buffer per layer: the jitted step donates each
+            if spec.kind == "mla":
+                shape = (num_blocks, block_size, spec.head_dim)
+                layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv.name, shape, scales, "k", i), zero))
+            else:
+                shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+                layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                      _layer_scale(kv.name, shape, scales, "k", i),
+                                      _layer_scale(kv.name, shape, scales, "v", i), zero))
+        return cls(tuple(layers), block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return _first_page(self.layers[0]).shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array in the cache: kv_nbytes + scale_nbytes + the counters."""
+        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(self))
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Pages and per-token scale pages: equals num_blocks × spec.bytes_per_block(block_size)."""
+        return sum(a.nbytes for a in _per_slot_arrays(self))
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Static per-layer dequantization scales (fp8), outside the per-block formula."""
+        return sum(a.nbytes for layer in self.layers for a in _scales(layer) if a.ndim <= 1)
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        """i32[]: NaN/inf values written into any layer so far (0 in a healthy run)."""
+        return sum(layer.nonfinite for layer in self.layers if layer.nonfinite is not None)
+
+
+@struct.dataclass
+class ContiguousCache:
+    """All layers' rows: `layers[i]` is layer i's ContiguousKV (or ContiguousLatent for MLA)."""
+
+    layers: tuple[LayerRows, ...]
+
+    @classmethod
+    def create(cls, spec: KVSpec, num_rows: int, max_len: int) -> "ContiguousCache":
+        """Zeroed rows: num_rows batch rows of max_len positions, in the spec's (unquantized) dtype."""
+        for name, value in (("num_rows", num_rows), ("max_len", max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CacheError(f"{name} must be a positive integer, got {value!r}")
+        layers = []
+        for i in range(spec.num_layers):
+            kv = spec.layer_dtype(i)
+            if kv.quantized:
+                raise CacheError(f"the contiguous cache stores unquantized KV only; layer {i} is {kv.name}")
+            dtype = jnp.dtype(kv.jnp_name)
+            if spec.kind == "mla":
+                layers.append(ContiguousLatent(jnp.zeros((num_rows, max_len, spec.head_dim), dtype)))
+            else:
+                shape = (num_rows, max_len, spec.num_kv_heads, spec.head_dim)
+                layers.append(ContiguousKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        return cls(tuple(layers))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(self))
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        return jnp.zeros((), jnp.int32)  # unquantized: nothing is counted (as PagedCache's unquantized layers)
+
+
+def _layer_scale(kv_name: str, shape: tuple[int, ...], scales: quant.KVScales | None, which: str,
+                 layer: int) -> jax.Array | None:
+    """The scale array stored beside one layer's K (or V, or MLA latent) pages."""
+    if kv_name == "int8_per_token_head":
+        return jnp.ones(shape[:-1], jnp.float32)  # [P, Z, K] or [P, Z], written with each token
+    if kv_name not in ("fp8_e4m3", "fp8_e5m2"):
+        return None  # fp32 / bf16 / fp16: stored as is
+    width = shape[-2] if len(shape) == 4 else shape[-1]  # K heads, or C latent channels
+    if scales is None:
+        return jnp.ones((width,), jnp.float32)  # vLLM's default: every scale 1.0
+    return jnp.asarray(getattr(scales, which)[layer], jnp.float32).reshape(width)
+
+
+def _check_scales(spec: KVSpec, scales: quant.KVScales | None) -> None:
+    if scales is None:
+        return
+    width = spec.head_dim if spec.kind == "mla" else spec.num_kv_heads
+    groups = {"k": scales.k} if spec.kind == "mla" else {"k": scales.k, "v": scales.v}
+    for name, per_layer in groups.items():
+        if len(per_layer) != spec.num_layers:
+            raise CacheError(f"scales hold {len(per_layer)} {name} layers, the model has {spec.num_layers}")
+        for i, s in enumerate(per_layer):
+            if s.size != width:
+                raise CacheError(f"layer {i} {name} scale has {s.size} values; this layout needs {width} "
+                                 f"({'latent channels' if spec.kind == 'mla' else 'kv heads'})")
+
+
+def _scales(layer: LayerPages) -> list[jax.Array]:
+    found = [layer.k_scale, layer.v_scale] if isinstance(layer, KVPages) else [layer.scale]
+    return [a for a in found if a is not None]
+
+
+def _per_slot_arrays(cache: "PagedCache") -> list[jax.Array]:
+    """Arrays with a value per token slot: pages, and per-token scale pages."""
+    out = []
+    for layer in cache.layers:
+        out += [layer.k, layer.v] if isinstance(layer, KVPages) else [layer.latent]
+        out += [a for a in _scales(layer) if a.ndim >= 2]
+    return out
+
+
+def _first_page(pages: LayerPages) -> jax.Array:
+    return pages.latent if isinstance(pages, LatentPages) else pages.k
+
+
+# --------------------------------------------------------------------------------------------
+# Writes: one scatter per page array through the slot mapping.
+# --------------------------------------------------------------------------------------------
+def scatter_slots(page: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Write values[t] into slot slot_mapping[t] of `page`.
+
+    page: [P, Z, ...] (any trailing shape); values: [T, ...]; slot_mapping: i32[T].
+    Padding tokens point into the null block; several of them may hit the same slot, and which
+    one wins does not matter because block 0 is never read.
+    """
+    block_size = page.shape[1]
+    # Indexed as [block, offset] rather than as rows of a [P × Z, ...] view: XLA updates the
+    # donated page in place either way for a batch of slots, but a single slot (batch 1) becomes
+    # a dynamic-update-slice that the reshape made XLA copy the whole page around, up to 4 times.
+    return page.at[slot_mapping // block_size, slot_mapping % block_size].set(values.astype(page.dtype))
+
+
+def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_mapping: jax.Array):
+    """Quantize values [T, ...] for `page` and scatter them: returns (page, scale, nonfinite)."""
+    if scale is None:  # stored as is: a NaN or inf stays what it is, nothing to count
+        return scatter_slots(page, values, slot_mapping), None, jnp.zeros((), jnp.int32)
+    bad = quant.count_nonfinite(values)  # a cast would hide them: count every one
+    if page.dtype == jnp.int8:  # int8_per_token_head: a fresh scale per token per head
+        q, token_scale = quant.quantize_per_token_head(values)
+        return scatter_slots(page, q, slot_mapping), scatter_slots(scale, token_scale, slot_mapping), bad
+    fmt = quant.FORMATS["fp8_e4m3" if page.dtype == jnp.float8_e4m3fn else "fp8_e5m2"]
+    static = scale[:, None] if page.ndim == 4 else scale  # per head [K, 1], or per channel [C]
+    return scatter_slots(page, quant.quantize(values, static, fmt), slot_mapping), scale, bad
+
+
+def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
+    """k, v: [T, K, H]; slot_mapping: i32[T] → pages with those T tokens written (quantized if
+    the pages are)."""
+    k_page, k_scale, k_bad = _encode(pages.k, pages.k_scale, k, slot_mapping)
+    v_page, v_scale, v_bad = _encode(pages.v, pages.v_scale, v, slot_mapping)
+    counted = None if pages.nonfinite is None else pages.nonfinite + k_bad + v_bad
+    return KVPages(k_page, v_page, k_scale, v_scale, counted)
+
+
+def write_latent(pages: LatentPages, latent: jax.Array, slot_mapping: jax.Array) -> LatentPages:
+    """latent: [T, C] (c_kv then rope key); slot_mapping: i32[T]."""
+    page, scale, bad = _encode(pages.latent, pages.scale, latent, slot_mapping)
+    return LatentPages(page, scale, None if pages.nonfinite is None else pages.nonfinite + bad)
+
+
+def write_rows(rows: jax.Array, values: jax.Array, md) -> jax.Array:
+    """Contiguous write: values[t] ([T, ...]) at row md.seq_ids[t], position md.positions[t] of
+    rows [R, S, ...]. Padding tokens (valid False) are dropped: a contiguous cache has no null block."""
+    row = jnp.where(md.valid, md.seq_ids, rows.shape[0])  # out of range: dropped
+    return rows.at[row, md.positions].set(values.astype(rows.dtype), mode="drop")
+
+
+def write_step(layer, md, k: jax.Array, v: jax.Array | None = None):
+    """Write one layer's new tokens where the step's metadata (`BatchMetadata`) puts them, for
+    either cache: k, v [T, K, H], or for MLA the latent [T, C] as k (v None). Paged layers take
+    md.slot_mapping; contiguous rows take (md.seq_ids, md.positions). Returns the new layer."""
+    if isinstance(layer, KVPages):
+        return write_kv(layer, k, v, md.slot_mapping)
+    if isinstance(layer, LatentPages):
+        return write_latent(layer, k, md.slot_mapping)
+    if isinstance(layer, ContiguousKV):
+        return ContiguousKV(write_rows(layer.k, k, md), write_rows(layer.v, v, md))
+    if isinstance(layer, ContiguousLatent):
+        return ContiguousLatent(write_rows(layer.latent, k, md))
+    raise CacheError(f"not a cache layer: {type(layer).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# Reads: gather whole blocks by block table.
+# --------------------------------------------------------------------------------------------
+def gather_pages(page: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """page: [P, Z, ...]; block_tables: i32[B, M] → [B, M × Z, ...], position s at row s."""
+    blocks = page[block_tables]  # [B, M, Z, ...]
+    b, m, z = blocks.shape[:3]
+    return blocks.reshape(b, m * z, *blocks.shape[3:])

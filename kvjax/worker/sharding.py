@@ -1,0 +1,281 @@
+"""Tensor parallelism on a JAX mesh: which axis of each parameter and cache array is split.
+
+This is Megatron-LM's tensor parallelism as vLLM applies it (`vllm/model_executor/layers/
+linear.py`: `QKVParallelLinear`, `ColumnParallelLinear`, `RowParallelLinear`;
+`vllm/config/model.py: get_num_kv_heads`), written as shardings on a one-axis mesh ("tp")
+rather than as a rewritten model. The model code never mentions devices: the parameters and
+the paged cache are placed with `NamedSharding`s and the jitted step's partitioner (GSPMD)
+propagates them through the forward pass, inserting the one all-reduce each row-parallel
+projection needs.
+
+    q/k/v projections, MLA q_b_proj / kv_b_proj, MLP gate/up   column parallel: split the output
+                                                                (head / intermediate) axis
+    o_proj, MLP down_proj                                       row parallel: split the input axis
+    embeddings, lm_head, norms, MLA q_a_proj / kv_a_proj        replicated
+    GQA/MHA KV pages [P, Z, K, H]                               split over kv heads (axis K)
+    MLA latent pages [P, Z, C]                                  replicated on every rank
+
+KV heads follow `KVSpec.kv_heads_per_rank` (SPEC "Budget → blocks", vLLM's rule): with tp ≤ Hkv
+each rank holds Hkv / tp heads; with tp > Hkv each head is held by tp / Hkv ranks, one head per
+rank. A NamedSharding cannot give two ranks the same slice of an axis that is split, so the
+replicated case is expressed the way vLLM's weight loader does it: the k/v projection
+columns (and fp8 scales) of each kv head are repeated tp / Hkv times, making a model with
+tp kv heads whose head k·r + j is a copy of head k. Query head n of that model reads kv head
+n // (N / tp), a copy of the original n // (N / Hkv): the same function, and a cache whose
+head axis (tp heads) splits evenly, one head per rank. Build the model from the config with
+`num_kv_heads = layout.cache_kv_heads`.
+
+The MLA latent is one vector per token shared by all heads, so every rank keeps the whole
+latent cache (SPEC: TP does not shrink per-device MLA KV); its per-head projections are split.
+
+Axis legend: P pages, Z page size, K kv heads, H head dim, C latent channels, D hidden.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache
+from kvjax.errors import KvjaxError
+from kvjax.core.kv_cache_interface import KVSpec
+
+AXIS = "tp"
+
+# Parameter module names (Hugging Face's, which the Flax trees keep) → the axis of the kernel
+# [in, out] that is split. Biases of column-parallel layers split with their output axis;
+# row-parallel biases are added after the all-reduce, so they stay whole.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
+
+class ShardingError(KvjaxError):
+    """A tensor-parallel size or a tensor that cannot be split as asked; the message names it."""
+
+
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A one-axis mesh ("tp") over the first `tp` devices (or the ones given).
+
+    Auto axis types: shardings are hints the partitioner propagates through the unchanged
+    model code (JAX's default for `jax.make_mesh` is now Explicit, which would require every
+    reshape in the model to name its output sharding).
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
+        raise ShardingError(f"tp must be a positive integer, got {tp!r}")
+    available = list(devices) if devices is not None else jax.devices()
+    if len(available) < tp:
+        hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
+                if available and available[0].platform == "cpu" else "")
+        raise ShardingError(f"tp {tp} needs {tp} devices, {len(available)} available{hint}")
+    return Mesh(np.array(available[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """How one model's KV heads spread over `tp` ranks (validated against the spec's rules)."""
+
+    spec: KVSpec  # the model's own layout (all ranks together)
+    tp: int
+
+    def __post_init__(self):
+        try:
+            self.spec.kv_heads_per_rank(self.tp)
+        except ValueError as e:
+            raise ShardingError(str(e)) from None
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.spec.kv_heads_per_rank(self.tp)
+
+    @property
+    def head_replicas(self) -> int:
+        """Copies of each kv head across ranks: tp / Hkv when tp > Hkv (GQA/MHA), else 1."""
+        if self.spec.kind == "mla":
+            return 1  # the latent is not split at all: every rank holds it (see cache_shardings)
+        return max(1, self.tp // self.spec.num_kv_heads)
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """The head axis of the (global) sharded cache and of the model that fills it."""
+        return self.spec.num_kv_heads * self.head_replicas
+
+    @property
+    def cache_spec(self) -> KVSpec:
+        """The layout of the global cache: the spec with each kv head repeated head_replicas times."""
+        if self.head_replicas == 1:
+            return self.spec
+        kind = "mha" if self.cache_kv_heads == self.spec.num_heads else "gqa"
+        return self.spec.replace(num_kv_heads=self.cache_kv_heads, kind=kind)
+
+    @property
+    def rank_spec(self) -> KVSpec:
+        """The layout one rank holds: the foundation's `spec.per_rank(tp)`."""
+        return self.spec.per_rank(self.tp)
+
+
+def tp_layout(spec: KVSpec, tp: int) -> TPLayout:
+    return TPLayout(spec, tp)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+def _keys(path) -> list[str]:
+    return [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+
+
+def param_partition(path, ndim: int) -> P:
+    """The PartitionSpec of one parameter, from its Flax path (`layers_3/self_attn/q_proj/kernel`)."""
+    keys = _keys(path)
+    module, leaf = (keys[-2], keys[-1]) if len(keys) >= 2 else ("", keys[-1])
+    if module in COLUMN_PARALLEL:
+        return P(None, AXIS) if leaf == "kernel" else P(AXIS)  # kernel [in, out]; bias [out]
+    if module in ROW_PARALLEL and leaf == "kernel":
+        return P(AXIS, None)
+    return P()
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    """A pytree of NamedShardings matching `params` (arrays or ShapeDtypeStructs).
+
+    Raises ShardingError naming the first tensor whose split axis tp does not divide.
+    """
+    tp = mesh.shape[AXIS]
+
+    def one(path, leaf):
+        spec = param_partition(path, len(leaf.shape))
+        for axis, name in enumerate(spec):
+            if name == AXIS and leaf.shape[axis] % tp:
+                raise ShardingError(f"parameter {'/'.join(_keys(path))} {tuple(leaf.shape)}: axis {axis} "
+                                    f"({leaf.shape[axis]}) does not split over tp {tp}")
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def replicate_kv_heads(params: Any, layout: TPLayout, head_dim: int) -> Any:
+    """Repeat each kv head's k_proj / v_proj columns (and biases) `layout.head_replicas` times.
+
+    kernel [D, K·H] → [D, K·r·H] with new head k·r + j = old head k; the identity when r = 1.
+    Works on host or device arrays; the result feeds a model built with
+    num_kv_heads = layout.cache_kv_heads.
+    """
+    r = layout.head_replicas
+    if r == 1:
+        return params
+    k = layout.spec.num_kv_heads
+
+    def one(path, leaf):
+        keys = _keys(path)
+        if len(keys) < 2 or keys[-2] not in KV_PROJECTIONS:
+            return leaf
+        if leaf.shape[-1] != k * head_dim:
+            raise ShardingError(f"{'/'.join(keys)} {tuple(leaf.shape)}: last axis is not {k} kv heads × {head_dim}")
+        heads = leaf.reshape(*leaf.shape[:-1], k, head_dim)  # [..., K, H]
+        xp = np if isinstance(leaf, np.ndarray) else jax.numpy
+        return xp.repeat(heads, r, axis=-2).reshape(*leaf.shape[:-1], k * r * head_dim)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def replicate_scales(scales, layout: TPLayout):
+    """fp8 KVScales for the replicated-head cache: each per-head f32[K] repeated head_replicas times."""
+    if scales is None or layout.head_replicas == 1:
+        return scales
+    r = layout.head_replicas
+    rep = lambda arrs: tuple(np.repeat(np.asarray(a).reshape(-1), r) for a in arrs)  # noqa: E731
+    return dataclasses.replace(scales, k=rep(scales.k), v=rep(scales.v))
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """Place `params` on the mesh by the rules above (a copy; drop the unsharded tree after)."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+# --------------------------------------------------------------------------------------------
+# The paged cache
+# --------------------------------------------------------------------------------------------
+def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
+    """A PagedCache-shaped pytree of NamedShardings (`cache` may hold ShapeDtypeStructs).
+
+    KVPages: pages [P, Z, K, H] and int8 scale pages [P, Z, K] split on K, static fp8 scales
+    f32[K] split on K; LatentPages replicated; the non-finite counters replicated.
+    """
+    tp = mesh.shape[AXIS]
+    whole = NamedSharding(mesh, P())
+
+    def heads(a):
+        if a is None:
+            return None
+        if a.ndim == 0:
+            return whole
+        axis = 2 if a.ndim >= 3 else 0  # [P, Z, K, (H)] or f32[K]
+        if a.shape[axis] % tp:
+            raise ShardingError(f"cache array {tuple(a.shape)}: {a.shape[axis]} kv heads do not split over tp {tp}; "
+                                "build the cache from TPLayout.cache_spec")
+        spec = [None] * a.ndim
+        spec[axis] = AXIS
+        return NamedSharding(mesh, P(*spec))
+
+    layers = []
+    for layer in cache.layers:
+        if isinstance(layer, LatentPages):
+            layers.append(LatentPages(whole, None if layer.scale is None else whole,
+                                      None if layer.nonfinite is None else whole))
+        else:
+            layers.append(KVPages(heads(layer.k), heads(layer.v), heads(layer.k_scale), heads(layer.v_scale),
+                                  None if layer.nonfinite is None else whole))
+    return cache.replace(layers=tuple(layers))
+
+
+def create_cache(layout: TPLayout, num_blocks: int, block_size: int, mesh: Mesh, scales=None) -> PagedCache:
+    """Zeroed paged cache for `layout.cache_spec`, created directly in its shards (no full copy
+    on one device). `scales`: the model's fp8 KVScales (per original kv head; repeated here)."""
+    spec, scales = layout.cache_spec, replicate_scales(scales, layout)
+    make = lambda: PagedCache.create(spec, num_blocks, block_size, scales)  # noqa: E731
+    return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), mesh))()
+
+
+def make_sharded_step(model, mesh: Mesh, cache: PagedCache):
+    """jit of (params, tokens i32[T], metadata, cache, logits_indices=None) → (logits, cache) that
+    keeps the cache in its shardings and donates it (like `models.make_step`); logits replicated.
+
+    `model` is any Flax module called as model.apply({"params": p}, tokens, md, cache, idx);
+    `cache` (arrays or ShapeDtypeStructs) fixes the cache's shardings.
+    """
+    out = (NamedSharding(mesh, P()), cache_shardings(cache, mesh))
+
+    def step(params, tokens, md, cache, logits_indices=None):
+        return model.apply({"params": params}, tokens, md, cache, logits_indices)
+
+    return jax.jit(step, out_shardings=out, donate_argnames="cache")
+
+
+def replicated(mesh: Mesh, tree: Any) -> Any:
+    """Put host/device arrays (tokens, metadata) on every device of the mesh."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes per device
+# --------------------------------------------------------------------------------------------
+def shard_nbytes(leaf: Any, sharding: NamedSharding) -> int:
+    """Bytes one device holds of an array (or ShapeDtypeStruct) placed with `sharding`."""
+    shape = sharding.shard_shape(tuple(leaf.shape))
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def tree_shard_nbytes(tree: Any, shardings: Any) -> int:
+    """Analytic bytes per device of a pytree placed with matching shardings (every rank holds
+    the same amount under these rules)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    shards = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    if len(leaves) != len(shards):
+        raise ShardingError(f"{len(leaves)} arrays but {len(shards)} shardings")
+    return sum(shard_nbytes(leaf, s) for leaf, s in zip(leaves, shards))

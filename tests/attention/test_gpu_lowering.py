@@ -1,0 +1,98 @@
+"""The Pallas kernels lower for CUDA, checked on a machine without a GPU.
+
+JAX can lower a jitted function for another platform than the one it runs on
+(`Traced.lower(lowering_platforms=("cuda",))`). For a Pallas kernel that runs the whole Pallas
+→ Triton lowering (the kernel becomes Triton IR inside an `__gpu$xla.gpu.triton` custom call),
+which is where an operation, a block shape or a dtype Triton doesn't take is refused. The
+interpret-mode tests (test_pallas_decode.py) check what the kernels compute; this checks that
+the same code is accepted by the GPU backend, over the shapes of the issue's sweep. What it
+can't see: Triton's own compilation to PTX and the launch, which happen in XLA on a GPU
+(experiments/gpu_check.sh).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax.attention.metadata import decode_metadata
+from kvjax.attention.pallas_decode import paged_decode
+from kvjax.attention.pallas_mla import mla_paged_decode
+from kvjax.attention.tiles import default_mla_tiles, default_tiles
+from kvjax.worker.paged_cache import PagedCache
+from kvjax.models import build_model, init_params, preset
+
+S = jax.ShapeDtypeStruct
+FP8 = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def lower_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def triton_kernels(module: str) -> list[str]:
+    """Names of the Triton kernels a lowered module launches."""
+    calls = [line for line in module.splitlines() if "__gpu$xla.gpu.triton" in line]
+    return [re.search(r'name = "([^"]+)"', line).group(1) for line in calls]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "e4m3", "e5m2"])
+@pytest.mark.parametrize("group,head_dim,block_size,splits", [
+    (1, 64, 16, 1), (2, 128, 4, 4), (4, 128, 64, 1), (7, 64, 16, 4), (16, 128, 16, 1), (4, 128, 64, 4)])
+def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
+    batch, kv_heads, blocks, max_blocks = 3, 2, 40, 8
+    tiles = dataclasses.replace(default_tiles(batch=batch, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                              block_size=block_size, max_blocks=max_blocks), num_splits=splits)
+    page = S((blocks, block_size, kv_heads, head_dim), FP8[kv])
+    scale = None if kv == "bf16" else S((kv_heads,), jnp.float32)
+
+    def fn(q, k, v, tables, lens, k_scale, v_scale):
+        return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                            tiles=tiles, interpret=False)
+
+    module = lower_for_cuda(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                            S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scale, scale)
+    assert triton_kernels(module) == [f"kvjax_paged_decode_h{tiles.block_h}_p{tiles.pages_per_block}_s{splits}"]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
+@pytest.mark.parametrize("block_size,splits", [(16, 1), (64, 4)])
+def test_mla_kernel_lowers_for_cuda(kv, block_size, splits):
+    batch, heads, rank, rope, blocks, max_blocks = 2, 16, 512, 64, 24, 8
+    tiles = dataclasses.replace(default_mla_tiles(batch=batch, num_heads=heads, kv_lora_rank=rank,
+                                                  block_size=block_size, max_blocks=max_blocks), num_splits=splits)
+    scale = None if kv == "bf16" else S((rank + rope,), jnp.float32)
+
+    def fn(q_latent, q_rope, latent, tables, lens, latent_scale):
+        return mla_paged_decode(q_latent, q_rope, latent, tables, lens, scale=0.07, latent_scale=latent_scale,
+                                tiles=tiles, interpret=False)
+
+    module = lower_for_cuda(fn, S((batch, heads, rank), jnp.bfloat16), S((batch, heads, rope), jnp.bfloat16),
+                            S((blocks, block_size, rank + rope), FP8[kv]), S((batch, max_blocks), jnp.int32),
+                            S((batch,), jnp.int32), scale)
+    assert triton_kernels(module) == [f"kvjax_mla_paged_decode_h{tiles.block_h}_p{tiles.pages_per_block}_s{splits}"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mla"])
+def test_default_model_decode_step_lowers_for_cuda(name, monkeypatch):
+    """A whole decode step of a model built without naming an attn_impl, as on a GPU backend
+    (where the default is "pallas" and the kernels run compiled): the decode attention of every
+    layer is the Triton kernel (one kernel definition: the layers share its shapes)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    config = preset(name).replace(dtype="bfloat16")
+    model = build_model(config)
+    params = init_params(model, jax.random.key(0))
+    batch, block_size, max_blocks = 2, 16, 4
+    cache = PagedCache.create(config.kv_spec("fp8_e4m3"), 1 + batch * max_blocks, block_size)
+
+    def step(params, tokens, tables, computed, cache):
+        md = decode_metadata(tables, computed, jnp.ones(tokens.shape, bool), block_size)
+        return model.apply({"params": params}, tokens, md, cache)
+
+    module = lower_for_cuda(step, params, S((batch,), jnp.int32), S((batch, max_blocks), jnp.int32),
+                            S((batch,), jnp.int32), cache)
+    kernel = "kvjax_mla_paged_decode" if config.is_mla else "kvjax_paged_decode"
+    assert [k.split("_h")[0] for k in triton_kernels(module)] == [kernel]

@@ -1,0 +1,228 @@
+"""The decoding engine on a tiny random-init Llama: schedules that must not change the tokens.
+
+Greedy and temperature sampling give the same tokens with 1 or 8 decode steps per device
+call, with a pool so small that requests are preempted and recomputed, and with prefix
+caching on or off; greedy tokens equal a full recompute (the whole sequence prefilled again
+for every new token, no cache reuse, no scheduler). Bad requests fail alone; stop tokens end
+a request in the device loop exactly where the host loop ends it. Every run ends with an
+empty pool. (tests/engine/test_engine_hf.py compares against transformers.)
+
+The model is tests/hf_fixtures.py's llama-gqa, saved under the same folder name and run with
+the same block size, rows, max_model_len and pool sizes (64 and 10 blocks) as in
+tests/engine/test_engine_hf.py and tests/commands/test_decode_cli.py: in one pytest session the three files
+share their compiled steps.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.engine.core import Engine, EngineConfig, EngineError
+from kvjax.engine.sampling import SamplingParams
+from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
+from kvjax.evaluation.scoring import sequence_logits
+
+from engine_fixtures import MAX_LEN, Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401 (a fixture)
+
+SMALL = 10  # a pool of 9 usable blocks (36 tokens) for 4 rows: requests get preempted
+
+
+def prompts(seed=0, lengths=(5, 9, 13, 3, 7, 11), shared=8):
+    """Prompts of different lengths; every other one starts with the same `shared` tokens."""
+    rng = np.random.RandomState(seed)
+    prefix = list(rng.randint(0, 128, size=shared))
+    return [(prefix if i % 2 else []) + list(rng.randint(0, 128, size=n)) for i, n in enumerate(lengths)]
+
+
+def full_recompute(tiny, prompts, n):
+    """Greedy continuations by prefilling each whole sequence again for every new token (padded
+    to MAX_LEN, one compile: a causal model's logits at a position ignore what follows it)."""
+    config, model, params = tiny
+    logits_of = jax.jit(lambda t: sequence_logits(model, params, t, config.kv_spec(), Z))
+    outs = []
+    for p in prompts:
+        seq = list(p)
+        for _ in range(n):
+            row = jnp.asarray([seq + [0] * (MAX_LEN - len(seq))], jnp.int32)
+            seq.append(int(jnp.argmax(logits_of(row)[0, len(seq) - 1])))
+        outs.append(seq[len(p):])
+    return outs
+
+
+def test_greedy_matches_a_full_recompute_and_k8_matches_k1(tiny):
+    ps = prompts()
+    want = full_recompute(tiny, ps, 10)
+    for k in (1, 8):
+        eng = engine(tiny, steps_per_call=k)
+        run = eng.generate(ps, greedy(10))
+        assert outputs(run) == want, f"steps_per_call={k}"
+        assert run.summary.generated_tokens == 60 and run.summary.preemptions == 0
+        assert all(r.finish_reason == "length" for r in run.results)
+        assert_pool_empty(eng)
+        if k == 8:  # 6 requests, 4 rows: the loop returns to the host when one finishes
+            assert run.summary.device_calls < run.summary.steps
+
+
+@pytest.mark.slow
+def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
+    ps = prompts(1)
+    want = outputs(engine(tiny).generate(ps, greedy(12)))
+    for k in (1, 8):
+        eng = engine(tiny, num_blocks=SMALL, steps_per_call=k)
+        run = eng.generate(ps, greedy(12))
+        assert run.summary.preemptions > 0
+        assert sum(r.preemptions for r in run.results) == run.summary.preemptions
+        assert outputs(run) == want, f"steps_per_call={k}"
+        assert run.summary.peak_blocks_used <= SMALL - 1
+        assert_pool_empty(eng)
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_do_not_change_tokens(tiny):
+    ps = prompts(2, shared=12)  # 3 prompts share 3 full blocks
+    on = engine(tiny, steps_per_call=8).generate(ps, greedy(6))
+    off = engine(tiny, prefix_caching=False, steps_per_call=8).generate(ps, greedy(6))
+    assert outputs(on) == outputs(off)
+    assert off.summary.prefix_hit_tokens == 0 and on.summary.prefix_hit_tokens >= 12
+    assert on.summary.prefill_tokens == on.summary.prompt_tokens - on.summary.prefix_hit_tokens
+    assert off.summary.prefill_tokens == off.summary.prompt_tokens
+    assert 0 < on.summary.prefix_hit_rate < 1
+    assert sum(r.num_cached_tokens for r in on.results) == on.summary.prefix_hit_tokens  # no preemption
+
+
+def test_temperature_sampling_is_seeded_and_schedule_independent(tiny):
+    ps = prompts(3)
+    hot = SamplingParams(max_tokens=10, temperature=1.0)
+    a = outputs(engine(tiny, steps_per_call=1, seed=7).generate(ps, hot))
+    b = outputs(engine(tiny, steps_per_call=8, seed=7).generate(ps, hot))
+    c = engine(tiny, num_blocks=SMALL, steps_per_call=8, seed=7).generate(ps, hot)
+    d = outputs(engine(tiny, steps_per_call=8, seed=8).generate(ps, hot))
+    assert a == b, "K=8 must sample what K=1 samples"
+    assert c.summary.preemptions > 0 and outputs(c) == a, "recomputation must not change the draws"
+    assert d != a, "another seed draws other tokens"
+    assert a != outputs(engine(tiny, steps_per_call=8).generate(ps, greedy(10)))
+
+
+def test_a_request_seed_fixes_its_tokens_whatever_the_batch(tiny):
+    ps = prompts(3)
+    own = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=123)
+    alone = outputs(engine(tiny, steps_per_call=8, seed=1).generate([ps[2]], own))[0]
+    mixed = [greedy(10), SamplingParams(max_tokens=10, temperature=0.7), own, greedy(4), own, greedy(10)]
+    run = engine(tiny, num_blocks=SMALL, steps_per_call=8, seed=2).generate([ps[0], ps[1], ps[2], ps[3], ps[2], ps[5]],
+                                                                            mixed)
+    assert run.summary.preemptions > 0
+    assert outputs(run)[2] == outputs(run)[4] == alone, "a seeded request draws the same tokens in any batch"
+    assert outputs(run)[0] == full_recompute(tiny, [ps[0]], 10)[0], "greedy rows beside sampled ones stay greedy"
+
+
+def test_bad_requests_fail_alone(tiny):
+    eng = engine(tiny, num_blocks=SMALL, steps_per_call=8)  # 9 usable blocks: 36 tokens at most
+    good = prompts(4, lengths=(5, 7), shared=0)
+    batch = [good[0], [], list(range(MAX_LEN + 1)), list(range(1, 36)), [3, 200], good[0]]
+    run = eng.generate(batch, greedy(6))
+    errors = [r.error for r in run.results]
+    assert errors[0] is None and errors[5] is None
+    assert "empty prompt" in errors[1]
+    assert f"prompt has {MAX_LEN + 1} tokens" in errors[2] and f"max length is {MAX_LEN}" in errors[2]
+    assert "needs 10 blocks of 4 tokens (35 prompt + 5 new), but the pool has only 9 usable blocks" in errors[3]
+    assert "token id 200 is outside the model's vocabulary [0, 128)" in errors[4]
+    assert run.summary.failed == 4 and run.summary.requests == 6
+    alone = outputs(engine(tiny, steps_per_call=8).generate([good[0]], greedy(6)))[0]
+    assert run.results[0].output == alone == run.results[5].output
+    assert all(r.output == [] and r.finish_reason is None for r in run.results[1:5])
+    assert_pool_empty(eng)
+    with pytest.raises(EngineError, match="one SamplingParams for all prompts or one per prompt"):
+        eng.generate(batch, [greedy(6)] * 2)
+
+
+def test_stop_tokens_end_requests_in_the_device_loop_as_in_the_host_loop(tiny):
+    ps = prompts(5)
+    free_run = outputs(engine(tiny).generate(ps, greedy(12)))
+    # Stop at a token each request generates part-way: the output ends with it, one request
+    # stops mid-call of the 8-step loop, the others run on.
+    stop = free_run[1][4]
+    want = [out[: out.index(stop) + 1] if stop in out else out for out in free_run]
+    for k in (1, 8):
+        eng = engine(tiny, num_blocks=SMALL, steps_per_call=k)
+        run = eng.generate(ps, greedy(12, stop_token_ids=[stop]))
+        assert outputs(run) == want, f"steps_per_call={k}"
+        # vLLM's check_stop looks at stop tokens before the length: a stop token that is also the
+        # 12th (last allowed) token is "stop"
+        assert [r.finish_reason for r in run.results] == ["stop" if stop in out else "length" for out in free_run]
+        assert_pool_empty(eng)
+    # The edge itself: a request whose last allowed token is its only stop token.
+    last = next(i for i, out in enumerate(free_run) if out[-1] not in out[:-1])
+    for k in (1, 8):
+        run = engine(tiny, steps_per_call=k).generate([ps[last]], greedy(12, stop_token_ids=[free_run[last][-1]]))
+        (res,) = run.results
+        assert res.output == free_run[last] and (res.finish_reason, res.stop_reason) == ("stop", free_run[last][-1])
+    config, model, params = tiny  # the same stop as the model's EOS id, which ignore_eos skips
+    with_eos = Engine(model, params, config.kv_spec(), EngineConfig(num_blocks=64, block_size=Z, max_num_seqs=4,
+                                                                    max_model_len=MAX_LEN, steps_per_call=8),
+                      eos_token_ids=[stop])
+    assert outputs(with_eos.generate(ps, greedy(12))) == want
+    assert outputs(with_eos.generate(ps, greedy(12, ignore_eos=True))) == free_run
+
+
+def test_logprobs_are_the_models_log_softmax_of_each_chosen_token(tiny):
+    config, model, params = tiny
+    ps = prompts(6)[:2]
+    run = engine(tiny, steps_per_call=8).generate(ps, greedy(5, logprobs=0))
+    logits_of = jax.jit(lambda t: sequence_logits(model, params, t, config.kv_spec(), Z))
+    for p, res in zip(ps, run.results):
+        seq = list(p) + res.output
+        row = jnp.asarray([seq + [0] * (MAX_LEN - len(seq))], jnp.int32)
+        logp = np.asarray(jax.nn.log_softmax(logits_of(row)[0], axis=-1))
+        want = [logp[len(p) - 1 + i, t] for i, t in enumerate(res.output)]
+        np.testing.assert_allclose([t.logprob for t in res.logprobs], want, rtol=1e-5, atol=1e-5)
+    assert engine(tiny).generate(ps, greedy(3)).results[0].logprobs is None
+
+
+def test_generation_stops_at_max_model_len(tiny):
+    run = engine(tiny, steps_per_call=8).generate([list(range(1, 36))], greedy(20))
+    (res,) = run.results
+    assert res.error is None and len(res.output) == MAX_LEN - 35 and res.finish_reason == "length"
+
+
+def test_engine_config_errors(tiny):
+    with pytest.raises(EngineError, match="num_blocks=1 leaves no usable block"):
+        EngineConfig(num_blocks=1)
+    with pytest.raises(EngineError, match=r"steps_per_call must be in \[1, 1024\], got 0"):
+        EngineConfig(num_blocks=8, steps_per_call=0)
+    # bounded where given: 10**9 steps would abort the process inside XLA's compiler
+    with pytest.raises(EngineError, match=r"steps_per_call must be in \[1, 1024\], got 1000000000"):
+        EngineConfig(num_blocks=8, steps_per_call=10**9)
+    for name, value in (("seed", "x"), ("seed", 2**32), ("max_num_batched_tokens", "x"), ("max_num_batched_tokens", 0),
+                        ("prefix_caching", "no"), ("max_num_seqs", 2**31 - 1)):
+        with pytest.raises(EngineError, match=name):
+            EngineConfig(num_blocks=8, **{name: value})
+    with pytest.raises(EngineError, match="max_model_len=99999 must be in"):
+        engine(tiny, max_model_len=99999)
+
+
+def test_second_run_compiles_nothing_and_summary_adds_up(tiny):
+    eng = engine(tiny, steps_per_call=8)
+    eng.generate(prompts(5), greedy(8))
+    run = eng.generate(prompts(6), greedy(8))
+    s = run.summary
+    assert s.compile_s == 0.0, "a second run of the same shapes recompiled"
+    assert s.steps == len(s.blocks_in_use) and s.peak_blocks_used == max(s.blocks_in_use)
+    assert s.decode_tokens + len(prompts(6)) == s.generated_tokens  # the first token of each comes from prefill
+    assert s.decode_tokens_per_s > 0 and s.step_latency_p99_ms >= s.step_latency_p50_ms > 0
+    assert set(s.to_json()) >= {"prefix_hit_rate", "blocks_in_use", "preemptions", "usable_blocks"}
+
+
+def test_scheduler_without_chunked_prefill_admits_whole_prompts_only():
+    cfg = dict(num_blocks=SMALL, block_size=Z, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=20)
+    with pytest.raises(ValueError, match="without chunked prefill, max_num_batched_tokens=19 must be >= max_model_len"):
+        SchedulerConfig(**{**cfg, "max_num_batched_tokens": 19}, chunked_prefill=False)
+    sched = Scheduler(SchedulerConfig(**cfg, chunked_prefill=False))
+    sched.add_request("a", list(range(12)), 3)
+    sched.add_request("b", list(range(20, 32)), 3)  # 12 tokens, 8 left in the budget: waits whole
+    plan = sched.schedule()
+    assert plan.req_ids == ("a",) and list(plan.num_scheduled) == [12]
+    sched.update(plan, [7])
+    plan = sched.schedule()  # a decodes 1, b's 12 fit the 19 left
+    assert plan.req_ids == ("a", "b") and list(plan.num_scheduled) == [1, 12]
