@@ -26,7 +26,7 @@ host loop at batch 8 on a small model.
 (experiments/vs_transformers.py; `--model smollm2-135m` for the real model).
 
 `--sweep-kv` instead runs the engine (K = 8) on a random-weight Llama-3-8B-shaped model in bf16
-(`kvjax.config.model.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
+(`kvjax.config.presets.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
 pallas attention: decode tokens/s and step latency per variant, results rewritten after each
 variant so that a time limit leaves what was done. That is the GPU check's decode step
 (experiments/gpu_check.sh); `--tiny` runs it on the tiny preset so it can't rot on CPU.
@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from kvjax import LLM, SamplingParams
-from kvjax.config.model import preset
+from kvjax.config.presets import preset
 from kvjax.errors import write_text
 from kvjax.experiments import require, results_dir
 from kvjax.markdown import markdown_table

@@ -1,6 +1,6 @@
 """kvjax: a JAX reference implementation of vLLM V1's paged KV cache.
 
-The Python API mirrors vLLM's offline one (see kvjax.engine.llm):
+The Python API mirrors vLLM's offline one (see kvjax.engine.llm, kvjax.engine.outputs):
 
     import kvjax
     llm = kvjax.LLM("small-gqa", kv_cache_dtype="fp8")
@@ -52,8 +52,9 @@ if _in_checkout() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_
     sys.meta_path.insert(0, _CheckoutFolders())
 
 _EXPORTS = {
-    "LLM": "kvjax.engine.llm", "LLMError": "kvjax.engine.llm", "RequestOutput": "kvjax.engine.llm", "CompletionOutput": "kvjax.engine.llm",
-    "Logprob": "kvjax.engine.llm", "RequestMetrics": "kvjax.engine.llm",
+    "LLM": "kvjax.engine.llm", "LLMError": "kvjax.engine.arg_utils",
+    "RequestOutput": "kvjax.engine.outputs", "CompletionOutput": "kvjax.engine.outputs",
+    "Logprob": "kvjax.engine.outputs", "RequestMetrics": "kvjax.engine.outputs",
     "SamplingParams": "kvjax.engine.sampling", "SamplingParamsError": "kvjax.engine.sampling",
 }
 

@@ -13,7 +13,7 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
 
 - `hf_config()`: the `llama.*` metadata as a config.json dict (block_count → num_hidden_layers,
   embedding_length → hidden_size, rope.dimension_count → head_dim, ...; tied embeddings when
-  the file has no `output.weight`), parsed by kvjax.config.model.from_hf_config like any other config;
+  the file has no `output.weight`), parsed by kvjax.config.hf.from_hf_config like any other config;
 - a `TensorSource`: `blk.N.attn_q.weight` → `model.layers.N.self_attn.q_proj.weight`, etc.,
   dequantized to f32 in torch's [out, in] layout (ggml's dims reversed), so models.loader's
   `load_params` fills the Flax tree with its own name mapping and shape checks. llama.cpp's
@@ -22,17 +22,18 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
   undoes it (transformers' `LlamaTensorProcessor._reverse_permute_weights`), back to the
   rotate-half layout of Hugging Face Llama and of models.rope;
 - `tokenizer()`: the byte-level BPE of `tokenizer.ggml.model = gpt2` rebuilt with the
-  `tokenizers` library from the file's tokens and merges, exactly as transformers'
-  `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it (so ids equal
-  `AutoTokenizer.from_pretrained(folder, gguf_file=name)`'s); `eos_token_ids`, `chat_template`.
+  `tokenizers` library from the file's tokens and merges (models.gguf_tokenizer), exactly as
+  transformers' `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it
+  (so ids equal `AutoTokenizer.from_pretrained(folder, gguf_file=name)`'s); `eos_token_ids`,
+  `chat_template`.
 
-Refused, each with its own GGUFError subclass (a models.loader.CheckpointError, so a ValueError):
+Refused, each with its own GGUFError subclass (a models.tensors.CheckpointError, so a ValueError):
 not a GGUF file, or one truncated or corrupt (GGUFFormatError); an architecture other than
 llama, or a llama feature kvjax's model does not implement — experts, per-layer head counts,
 rope scaling other than linear, llama.cpp's `rope_freqs` factors (GGUFArchitectureError); a
 tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf library does not know
-(GGUFTensorTypeError); a tokenizer model other than gpt2, or a pre-tokenizer whose split is not
-reproduced here (GGUFTokenizerError).
+(GGUFTensorTypeError); a tokenizer model other than gpt2, or a pre-tokenizer whose split
+models.gguf_tokenizer does not reproduce (GGUFTokenizerError).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from kvjax.errors import KvjaxError, check_input_file
-from kvjax.models.loader import CheckpointError, TensorSource
+from kvjax.models.gguf_tokenizer import PRE_SPLITS, byte_level_bpe
+from kvjax.models.tensors import CheckpointError, TensorSource
 
 ARCHITECTURE = "llama"
 MAGIC = b"GGUF"
@@ -57,19 +59,6 @@ BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-
-# Pre-tokenizer splits of `tokenizer.ggml.pre`, as transformers' GGUF_PRE_TOKENIZER_SPLITS has
-# them. A name transformers does not list gets GPT-2's ByteLevel regex there; of those, kvjax
-# accepts only the two checked against transformers. (llama.cpp itself splits "smollm" text
-# with `\p{N}` first — each digit alone —, which transformers' conversion does not.)
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_SPLITS: dict[str, str | None] = {
-    "gpt2": None, "smollm": None,  # None: GPT-2's ByteLevel regex
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-}
-CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 
 
 class GGUFError(CheckpointError):
@@ -89,11 +78,11 @@ class GGUFTensorTypeError(GGUFError):
 
 
 class GGUFTokenizerError(GGUFError):
-    """A tokenizer this module does not rebuild exactly."""
+    """A tokenizer models.gguf_tokenizer does not rebuild exactly."""
 
 
 class GGUFFile(TensorSource):
-    """One GGUF file: metadata, config, tokenizer, and its tensors as a models.loader.TensorSource.
+    """One GGUF file: metadata, config, tokenizer, and its tensors as a models.tensors.TensorSource.
 
     Opening reads the header and the tensor infos (the data stays memory-mapped); a tensor is
     dequantized when `read` asks for it, so loading holds one f32 tensor at a time beside the
@@ -196,8 +185,8 @@ class GGUFFile(TensorSource):
         return cfg
 
     def config(self, dtype: str | None = None):
-        """The kvjax ModelConfig (kvjax.config.model.from_hf_config of `hf_config()`), named after the file."""
-        from kvjax.config.model import from_hf_config
+        """The kvjax ModelConfig (kvjax.config.hf.from_hf_config of `hf_config()`), named after the file."""
+        from kvjax.config.hf import from_hf_config
 
         return from_hf_config(self.hf_config(), dtype=dtype).replace(name=self.name)
 
@@ -284,44 +273,6 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], split: str | None, *,
-                   special_ids: list[int] = (), bos_id: int | None = None, eos_id: int | None = None):
-    """transformers' GGUF byte-level BPE (`byte_level_tokenizer`, `add_gguf_special_tokens`,
-    `set_split_regex`, GPT2Tokenizer's pre-tokenizer and decoder) on the `tokenizers` library.
-
-    Tokens outside the byte alphabet are respelled byte by byte; control tokens (type 3) and the
-    bos/eos/unk/pad tokens are special added tokens, user-defined ones (type 4) plain added
-    tokens; split None is GPT-2's ByteLevel regex, else that regex, then ByteLevel without one."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import BPE
-
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(tokens)}
-    tok = Tokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it.
-    special = [i for i, t in enumerate(token_types) if t == CONTROL and set(tokens[i]) <= alphabet]
-    special += [i for i in special_ids if i not in special]
-    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in special])
-    user = [t for t, kind in zip(tokens, token_types) if kind == USER_DEFINED and t in vocab]
-    if user:
-        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    if bos_id is not None or eos_id is not None:  # tokenizer.ggml.add_bos_token / add_eos_token
-        pre = [] if bos_id is None else [(tokens[bos_id], bos_id)]
-        post = [] if eos_id is None else [(tokens[eos_id], eos_id)]
-        tok.post_processor = processors.TemplateProcessing(
-            single=[t for t, _ in pre] + ["$A"] + [t for t, _ in post], special_tokens=pre + post)
-    return tok
-
-
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
@@ -387,16 +338,3 @@ def _version() -> str:
     from importlib.metadata import version
 
     return version("gguf")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character table (every byte-level BPE vocabulary is spelled in it)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:  # unprintable bytes and space take the code points from 256 on
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}

@@ -4,7 +4,7 @@
     smollm2-135m           SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the package registry
     PATH.gguf              a llama-architecture GGUF file (models.gguf)
     PATH                   a Hugging Face folder (config.json + model.safetensors)
-    preset:NAME            a kvjax.config.model preset with random weights (nothing is downloaded)
+    preset:NAME            a kvjax.config.presets preset with random weights (nothing is downloaded)
 
 A LoadedModel bundles what running a model needs: its config, the Flax module, the parameters,
 the tokenizer, the EOS ids generation stops at (`eos_token_id` of config.json and of
@@ -34,7 +34,8 @@ from typing import Any
 
 import jax
 
-from kvjax.config.model import ModelConfig, preset
+from kvjax.config.model import ModelConfig
+from kvjax.config.presets import preset
 from kvjax.errors import KvjaxError, check_input_file, file_kind, read_json_object, read_text
 from kvjax.models.tokenizer import Tokenizer
 

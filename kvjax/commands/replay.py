@@ -1,49 +1,10 @@
 """`kvjax replay TRACE.jsonl`: drive the jitted block pool with a trace, print its state.
 
-A teaching and testing tool for the vLLM V1 allocator semantics reproduced in
-`kvjax/core/kv_cache_manager.py` (vLLM `core/kv_cache_manager.py` get_computed_blocks /
-allocate_slots / free) and `kvjax/core/block_pool.py` (`core/block_pool.py`). One JSON op per line:
-
-    {"op":"init","num_blocks":11,"block_size":16,"prefix_caching":true}
-    {"op":"add","req":"r0","tokens":[...],"salt":"optional cache salt"}
-    {"op":"append","req":"r0","tokens":[...]}
-    {"op":"free","req":"r0"}
-    {"op":"reset_prefix_cache"}
-
-`add` schedules the whole prompt (get_computed_blocks, then allocate_slots for the rest);
-`append` treats every earlier token as computed and schedules the new ones;
-`free` releases the request's blocks and forgets it. Each op prints one JSON line: op,
-req, ok, hit_blocks, hit_tokens, new_blocks, blocks (the request's whole table),
-free_queue (head -> tail), num_free, ref_cnt (non-zero only), cached (ids holding a hash),
-usage. A failed op prints "ok": false and the unchanged state (a failed add leaves no
-request behind, so a later op on that name is an unknown request). Blank lines are skipped.
-`--show` draws the pool as text after each JSON line; with `--json` every output line stays one
-JSON object, and the drawing is its "drawing" field.
-
-The host offload tier (`kvjax/kv_offload/manager.py`, vLLM's CPU offloading): `init` may add
-"host_blocks": H (default 0 = no tier; needs prefix_caching) and "host_policy": "lru" |
-"arc" (default "lru"). The trace then drives the tier by kvjax/core/sched/scheduler.py's rules: `add`
-touches all of the request's full-block hashes (resident or not: ARC's ghost hits move p),
-takes device hits first, then the host tier's run of the hashes that follow (lookup, the
-total still capped at (num_tokens - 1) // Z blocks); those host hits get fresh device blocks
-in the same allocate_slots and count as computed, are pinned (prepare_load), and their copy
-completes within the op (complete_load), so ref counts are back to 0 between ops. Then, as
-every scheduled token counts as computed, the request's full blocks not yet offered are
-offered to the tier in order (store, which evicts by policy): on `add` from block 0, device
-hits included, or after the host hits when there were any; on `append`, from where the last
-offer stopped. When a store wrote anything, the request's earlier blocks are touched too.
-`reset_prefix_cache` resets the device prefix cache only: the tier keeps its copies, which
-no device block refers to. With a tier, every line gains host_hit_blocks (a count), loaded
-([[host slot, device block], ...] copied in), stored ([[device block, host slot], ...] newly
-written), host_in_use, and host: the tier's lists, LRU end first, resident blocks as their
-slot ids, ghost hashes as 16 hex digits (lane 0 then lane 1 of the block hash): {"lru":
-[...]} or {"t1": [...], "t2": [...], "b1": [...], "b2": [...], "p": ARC's target size of T1}.
-
-Bad input (malformed or non-UTF-8 lines, JSON nested deeper than 32 levels, unknown op or
-key, unknown request, double free, a token that is not a non-negative int32, a pool over
-65,536 blocks or 2**20 tokens per request, a host tier over 4,096 blocks, an unknown
-host_policy, a host tier without prefix caching) stops the replay with one error line naming
-the file and line number.
+The trace format and what each op does are kvjax/core/replay.py's (`iter_trace`, `Replay`):
+each op prints one JSON line, the state after it. `--show` draws the pool as text after each
+JSON line (`draw`); with `--json` every output line stays one JSON object, and the drawing is
+its "drawing" field. Bad input stops the replay with one error line naming the file and line
+number.
 """
 
 from __future__ import annotations
@@ -51,363 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from kvjax.core import block_pool, kv_cache_utils as hashing
-from kvjax.kv_offload import manager as host_cache
-from kvjax.core import kv_cache_manager as manager
-from kvjax.errors import KvjaxError, check_input_file, loads
-
-OPS = ("init", "add", "append", "free", "reset_prefix_cache")
-_KEYS = {"init": {"num_blocks", "block_size", "prefix_caching", "host_blocks", "host_policy"},
-         "add": {"req", "tokens", "salt"}, "append": {"req", "tokens"}, "free": {"req"}, "reset_prefix_cache": set()}
-
-
-class ReplayError(KvjaxError):
-    """Bad trace input; `run` prints it with the line number."""
-
-
-class Replay:
-    """The jitted pool plus request names -> slots. Every op keeps the old state on failure
-    (the pool is functional, so "unchanged" is simply not taking the new state)."""
-
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 max_requests: int = 8, host_blocks: int = 0, host_policy: str = "lru"):
-        if host_blocks and not prefix_caching:
-            raise ReplayError(f"host_blocks={host_blocks} needs prefix_caching true "
-                              "(host blocks are named by their hashes)")
-        self.state = manager.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
-        self.slots: dict[str, int] = {}
-        self.host_next: dict[str, int] = {}  # per request: the next block to offer the host tier
-        self.host = host_cache.init(host_blocks, host_policy) if host_blocks else None  # the offload tier's index
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.state.reqs.max_blocks_per_request * self.state.reqs.block_size
-
-    def _pad(self, tokens: list[int]) -> jax.Array:
-        a = np.zeros(self.capacity_tokens, np.int32)  # one static length: compiled once
-        a[: len(tokens)] = tokens
-        return jnp.asarray(a)
-
-    def _free_slot(self) -> int:
-        used = set(self.slots.values())
-        for r in range(self.state.reqs.max_requests):
-            if r not in used:
-                return r
-        self._grow()
-        return self._free_slot()
-
-    def _grow(self) -> None:
-        """Double the request slots (a new static size, so one more compile); the pool is kept."""
-        old = self.state.reqs
-        new = manager.request_table(old.block_size, 2 * old.max_requests, old.max_blocks_per_request)
-        rows = [n.at[: o.shape[0]].set(o) for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
-        self.state = self.state.replace(reqs=jax.tree.unflatten(jax.tree.structure(new), rows))
-
-    def _slot(self, name: str) -> int:
-        if name not in self.slots:
-            raise ReplayError(f"unknown request {name!r}")
-        return self.slots[name]
-
-    def add(self, name: str, tokens: list[int], salt: str | None = None) -> dict:
-        if name in self.slots:
-            raise ReplayError(f"request {name!r} already exists")
-        if len(tokens) > self.capacity_tokens:  # can never fit in the pool: a failed add
-            return self.view("add", name, False)
-        slot, z = self._free_slot(), self.state.reqs.block_size
-        has_salt, key = hashing.salt_key(salt)
-        s, ok = manager.add_request(self.state, slot, self._pad(tokens), len(tokens), has_salt,
-                                 np.asarray(key, np.uint32))
-        hits, nh = manager.get_computed_blocks(s, slot)
-        nh = int(nh)
-        # The host tier: all the request's full-block hashes are touched, then the hash chain
-        # continues after the device hits, capped like them.
-        cap, nx, hashes, host = (len(tokens) - 1) // z - nh, 0, None, self.host
-        if host is not None:
-            host = host_cache.touch(host, self._hashes(s, slot, 0, len(tokens) // z), len(tokens) // z)
-        if host is not None and cap > 0:
-            hashes = self._hashes(s, slot, nh, nh + cap)
-            nx = int(host_cache.lookup(host, hashes, cap))
-        # Host hits take fresh blocks and count as computed, so the op allocates nx*Z + the rest.
-        s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * z, hits, nh)
-        if not (bool(ok) and bool(ok2)):
-            return self.view("add", name, False)
-        blocks = manager.request_blocks(s, slot)
-        host, loaded = self._load(host, hashes, nx, blocks[nh:nh + nx])
-        # Offered to the tier: from block 0 (device hits too), or after the host hits.
-        host, stored, self.host_next[name] = self._store(host, s, slot, nh + nx if nx else 0)
-        self.state, self.slots[name], self.host = s, slot, host
-        return self.view("add", name, True, blocks[:nh], blocks[nh:], nx, loaded, stored)
-
-    def append(self, name: str, tokens: list[int]) -> dict:
-        slot = self._slot(name)
-        if int(self.state.reqs.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
-            return self.view("append", name, False)  # longer than the pool: a failed append
-        held = int(self.state.reqs.num_held[slot])
-        s, ok = manager.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
-        s, ok2 = manager.allocate_slots(s, slot, len(tokens))
-        if not (bool(ok) and bool(ok2)):
-            return self.view("append", name, False)
-        self.host, stored, self.host_next[name] = self._store(self.host, s, slot, self.host_next[name])
-        self.state = s
-        return self.view("append", name, True, [], manager.request_blocks(s, slot)[held:], stored=stored)
-
-    def free(self, name: str) -> dict:
-        slot = self._slot(name)
-        s, ok = manager.free(self.state, slot)
-        s, ok2 = manager.remove_request(s, slot)
-        if not (bool(ok) and bool(ok2)):
-            raise manager.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
-        self.state = s
-        del self.slots[name], self.host_next[name]
-        return self.view("free", name, True)
-
-    def reset_prefix_cache(self) -> dict:
-        """The device prefix cache only: the host tier keeps its copies (no device block refers to them)."""
-        s, ok = manager.reset_prefix_cache(self.state)
-        self.state = s
-        return self.view("reset_prefix_cache", None, bool(ok))
-
-    # ------------------------------------------------------------------ the host tier
-    @staticmethod
-    def _hashes(s: manager.KVCacheManager, slot: int, first: int, end: int) -> np.ndarray:
-        """The request's block hashes first .. end - 1, u32[N, 2], zero padded to a power of two
-        (the tier's jitted calls compile once per N, and their work is O(N × H))."""
-        return host_cache.pad_hashes(np.asarray(s.reqs.req_hash[slot])[first:end])
-
-    @staticmethod
-    def _load(host, hashes: np.ndarray, n: int, blocks: list[int]):
-        """The scheduler's _host_load and the engine's loads_done in one: pin hashes[:n] (host
-        hits), copy them into device blocks, unpin. -> (new index, [[slot, block]])."""
-        if not n:
-            return host, []
-        host, slots = host_cache.prepare_load(host, hashes, n)
-        host, ok = host_cache.complete_load(host, slots, n)
-        if not bool(ok):
-            raise manager.PoolRefusedError(f"the host tier refused to unpin slots {np.asarray(slots[:n]).tolist()}")
-        return host, [[int(x), b] for x, b in zip(np.asarray(slots[:n]), blocks)]
-
-    @staticmethod
-    def _store(host, s: manager.KVCacheManager, slot: int, first: int):
-        """Offer the tier the request's full blocks from logical block `first` on (every
-        scheduled token counts as computed; `host_cache.offer`, as the scheduler does).
-        -> (new index, [[block, slot]], the next block to offer)."""
-        end = int(s.reqs.num_tokens[slot]) // s.reqs.block_size
-        if host is None or end <= first:
-            return host, [], max(first, end)
-        host, slots, stored = host_cache.offer(host, np.asarray(s.reqs.req_hash[slot])[:end], first)
-        blocks = manager.request_blocks(s, slot)[first:end]
-        return host, [[b, int(x)] for b, x, k in zip(blocks, slots, stored) if k], end
-
-    # ------------------------------------------------------------------ views
-    def view(self, op: str, name: str | None, ok: bool, hits=(), new=(), host_hits=0, loaded=(),
-             stored=()) -> dict:
-        s = jax.device_get(self.state)
-        p, z = s.pool, s.reqs.block_size
-        slot = self.slots.get(name) if name is not None else None
-        num_free = int(p.num_free)
-        out = {
-            "op": op, "req": name, "ok": ok,
-            "hit_blocks": [int(b) for b in hits], "hit_tokens": len(hits) * z,
-            "new_blocks": [int(b) for b in new],
-            "blocks": manager.request_blocks(s, slot) if slot is not None else [],
-            "free_queue": block_pool.free_queue(p), "num_free": num_free,
-            "ref_cnt": {str(b): int(c) for b, c in enumerate(p.ref_cnt) if c},
-            "cached": [int(b) for b in np.nonzero(p.has_hash)[0]],
-            "usage": round(1.0 - num_free / (p.num_blocks - 1), 6),
-        }
-        if self.host is not None:
-            out.update(host_hit_blocks=host_hits, loaded=list(loaded), stored=list(stored),
-                       host=host_lists(self.host), host_in_use=int(self.host.valid.sum()))
-        return out
-
-    def full_state(self) -> dict:
-        """Everything the stateful test compares with the oracle, keyed by request name."""
-        s = jax.device_get(self.state)
-        p, t = s.pool, s.reqs
-        return {
-            "free_queue": block_pool.free_queue(p),
-            "ref_cnt": [int(c) for c in p.ref_cnt],
-            "block_hash": {int(b): (int(p.block_hash[b, 0]), int(p.block_hash[b, 1]))
-                           for b in np.nonzero(p.has_hash)[0]},
-            "requests": {n: {"blocks": manager.request_blocks(s, r),
-                             "num_computed": int(t.num_computed[r]),
-                             "num_tokens": int(t.num_tokens[r])}
-                         for n, r in self.slots.items()},
-        }
-
-    def draw(self) -> str:
-        """The pool as text: per physical block its ref count, whether it is cached, and
-        which logical block of each request maps to it."""
-        s = jax.device_get(self.state)
-        p = s.pool
-        ids = range(1, p.num_blocks)
-        w = max(3, len(str(p.num_blocks - 1)) + 1)
-        names = sorted(self.slots, key=self.slots.get)
-        lw = max([5] + [len(n) for n in names])
-
-        def row(label, cells):
-            return f"{label:<{lw}} |" + "".join(f"{c:>{w}}" for c in cells)
-
-        lines = [f"pool: {p.num_blocks} blocks x {s.reqs.block_size} tokens (block 0 = null), "
-                 f"prefix caching {'on' if s.prefix_caching else 'off'}, "
-                 f"{int(p.num_free)} free, usage {1.0 - int(p.num_free) / (p.num_blocks - 1):.3f}",
-                 row("block", ids),
-                 row("ref", [int(p.ref_cnt[b]) or "." for b in ids]),
-                 row("hash", ["#" if p.has_hash[b] else "." for b in ids])]
-        for n in names:
-            where = {b: j for j, b in enumerate(manager.request_blocks(s, self.slots[n]))}
-            lines.append(row(n, [where.get(b, ".") for b in ids]))
-        lines.append("free queue (head -> tail): " + (" ".join(map(str, block_pool.free_queue(p))) or "empty"))
-        if self.host is not None:
-            lists = " | ".join(f"{k}: {(' '.join(map(str, v)) or '-') if isinstance(v, list) else v}"
-                               for k, v in host_lists(self.host).items())
-            lines.append(f"host tier ({self.host.num_slots} slots, {self.host.policy}, LRU end first) {lists}")
-        return "\n".join(lines)
-
-
-def host_lists(index: host_cache.HostIndex) -> dict:
-    """host_cache.entries as JSON: resident entries as their slot ids (ref counts are 0 between
-    replay ops), ghost hashes as 16 hex digits, lane 0 then lane 1."""
-    out = {}
-    for k, v in host_cache.entries(index).items():
-        if k == "p":
-            out[k] = v
-        elif k in ("b1", "b2"):
-            out[k] = [f"{lo:08x}{hi:08x}" for lo, hi in v]
-        else:
-            out[k] = [slot for _, slot, _ in v]
-    return out
-
-
-# ---------------------------------------------------------------------------- trace input
-MAX_BLOCKS = 2**16  # replay is for reading pools, not for sizing them: small limits keep its tables small
-MAX_REQUEST_TOKENS = 2**20
-MAX_HOST_BLOCKS = 2**12  # the host index compares every hash with every slot: O(N × H) per op
-
-
-def _int(v, what: str, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ReplayError(f"{what} must be an int >= {lo}, got {json.dumps(v)}")
-    if v > hi:
-        raise ReplayError(f"{what} must be at most {hi:,}, got {v:,}")
-    return v
-
-
-def _utf8(line: bytes) -> str:
-    try:
-        return line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ReplayError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _json(line: str):
-    """One op's JSON (errors.loads: nesting limit, finite numbers), as a ReplayError."""
-    try:
-        return loads(line)
-    except KvjaxError as e:
-        raise ReplayError(str(e)) from None
-
-
-def _tokens(op: dict) -> list[int]:
-    toks = op.get("tokens")
-    if not isinstance(toks, list) or not toks:
-        raise ReplayError(f"'tokens' must be a non-empty list of ints, got {json.dumps(toks)}")
-    for i, t in enumerate(toks):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
-            raise ReplayError(f"token {i} is {json.dumps(t)}: tokens must be ints in [0, 2**31)")
-    return toks
-
-
-def _req(op: dict) -> str:
-    name = op.get("req")
-    if not isinstance(name, str):
-        raise ReplayError(f"'req' must be a string, got {json.dumps(name)}")
-    return name
-
-
-def _init(op: dict) -> Replay:
-    pc = op.get("prefix_caching", True)
-    if not isinstance(pc, bool):
-        raise ReplayError(f"prefix_caching must be true or false, got {json.dumps(pc)}")
-    num_blocks = _int(op.get("num_blocks"), "num_blocks", 2, MAX_BLOCKS)
-    block_size = _int(op.get("block_size"), "block_size", 1, MAX_REQUEST_TOKENS)
-    if (num_blocks - 1) * block_size > MAX_REQUEST_TOKENS:
-        raise ReplayError(f"(num_blocks - 1) × block_size = {(num_blocks - 1) * block_size:,} tokens: "
-                          f"replay keeps every request's tokens, at most {MAX_REQUEST_TOKENS:,} each")
-    host_blocks = _int(op.get("host_blocks", 0), "host_blocks", 0, MAX_HOST_BLOCKS)
-    policy = op.get("host_policy", "lru")
-    if not isinstance(policy, str) or policy not in host_cache.POLICIES:
-        raise ReplayError(f"host_policy must be one of {', '.join(map(json.dumps, host_cache.POLICIES))}, "
-                          f"got {json.dumps(policy)}")
-    return Replay(num_blocks, block_size, pc, host_blocks=host_blocks, host_policy=policy)
-
-
-def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
-    """Run a trace, yielding (output dict, replay) per op. Raises ReplayError whose message
-    starts with "line N:" at the first bad line (earlier outputs were already yielded)."""
-    replay: Replay | None = None
-    freed_on: dict[str, int] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            if isinstance(line, bytes):
-                line = _utf8(line)
-            op = _json(line)
-            if not isinstance(op, dict):
-                raise ReplayError(f"expected a JSON object, got {json.dumps(op)[:40]}")
-            kind = op.get("op")
-            if kind not in OPS:
-                raise ReplayError(f"unknown op {json.dumps(kind)} (expected one of {', '.join(OPS)})")
-            extra = set(op) - _KEYS[kind] - {"op"}
-            if extra:
-                raise ReplayError(f"unknown key(s) {sorted(extra)} for op {kind!r}")
-            if kind == "init":
-                replay = _init(op)
-                freed_on = {}
-                out = replay.view("init", None, True)
-            elif replay is None:
-                raise ReplayError(f"op {kind!r} before any init")
-            elif kind == "reset_prefix_cache":
-                out = replay.reset_prefix_cache()
-            else:
-                name = _req(op)
-                if kind != "add" and name not in replay.slots:
-                    if name in freed_on:
-                        raise ReplayError(f"double free or use after free of request {name!r} "
-                                          f"(freed on line {freed_on[name]})")
-                    raise ReplayError(f"unknown request {name!r}")
-                if kind == "add":
-                    salt = op.get("salt")
-                    if salt is not None and not isinstance(salt, str):
-                        raise ReplayError(f"'salt' must be a string, got {json.dumps(salt)}")
-                    if salt is not None and not _encodable(salt):
-                        raise ReplayError("'salt' holds a lone UTF-16 surrogate (it has no UTF-8 bytes to hash)")
-                    out = replay.add(name, _tokens(op), salt)
-                    if out["ok"]:
-                        freed_on.pop(name, None)
-                elif kind == "append":
-                    out = replay.append(name, _tokens(op))
-                else:
-                    out = replay.free(name)
-                    freed_on[name] = lineno
-        except ReplayError as e:
-            raise ReplayError(f"line {lineno}: {e}") from None
-        yield out, replay
+from kvjax.core import block_pool, kv_cache_manager as manager
+from kvjax.core.replay import Replay, ReplayError, bounded_lines, host_lists, iter_trace
+from kvjax.errors import check_input_file
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -423,20 +33,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-MAX_LINE_BYTES = 1 << 20  # no op comes near 1 MiB; stdin (or a huge file) is read a bounded line at a time
+def draw(replay: Replay) -> str:
+    """The pool as text: per physical block its ref count, whether it is cached, and
+    which logical block of each request maps to it."""
+    s = jax.device_get(replay.state)
+    p = s.pool
+    ids = range(1, p.num_blocks)
+    w = max(3, len(str(p.num_blocks - 1)) + 1)
+    names = sorted(replay.slots, key=replay.slots.get)
+    lw = max([5] + [len(n) for n in names])
 
+    def row(label, cells):
+        return f"{label:<{lw}} |" + "".join(f"{c:>{w}}" for c in cells)
 
-def _bounded_lines(f) -> Iterator[bytes]:
-    """f's lines, refusing one longer than MAX_LINE_BYTES instead of reading it to its end."""
-    lineno = 0
-    while True:
-        line = f.readline(MAX_LINE_BYTES + 1)
-        lineno += 1
-        if not line:
-            return
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            raise ReplayError(f"line {lineno}: longer than {MAX_LINE_BYTES // 2**20} MiB")
-        yield line
+    lines = [f"pool: {p.num_blocks} blocks x {s.reqs.block_size} tokens (block 0 = null), "
+             f"prefix caching {'on' if s.prefix_caching else 'off'}, "
+             f"{int(p.num_free)} free, usage {1.0 - int(p.num_free) / (p.num_blocks - 1):.3f}",
+             row("block", ids),
+             row("ref", [int(p.ref_cnt[b]) or "." for b in ids]),
+             row("hash", ["#" if p.has_hash[b] else "." for b in ids])]
+    for n in names:
+        where = {b: j for j, b in enumerate(manager.request_blocks(s, replay.slots[n]))}
+        lines.append(row(n, [where.get(b, ".") for b in ids]))
+    lines.append("free queue (head -> tail): " + (" ".join(map(str, block_pool.free_queue(p))) or "empty"))
+    if replay.host is not None:
+        lists = " | ".join(f"{k}: {(' '.join(map(str, v)) or '-') if isinstance(v, list) else v}"
+                           for k, v in host_lists(replay.host).items())
+        lines.append(f"host tier ({replay.host.num_slots} slots, {replay.host.policy}, LRU end first) {lists}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -457,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
     text_drawing = args.show and not args.json
     with f:
         try:
-            for out, replay in iter_trace(_bounded_lines(f)):
+            for out, replay in iter_trace(bounded_lines(f)):
                 if args.show and args.json:
-                    out = dict(out, drawing=replay.draw())
+                    out = dict(out, drawing=draw(replay))
                 print(json.dumps(out), flush=not text_drawing)
                 if text_drawing:
-                    print(replay.draw(), flush=True)
+                    print(draw(replay), flush=True)
         except ReplayError as e:
             sys.stdout.flush()
             raise ReplayError(f"{name}: {e}") from None

@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
 def _section_tables(out: str) -> tuple[str, dict]:
     from kvjax.accounting import budget as bud
     from kvjax.accounting import spec_tables as tables
-    from kvjax.commands.main import format_plan
+    from kvjax.commands.plan import format_plan
 
     t1, t2 = tables.table1(), tables.table2()
     md = ["## 1. KV bytes, budget and concurrency (SPEC Tables 1–2, simulator groups A–C)", "",

@@ -1,1 +1,3 @@
-"""Model configs: ModelConfig, the named presets, and the Hugging Face config parser (vLLM's `vllm/config/`)."""
+"""Model configs (vLLM's `vllm/config/`): kvjax.config.model (ModelConfig, RopeConfig, their errors
+and constants), kvjax.config.presets (the named presets) and kvjax.config.hf (the Hugging Face
+config.json parser)."""

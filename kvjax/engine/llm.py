@@ -5,13 +5,10 @@
     outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, n=2, logprobs=1))
     print(outs[0].outputs[1].text, outs[0].outputs[1].logprobs[0], outs[0].num_cached_tokens)
 
-A vLLM script runs unchanged: `LLM(model, **engine args)` takes vLLM's names (kv_cache_dtype,
-num_gpu_blocks_override, gpu_memory_utilization, kv_cache_memory_bytes, enable_prefix_caching,
-enable_chunked_prefill, max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy,
-attention_backend, kv_offloading_size, kv_cache_dtype_skip_layers, tensor_parallel_size, seed,
-dtype, max_logprobs, generation_config) with vLLM's meanings; kvjax's own extras keep kvjax
-names (scales, kv_layout, steps_per_call, kv_skip_dtype, total_memory_bytes). A vLLM argument
-that means nothing here is refused by name (LLMError, one line), never silently dropped.
+`LLM(model, **engine args)` takes vLLM's arguments with vLLM's meanings, plus kvjax's own
+extras; kvjax.engine.arg_utils lists them, checks them before a model loads, and refuses by
+name (LLMError) a vLLM argument that means nothing here. `generate` returns vLLM's output types
+(kvjax.engine.outputs: RequestOutput, CompletionOutput, Logprob, RequestMetrics).
 
 `LLM(model, ...)` loads a model (models.hub: a built-in name, a Hugging Face folder, or
 `preset:NAME` with random weights; or an already loaded `models.hub.LoadedModel`), sizes the
@@ -33,9 +30,6 @@ This is the API layer: it imports `models/` (lazily), which the core modules nev
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -44,121 +38,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kv_offload import host_pages as offload
-from kvjax.quant import formats as quant
-from kvjax.attention import IMPLS, default_impl
 from kvjax.accounting.budget import cdiv, pow2_bucket
 from kvjax.worker.paged_cache import PagedCache
+from kvjax.engine.arg_utils import (LLMError, check_engine_args, check_limits, eviction_policy, generation_defaults,
+                                    read_scales, read_template, skip_layers)
 from kvjax.engine.core import DEFAULT_BUDGET, Engine, EngineConfig, EngineError, RequestResult
-from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int
+from kvjax.engine.outputs import GenerateOutputs, Logprob, prompt_logprobs, request_output
+from kvjax.errors import INT32_MAX, check_int
 from kvjax.engine.sampling import SamplingParams
 from kvjax.evaluation.scoring import sequence_logits
 from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
-from kvjax.engine.stats import Summary
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
-
-# vLLM LLM(...) / engine arguments that kvjax does not implement: (the values that mean what kvjax
-# does anyway, the reason any other value is refused). vLLM's defaults are accepted, so a script
-# that spells them out still runs.
-_NOT_HERE = {
-    "quantization": ((None,), "weight quantization is not implemented (kvjax quantizes the KV cache only)"),
-    "cpu_offload_gb": ((0,), "weight offloading is not implemented"),
-    "enable_lora": ((False,), "LoRA is not implemented"),
-    "speculative_config": ((None,), "speculative decoding is not implemented"),
-    "pipeline_parallel_size": ((1,), "pipeline parallelism is not implemented"),
-    "data_parallel_size": ((1,), "data parallelism is not implemented"),
-    "tokenizer": ((None,), "kvjax reads the checkpoint's own tokenizer"),
-    "tokenizer_mode": (("auto",), "kvjax reads the checkpoint's own tokenizer"),
-    "skip_tokenizer_init": ((False,), "kvjax always loads the tokenizer"),
-    "trust_remote_code": ((False,), "kvjax runs no code from checkpoints"),
-    "revision": ((None,), "kvjax loads local folders and its own registry"),
-    "hf_overrides": ((None,), "config overrides are not implemented"),
-    "calculate_kv_scales": ((False,), "dynamic KV scales are not implemented (pass scales=)"),
-    "kv_offloading_backend": (("native",), "kvjax's host tier is vLLM's native backend"),
-    "enforce_eager": ((False,), "kvjax compiles every step with XLA (there are no CUDA graphs to turn off)"),
-    "compilation_config": ((None,), "kvjax compiles every step with XLA"),
-    "disable_log_stats": ((True, False), ""),  # kvjax logs no stats: either value holds
-    "runner": (("auto", "generate"), "kvjax runs generative models only"),
-    "convert": (("auto", "none"), "kvjax runs generative models only"),
-    "pooler_config": ((None,), "pooling is not implemented"),
-    "mm_processor_kwargs": ((None,), "multimodal inputs are not implemented"),
-    "limit_mm_per_prompt": ((None,), "multimodal inputs are not implemented"),
-    "structured_outputs_config": ((None,), "structured outputs are not implemented"),
-    "logits_processors": ((None,), "custom logits processors are not implemented"),
-    "swap_space": ((), "vLLM V1 recomputes on preemption; it never swaps"),
-}
-
-
-class LLMError(KvjaxError):
-    """An LLM built or called with values that break a rule; the message names the value."""
-
-
-# ----------------------------------------------------------------------------------- outputs
-@dataclasses.dataclass
-class Logprob:
-    """vLLM `Logprob`: a token's log-probability, its rank in the vocabulary (1 = most likely)
-    and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclasses.dataclass
-class RequestMetrics:
-    """vLLM's per-request stats (`RequestStateStats`), with the prefix-cache hit. Times are
-    seconds from the start of the `generate` call."""
-
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-    first_token_latency: float | None = None
-    last_token_ts: float | None = None
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One generated sequence (vLLM `CompletionOutput`, its fields in its order). logprobs: one
-    {token id: Logprob} per generated token (the sampled token and the k most likely); stop_reason:
-    the stop string or stop token id that ended it (None for EOS or length)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "length" or "stop"; None if the request was refused
-    stop_reason: int | str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What one prompt produced (vLLM `RequestOutput`). outputs: its n completions;
-    prompt_logprobs: None, then one {token id: Logprob} per later prompt token, when asked.
-    kvjax's extra: `error` says why a request was refused (the other prompts still run)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    metrics: RequestMetrics | None = None
-    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
-    error: str | None = None
-
-
-class GenerateOutputs(list):
-    """The RequestOutputs of one `generate` call, in prompt order (a list, as vLLM returns), and
-    the call's `summary` (kvjax.engine.stats.Summary: throughput, latencies, prefix hits, preemptions,
-    blocks in use)."""
-
-    def __init__(self, outputs: list[RequestOutput], summary: Summary):
-        super().__init__(outputs)
-        self.summary = summary
 
 
 # ----------------------------------------------------------------------------------- the LLM
@@ -197,44 +88,18 @@ class LLM:
         takes a share of, on a CPU)."""
         from kvjax.models.hub import LoadedModel, load_model
 
-        self._refuse_unknown(kwargs)
-        # Every argument's type and range first, before a model is loaded: no bad value reaches
-        # JAX, NumPy or XLA. The engine's own rules run on a probe config.
-        try:
-            EngineConfig(num_blocks=2, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                         max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
-                         prefix_caching=enable_prefix_caching, steps_per_call=steps_per_call, seed=seed,
-                         policy=scheduling_policy, kv_layout=kv_layout, max_logprobs=max_logprobs,
-                         tensor_parallel_size=tensor_parallel_size,
-                         kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size))
-        except EngineError as e:
-            raise LLMError(str(e).replace("policy must", "scheduling_policy must").replace(
-                "chunked_prefill must", "enable_chunked_prefill must").replace(
-                "prefix_caching must", "enable_prefix_caching must")) from None
-        _check_args(dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, generation_config=generation_config,
-                         attention_backend=attention_backend, kv_skip_dtype=kv_skip_dtype, chat_template=chat_template),
-                    dict(gpu_memory_utilization=gpu_memory_utilization, kv_offloading_size=kv_offloading_size),
-                    dict(num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                         total_memory_bytes=total_memory_bytes), use_tqdm_on_load, scales)
-        given = [n for n, v in (("num_gpu_blocks_override", num_gpu_blocks_override),
-                                ("kv_cache_memory_bytes", kv_cache_memory_bytes),
-                                ("gpu_memory_utilization", gpu_memory_utilization)) if v is not None]
-        if len(given) > 1:
-            raise LLMError(f"give one of {' or '.join(given)}: each sizes the block pool")
+        kv_dtype, attn_impl, model_dtype = check_engine_args(
+            kwargs, dtype=dtype, seed=seed, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_dtype=kv_cache_dtype, num_gpu_blocks_override=num_gpu_blocks_override,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy,
+            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
+            kv_offloading_size=kv_offloading_size, kv_transfer_config=kv_transfer_config, max_logprobs=max_logprobs,
+            generation_config=generation_config, chat_template=chat_template, use_tqdm_on_load=use_tqdm_on_load,
+            scales=scales, kv_layout=kv_layout, steps_per_call=steps_per_call, kv_skip_dtype=kv_skip_dtype,
+            total_memory_bytes=total_memory_bytes)
         tp = tensor_parallel_size
-        if tp > 1 and attention_backend == "pallas":
-            raise LLMError(f"attention_backend='pallas' with tensor_parallel_size={tp}: the Pallas kernels are not "
-                           "partitioned over a mesh; use 'reference'")
-        if attention_backend is not None and attention_backend not in IMPLS:
-            raise LLMError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
-        if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, str)
-                                                               and os.path.isdir(generation_config)):
-            raise LLMError(f"generation_config={generation_config!r}: 'auto', 'vllm' or a folder with "
-                           "generation_config.json")
-        kv_dtype = None if str(kv_cache_dtype).lower() == "auto" else kv_cache_dtype
-        attn_impl = attention_backend or ("reference" if tp > 1 else
-                                          default_impl(lookup_kv_dtype(kv_dtype).name if kv_dtype else None))
-        model_dtype = None if dtype == "auto" else dtype
         if isinstance(model, LoadedModel):
             if model_dtype is not None and model_dtype != model.config.dtype:
                 raise LLMError(f"dtype={dtype!r}: the loaded model is already {model.config.dtype}")
@@ -250,26 +115,12 @@ class LLM:
         self.model = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        spec = loaded.config.kv_spec(kv_dtype, skip_layers=_skip_layers(kv_cache_dtype_skip_layers))
+        spec = loaded.config.kv_spec(kv_dtype, skip_layers=skip_layers(kv_cache_dtype_skip_layers))
         self.kv_spec = spec.replace(model_dtype=lookup_kv_dtype(kv_skip_dtype).name) if kv_skip_dtype else spec
-        if isinstance(scales, str):
-            scales = quant.KVScales.load(scales)
-        if scales is not None and not lookup_kv_dtype(self.kv_spec.kv_dtype).name.startswith("fp8"):
-            raise LLMError(f"scales are fp8 dequantization scales, but the kv dtype is {self.kv_spec.kv_dtype}")
-        if scales is not None:
-            scales.check_kv_dtype(lookup_kv_dtype(self.kv_spec.kv_dtype).name)
-        self.scales = scales
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
-                raise LLMError(f"{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
-            raise LLMError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
-        self.block_size = block_size
+        self.scales = scales = read_scales(scales, self.kv_spec.kv_dtype)
         model_len = loaded.config.max_position_embeddings
-        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-                                          or not 1 <= max_model_len <= model_len):
-            raise LLMError(f"max_model_len must be an integer in [1, {model_len}] (the model's maximum length), "
-                           f"got {max_model_len!r}")
+        check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, model_len)
+        self.block_size = block_size
         self.max_model_len = max_model_len or model_len
         self.tensor_parallel_size = tp
         self._engine_model = self._place(tp, attn_impl)
@@ -292,20 +143,11 @@ class LLM:
         module, params, _ = self._engine_model
         self.engine = Engine(module, params, self.kv_spec, self.engine_config, scales=scales,
                              eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer)
-        self.chat_template = _read_template(chat_template) if chat_template is not None else loaded.chat_template
-        self.default_sampling_params = _generation_defaults(
+        self.chat_template = read_template(chat_template) if chat_template is not None else loaded.chat_template
+        self.default_sampling_params = generation_defaults(
             None if generation_config == "vllm" else generation_config if generation_config != "auto"
             else loaded.folder)
         self._score_fn = None
-
-    @staticmethod
-    def _refuse_unknown(kwargs: dict) -> None:
-        for name, value in kwargs.items():
-            if name not in _NOT_HERE:
-                raise LLMError(f"LLM() has no argument {name!r}")
-            neutral, reason = _NOT_HERE[name]
-            if not any(value == v and type(value) is type(v) for v in neutral):
-                raise LLMError(f"LLM({name}={value!r}): {reason}")
 
     def _place(self, tp: int, attn_impl: str):
         """(module, params, mesh) the engine runs: the loaded model on one device, or with tp > 1
@@ -444,32 +286,10 @@ class LLM:
         params_list = [params] * len(pairs) if isinstance(params, SamplingParams) else list(params)
         outputs = []
         for (text, ids), results, sp in zip(pairs, per_prompt, params_list):
-            first = results[0]
-            error = first.error
+            error = results[0].error
             prompt_lps = None if error or sp.prompt_logprobs is None else self._prompt_logprobs(ids, sp.prompt_logprobs)
-            metrics = None if error else RequestMetrics(
-                sum(len(r.output) for r in results), sum(r.preemptions for r in results), first.num_cached_tokens,
-                first.ttft_s, max((r.last_token_s or 0.0) for r in results))
-            outputs.append(RequestOutput(
-                first.request_id, text, ids, prompt_lps, [self._completion(r) for r in results], True,
-                metrics, None if error else first.num_cached_tokens, error))
+            outputs.append(request_output(text, ids, results, prompt_lps, self.tokenizer))
         return GenerateOutputs(outputs, run.summary)
-
-    def _completion(self, res: RequestResult) -> CompletionOutput:
-        text = "" if res.error or res.text is None else res.text
-        logprobs = None if res.logprobs is None else [
-            self._logprob_dict(tok, t.logprob, t.rank, t.top_ids, t.top_logprobs)
-            for tok, t in zip(res.output, res.logprobs)]
-        cumulative = None if res.logprobs is None else float(sum(t.logprob for t in res.logprobs))
-        return CompletionOutput(res.sample, text, list(res.output), cumulative, logprobs, res.finish_reason,
-                                res.stop_reason)
-
-    def _logprob_dict(self, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:
-        """vLLM's per-token dict: the chosen token first, then the k most likely (ranks 1..k)."""
-        out = {int(token): Logprob(float(logprob), int(rank), self.tokenizer.decode([int(token)]))}
-        for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
-            out.setdefault(int(t), Logprob(float(lp), r, self.tokenizer.decode([int(t)])))
-        return out
 
     def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
         """vLLM's prompt_logprobs: None for the first token, then for each later prompt token its
@@ -478,13 +298,7 @@ class LLM:
         window = np.zeros((1, length), np.int32)
         window[0, :len(ids)] = ids  # causal: the padding after the prompt changes nothing before it
         lp = self.score_windows(window)[0, :len(ids) - 1]  # [S-1, V]: row s predicts token s + 1
-        k = lp.shape[-1] if k == -1 else k
-        out: list[dict[int, Logprob] | None] = [None]
-        for s, token in enumerate(ids[1:]):
-            row = lp[s]
-            top = np.argsort(-row, kind="stable")[:k]
-            out.append(self._logprob_dict(token, row[token], int((row >= row[token]).sum()), top, row[top]))
-        return out
+        return prompt_logprobs(self.tokenizer, ids, lp, k)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -496,7 +310,7 @@ class LLM:
         (models.tokenizer.render_chat). Other arguments as `generate`."""
         from kvjax.models.tokenizer import render_chat
 
-        template = _read_template(chat_template) if chat_template is not None else self.chat_template
+        template = read_template(chat_template) if chat_template is not None else self.chat_template
         if not template:
             raise LLMError(f"model {self.model.name!r} has no chat template: pass chat_template=")
         if messages and isinstance(messages[0], dict):
@@ -552,104 +366,6 @@ class LLM:
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales) -> None:
-    """The LLM arguments the engine's config does not check: strings (None where optional),
-    real numbers (gpu_memory_utilization in (0, 1], kv_offloading_size in GiB >= 0), byte and block
-    counts, a real bool, and scales (a file name or KVScales)."""
-    optional = {"attention_backend", "kv_skip_dtype", "chat_template"}
-    for name, value in texts.items():
-        if not (isinstance(value, str) or (value is None and name in optional)):
-            raise LLMError(f"{name} must be a string{' or None' if name in optional else ''}, got {value!r:.60}")
-    for name, value in reals.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise LLMError(f"{name} must be a finite number, got {value!r:.60}")
-        if name == "gpu_memory_utilization" and not 0 < value <= 1:
-            raise LLMError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
-        if name == "kv_offloading_size" and not 0 <= value <= MAX_GIB:
-            raise LLMError(f"kv_offloading_size must be in [0, {MAX_GIB}] GiB, got {value!r}")
-    for name, value in counts.items():
-        if value is not None:
-            check_int(value, name, 2 if name == "num_gpu_blocks_override" else 1, 2**62, LLMError)
-    if not isinstance(use_tqdm_on_load, bool):
-        raise LLMError(f"use_tqdm_on_load must be True or False, got {use_tqdm_on_load!r:.60}")
-    if scales is not None and not isinstance(scales, (str, quant.KVScales)):
-        raise LLMError(f"scales must be a scales file or kvjax.quant.formats.KVScales, got {type(scales).__name__}")
-
-
-def _skip_layers(layers) -> tuple[int, ...]:
-    """vLLM's kv_cache_dtype_skip_layers: layer indices (ints or digit strings)."""
-    if isinstance(layers, (str, int)):
-        layers = [layers]
-    out = []
-    for x in layers:
-        if isinstance(x, str) and x.strip().isdigit():
-            x = int(x)
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise LLMError(f"kv_cache_dtype_skip_layers: {x!r} is not a layer index (attention-type names such as "
-                           "'sliding_window' need hybrid KV cache groups, not implemented yet)")
-        out.append(x)
-    return tuple(out)
-
-
-def eviction_policy(config: dict | None, size) -> str:
-    """The host tier's eviction policy from vLLM's kv_transfer_config (OffloadingConnector's
-    kv_connector_extra_config["eviction_policy"], default "lru")."""
-    if config is None:
-        return "lru"
-    if not isinstance(config, dict):
-        raise LLMError(f"kv_transfer_config must be a dict, got {type(config).__name__}")
-    known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
-    if set(config) - known:
-        raise LLMError(f"kv_transfer_config field {sorted(set(config) - known)[0]!r} is not implemented in kvjax "
-                       "(only the offloading connector's eviction_policy is)")
-    if config.get("kv_connector") not in (None, "OffloadingConnector"):
-        raise LLMError(f"kv_transfer_config kv_connector={config['kv_connector']!r}: kvjax has the "
-                       "OffloadingConnector's host tier only")
-    extra = config.get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict) or set(extra) - {"eviction_policy"}:
-        raise LLMError(f"kv_connector_extra_config {extra!r}: kvjax reads only 'eviction_policy'")
-    if size is None and extra:
-        raise LLMError("an eviction_policy needs kv_offloading_size (the host tier it evicts from)")
-    policy = extra.get("eviction_policy", "lru")
-    offload.check_policy(policy)
-    return policy
-
-
-def _read_template(template: str) -> str:
-    """A chat template given as its text or as a file holding it (vLLM's chat_template)."""
-    if not isinstance(template, str) or not template:
-        raise LLMError(f"chat_template must be a template or a file, got {template!r:.80}")
-    if "{" not in template and os.path.isfile(template):
-        from kvjax.errors import decode_utf8, read_bytes
-
-        return decode_utf8(read_bytes(template, "chat template"), template, "chat template")
-    return template
-
-
-_GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
-                      "top_p", "min_p", "max_new_tokens", "skip_special_tokens")
-
-
-def _generation_defaults(folder: str | None) -> SamplingParams:
-    """vLLM's get_default_sampling_params: the generation_config.json values it reads (max_new_tokens
-    as max_tokens), over SamplingParams()."""
-    path = None if folder is None or not os.path.isdir(folder) else os.path.join(folder, "generation_config.json")
-    if path is None or not os.path.exists(path):
-        return SamplingParams()
-    from kvjax.errors import read_json_object
-
-    config = read_json_object(path, "generation_config.json")
-    values = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
-    if "max_new_tokens" in values:
-        values["max_tokens"] = values.pop("max_new_tokens")
-    try:
-        return SamplingParams(**values)
-    except KvjaxError as e:
-        raise LLMError(f"{path}: {e}") from None
-
-
 def _progress_bar(use_tqdm, desc: str):
     """A tqdm bar of generated tokens on stderr, or None (use_tqdm False)."""
     if use_tqdm is False or use_tqdm is None:
@@ -678,5 +394,4 @@ def _both(first, second):
     return lambda n: (first(n), second(n))
 
 
-__all__ = ["LLM", "LLMError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
-           "GenerateOutputs"]
+__all__ = ["LLM"]

@@ -8,7 +8,7 @@ import pytest
 
 from kvjax.accounting import budget as bud
 from kvjax.accounting import spec_tables as tables
-from kvjax.config.model import preset
+from kvjax.config.presets import preset
 from kvjax.core.kv_cache_interface import KVSpec
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

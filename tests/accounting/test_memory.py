@@ -140,6 +140,7 @@ def test_profile_and_size_follows_the_budget_formula(tiny, util):
     from fractions import Fraction
 
     from kvjax.accounting import sizing
+    from kvjax.accounting.reconcile import reconcile
 
     model, params, spec = tiny
     total = 4 * 1024**2
@@ -153,8 +154,8 @@ def test_profile_and_size_follows_the_budget_formula(tiny, util):
     assert (r.plan.requested_bytes, r.plan.weights_bytes, r.plan.activations_bytes) == (
         requested, weights, r.activations_bytes)
     assert r.non_kv_bytes == weights + r.activations_bytes and r.total_bytes == total and not r.total_from_device
-    # Allocating what was planned: every row measures exactly its analytic bytes on CPU.
-    check = sizing.reconcile(r)
+    # Allocating what was planned (kvjax.accounting.reconcile): every row measures exactly its analytic bytes on CPU.
+    check = reconcile(r)
     assert [row.name for row in check.rows] == ["weights", "kv pages", "scales + counters", "block tables",
                                                "activation peak", "total resident"]
     assert all(row.measured == row.analytic for row in check.rows), check.rows

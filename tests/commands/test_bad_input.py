@@ -502,12 +502,12 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
 
 
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
-    import kvjax.commands.main as cli
+    import kvjax.commands.tables as tables
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(cli._RUNNERS, "tables", interrupted)
+    monkeypatch.setattr(tables, "run", interrupted)
     assert main(["tables"]) == 130
     assert capsys.readouterr().err == "kvjax tables: interrupted\n"
 
@@ -525,7 +525,7 @@ def test_the_python_api_refuses_special_files_too(tmp_path):
 
 
 def test_text_prompts_split_on_newlines_only_and_jsonl_in_any_case(tmp_path):
-    from kvjax.commands.decode import read_prompts
+    from kvjax.commands.prompts import read_prompts
 
     text = tmp_path / "p.txt"
     text.write_bytes("a\fb\u2028c\nsecond\r\n\nthird\n".encode())

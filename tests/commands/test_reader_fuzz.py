@@ -1,7 +1,7 @@
 """The bad-input contract, fuzzed: every file reader either parses what it is given or raises
 `kvjax.errors.KvjaxError`. Arbitrary bytes, arbitrary JSON values and near-valid documents (a
 valid one with one or two fields replaced by anything) go to the trace reader
-(`kvjax.commands.replay.iter_trace`), the prompts reader (`kvjax.commands.decode.read_prompts`), the fp8
+(`kvjax.core.replay.iter_trace`), the prompts reader (`kvjax.commands.prompts.read_prompts`), the fp8
 scales reader (`kvjax.quant.formats.KVScales.load`), the config reader (`kvjax.config.model.from_hf_config`, a
 file and a dict), the GGUF header reader (`models.loader.load_config` on a `.gguf` file: random,
 truncated, byte-flipped, or with odd metadata) and the shared helpers (`kvjax.errors.read_text`,
@@ -29,11 +29,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvjax.commands.decode import read_prompts
-from kvjax.config.model import MODEL_TYPES, ModelConfig, from_hf_config
+from kvjax.commands.prompts import read_prompts
+from kvjax.config.hf import from_hf_config
+from kvjax.config.model import MODEL_TYPES, ModelConfig
 from kvjax.errors import INT32_MAX, KvjaxError, read_json, read_jsonl, read_text
 from kvjax.quant.formats import FP8_FORMATS, SCALE_MODES, KVScales
-from kvjax.commands.replay import iter_trace
+from kvjax.core.replay import iter_trace
 from kvjax.models.loader import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,7 +89,7 @@ RAW_LINES = ["[" * 100000, "{" * 100000, "[" * 33 + "]" * 33, "[" * 32 + "]" * 3
 
 
 # --------------------------------------------------------------------------------------------
-# 1. kvjax.commands.replay.iter_trace
+# 1. kvjax.core.replay.iter_trace
 # --------------------------------------------------------------------------------------------
 # A valid init compiles the pool for its shape (seconds each), so the valid sizes are few: num_blocks
 # 2 or 3 with block_size 1. Every other value is out of range or not an int, and huge ones must be
@@ -169,7 +170,7 @@ def test_iter_trace_raw_lines(line, after_init):
 
 
 # --------------------------------------------------------------------------------------------
-# 2. kvjax.commands.decode.read_prompts
+# 2. kvjax.commands.prompts.read_prompts
 # --------------------------------------------------------------------------------------------
 # A file is refused at its first bad line, so most requests are good or nearly so.
 OPTIONS = {"max_tokens": st.integers(-3, 100) | EDGE_NUMBERS | JSON,
@@ -365,7 +366,7 @@ HUGE_LAYER_CONFIGS = {
 }
 CHILD = textwrap.dedent("""
     import json, resource, sys
-    from kvjax.config.model import from_hf_config
+    from kvjax.config.hf import from_hf_config
     from kvjax.errors import KvjaxError
     resource.setrlimit(resource.RLIMIT_AS, (2**28, 2**28))
     try:
@@ -547,7 +548,7 @@ def _gguf(**changes):
 ONCE_BROKEN = {
     # kvjax/core/kv_cache_utils.py:137 salt_key: UnicodeEncodeError (a lone surrogate, which JSON's \ud800 escape gives)
     "replay-salt-lone-surrogate": _trace('{"op": "add", "req": "a", "tokens": [1], "salt": "\\ud800"}'),
-    # kvjax/commands/decode.py read_prompts: returns a request with neither prompt nor tokens
+    # kvjax/commands/prompts.py read_prompts: returns a request with neither prompt nor tokens
     "prompts-tokens-null": lambda: read_prompts_checked('{"tokens": null}\n'),
     # kvjax/config/model.py:103 rope_from_hf dict(...): ValueError / TypeError
     "config-rope_scaling-string": _config(LLAMA, rope_scaling="ab"),
@@ -580,7 +581,7 @@ def test_inputs_that_once_broke_a_reader(name):
 
 
 # --------------------------------------------------------------------------------------------
-# kvjax.commands.replay with a host offload tier: near-valid traces over a pool and a tier of 1 or 6 slots;
+# kvjax.core.replay with a host offload tier: near-valid traces over a pool and a tier of 1 or 6 slots;
 # after every op both indexes keep their invariants, and a failed op leaves the tier as it was.
 # --------------------------------------------------------------------------------------------
 # (Bad host keys are test_replay.py's; here the init is good, so that most ops reach the tier.)

@@ -1,4 +1,4 @@
-"""kvjax.config.model: the Hugging Face parser, the preset registry, parameter counts.
+"""kvjax.config: the Hugging Face parser (hf), the preset registry (presets), parameter counts (model).
 
 Expected numbers are the models' published parameter counts, transformers' own
 `num_parameters()`, or the KV formula f × L × Hkv × D × b written out by hand; none is taken
@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-import kvjax.config.model as kc
-from kvjax.config.model import ModelConfig, ModelConfigError, RopeConfig, from_hf_config, preset
+from kvjax.config.hf import from_hf_config
+from kvjax.config.model import ModelConfig, ModelConfigError, RopeConfig, RopeError
+from kvjax.config.presets import PRESETS, preset
 from kvjax.core.kv_cache_interface import SpecError
 
 KiB = 1024
@@ -34,7 +35,7 @@ def test_dense_presets_are_counted_not_looked_up():
 
 
 def test_preset_registry():
-    assert list(kc.PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "llama-2-7b", "llama-3-8b",
+    assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "llama-2-7b", "llama-3-8b",
                                 "llama-3-70b", "smollm2-135m", "deepseek-v3"]
     assert preset("Llama-3-8B") is preset("llama-3-8b")
     assert [preset(n).title for n in PUBLISHED_PARAMS] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B", "DeepSeek-V3"]
@@ -225,7 +226,7 @@ def test_unbuildable_features_are_refused_by_name_when_building(cfg, feature):
 
 def test_inv_freq_refuses_a_rope_it_cannot_compute():
     from kvjax.models.rope import inv_freq
-    with pytest.raises(kc.RopeError, match="unsupported rope_type 'dynamic'"):
+    with pytest.raises(RopeError, match="unsupported rope_type 'dynamic'"):
         inv_freq(RopeConfig("dynamic", factor=2.0), 16, 128)
 
 
@@ -237,7 +238,7 @@ def test_validation_in_the_dataclass():
         base.replace(vocab_size=-1)
     with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
         base.replace(model_type="gpt2")
-    with pytest.raises(kc.RopeError, match="unknown rope layout 'spiral'"):
+    with pytest.raises(RopeError, match="unknown rope layout 'spiral'"):
         RopeConfig(layout="spiral")
     assert base.replace(hidden_act="gelu").hidden_act == "gelu"  # recorded; refused when built
 
@@ -263,12 +264,13 @@ def test_num_params_matches_the_flax_parameter_tree(name):
 
 def test_models_reexports_the_one_registry():
     from kvjax import models
-    assert models.PRESETS is kc.PRESETS and models.preset is kc.preset and models.ModelConfig is ModelConfig
-    assert models.from_hf_config is kc.from_hf_config and models.ModelConfigError is ModelConfigError
+    assert models.PRESETS is PRESETS and models.preset is preset and models.ModelConfig is ModelConfig
+    assert models.from_hf_config is from_hf_config and models.ModelConfigError is ModelConfigError
 
 
 def test_plan_and_tables_do_not_import_jax():
-    code = ("import sys, kvjax.commands.main, kvjax.config.model, kvjax.accounting.spec_tables; "
+    code = ("import sys, kvjax.commands.main, kvjax.commands.plan, kvjax.commands.tables, kvjax.config.model, "
+            "kvjax.config.presets, kvjax.config.hf, kvjax.accounting.spec_tables; "
             "print(sorted(m for m in ('jax', 'flax', 'numpy', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

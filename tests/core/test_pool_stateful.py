@@ -1,5 +1,5 @@
 """Hypothesis drives random add / append / free / reset_prefix_cache sequences through the
-jitted pool (via kvjax.commands.replay.Replay, as `kvjax replay` does) and the plain-Python oracle,
+jitted pool (via kvjax.core.replay.Replay, as `kvjax replay` does) and the plain-Python oracle,
 comparing every op's output and the full state after it, and checking the pool's
 invariants. Sizes are fixed so every jitted op compiles once for the whole run.
 
@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
-from kvjax.commands.replay import Replay
+from kvjax.core.replay import Replay
 from kvjax.testing.pool_oracle import OraclePool
 
 NUM_BLOCKS, Z = 16, 4

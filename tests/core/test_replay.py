@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from kvjax.core.kv_cache_utils import request_block_hashes_np
-from kvjax.commands.replay import ReplayError, iter_trace
+from kvjax.core.replay import ReplayError, iter_trace
 from kvjax.testing.pool_oracle import OraclePool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -315,7 +315,7 @@ def test_append_longer_than_the_pool_fails_like_the_oracle():
 
 
 # ------------------------------------------------------------------ the host offload tier
-# The rules are kvjax/commands/replay.py's docstring (the scheduler's): device hits, then the host run
+# The rules are kvjax/core/replay.py's docstring (the scheduler's): device hits, then the host run
 # after them; host hits take fresh blocks; then this op's newly full blocks are offered to
 # store. host_cache: store takes the lowest free slots in order and evicts LRU first, never a
 # masked resident hash; a touch walks last to first, so the first hash ends most recent.

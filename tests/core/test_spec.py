@@ -5,7 +5,7 @@ from the code under test.
 """
 import pytest
 
-from kvjax.config.model import preset
+from kvjax.config.presets import preset
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, kv_dtype
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

@@ -20,7 +20,7 @@ import torch
 from hf_fixtures import hf_logits, make_hf_model, save_hf_model
 
 import kvjax
-from kvjax.engine.llm import LLMError
+from kvjax.engine.arg_utils import LLMError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARGIN = 1e-4

@@ -16,7 +16,7 @@ import pytest
 
 from kvjax import LLM, Logprob, SamplingParams
 from kvjax.core.kv_cache_manager import request_blocks
-from kvjax.engine.llm import LLMError
+from kvjax.engine.arg_utils import LLMError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYSTEM = "You are a careful assistant who answers in Python. "  # 51 bytes: 3 full blocks of 16

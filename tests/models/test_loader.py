@@ -15,8 +15,9 @@ from safetensors.numpy import load_file, save_file
 
 from kvjax.config.model import ModelConfigError
 from kvjax.models import UnsupportedModelError, build_model, from_hf_config
-from kvjax.models.loader import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
-                           UnexpectedTensorError, hf_name, load_checkpoint)
+from kvjax.models.loader import hf_name, load_checkpoint
+from kvjax.models.tensors import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
+                                  UnexpectedTensorError)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,265 @@
+"""`kvjax plan`: size a vLLM-style KV cache from a model's shape and a memory budget (SPEC "The simulator").
+
+    kvjax plan --group A
+    kvjax plan --preset llama-3-8b --kv-cache-dtype fp8 --max-model-len 32k --device-memory-gib 80
+
+The model comes from a SPEC simulator group, a kvjax.config.presets preset, a Hugging Face
+config.json, or --kind with its shape flags; the arithmetic is kvjax.accounting.budget.plan:
+bytes per token, block and request, the budget (ceil(device memory × gpu_memory_utilization)
+minus weights, activations and CUDA graphs, or --kv-cache-memory-bytes), blocks and
+concurrency, and the host tier of --kv-offloading-size. It prints one row per quantity
+(`format_plan`, which `kvjax report` prints too), or with --json one object; --plot draws
+concurrency against context for bf16 and fp8 KV. Flags the chosen model source or budget would
+ignore are refused. Nothing here imports JAX, so the command starts at once.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from kvjax.accounting import budget as bud
+from kvjax.commands.common import check_plot_file, human_int_arg, kv_cache_dtype_arg
+from kvjax.config.hf import from_hf_config
+from kvjax.config.presets import PRESETS, preset
+from kvjax.errors import MAX_GIB, UsageError, int_arg, save_figure
+from kvjax.core.kv_cache_interface import KVSpec
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="KV bytes per token/block/request, budget, blocks and concurrency",
+                       description="Size a vLLM-style KV cache: bytes per token, per block, per request; "
+                                   "requested = ceil(device memory × gpu_memory_utilization); budget = requested − "
+                                   "weights − activations − CUDA graphs (or --kv-cache-memory-bytes); "
+                                   "blocks = budget // block bytes (block 0 is null).")
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--group", choices=sorted(bud.GROUPS), type=str.upper,
+                     help="a SPEC simulator group (A, B, C); other flags override its values")
+    src.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
+    src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json (or its folder)")
+    src.add_argument("--kind", help="mha | gqa | mqa | mla, with --layers --heads --kv-heads --head-dim")
+    for flag in _SHAPE_FLAGS:
+        src.add_argument(flag, type=int_arg(1))
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg,
+                   help="auto (the model's dtype; bf16 for --kind), fp8 (= fp8_e4m3), fp8_e5m2, bf16, "
+                        "int8_per_token_head, nvfp4, ... (default auto)")
+    p.add_argument("--max-model-len", type=human_int_arg(1), metavar="TOKENS",
+                   help="tokens per request, the context concurrency is counted for (default 8192)")
+    p.add_argument("--block-size", type=int_arg(1), help="tokens per block (default 64)")
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--device-memory-gib", metavar="GIB",
+                     help="memory of one device (GPU) in GiB (1024³), the total gpu_memory_utilization takes a "
+                          "share of")
+    mem.add_argument("--gpu-memory-utilization", metavar="U", help="a share in (0, 1] (default 0.92)")
+    mem.add_argument("--extensible", action="store_true", help="extensible KV cache: utilization unset → 1.0")
+    mem.add_argument("--weights-gib", help="weights of the whole model in GiB")
+    mem.add_argument("--params-b", help="parameters in billions (weights = params × --weight-dtype bytes)")
+    mem.add_argument("--weight-dtype", default=None, help=f"one of {', '.join(bud.WEIGHT_DTYPE_BYTES)} (default bf16)")
+    mem.add_argument("--activations-gib", help="peak activations (default 0)")
+    mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
+    mem.add_argument("--kv-cache-memory-bytes", type=human_int_arg(1, MAX_GIB * bud.GiB), metavar="BYTES",
+                     help="the KV budget of one device in bytes (4G = 4 GiB, 4g = 4e9): replaces the "
+                          "utilization arithmetic")
+    mem.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1), metavar="N", help="ranks (default 1)")
+    mem.add_argument("--kv-offloading-size", metavar="GIB",
+                     help="host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
+                          "as vLLM; 0 = no host tier")
+    mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE", help="plot max concurrency vs context for bf16 and fp8 "
+                                                  "(.png, .svg or .pdf)")
+
+
+_SHAPE_FLAGS = ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim")
+_MLA_ONLY, _NOT_MLA = ("--kv-lora-rank", "--qk-rope-head-dim"), ("--kv-heads", "--head-dim")
+
+
+def _check_plan_flags(args) -> None:
+    """Refuse flags that the chosen model source would ignore, before any work."""
+    given = [f for f in _SHAPE_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
+    if given and not args.kind:
+        source = (f"--preset {args.preset}" if args.preset else f"--hf-config {args.hf_config}" if args.hf_config
+                  else f"--group {args.group}" if args.group else "no --kind")
+        raise UsageError(f"{given[0]} describes a custom model (--kind); {source} fixes the model's shape")
+    if args.kind:
+        wrong = [f for f in given if f in (_NOT_MLA if args.kind.lower() == "mla" else _MLA_ONLY)]
+        if wrong:
+            raise UsageError(f"{wrong[0]} does not apply to --kind {args.kind}")
+    if args.kv_cache_memory_bytes is not None:  # vLLM: the KV budget, in place of the whole subtraction
+        fixed = [f for f in _BUDGET_FLAGS if getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+        if fixed:
+            raise UsageError(f"{fixed[0]} with --kv-cache-memory-bytes: the KV budget is given, so the budget's "
+                             "subtraction, and this flag, would be ignored")
+    if args.plot:
+        check_plot_file(args.plot)
+
+
+# The flags of the budget's subtraction, which --kv-cache-memory-bytes replaces.
+_BUDGET_FLAGS = ("--gpu-memory-utilization", "--extensible", "--weights-gib", "--params-b", "--weight-dtype",
+                 "--activations-gib", "--cudagraph-gib")
+
+
+def _resolve_plan_inputs(args) -> dict[str, Any]:
+    """Merge a simulator group's values with explicit flags (flags win) into plan() inputs."""
+    g = dict(bud.GROUPS[args.group]) if args.group else {}
+    model_flags = [f for f in ("preset", "hf_config", "kind") if getattr(args, f)]
+    if len(model_flags) > 1:
+        raise UsageError(f"choose one model source, got --{' and --'.join(f.replace('_', '-') for f in model_flags)}")
+    _check_plan_flags(args)
+    kv_dtype = args.kv_cache_dtype or g.get("kv_dtype", "auto")
+    params = None
+    if args.preset or (g and not model_flags):
+        config = preset(args.preset or g["preset"])
+        spec, params, title = config.kv_spec(kv_dtype), config.num_params, config.title or config.name
+    elif args.hf_config:
+        spec = from_hf_config(args.hf_config).kv_spec(kv_dtype)
+        title = spec.name
+    elif args.kind:
+        spec, title = _manual_spec(args, "bf16" if kv_dtype == "auto" else kv_dtype), f"custom {args.kind.upper()}"
+    else:
+        raise UsageError("no model: give --group, --preset, --hf-config, or --kind with --layers --heads "
+                         "--kv-heads --head-dim")
+    tp = args.tensor_parallel_size if args.tensor_parallel_size is not None else g.get("tp", 1)
+    weight_dtype = args.weight_dtype or "bf16"
+    if weight_dtype not in bud.WEIGHT_DTYPE_BYTES:
+        raise UsageError(f"--weight-dtype {weight_dtype!r}: choose one of {', '.join(bud.WEIGHT_DTYPE_BYTES)}")
+    if args.weights_gib is not None and args.params_b is not None:
+        raise UsageError("give --weights-gib or --params-b, not both")
+    counted = args.params_b is not None or (args.weights_gib is None and "weights_gib" not in g and params is not None)
+    if args.weight_dtype is not None and not counted:
+        raise UsageError("--weight-dtype converts a parameter count (--params-b or a preset's) to bytes; "
+                         "here the weights are given in GiB, so it would be ignored")
+    warnings = []
+    if args.weights_gib is not None:
+        weights = bud.gib(args.weights_gib, "--weights-gib")
+    elif args.params_b is not None:
+        weights = bud.weight_bytes(bud.exact(args.params_b, "--params-b") * 10**9, weight_dtype)
+    elif "weights_gib" in g:
+        weights = bud.gib(g["weights_gib"])
+    elif params is not None:
+        weights = bud.weight_bytes(params, weight_dtype)
+    else:
+        weights = 0
+        warnings.append("no --weights-gib or --params-b: weights counted as 0")
+    util_flag = args.gpu_memory_utilization
+    if util_flag is not None:
+        bud.utilization(util_flag, "--gpu-memory-utilization")  # named by its flag before plan() checks it again
+    device = args.device_memory_gib if args.device_memory_gib is not None else g.get("gpu_gib")
+    util = util_flag if util_flag is not None else (None if args.extensible else g.get("util"))
+    host = bud.gib(args.kv_offloading_size or 0, "--kv-offloading-size")
+    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kw=dict(
+        context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
+        block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
+        total_bytes=None if device is None else bud.gib(device, "--device-memory-gib"),
+        util=util, extensible=args.extensible, weights_bytes=weights,
+        activations_bytes=bud.gib(args.activations_gib or 0, "--activations-gib"),
+        cudagraph_bytes=bud.gib(args.cudagraph_gib or 0, "--cudagraph-gib"),
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, tp=tp, pooled=args.pooled,
+        host_offload_bytes=host or None))  # 0: no host tier
+
+
+def _manual_spec(args, kv_dtype: str) -> KVSpec:
+    kind = args.kind.lower()
+    if kind == "mla":
+        missing = [f for f in ("layers", "kv_lora_rank", "qk_rope_head_dim") if getattr(args, f) is None]
+        if missing:
+            raise UsageError(f"--kind mla needs --{', --'.join(m.replace('_', '-') for m in missing)}")
+        return KVSpec.mla(args.layers, args.heads or 1, kv_lora_rank=args.kv_lora_rank,
+                          qk_rope_head_dim=args.qk_rope_head_dim, kv_dtype=kv_dtype)
+    missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
+    if missing:
+        raise UsageError(f"--kind {kind} needs --{', --'.join(m.replace('_', '-') for m in missing)}")
+    return KVSpec(kind, args.layers, args.heads if args.heads is not None else args.kv_heads, args.kv_heads,
+                  args.head_dim, kv_dtype=kv_dtype)
+
+
+def run(args) -> int:
+    inputs = _resolve_plan_inputs(args)
+    result = bud.plan(inputs["spec"], **inputs["kw"])
+    if result.num_host_blocks == 0:
+        raise UsageError(f"--kv-offloading-size {args.kv_offloading_size}: {result.host_bytes} bytes per device is "
+                         f"smaller than one block of {result.bytes_per_block} bytes")
+    warnings = inputs["warnings"] + list(result.warnings)
+    if args.plot:
+        _plot_concurrency(inputs, args.plot)
+    if args.json:
+        out = result.to_json()
+        out["model"] = inputs["title"]
+        out["warnings"] = warnings
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(result, inputs["title"], warnings))
+    return 0
+
+
+def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str]) -> str:
+    """The human readout: one row per quantity, exact bytes beside 1024-based units."""
+    h = bud.human_bytes
+    s = pl.spec
+    rows: list[tuple[str, str, str]] = [
+        ("model", title, f"{s.kind.upper()}, L={s.num_layers}, Hkv/rank={s.num_kv_heads}, D={s.head_dim}, "
+                         f"f={s.factor}, kv dtype {s.kv_dtype}" + (f", tp={pl.tp}" if pl.tp > 1 else "")),
+        ("KV bytes / token", h(pl.bytes_per_token), f"{pl.bytes_per_token:,} B"),
+        ("KV bytes / block", h(pl.bytes_per_block), f"{pl.bytes_per_block:,} B = {pl.block_size} tokens"),
+        ("KV bytes / request", h(pl.kv_bytes_per_request), f"{pl.kv_bytes_per_request:,} B = {pl.context:,} tokens"),
+    ]
+    if pl.budget_bytes is not None:
+        if pl.requested_bytes is not None:
+            rows += [("GPU memory", h(pl.total_bytes), f"{pl.total_bytes:,} B" + (" (pooled)" if pl.pooled else "")),
+                     ("requested", h(pl.requested_bytes), f"ceil(GPU × {float(pl.util):g}) = {pl.requested_bytes:,} B"),
+                     ("weights", h(pl.weights_bytes), f"{pl.weights_bytes:,} B" + (f" (1/{pl.tp} per rank)"
+                                                                                 if pl.tp > 1 and not pl.pooled else "")),
+                     ("activations", h(pl.activations_bytes), f"{pl.activations_bytes:,} B"),
+                     ("CUDA graphs", h(pl.cudagraph_bytes), f"{pl.cudagraph_bytes:,} B")]
+        rows += [
+            ("KV budget", h(pl.budget_bytes), f"{pl.budget_bytes:,} B" +
+             (" (kv_cache_memory_bytes)" if pl.kv_cache_memory_bytes is not None else "")),
+            ("blocks", f"{pl.num_blocks:,}", f"{pl.budget_bytes / pl.bytes_per_block:,.4f} unrounded; block 0 is null"),
+            ("usable blocks", f"{pl.usable_blocks:,}", f"{pl.token_slots:,} token slots"),
+            ("blocks / request", f"{pl.blocks_per_request:,}", f"cdiv({pl.context:,}, {pl.block_size}); "
+                                                                f"tail waste {pl.tail_waste_tokens} slots"),
+            ("concurrency", f"{pl.concurrency:,}", f"{pl.concurrency_exact:,.4f} = budget / KV per request"),
+            ("block-pool concurrency", f"{pl.concurrency_blocks:,}", "usable blocks // blocks per request"),
+        ]
+    if pl.host_offload_bytes is not None:
+        rows += _host_rows(pl)
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows]
+    lines += [f"warning: {x}" for x in warnings]
+    return "\n".join(lines)
+
+
+def _host_rows(pl: bud.Plan) -> list[tuple[str, str, str]]:
+    """The host tier beside the device: vLLM's kv_offloading_size, split over the TP ranks."""
+    h = bud.human_bytes
+    split = pl.tp > 1 and not pl.pooled
+    rows = [("host tier", h(pl.host_offload_bytes), f"{pl.host_offload_bytes:,} B" +
+             (f", 1/{pl.tp} per rank = {h(pl.host_bytes)}" if split else "")),
+            ("host blocks", f"{pl.num_host_blocks:,}", f"{pl.host_bytes / pl.bytes_per_block:,.4f} unrounded"
+                                                       + (" per rank" if split else "") + "; no null block"),
+            ("host token slots", f"{pl.host_tokens:,}", f"{pl.num_host_blocks:,} × {pl.block_size}")]
+    if pl.total_tokens is not None:
+        rows.append(("device + host tokens", f"{pl.total_tokens:,}", f"{pl.token_slots:,} + {pl.host_tokens:,}"))
+    return rows
+
+
+def _plot_concurrency(inputs: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [2**k for k in range(10, 18)]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for dtype in ("bf16", "fp8"):
+        spec = inputs["spec"].replace(kv_dtype=dtype)
+        ys = [bud.plan(spec, **{**inputs["kw"], "context": c}).concurrency or 0 for c in contexts]
+        ax.plot(contexts, ys, marker="o", label=f"{dtype} KV")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("max concurrent requests")
+    ax.set_title(f"{inputs['title']}: concurrency vs context")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path, "--plot", dpi=120)
+    plt.close(fig)
+

@@ -1,0 +1,210 @@
+"""The Hugging Face config parser: `from_hf_config`, a config.json to a `kvjax.config.model.ModelConfig`.
+
+`from_hf_config` reads a config.json the way transformers' config classes do (their defaults
+for absent fields) for every model type whose KV cache kvjax can size: the Llama family (llama,
+mistral, qwen2, qwen3, gemma, phi3 and the MoE variants qwen2_moe, qwen3_moe, mixtral; GQA from
+MQA to MHA) and the MLA family (deepseek_v2, deepseek_v3, kimi_k2; multi-head latent attention,
+arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`.
+
+What the Flax decoder does not implement is parsed and recorded, never dropped; a field that
+cannot be read (wrong type, out of range, missing) raises `ModelConfigError` naming it. Plain
+Python, no JAX.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+from kvjax.errors import INT32_MAX, KvjaxError, read_json_object
+
+from kvjax.config.model import (MAX_LAYERS, MLA_TYPES, MODEL_TYPES, ModelConfig, ModelConfigError, RopeConfig,
+                                RopeError, _is_positive_int)
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE parameters
+# --------------------------------------------------------------------------------------------
+def rope_from_hf(cfg: Mapping[str, Any], layout: str = "half") -> RopeConfig:
+    """RopeConfig from a config.json dict: `rope_parameters` (transformers 5) or the older
+    `rope_scaling` + `rope_theta`. Every key that changes the rotation is kept; each is type-checked
+    (RopeError naming the key)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise RopeError(f"rope_parameters / rope_scaling must be an object, got {_show(params)}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise RopeError(f"rope_type must be a string, got {_show(rope_type)}")
+    num = lambda key, **kw: _number(params, key, RopeError, **kw)  # noqa: E731
+    theta = _number(params, "rope_theta", RopeError, default=_number(cfg, "rope_theta", RopeError, default=10000.0))
+    partial = num("partial_rotary_factor", default=_number(cfg, "partial_rotary_factor", RopeError, default=1.0))
+    original = None
+    if rope_type in ("llama3", "yarn"):
+        original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+        if original is not None and not _is_positive_int(original):
+            raise RopeError(f"original_max_position_embeddings must be a positive integer, got {_show(original)}")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise RopeError(f"truncate must be true or false, got {_show(truncate)}")
+    return RopeConfig(
+        rope_type=rope_type, theta=theta, layout=layout, factor=num("factor"),
+        original_max_position_embeddings=original, low_freq_factor=num("low_freq_factor"),
+        high_freq_factor=num("high_freq_factor"), beta_fast=num("beta_fast", positive=False),
+        beta_slow=num("beta_slow", positive=False), mscale=num("mscale", positive=False),
+        mscale_all_dim=num("mscale_all_dim", positive=False), attention_factor=num("attention_factor"),
+        truncate=truncate, partial_rotary_factor=partial)
+
+
+def _number(cfg: Mapping[str, Any], key: str, error: type[Exception], default: Any = None,
+            positive: bool = True) -> float | None:
+    """A finite number field (> 0 unless positive=False); absent or null takes `default`."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (positive and value <= 0):
+        raise error(f"{key} must be a finite{' positive' if positive else ''} number, got {_show(value)}")
+    return float(value)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+def load_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """Read a config.json (a file, or a folder holding one) or pass a dict through."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        return read_json_object(path, "config file")
+    except KvjaxError as e:  # one error type for every config problem
+        raise ModelConfigError(str(e)) from None
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., lo: int = 1, hi: int = INT32_MAX) -> Any:
+    """An integer field in [lo, hi] by its config.json name; absent or null takes `default`."""
+    value = cfg.get(key)
+    if value is None:
+        if default is ...:
+            raise ModelConfigError(f"config is missing the field {key!r} (model_type {cfg.get('model_type')!r})")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        rule = "a positive integer" if lo == 1 else f"an integer ≥ {lo}"
+        raise ModelConfigError(f"config field {key!r} must be {rule} (at most {hi:,}), got {_show(value)}")
+    return value
+
+
+def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
+    value = cfg.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ModelConfigError(f"config field {key!r} must be a list of integers, got {_show(value)}")
+    return value
+
+
+def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: str | None = None) -> ModelConfig:
+    """ModelConfig from a Hugging Face config (a folder, a config.json, or its dict).
+
+    dtype overrides the checkpoint's `dtype` / `torch_dtype` (e.g. "float32" for tests).
+    Absent fields take transformers' defaults for that model_type; num_key_value_heads defaults
+    to num_attention_heads, and an explicit head_dim wins over hidden_size // num_attention_heads.
+    """
+    cfg = load_hf_config(path_or_dict)
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise ModelConfigError("config is missing the field 'model_type'")
+    if model_type not in MODEL_TYPES:
+        raise ModelConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    heads = _int(cfg, "num_attention_heads")
+    name = model_type
+    if not isinstance(path_or_dict, Mapping):  # the checkpoint folder's name
+        path = os.path.abspath(os.fspath(path_or_dict))
+        name = os.path.basename(path if os.path.isdir(path) else os.path.dirname(path))
+    gemma = model_type == "gemma"
+    if not isinstance(cfg.get("hidden_act", ""), str):
+        raise ModelConfigError(f"config field 'hidden_act' must be a string, got {_show(cfg['hidden_act'])}")
+    common = dict(
+        model_type=model_type, vocab_size=_int(cfg, "vocab_size", None), hidden_size=_int(cfg, "hidden_size"),
+        intermediate_size=_int(cfg, "intermediate_size", None),
+        num_layers=_int(cfg, "num_hidden_layers", hi=MAX_LAYERS),  # per-layer tables are built from it
+        num_heads=heads, num_kv_heads=_int(cfg, "num_key_value_heads", heads),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 4096 if model_type == "deepseek_v3" else 2048),
+        rms_norm_eps=_number(cfg, "rms_norm_eps", ModelConfigError, default=1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default
+        hidden_act=cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu"),
+        dtype=dtype or _dtype(cfg),
+        name=name)
+    try:
+        if model_type in MLA_TYPES:
+            return _mla(cfg, common)
+        return _gqa(cfg, common)
+    except RopeError as e:
+        raise ModelConfigError(f"{model_type} config: {e}") from None
+
+
+def _dtype(cfg: Mapping[str, Any]) -> str:
+    value = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    if not isinstance(value, str):
+        raise ModelConfigError(f"config field 'dtype' must be a string, got {_show(value)}")
+    return value.replace("torch.", "")
+
+
+def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
+    model_type, layers = common["model_type"], common["num_layers"]
+    head_dim = _int(cfg, "head_dim", None)
+    if head_dim is None:
+        hidden, heads = common["hidden_size"], common["num_heads"]
+        if hidden % heads:
+            raise ModelConfigError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
+                                   "the config needs an explicit head_dim")
+        head_dim = hidden // heads
+    bias = bool(cfg.get("attention_bias", False))
+    qkv_bias, o_bias = (True, False) if model_type in ("qwen2", "qwen2_moe") else (bias, bias)
+    window, sliding = None, ()
+    if model_type in ("mistral", "mixtral", "phi3") and cfg.get("sliding_window") is not None:
+        window, sliding = _int(cfg, "sliding_window"), tuple(range(layers))
+    elif model_type.startswith(("qwen2", "qwen3")) and cfg.get("use_sliding_window"):
+        window = _int(cfg, "sliding_window", 4096)
+        first_sliding = _int(cfg, "max_window_layers", 28, lo=0)
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= first_sliding
+                                           else "full_attention" for i in range(layers)]
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise ModelConfigError(f"config field 'layer_types' must be a list of strings, got {_show(types)}")
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if model_type == "mixtral":
+        moe = tuple(range(layers))
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        # transformers: a sparse block where the layer is not in mlp_only_layers and (i + 1) % step == 0.
+        experts = _int(cfg, "num_experts", 60 if model_type == "qwen2_moe" else 128, lo=0)
+        step, dense = _int(cfg, "decoder_sparse_step", 1), set(_int_list(cfg, "mlp_only_layers"))
+        moe = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
+    else:
+        moe = ()
+    return ModelConfig(
+        **common, head_dim=head_dim, rope=rope_from_hf(cfg, layout="half"), qkv_bias=qkv_bias, o_bias=o_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), moe_layers=moe,
+        sliding_window=window if sliding else None, sliding_layers=sliding)
+
+
+def _mla(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
+    model_type, layers = common["model_type"], common["num_layers"]
+    if model_type == "deepseek_v2":
+        layout = "complex"
+    else:
+        layout = "interleaved" if cfg.get("rope_interleave", True) else "half"
+    # transformers builds a MoE block for every layer index >= first_k_dense_replace.
+    first_dense = _int(cfg, "first_k_dense_replace", 0 if model_type == "deepseek_v2" else 3, lo=0)
+    bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False)) if model_type == "deepseek_v2" else False
+    return ModelConfig(
+        **common, rope=rope_from_hf(cfg, layout=layout), qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias,
+        q_lora_rank=_int(cfg, "q_lora_rank", None) if "q_lora_rank" in cfg else 1536,  # null: no q LoRA
+        kv_lora_rank=_int(cfg, "kv_lora_rank"),
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim"), qk_rope_head_dim=_int(cfg, "qk_rope_head_dim"),
+        v_head_dim=_int(cfg, "v_head_dim"), moe_layers=tuple(range(first_dense, layers)))

@@ -1,0 +1,140 @@
+"""What `LLM.generate` returns, with vLLM's names and shapes (vLLM's `vllm/outputs.py`).
+
+`RequestOutput` is one prompt's result: its `CompletionOutput`s (the n sampled sequences),
+prompt_logprobs when asked, `RequestMetrics` (vLLM's per-request stats, with the prefix-cache
+hit) and kvjax's `error` (why a request was refused; the other prompts still run). A
+log-probability is a `Logprob` (vLLM's `vllm/logprobs.py`), reported per token as a dict
+{token id: Logprob}: the chosen token first, then the k most likely. `GenerateOutputs` is the
+list of one call's RequestOutputs, with the call's run summary.
+
+`request_output` builds a RequestOutput from the engine's results (kvjax.engine.core's
+RequestResult, one per sample) and `prompt_logprobs` its prompt_logprobs from teacher-forced
+log-probabilities: the only code that builds these types.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvjax.engine.core import RequestResult
+    from kvjax.engine.stats import Summary
+
+
+@dataclasses.dataclass
+class Logprob:
+    """vLLM `Logprob`: a token's log-probability, its rank in the vocabulary (1 = most likely)
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """vLLM's per-request stats (`RequestStateStats`), with the prefix-cache hit. Times are
+    seconds from the start of the `generate` call."""
+
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    first_token_latency: float | None = None
+    last_token_ts: float | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM `CompletionOutput`, its fields in its order). logprobs: one
+    {token id: Logprob} per generated token (the sampled token and the k most likely); stop_reason:
+    the stop string or stop token id that ended it (None for EOS or length)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "length" or "stop"; None if the request was refused
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one prompt produced (vLLM `RequestOutput`). outputs: its n completions;
+    prompt_logprobs: None, then one {token id: Logprob} per later prompt token, when asked.
+    kvjax's extra: `error` says why a request was refused (the other prompts still run)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
+    error: str | None = None
+
+
+class GenerateOutputs(list):
+    """The RequestOutputs of one `generate` call, in prompt order (a list, as vLLM returns), and
+    the call's `summary` (kvjax.engine.stats.Summary: throughput, latencies, prefix hits, preemptions,
+    blocks in use)."""
+
+    def __init__(self, outputs: list[RequestOutput], summary: Summary):
+        super().__init__(outputs)
+        self.summary = summary
+
+
+# ----------------------------------------------------------------------------------- building them
+def request_output(text: str | None, ids: list[int], results: list[RequestResult],
+                   prompt_logprobs: list[dict[int, Logprob] | None] | None, tokenizer) -> RequestOutput:
+    """One prompt's RequestOutput from its results (its n samples, in order), with the
+    prompt_logprobs already computed (None when not asked or refused)."""
+    first = results[0]
+    error = first.error
+    metrics = None if error else RequestMetrics(
+        sum(len(r.output) for r in results), sum(r.preemptions for r in results), first.num_cached_tokens,
+        first.ttft_s, max((r.last_token_s or 0.0) for r in results))
+    return RequestOutput(
+        first.request_id, text, ids, prompt_logprobs, [completion_output(r, tokenizer) for r in results], True,
+        metrics, None if error else first.num_cached_tokens, error)
+
+
+def completion_output(res: RequestResult, tokenizer) -> CompletionOutput:
+    """One sample's CompletionOutput: its text ("" when refused), token ids, logprobs and their sum."""
+    text = "" if res.error or res.text is None else res.text
+    logprobs = None if res.logprobs is None else [
+        logprob_dict(tokenizer, tok, t.logprob, t.rank, t.top_ids, t.top_logprobs)
+        for tok, t in zip(res.output, res.logprobs)]
+    cumulative = None if res.logprobs is None else float(sum(t.logprob for t in res.logprobs))
+    return CompletionOutput(res.sample, text, list(res.output), cumulative, logprobs, res.finish_reason,
+                            res.stop_reason)
+
+
+def prompt_logprobs(tokenizer, ids: list[int], lp: np.ndarray, k: int) -> list[dict[int, Logprob] | None]:
+    """vLLM's prompt_logprobs from lp f32[S-1, V], the teacher-forced log-probabilities of prompt
+    `ids` (row s predicts token s + 1): None for the first token, then for each later prompt token
+    its log-probability given the tokens before it, its rank, and the k most likely (-1: all)."""
+    k = lp.shape[-1] if k == -1 else k
+    out: list[dict[int, Logprob] | None] = [None]
+    for s, token in enumerate(ids[1:]):
+        row = lp[s]
+        top = np.argsort(-row, kind="stable")[:k]
+        out.append(logprob_dict(tokenizer, token, row[token], int((row >= row[token]).sum()), top, row[top]))
+    return out
+
+
+def logprob_dict(tokenizer, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:
+    """vLLM's per-token dict: the chosen token first, then the k most likely (ranks 1..k)."""
+    out = {int(token): Logprob(float(logprob), int(rank), tokenizer.decode([int(token)]))}
+    for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+        out.setdefault(int(t), Logprob(float(lp), r, tokenizer.decode([int(t)])))
+    return out
+
+
+__all__ = ["Logprob", "RequestMetrics", "CompletionOutput", "RequestOutput", "GenerateOutputs"]
