@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvjax.evaluation.accuracy import markdown
 from kvjax.commands.accuracy import add_arguments, run_from_args
+from kvjax.evaluation.accuracy import markdown
 from kvjax.experiments import RESULTS
 
 

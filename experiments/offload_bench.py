@@ -38,10 +38,10 @@ import time
 
 import numpy as np
 
-from kvjax.experiments import results_dir
-from kvjax.experiments.decode_bench import _meta, _write
 from kvjax import LLM, SamplingParams
 from kvjax.errors import save_figure
+from kvjax.experiments import results_dir
+from kvjax.experiments.decode_bench import _meta, _write
 from kvjax.markdown import markdown_table
 from kvjax.models.hub import load_model
 
@@ -184,9 +184,9 @@ def bandwidth(block_sizes=(1, 4, 16, 64), blocks: int = 32, repeats: int = 5) ->
     the median wall time of moving `blocks` blocks, waited for."""
     import jax
 
+    from kvjax.core.kv_cache_interface import KVSpec
     from kvjax.kv_offload import host_pages as offload
     from kvjax.worker.paged_cache import PagedCache
-    from kvjax.core.kv_cache_interface import KVSpec
 
     spec = KVSpec("gqa", 32, 32, 8, 128, kv_dtype="bf16")
     rows = []

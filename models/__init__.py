@@ -14,13 +14,13 @@ import jax.numpy as jnp
 
 from kvjax.attention import default_impl, get_impl
 from kvjax.attention.metadata import build_metadata
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfig, ModelConfigError
 from kvjax.config.presets import PRESETS, preset
 from kvjax.models.deepseek import DeepseekForCausalLM
 from kvjax.models.layers import CausalLM, UnsupportedModelError, check_supported
 from kvjax.models.llama import LlamaForCausalLM
+from kvjax.worker.paged_cache import PagedCache
 
 
 def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 
 from kvjax.attention import mla_paged_attention
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.worker.paged_cache import ContiguousLatent, LatentPages, write_step
 from kvjax.config.model import ModelConfig
 from kvjax.models.layers import CausalLM, RMSNorm, dense
 from kvjax.models.rope import apply_rope, deepseek_softmax_scale, inv_freq
+from kvjax.worker.paged_cache import ContiguousLatent, LatentPages, write_step
 
 
 class KVUpProjection(nn.Module):

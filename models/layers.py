@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, PagedCache
 from kvjax.config.model import ModelConfig, ModelConfigError
+from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, PagedCache
 
 # Model types whose config kvjax parses (to size their KV cache) but whose decoder differs
 # from the Llama / DeepSeek one built here, with what differs.

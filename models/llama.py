@@ -17,10 +17,10 @@ import jax
 
 from kvjax.attention import paged_attention
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.worker.paged_cache import ContiguousKV, KVPages, write_step
 from kvjax.config.model import ModelConfig
 from kvjax.models.layers import CausalLM, RMSNorm, dense
 from kvjax.models.rope import apply_rope, inv_freq
+from kvjax.worker.paged_cache import ContiguousKV, KVPages, write_step
 
 
 class GQAAttention(nn.Module):

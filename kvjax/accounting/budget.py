@@ -32,8 +32,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from kvjax.errors import MAX_GIB
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
+from kvjax.errors import MAX_GIB
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_UTIL = Fraction("0.92")

@@ -38,11 +38,11 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.accounting import budget as bud
 from kvjax.accounting import memory as mem
-from kvjax.worker import sharding as shd
 from kvjax.attention.metadata import build_metadata
-from kvjax.worker.paged_cache import PagedCache
-from kvjax.errors import KvjaxError
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.errors import KvjaxError
+from kvjax.worker import sharding as shd
+from kvjax.worker.paged_cache import PagedCache
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256

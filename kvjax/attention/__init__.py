@@ -22,12 +22,12 @@ from typing import Callable
 
 import jax
 
-from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadata, decode_metadata
 from kvjax.attention import reference as ref
+from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadata, decode_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
-from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 from kvjax.errors import KvjaxError
+from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,9 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention.pallas_decode import (MASK_VALUE, check_dtypes, check_scale, check_tables, compute_dtype_for,
-                                           dot_f32, dot_precision, merge_splits, online_softmax_step,
-                                           resolve_interpret, split_block_tables, split_pages, step_pages,
-                                           write_partial)
+                                           dot_f32, dot_precision, merge_splits, online_softmax_step, resolve_interpret,
+                                           split_block_tables, split_pages, step_pages, write_partial)
 from kvjax.attention.reference import mla_paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, default_mla_tiles, is_power_of_two
 

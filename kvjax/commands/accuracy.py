@@ -21,8 +21,8 @@ import json
 import os
 
 from kvjax.commands.common import Phases, add_progress_flag, progress_enabled
-from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure,
-                          write_json, write_text)
+from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure, write_json,
+                          write_text)
 
 DEFAULT_OUT = "results"
 SMALL_MODELS = ("small-gqa", "small-mla")
@@ -70,8 +70,8 @@ def add_parser(sub) -> None:
 
 def evaluate_kwargs(args) -> dict:
     """evaluate()'s keyword arguments: what the user gave, the suite's defaults for the rest."""
-    from kvjax.evaluation.accuracy import FULL_SUITE
     from kvjax.data import CALIB, HELDOUT
+    from kvjax.evaluation.accuracy import FULL_SUITE
 
     suite = args.suite if args.suite != "auto" else ("basic" if args.model in SMALL_MODELS else "full")
     defaults = dict(FULL_SUITE) if suite == "full" else dict(data=(HELDOUT,), seq_len=256, max_windows=32)

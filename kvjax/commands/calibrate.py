@@ -31,9 +31,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from kvjax.quant.calibration import calibrate
-    from kvjax.models.hub import load_model
     from kvjax.evaluation.scoring import windows
+    from kvjax.models.hub import load_model
+    from kvjax.quant.calibration import calibrate
 
     check_output_file(args.out, "--out")
     check_input_file(args.data, "--data")

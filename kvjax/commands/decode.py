@@ -48,7 +48,7 @@ import re
 import sys
 
 from kvjax.commands.common import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
-                            progress_enabled)
+                                   progress_enabled)
 from kvjax.commands.prompts import build_requests, read_prompts, refused_output, sampling_params
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, UsageError, float_arg, int_arg, json_type, loads
 

@@ -32,7 +32,7 @@ import os
 
 from kvjax.accounting import budget as bud
 from kvjax.commands.common import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
-                            progress_enabled)
+                                   progress_enabled)
 from kvjax.errors import UsageError, int_arg
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
@@ -139,8 +139,8 @@ def _load_params(folder, config, layout, shardings, shapes, seed: int):
     repeated for tp > Hkv, then put in their shards; preset: random, made in place)."""
     import jax
 
-    from kvjax.worker import sharding as shd
     from kvjax.models.loader import load_params
+    from kvjax.worker import sharding as shd
 
     if folder is None:
         return _random_params(shapes, shardings, seed)
@@ -155,8 +155,8 @@ class _Setup:
         import jax
 
         from kvjax.accounting import memory as mem
-        from kvjax.worker import sharding as shd
         from kvjax.models import build_model, param_shapes
+        from kvjax.worker import sharding as shd
 
         self.config, self.folder, self.name = _config(args)
         if self.folder is not None:

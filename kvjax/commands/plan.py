@@ -21,8 +21,8 @@ from kvjax.accounting import budget as bud
 from kvjax.commands.common import check_plot_file, human_int_arg, kv_cache_dtype_arg
 from kvjax.config.hf import from_hf_config
 from kvjax.config.presets import PRESETS, preset
-from kvjax.errors import MAX_GIB, UsageError, int_arg, save_figure
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.errors import MAX_GIB, UsageError, int_arg, save_figure
 
 
 def add_parser(sub) -> None:

@@ -25,7 +25,6 @@ import numpy as np
 
 from kvjax.errors import INT32_MAX, InputFileError, KvjaxError, UsageError, check_int, json_type, read_jsonl, read_text
 
-
 _JSONL_KEYS = {"prompt", "tokens", "max_tokens", "priority"}
 
 

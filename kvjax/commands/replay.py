@@ -15,7 +15,8 @@ import sys
 
 import jax
 
-from kvjax.core import block_pool, kv_cache_manager as manager
+from kvjax.core import block_pool
+from kvjax.core import kv_cache_manager as manager
 from kvjax.core.replay import Replay, ReplayError, bounded_lines, host_lists, iter_trace
 from kvjax.errors import check_input_file
 

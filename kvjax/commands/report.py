@@ -91,9 +91,9 @@ def _plot_concurrency(path: str) -> None:
 
 
 def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
-    from kvjax.evaluation.accuracy import evaluate, markdown
     from kvjax.commands.accuracy import write_outputs
     from kvjax.data import CALIB, HELDOUT
+    from kvjax.evaluation.accuracy import evaluate, markdown
 
     kw = dict(max_windows=8, prompts=4, decode_tokens=16) if quick else {}
     md = ["## 3. Quantized KV accuracy against bf16 (held-out stdlib text)", ""]
@@ -244,12 +244,12 @@ def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
 
 def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
     """SmolLM2-135M-Instruct: chat decoding with prefix hits, a cut-down accuracy table, memory."""
-    from kvjax.evaluation.accuracy import evaluate, markdown
     from kvjax.commands.accuracy import write_outputs
     from kvjax.commands.memory import render
     from kvjax.data import CALIB, CHAT_PROMPTS, HELDOUT, PROSE
     from kvjax.engine.llm import LLM
     from kvjax.engine.sampling import SamplingParams
+    from kvjax.evaluation.accuracy import evaluate, markdown
     from kvjax.models.hub import load_model
 
     model = "smollm2-135m"

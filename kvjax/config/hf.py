@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 import os
 from typing import Any, Mapping
-from kvjax.errors import INT32_MAX, KvjaxError, read_json_object
 
 from kvjax.config.model import (MAX_LAYERS, MLA_TYPES, MODEL_TYPES, ModelConfig, ModelConfigError, RopeConfig,
                                 RopeError, _is_positive_int)
+from kvjax.errors import INT32_MAX, KvjaxError, read_json_object
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any, Mapping
-from kvjax.errors import INT32_MAX, KvjaxError
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
+from kvjax.errors import INT32_MAX, KvjaxError
 
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
 from kvjax.errors import INT32_MAX, KvjaxError
 
 KINDS = ("mha", "gqa", "mqa", "mla")

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.core import block_pool, kv_cache_utils as hashing
-from kvjax.core.block_pool import BlockPool
 from kvjax.accounting.budget import cdiv
+from kvjax.core import block_pool
+from kvjax.core import kv_cache_utils as hashing
+from kvjax.core.block_pool import BlockPool
 from kvjax.errors import KvjaxError, require
 
 

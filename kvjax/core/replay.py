@@ -55,10 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core import block_pool, kv_cache_utils as hashing
-from kvjax.kv_offload import manager as host_cache
+from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
+from kvjax.core import kv_cache_utils as hashing
 from kvjax.errors import KvjaxError, loads
+from kvjax.kv_offload import manager as host_cache
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
 _KEYS = {"init": {"num_blocks", "block_size", "prefix_caching", "host_blocks", "host_policy"},

@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 import os
 
+from kvjax.attention import IMPLS, default_impl
+from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
+from kvjax.engine.core import EngineConfig, EngineError
+from kvjax.engine.sampling import SamplingParams
+from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.quant import formats as quant
-from kvjax.attention import IMPLS, default_impl
-from kvjax.engine.core import EngineConfig, EngineError
-from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int
-from kvjax.engine.sampling import SamplingParams
-from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
 
 # vLLM LLM(...) / engine arguments that kvjax does not implement: (the values that mean what kvjax
 # does anyway, the reason any other value is refused). vLLM's defaults are accepted, so a script

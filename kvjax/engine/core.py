@@ -86,22 +86,21 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from kvjax.core import kv_cache_manager as manager
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
-from kvjax.engine import sampling
-from kvjax.kv_offload import host_pages as offload
-from kvjax.worker import sharding as shd
-from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.accounting.budget import pow2_bucket
-from kvjax.worker.paged_cache import ContiguousCache, PagedCache
-from kvjax.errors import INT32_MAX, KvjaxError, check_int
-from kvjax.engine.sampling import MAX_SEED, SamplingParams
+from kvjax.attention.metadata import build_metadata, decode_metadata
+from kvjax.core import kv_cache_manager as manager
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
+from kvjax.engine import sampling
+from kvjax.engine.sampling import MAX_SEED, SamplingParams
 from kvjax.engine.stats import RunStats, Summary
+from kvjax.errors import INT32_MAX, KvjaxError, check_int
+from kvjax.kv_offload import host_pages as offload
+from kvjax.worker import sharding as shd
+from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
 MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
 MAX_NUM_SEQS = 2**16  # rows of every step

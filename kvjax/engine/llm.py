@@ -37,17 +37,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.kv_offload import host_pages as offload
 from kvjax.accounting.budget import cdiv, pow2_bucket
-from kvjax.worker.paged_cache import PagedCache
+from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
 from kvjax.engine.arg_utils import (LLMError, check_engine_args, check_limits, eviction_policy, generation_defaults,
                                     read_scales, read_template, skip_layers)
 from kvjax.engine.core import DEFAULT_BUDGET, Engine, EngineConfig, EngineError, RequestResult
 from kvjax.engine.outputs import GenerateOutputs, Logprob, prompt_logprobs, request_output
-from kvjax.errors import INT32_MAX, check_int
 from kvjax.engine.sampling import SamplingParams
+from kvjax.errors import INT32_MAX, check_int
 from kvjax.evaluation.scoring import sequence_logits
-from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
+from kvjax.kv_offload import host_pages as offload
+from kvjax.worker.paged_cache import PagedCache
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
 

@@ -48,15 +48,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
-from kvjax.evaluation.metrics import BUCKETS, ChunkedScorer, Tally, compare
-from kvjax.quant.calibration import calibrate
 from kvjax.data import HELDOUT, PROSE
 from kvjax.engine.llm import LLM
-from kvjax.markdown import markdown_table
 from kvjax.engine.sampling import SamplingParams
-from kvjax.evaluation.scoring import windows
 from kvjax.errors import KvjaxError
+from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
+from kvjax.evaluation.metrics import BUCKETS, ChunkedScorer, Tally, compare
+from kvjax.evaluation.scoring import windows
+from kvjax.markdown import markdown_table
+from kvjax.quant.calibration import calibrate
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
 # sized to finish within 30 minutes on 2 CPU cores for SmolLM2-135M (README).

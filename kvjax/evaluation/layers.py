@@ -17,13 +17,13 @@ structure, so each compiles once: about L compilations of the scoring step in al
 """
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
-from kvjax.quant import formats as quant
-from kvjax.evaluation.metrics import compare
 from kvjax.engine.llm import LLM
+from kvjax.evaluation.metrics import compare
 from kvjax.evaluation.scoring import prefill_caches
+from kvjax.quant import formats as quant
 
 
 def kv_outliers(config, module, params, token_windows, *, fmt: str = "fp8_e4m3", block_size: int = 16,

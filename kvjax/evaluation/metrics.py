@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.accounting.budget import cdiv
-from kvjax.worker.paged_cache import PagedCache
-from kvjax.evaluation.scoring import prefill_layout
 from kvjax.errors import KvjaxError
+from kvjax.evaluation.scoring import prefill_layout
+from kvjax.worker.paged_cache import PagedCache
 
 BUCKETS = (0, 128, 512, 2048, 8192)  # position bucket edges: [0, 128), [128, 512), [512, 2K), [2K, 8K)
 

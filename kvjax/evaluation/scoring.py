@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
-from kvjax.attention.metadata import build_metadata
 from kvjax.accounting.budget import cdiv
-from kvjax.worker.paged_cache import PagedCache
+from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError
+from kvjax.worker.paged_cache import PagedCache
 
 
 def windows(tokens, seq_len: int, max_windows: int) -> np.ndarray:

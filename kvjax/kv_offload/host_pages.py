@@ -32,9 +32,10 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from kvjax.accounting import budget
-from kvjax.kv_offload import manager as host_cache
 from kvjax.accounting.budget import pow2_bucket
 from kvjax.errors import KvjaxError
+from kvjax.kv_offload import manager as host_cache
+
 
 class OffloadError(KvjaxError):
     """A host tier sized or configured with a bad value; the message names it."""

@@ -64,8 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, ordered
 from kvjax.accounting.budget import pow2_bucket
+from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, ordered
 from kvjax.errors import KvjaxError, require
 
 POLICIES = ("lru", "arc")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvjax.quant import formats as quant
 from kvjax.evaluation.scoring import cache_amax, prefill_caches
+from kvjax.quant import formats as quant
 
 
 def calibrate(config, model, params, token_windows, fmt: str, mode: str, block_size: int = 16) -> quant.KVScales:

@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.quant import formats as quant
-from kvjax.errors import KvjaxError
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.errors import KvjaxError
+from kvjax.quant import formats as quant
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 

@@ -41,9 +41,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache
-from kvjax.errors import KvjaxError
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.errors import KvjaxError
+from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache
 
 AXIS = "tp"
 

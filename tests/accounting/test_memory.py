@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvjax.accounting import memory
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.worker.paged_cache import PagedCache
 
 
 @pytest.fixture(autouse=True)

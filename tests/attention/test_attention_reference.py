@@ -14,8 +14,8 @@ from kvjax.attention import default_impl, get_impl, mla_paged_attention, paged_a
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
-from kvjax.worker.paged_cache import KVPages, LatentPages
 from kvjax.models import build_model, preset
+from kvjax.worker.paged_cache import KVPages, LatentPages
 
 Z, P, M = 4, 20, 4  # block size, blocks, max blocks per sequence
 DONE = [4, 0, 0, 3]  # tokens cached before the step

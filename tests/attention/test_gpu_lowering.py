@@ -22,8 +22,8 @@ from kvjax.attention.metadata import decode_metadata
 from kvjax.attention.pallas_decode import paged_decode
 from kvjax.attention.pallas_mla import mla_paged_decode
 from kvjax.attention.tiles import default_mla_tiles, default_tiles
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.models import build_model, init_params, preset
+from kvjax.worker.paged_cache import PagedCache
 
 S = jax.ShapeDtypeStruct
 FP8 = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}

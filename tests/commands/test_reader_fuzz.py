@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from kvjax.commands.prompts import read_prompts
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import MODEL_TYPES, ModelConfig
-from kvjax.errors import INT32_MAX, KvjaxError, read_json, read_jsonl, read_text
-from kvjax.quant.formats import FP8_FORMATS, SCALE_MODES, KVScales
 from kvjax.core.replay import iter_trace
+from kvjax.errors import INT32_MAX, KvjaxError, read_json, read_jsonl, read_text
 from kvjax.models.loader import load_config
+from kvjax.quant.formats import FP8_FORMATS, SCALE_MODES, KVScales
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -612,8 +612,8 @@ def host_traces(draw):
 @given(host_traces())
 @pytest.mark.slow
 def test_iter_trace_host_tier(ops):
-    from kvjax.kv_offload import manager as host_cache
     from kvjax.core import kv_cache_manager as manager
+    from kvjax.kv_offload import manager as host_cache
 
     def run():
         before = None

@@ -256,6 +256,7 @@ def test_num_params_matches_the_flax_parameter_tree(name):
     import math
 
     import jax
+
     from kvjax.models import build_model, param_shapes
     config = preset(name).replace(qk_norm=name == "tiny", qkv_bias=name == "tiny-mla", o_bias=name == "tiny-mla")
     leaves = jax.tree_util.tree_leaves(param_shapes(build_model(config)))

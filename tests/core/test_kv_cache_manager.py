@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.core import block_pool, kv_cache_utils as hashing
+from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as pool
+from kvjax.core import kv_cache_utils as hashing
 from kvjax.testing.pool_oracle import OraclePool
 
 Z = 4

@@ -18,13 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_fixtures import MAX_LEN, Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401 (a fixture)
 
+from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
 from kvjax.engine.core import Engine, EngineConfig, EngineError
 from kvjax.engine.sampling import SamplingParams
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
 from kvjax.evaluation.scoring import sequence_logits
-
-from engine_fixtures import MAX_LEN, Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401 (a fixture)
 
 SMALL = 10  # a pool of 9 usable blocks (36 tokens) for 4 rows: requests get preempted
 

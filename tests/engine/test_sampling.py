@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvjax.engine.sampling import (SamplingParams, SamplingParamsError, SamplingRows, apply_penalties, filter_mask,
-                            mask_min_tokens, request_key, sample)
+                                   mask_min_tokens, request_key, sample)
 
 PROBS = np.array([0.05, 0.5, 0.15, 0.3])  # ranked: token 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 LOGITS = np.log(PROBS).astype(np.float32)

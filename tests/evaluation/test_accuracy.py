@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.experiments.train_small import HF_CONFIGS
 from kvjax import LLM
+from kvjax.commands.accuracy import write_outputs
 from kvjax.evaluation import accuracy
 from kvjax.evaluation.layers import kv_outliers, most_sensitive
 from kvjax.evaluation.metrics import ChunkedScorer, Tally, chunk_layouts
-from kvjax.commands.accuracy import write_outputs
 from kvjax.evaluation.scoring import cache_amax, prefill_caches
+from kvjax.experiments.train_small import HF_CONFIGS
 from kvjax.models import build_model, from_hf_config, init_params
 from kvjax.models.hub import load_model
 from kvjax.models.loader import save_checkpoint

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax.kv_offload import manager as host_cache
 from kvjax.errors import KvjaxError
+from kvjax.kv_offload import manager as host_cache
 from kvjax.testing.host_oracle import OracleHostIndex
 
 N = 4

@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 from engine_fixtures import Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401
 
-from kvjax.experiments.offload_bench import chat_workload
-from kvjax.kv_offload import manager as host_cache, host_pages as offload
-from kvjax.worker.paged_cache import PagedCache
+from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
 from kvjax.engine.core import EngineError
 from kvjax.errors import KvjaxError
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
-from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.experiments.offload_bench import chat_workload
+from kvjax.kv_offload import host_pages as offload
+from kvjax.kv_offload import manager as host_cache
+from kvjax.worker.paged_cache import PagedCache
 
 
 # ----------------------------------------------------------------------------------- host pages

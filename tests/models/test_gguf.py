@@ -27,18 +27,18 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers, trainers
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from kvjax.commands import main as cli
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.evaluation.scoring import sequence_logits
 from kvjax.models import hub
 from kvjax.models.gguf import (GGUFArchitectureError, GGUFFormatError, GGUFTensorTypeError, GGUFTokenizerError,
-                         hf_tensor_name)
+                               hf_tensor_name)
 from kvjax.models.loader import hf_name, load_checkpoint
+from kvjax.worker.paged_cache import PagedCache
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType

@@ -18,9 +18,9 @@ import pytest
 from hf_fixtures import CASES, hf_logits, make_hf_model, save_hf_model
 
 from kvjax.attention.metadata import build_metadata, decode_metadata
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.models import build_model, init_params, make_step, preset
 from kvjax.models.loader import load_checkpoint
+from kvjax.worker.paged_cache import PagedCache
 
 NUM_BLOCKS, BLOCK, MAX_BLOCKS = 48, 4, 8  # P, Z, M
 MAX_TOKENS, MAX_SEQS = 32, 4  # T, B of the ragged step

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kvjax.attention.metadata import MetadataError, build_metadata, decode_metadata
-from kvjax.worker.paged_cache import (CacheError, ContiguousCache, ContiguousKV, ContiguousLatent, KVPages, LatentPages, PagedCache,
-                         gather_pages, write_kv, write_step)
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.worker.paged_cache import (CacheError, ContiguousCache, ContiguousKV, ContiguousLatent, KVPages, LatentPages,
+                                      PagedCache, gather_pages, write_kv, write_step)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvjax.quant import formats as quant
 from kvjax.attention import paged_attention
 from kvjax.attention.metadata import build_metadata
-from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache, write_kv, write_latent
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.quant import formats as quant
+from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache, write_kv, write_latent
 
 NP_DTYPE = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
 

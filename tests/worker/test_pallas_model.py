@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvjax.attention.metadata import build_metadata, decode_metadata
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.models import build_model, init_params, preset
+from kvjax.worker.paged_cache import PagedCache
 
 
 def _decode_logits(model, params, spec, prompts, steps, block_size=4):

@@ -15,11 +15,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from kvjax.accounting import memory as mem
-from kvjax.worker import sharding as shd
 from kvjax.attention.metadata import build_metadata, decode_metadata
-from kvjax.worker.paged_cache import PagedCache
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.models import build_model, init_params, make_step, preset
+from kvjax.worker import sharding as shd
+from kvjax.worker.paged_cache import PagedCache
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (jax_num_cpu_devices in tests/conftest.py)")
 

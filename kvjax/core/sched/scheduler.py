@@ -69,12 +69,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core import kv_cache_utils as hashing
-from kvjax.kv_offload import manager as host_cache
 from kvjax.accounting import memory as mem
-from kvjax.core import kv_cache_manager as manager
 from kvjax.accounting.budget import pow2_bucket
+from kvjax.core import kv_cache_manager as manager
+from kvjax.core import kv_cache_utils as hashing
 from kvjax.errors import KvjaxError
+from kvjax.kv_offload import manager as host_cache
 
 
 class SchedulerError(manager.PoolRefusedError):
