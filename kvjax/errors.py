@@ -30,6 +30,7 @@ import tempfile
 from typing import IO, Any, Iterator
 
 INT32_MAX = 2**31 - 1  # device indices (tokens, positions, slots, blocks) are int32
+MAX_SEED = 2**32 - 1  # seeds are uint32: jax.random.key(seed) keeps 32 bits
 MAX_GIB = 2**20  # 1 PiB: far above any device or host, far below float overflow
 MAX_JSON_DEPTH = 32  # the deepest any kvjax file nests is 3 (a scales file's per-layer lists)
 MAX_INPUT_BYTES = 2**30  # a prompts file, trace, config or scales file larger than 1 GiB is refused

@@ -4,7 +4,7 @@
     model = build_model(config, attn_impl="reference")
     params = init_params(model, jax.random.key(0))         # or: config, params = load_checkpoint(path)
     cache = PagedCache.create(config.kv_spec(), num_blocks, block_size)
-    step = make_step(model)                                # jitted, donates the cache
+    step = make_step(model)                                # kvjax.worker.model_runner; donates the cache
     logits, cache = step(params, tokens, metadata, cache)  # tokens i32[T], metadata: BatchMetadata
 """
 from __future__ import annotations
@@ -57,18 +57,6 @@ def _dummy_inputs(config: ModelConfig):
     return jnp.zeros((1,), jnp.int32), md, PagedCache.create(config.kv_spec(), 2, 1)
 
 
-def make_step(model: CausalLM):
-    """jit of (params, tokens i32[T], metadata, cache, logits_indices=None) -> (logits, cache).
-
-    The cache argument is donated, so each layer's scatter updates its pages in place; the
-    caller must use the returned cache and drop the one it passed.
-    """
-    def step(params, tokens, md, cache, logits_indices=None):
-        return model.apply({"params": params}, tokens, md, cache, logits_indices)
-
-    return jax.jit(step, donate_argnames="cache")
-
-
 __all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "LlamaForCausalLM", "ModelConfig", "ModelConfigError",
-           "UnsupportedModelError", "build_model", "from_hf_config", "init_params", "make_step", "param_shapes",
+           "UnsupportedModelError", "build_model", "from_hf_config", "init_params", "param_shapes",
            "preset"]

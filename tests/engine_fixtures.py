@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from hf_fixtures import make_hf_model, save_hf_model
 
+from kvjax.config.engine import EngineConfig
 from kvjax.core import kv_cache_manager as manager
-from kvjax.engine.core import Engine, EngineConfig
+from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.models import build_model
 from kvjax.models.loader import load_checkpoint

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from kvjax.errors import KvjaxError
+from kvjax.quant.kv_formats import FP8_FORMATS
 
 
 def _devices(device: jax.Device | None) -> list[jax.Device]:
@@ -207,7 +208,7 @@ def cache_static_bytes(spec) -> int:
     total = 0
     for i in range(spec.num_layers):
         name = spec.layer_dtype(i).name
-        if name in ("fp8_e4m3", "fp8_e5m2"):
+        if name in FP8_FORMATS:
             total += 4 * (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads)
         total += 4  # i32 counter
     return total

@@ -42,6 +42,7 @@ from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError
 from kvjax.worker import sharding as shd
+from kvjax.worker.model_runner import make_step
 from kvjax.worker.paged_cache import PagedCache
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -165,7 +166,7 @@ def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = Non
     ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size)
     cache_shapes = jax.eval_shape(cache_maker(layout, blocks, block_size))
     whole = NamedSharding(mesh, P())
-    compiled = shd.make_sharded_step(model, mesh, cache_shapes).lower(
+    compiled = make_step(model, mesh, cache_shapes).lower(
         _param_abstract(params, mesh), _abstract(ids, whole), _abstract(md, whole),
         _abstract(cache_shapes, shd.cache_shardings(cache_shapes, mesh)), _abstract(rows, whole)).compile()
     return ProfileStep(mesh, layout, block_size, max_num_batched_tokens, compiled, mem.analyse(compiled),

@@ -2,7 +2,8 @@
 
 Table 1: KV bytes per token for four reference models, bf16 and fp8, at 128K context, and the
 ratio against the same model with one KV head per query head. Table 2: how many 8K/32K
-requests fit in the KV budget of a GPU after weights, for six deployment scenarios.
+requests fit in the KV budget of a GPU after weights, for six deployment scenarios. The rows
+are plain dicts; `kvjax tables` (kvjax.commands.tables) renders them.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any
 
 from kvjax.accounting import budget as bud
 from kvjax.config.presets import preset
-from kvjax.markdown import markdown_table
 
 
 def table1() -> list[dict[str, Any]]:
@@ -43,25 +43,3 @@ def table2() -> list[dict[str, Any]]:
                          budget_per_request=pl.concurrency_exact, concurrency=pl.concurrency,
                          concurrency_blocks=pl.concurrency_blocks, pooled=pl.pooled))
     return rows
-
-
-def _num(x: float, digits: int = 6) -> str:
-    return f"{x:,.{digits}g}" if x != int(x) else f"{int(x):,}"
-
-
-def table1_markdown(rows: list[dict[str, Any]]) -> str:
-    headers = ["model", "kind", "L", "Hkv", "D", "bf16/token", "fp8/token", "128K bf16", "vs same-shape MHA"]
-    cells = [[r["model"], r["kind"], r["layers"], r["kv_heads"], r["head_dim"],
-              bud.human_bytes(r["bf16_bytes_per_token"]), bud.human_bytes(r["fp8_bytes_per_token"]),
-              bud.human_bytes(r["bf16_bytes_128k"]), f"{r['mha_ratio']:.3g}×"] for r in rows]
-    return "\n".join(markdown_table(headers, cells, align="llrrrrrrr"))
-
-
-def table2_markdown(rows: list[dict[str, Any]]) -> str:
-    headers = ["scenario", "GPU GiB", "util", "weights GiB", "budget GiB", "context", "KV/request", "budget/request",
-               "concurrency", "block-pool concurrency"]
-    cells = [[r["scenario"], _num(r["gpu_gib"]), f"{r['util']:g}", _num(r["weights_gib"]), f"{r['budget_gib']:,.6g}",
-              f"{r['context'] // 1024}K", bud.human_bytes(r["kv_bytes_per_request"]), f"{r['budget_per_request']:.4g}",
-              f"{r['concurrency']}" + (" (pooled arithmetic only)" if r["pooled"] else ""), r["concurrency_blocks"]]
-             for r in rows]
-    return "\n".join(markdown_table(headers, cells, align="lrrrrrrrrr"))

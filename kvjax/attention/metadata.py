@@ -65,6 +65,15 @@ class BatchMetadata:
         return self.block_tables.shape[0]
 
 
+def slot_of(block, position, block_size: int):
+    """Slot of `position` in its block `block`: block × Z + position % Z.
+
+    Plain arithmetic on NumPy or jnp arrays alike, so the host builder and the jitted decode
+    metadata share it; each looks the block up in its own library (a host loop over NumPy rows
+    would pay a device dispatch per sequence for jnp, and jit cannot trace NumPy)."""
+    return block * block_size + position % block_size
+
+
 def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
                    block_tables: Sequence[Sequence[int]], *, block_size: int, max_tokens: int,
                    max_seqs: int, max_blocks_per_seq: int, decode: bool = False,
@@ -130,7 +139,7 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
         tables[row, :width] = table[:width]
         pos = np.arange(done, end, dtype=np.int32)
         positions[t:t + new] = pos
-        slots[t:t + new] = tables[row, pos // block_size] * block_size + pos % block_size
+        slots[t:t + new] = slot_of(tables[row, pos // block_size], pos, block_size)
         seq_ids[t:t + new] = row
         valid[t:t + new] = True
         context_lens[row] = end
@@ -154,7 +163,7 @@ def decode_metadata(block_tables: jax.Array, num_computed: jax.Array, active: ja
     rows = jnp.arange(batch, dtype=jnp.int32)
     positions = jnp.where(active, num_computed, 0).astype(jnp.int32)  # i32[B]
     block = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1)[:, 0]
-    slots = jnp.where(active, block * block_size + positions % block_size, NULL_BLOCK * block_size)
+    slots = jnp.where(active, slot_of(block, positions, block_size), NULL_BLOCK * block_size)
     return BatchMetadata(positions=positions, slot_mapping=slots.astype(jnp.int32), seq_ids=rows,
                          valid=active, block_tables=block_tables,
                          context_lens=jnp.where(active, num_computed + 1, 0).astype(jnp.int32),

@@ -42,12 +42,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention.reference import paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, cdiv, default_tiles, is_power_of_two
+from kvjax.quant.kv_formats import kv_formats
 from kvjax.worker.paged_cache import NULL_BLOCK
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: MASK - MASK is 0, not NaN
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) + FP8_DTYPES
-Q_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# From kvjax.quant.kv_formats's table: the kernels read unscaled pages and pages with a static
+# scale (fp8), not per-token scales (int8_per_token_head); q comes in an unscaled (model) dtype.
+FP8_DTYPES = tuple(f.dtype for f in kv_formats("static"))  # float8_e4m3fn, float8_e5m2
+PAGE_DTYPES = tuple(f.dtype for f in kv_formats("none", "static"))
+Q_DTYPES = tuple(f.dtype for f in kv_formats("none"))  # float32, bfloat16, float16
 
 
 # ----------------------------------------------------------------------------------- the kernel

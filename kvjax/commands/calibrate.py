@@ -12,6 +12,7 @@ import json
 
 from kvjax.commands.common import Phases, add_dtype_flag, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
+from kvjax.quant.kv_formats import FP8_FORMATS
 
 
 def add_parser(sub) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub) -> None:
     add_dtype_flag(p)
     p.add_argument("--data", required=True, help="calibration text file")
     p.add_argument("--mode", choices=["per_tensor", "per_head"], default="per_tensor")
-    p.add_argument("--format", choices=["fp8_e4m3", "fp8_e5m2"], default="fp8_e4m3")
+    p.add_argument("--format", choices=list(FP8_FORMATS), default="fp8_e4m3")
     p.add_argument("--seq-len", type=int_arg(1), default=256, help="tokens per calibration window (256)")
     p.add_argument("--max-windows", type=int_arg(1), default=32, help="windows at most (32)")
     p.add_argument("--out", required=True, help="scales file to write (JSON)")

@@ -65,12 +65,12 @@ def human_int_arg(lo: int = 1, hi: int = INT32_MAX):
 
 def kv_cache_dtype_arg(text: str) -> str:
     """vLLM's --kv-cache-dtype: "auto" (the model's dtype) or a kv dtype kvjax stores."""
-    from kvjax.core.kv_cache_interface import KV_DTYPES, SpecError, kv_dtype
+    from kvjax.quant.kv_formats import KV_DTYPES, SpecError, kv_format
 
     if text.lower() == "auto":
         return "auto"
     try:
-        kv_dtype(text)
+        kv_format(text)
     except SpecError:
         raise argparse.ArgumentTypeError(f"unknown kv cache dtype {text[:40]!r}; choose auto (the model's dtype) "
                                          f"or one of {', '.join(KV_DTYPES)}") from None

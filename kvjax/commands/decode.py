@@ -231,10 +231,8 @@ def _generate(llm, runnable: list, args, show: bool):
 
 def _config_json(args, llm, base, transfer: dict | None) -> dict:
     """The run's engine arguments as the LLM resolved them (vLLM's names) and its SamplingParams."""
-    from kvjax.core.kv_cache_interface import kv_dtype
-
     engine = llm.engine
-    return dict(model=args.model, dtype=llm.config.dtype, kv_cache_dtype=kv_dtype(llm.kv_spec.kv_dtype).name,
+    return dict(model=args.model, dtype=llm.config.dtype, kv_cache_dtype=llm.kv_spec.kv_dtype,
                 kv_cache_dtype_skip_layers=list(llm.kv_spec.skip_layers), block_size=args.block_size, num_gpu_blocks=llm.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_model_len=engine.max_model_len,
                 max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
@@ -318,9 +316,9 @@ def _check_flags(args):
 
 def kv_dtype_name(name: str) -> str:
     """The kv dtype a --kv-cache-dtype names ("auto": "auto", the model's, not known yet)."""
-    from kvjax.core.kv_cache_interface import kv_dtype
+    from kvjax.quant.kv_formats import kv_format
 
-    return "auto" if name == "auto" else kv_dtype(name).name
+    return "auto" if name == "auto" else kv_format(name).name
 
 
 def _transfer_config(args) -> dict | None:

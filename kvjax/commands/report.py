@@ -45,12 +45,13 @@ def _section_tables(out: str) -> tuple[str, dict]:
     from kvjax.accounting import budget as bud
     from kvjax.accounting import spec_tables as tables
     from kvjax.commands.plan import format_plan
+    from kvjax.commands.tables import table1_markdown, table2_markdown
 
     t1, t2 = tables.table1(), tables.table2()
     md = ["## 1. KV bytes, budget and concurrency (SPEC Tables 1–2, simulator groups A–C)", "",
-          "### Table 1 — KV bytes per token", "", tables.table1_markdown(t1), "",
+          "### Table 1 — KV bytes per token", "", table1_markdown(t1), "",
           "### Table 2 — concurrency (budget = ceil(GPU × util) − weights; floor everywhere)", "",
-          tables.table2_markdown(t2), ""]
+          table2_markdown(t2), ""]
     groups = {}
     for name, group in bud.GROUPS.items():
         pl = tables.scenario_plan(group)
@@ -91,9 +92,9 @@ def _plot_concurrency(path: str) -> None:
 
 
 def _section_accuracy(out: str, quick: bool) -> tuple[str, dict]:
-    from kvjax.commands.accuracy import write_outputs
+    from kvjax.commands.accuracy import markdown, write_outputs
     from kvjax.data import CALIB, HELDOUT
-    from kvjax.evaluation.accuracy import evaluate, markdown
+    from kvjax.evaluation.accuracy import evaluate
 
     kw = dict(max_windows=8, prompts=4, decode_tokens=16) if quick else {}
     md = ["## 3. Quantized KV accuracy against bf16 (held-out stdlib text)", ""]
@@ -244,12 +245,12 @@ def _section_memory(out: str, quick: bool) -> tuple[str, dict]:
 
 def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
     """SmolLM2-135M-Instruct: chat decoding with prefix hits, a cut-down accuracy table, memory."""
-    from kvjax.commands.accuracy import write_outputs
+    from kvjax.commands.accuracy import markdown, write_outputs
     from kvjax.commands.memory import render
     from kvjax.data import CALIB, CHAT_PROMPTS, HELDOUT, PROSE
     from kvjax.engine.llm import LLM
     from kvjax.engine.sampling import SamplingParams
-    from kvjax.evaluation.accuracy import evaluate, markdown
+    from kvjax.evaluation.accuracy import evaluate
     from kvjax.models.hub import load_model
 
     model = "smollm2-135m"

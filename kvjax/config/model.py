@@ -25,13 +25,13 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from kvjax.core.kv_cache_interface import KVSpec, SpecError
+from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
 from kvjax.errors import INT32_MAX, KvjaxError
 
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 MODEL_TYPES = GQA_TYPES + MLA_TYPES
-DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # model dtype → kv dtype name
+DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; each is also a kv dtype alias (kvjax.quant.kv_formats)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the ones models.rope computes
 LAYOUTS = ("half", "interleaved", "complex")
 
@@ -178,17 +178,16 @@ class ModelConfig:
     def kv_spec(self, kv_dtype: str | None = None, skip_layers: tuple[int, ...] = ()) -> KVSpec:
         """The KV layout this model caches (kv_dtype None or "auto": the model dtype, as vLLM's
         kv_cache_dtype="auto")."""
-        model_dtype = DTYPES[self.dtype]
+        model_dtype = self.dtype  # KVSpec stores it as its kv dtype name (float32 → fp32)
         kv_dtype = model_dtype if kv_dtype is None or str(kv_dtype).lower() == "auto" else kv_dtype
         if self.is_mla:
             return KVSpec.mla(self.num_layers, self.num_heads, kv_lora_rank=self.kv_lora_rank,
                               qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
                               v_head_dim=self.v_head_dim, kv_dtype=kv_dtype, skip_layers=tuple(skip_layers),
                               model_dtype=model_dtype, name=self.name)
-        kind = ("mha" if self.num_kv_heads == self.num_heads else
-                "mqa" if self.num_kv_heads == 1 else "gqa")
-        return KVSpec(kind, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, kv_dtype=kv_dtype,
-                      skip_layers=tuple(skip_layers), model_dtype=model_dtype, name=self.name)
+        return KVSpec(attention_kind(self.num_heads, self.num_kv_heads), self.num_layers, self.num_heads,
+                      self.num_kv_heads, self.head_dim, kv_dtype=kv_dtype, skip_layers=tuple(skip_layers),
+                      model_dtype=model_dtype, name=self.name)
 
     @property
     def num_params(self) -> int:

@@ -15,7 +15,8 @@ A block's bytes are the sum of its layers' pages (one KV cache group).
 
 Every byte count here is an exact integer. Element widths that are not whole bytes (nvfp4:
 4 bits + one fp8 scale per 16 values) are handled per *vector* (one token × one head), never
-by multiplying a float width: see `KVDtype.vector_bytes`.
+by multiplying a float width: see `KVFormat.vector_bytes`. The formats themselves (widths,
+aliases, scales) are kvjax.quant.kv_formats's table.
 
 A named or Hugging Face model's layout comes from its parsed config: kvjax.config.model's
 `ModelConfig.kv_spec`. Shapes are not used here; this is plain Python with no JAX.
@@ -23,73 +24,18 @@ A named or Hugging Face model's layout comes from its parsed config: kvjax.confi
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from kvjax.errors import INT32_MAX, KvjaxError
+from kvjax.errors import INT32_MAX
+from kvjax.quant.kv_formats import KVFormat, SpecError, kv_format  # SpecError: re-exported for the spec's users
 
 KINDS = ("mha", "gqa", "mqa", "mla")
 
 
-class SpecError(KvjaxError):
-    """A model layout or dtype that breaks a rule; the message names the value and the rule."""
-
-
-# --------------------------------------------------------------------------------------------
-# KV dtypes
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class KVDtype:
-    """Storage format of one cached element, as vLLM's `kv_cache_dtype` names them.
-
-    bits: storage bits per element. group/group_scale_bytes: a block-scaled format stores one
-    scale of `group_scale_bytes` per `group` elements (nvfp4: one fp8 scale per 16 fp4 values).
-    vector_scale_bytes: a scale stored per vector, i.e. per token per kv head, for K and for V
-    separately (int8_per_token_head: one fp32 per token per head).
-    """
-
-    name: str
-    bits: int
-    group: int = 0
-    group_scale_bytes: int = 0
-    vector_scale_bytes: int = 0
-    jnp_name: str = ""  # the dtype the paged cache stores (see kvjax.worker.paged_cache)
-
-    def vector_bytes(self, dim: int) -> int:
-        """Exact bytes of one cached vector of `dim` elements, including its own scales."""
-        if (dim * self.bits) % 8:
-            raise SpecError(f"kv dtype {self.name}: head dim {dim} × {self.bits} bits is not a whole number of bytes")
-        data = dim * self.bits // 8
-        scales = math.ceil(dim / self.group) * self.group_scale_bytes if self.group else 0
-        return data + scales + self.vector_scale_bytes
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits < 16
-
-
-_DTYPES = {
-    "fp32": KVDtype("fp32", 32, jnp_name="float32"),
-    "bf16": KVDtype("bf16", 16, jnp_name="bfloat16"),
-    "fp16": KVDtype("fp16", 16, jnp_name="float16"),
-    "fp8_e4m3": KVDtype("fp8_e4m3", 8, jnp_name="float8_e4m3fn"),
-    "fp8_e5m2": KVDtype("fp8_e5m2", 8, jnp_name="float8_e5m2"),
-    "int8_per_token_head": KVDtype("int8_per_token_head", 8, vector_scale_bytes=4, jnp_name="int8"),
-    "nvfp4": KVDtype("nvfp4", 4, group=16, group_scale_bytes=1),
-}
-_ALIASES = {"fp8": "fp8_e4m3", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
-            "auto": "bf16", "half": "fp16", "float": "fp32"}
-KV_DTYPES = tuple(_DTYPES) + ("fp8",)
-
-
-def kv_dtype(name: str | KVDtype) -> KVDtype:
-    """Look up a kv dtype by vLLM's name (`fp8` = `fp8_e4m3`); unknown names raise SpecError."""
-    if isinstance(name, KVDtype):
-        return name
-    key = _ALIASES.get(str(name).lower(), str(name).lower())
-    if key not in _DTYPES:
-        raise SpecError(f"unknown kv dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
-    return _DTYPES[key]
+def attention_kind(num_heads: int, num_kv_heads: int) -> str:
+    """The name of a layout with separate K and V per kv head: MHA (a kv head per query head), MQA
+    (one kv head) or GQA (in between). One query head with one kv head is MHA."""
+    return "mha" if num_kv_heads == num_heads else ("mqa" if num_kv_heads == 1 else "gqa")
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,13 +43,17 @@ def kv_dtype(name: str | KVDtype) -> KVDtype:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
-    """One model's KV layout. Frozen: derived values are properties, nothing is overwritten.
+    """One model's KV layout. Frozen: derived values are properties, no given value is changed
+    (a dtype alias is only spelt as its format's name, below).
 
     For MLA, num_kv_heads is 1 and head_dim is kv_lora_rank + qk_rope_head_dim (checked, not
     filled in: pass them consistently or use `KVSpec.mla(...)`). qk_nope_head_dim and
     v_head_dim are only used for the "same-shape MHA" ratio.
     skip_layers keep `model_dtype` instead of `kv_dtype` (vLLM `--kv-cache-dtype-skip-layers`),
     so a block mixes widths; every byte count sums layer by layer.
+    kv_dtype and model_dtype are stored as the format's own name, whichever alias was given
+    (`fp8` becomes `fp8_e4m3`, `bfloat16` `bf16`: kvjax.quant.kv_formats.kv_format), so no
+    reader normalises them again; an unknown name raises SpecError.
     """
 
     kind: str
@@ -111,7 +61,7 @@ class KVSpec:
     num_heads: int  # query heads
     num_kv_heads: int
     head_dim: int  # MHA/GQA/MQA: per-head dim of K (and V); MLA: kv_lora_rank + qk_rope_head_dim
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "bf16"  # a kvjax.quant.kv_formats name
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
@@ -127,7 +77,9 @@ class KVSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT32_MAX:
                 raise SpecError(f"{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
-        kv_dtype(self.kv_dtype), kv_dtype(self.model_dtype)  # raise on unknown names
+        # The same format under its one name: a frozen field, set once here, before anything reads it.
+        object.__setattr__(self, "kv_dtype", kv_format(self.kv_dtype).name)
+        object.__setattr__(self, "model_dtype", kv_format(self.model_dtype).name)
         if self.kind == "mla":
             if not self.kv_lora_rank or not self.qk_rope_head_dim:
                 raise SpecError("an MLA layout needs kv_lora_rank and qk_rope_head_dim")
@@ -164,8 +116,8 @@ class KVSpec:
         """f: cached vectors per token per kv head (K and V, or one MLA latent)."""
         return 1 if self.kind == "mla" else 2
 
-    def layer_dtype(self, layer: int) -> KVDtype:
-        return kv_dtype(self.model_dtype if layer in self.skip_layers else self.kv_dtype)
+    def layer_dtype(self, layer: int) -> KVFormat:
+        return kv_format(self.model_dtype if layer in self.skip_layers else self.kv_dtype)
 
     def layer_bytes_per_token(self, layer: int) -> int:
         return self.factor * self.num_kv_heads * self.layer_dtype(layer).vector_bytes(self.head_dim)
@@ -202,7 +154,7 @@ class KVSpec:
         For MLA, SPEC Table 1 takes the MHA equivalent as query heads × (qk_nope_head_dim for
         K + v_head_dim for V), e.g. DeepSeek-V3's 128 heads × 128 + 128 dims.
         """
-        b = kv_dtype(self.kv_dtype).vector_bytes
+        b = kv_format(self.kv_dtype).vector_bytes
         if self.kind == "mla":
             if not self.qk_nope_head_dim or not self.v_head_dim:
                 raise SpecError("the MLA same-shape MHA ratio needs qk_nope_head_dim and v_head_dim")
@@ -236,8 +188,7 @@ class KVSpec:
             return self
         kv = self.kv_heads_per_rank(tp)
         heads = self.num_heads // tp
-        kind = "mha" if kv == heads else ("mqa" if kv == 1 else "gqa")
-        return self.replace(num_heads=heads, num_kv_heads=kv, kind=kind)
+        return self.replace(num_heads=heads, num_kv_heads=kv, kind=attention_kind(heads, kv))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -203,7 +203,7 @@ def get_computed_blocks(state: KVCacheManager, req):
         return jnp.zeros(m, jnp.int32), jnp.int32(0)
     valid, r = _slot(t, req)
     block, found = block_pool.lookup(state.pool, t.req_hash[r])
-    max_hits = jnp.where(valid, jnp.minimum(t.num_hashed[r], (t.num_tokens[r] - 1) // t.block_size), 0)
+    max_hits = jnp.where(valid, jnp.minimum(t.num_hashed[r], hashing.max_cached_blocks(t.num_tokens[r], t.block_size)), 0)
     run = jnp.cumprod(found & (jnp.arange(m) < max_hits)).astype(bool)
     return jnp.where(run, block, 0).astype(jnp.int32), run.sum().astype(jnp.int32)
 

@@ -147,3 +147,10 @@ def request_block_hashes_np(tokens, block_size: int, salt: str | None = None) ->
         parent = (int(h[0]), int(h[1]))
         out.append(parent)
     return out
+
+
+def max_cached_blocks(num_tokens, block_size: int):
+    """The most leading blocks of a request that a cache (the device prefix cache, the host
+    tier) may serve: (num_tokens - 1) // Z, so that the last token is computed and gives the
+    logits to sample from (vLLM's rule). Python ints or jnp arrays."""
+    return (num_tokens - 1) // block_size

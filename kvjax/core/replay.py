@@ -59,6 +59,7 @@ from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core import kv_cache_utils as hashing
 from kvjax.errors import KvjaxError, loads
+from kvjax.kv_offload import connector
 from kvjax.kv_offload import manager as host_cache
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
@@ -124,14 +125,11 @@ class Replay:
                                  np.asarray(key, np.uint32))
         hits, nh = manager.get_computed_blocks(s, slot)
         nh = int(nh)
-        # The host tier: all the request's full-block hashes are touched, then the hash chain
-        # continues after the device hits, capped like them.
-        cap, nx, hashes, host = (len(tokens) - 1) // z - nh, 0, None, self.host
+        # The host tier (kvjax.kv_offload.connector, as the scheduler admits): touch, then the
+        # hash chain after the device hits, capped like them.
+        host, hashes, nx = self.host, None, 0
         if host is not None:
-            host = host_cache.touch(host, self._hashes(s, slot, 0, len(tokens) // z), len(tokens) // z)
-        if host is not None and cap > 0:
-            hashes = self._hashes(s, slot, nh, nh + cap)
-            nx = int(host_cache.lookup(host, hashes, cap))
+            host, hashes, nx = connector.lookup(host, np.asarray(s.reqs.req_hash[slot]), len(tokens), nh, z)
         # Host hits take fresh blocks and count as computed, so the op allocates nx*Z + the rest.
         s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * z, hits, nh)
         if not (bool(ok) and bool(ok2)):
@@ -174,12 +172,6 @@ class Replay:
 
     # ------------------------------------------------------------------ the host tier
     @staticmethod
-    def _hashes(s: manager.KVCacheManager, slot: int, first: int, end: int) -> np.ndarray:
-        """The request's block hashes first .. end - 1, u32[N, 2], zero padded to a power of two
-        (the tier's jitted calls compile once per N, and their work is O(N × H))."""
-        return host_cache.pad_hashes(np.asarray(s.reqs.req_hash[slot])[first:end])
-
-    @staticmethod
     def _load(host, hashes: np.ndarray, n: int, blocks: list[int]):
         """The scheduler's _host_load and the engine's loads_done in one: pin hashes[:n] (host
         hits), copy them into device blocks, unpin. -> (new index, [[slot, block]])."""
@@ -197,11 +189,11 @@ class Replay:
         scheduled token counts as computed; `host_cache.offer`, as the scheduler does).
         -> (new index, [[block, slot]], the next block to offer)."""
         end = int(s.reqs.num_tokens[slot]) // s.reqs.block_size
-        if host is None or end <= first:
+        if host is None:
             return host, [], max(first, end)
-        host, slots, stored = host_cache.offer(host, np.asarray(s.reqs.req_hash[slot])[:end], first)
-        blocks = manager.request_blocks(s, slot)[first:end]
-        return host, [[b, int(x)] for b, x, k in zip(blocks, slots, stored) if k], end
+        host, stored, end = connector.offer(host, np.asarray(s.reqs.req_hash[slot]), first, end)
+        blocks = manager.request_blocks(s, slot)
+        return host, [[blocks[j], x] for j, x in stored], end
 
     # ------------------------------------------------------------------ views
     def view(self, op: str, name: str | None, ok: bool, hits=(), new=(), host_hits=0, loaded=(),

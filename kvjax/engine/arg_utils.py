@@ -21,12 +21,12 @@ import math
 import os
 
 from kvjax.attention import IMPLS, default_impl
-from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
-from kvjax.engine.core import EngineConfig, EngineError
+from kvjax.config.engine import EngineConfig, EngineError
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.quant import formats as quant
+from kvjax.quant.kv_formats import FP8_FORMATS, kv_format
 
 # vLLM LLM(...) / engine arguments that kvjax does not implement: (the values that mean what kvjax
 # does anyway, the reason any other value is refused). vLLM's defaults are accepted, so a script
@@ -106,9 +106,9 @@ def check_engine_args(kwargs: dict, *, dtype, seed, block_size, gpu_memory_utili
                                                            and os.path.isdir(generation_config)):
         raise LLMError(f"generation_config={generation_config!r}: 'auto', 'vllm' or a folder with "
                        "generation_config.json")
-    kv_dtype = None if str(kv_cache_dtype).lower() == "auto" else kv_cache_dtype
-    attn_impl = attention_backend or ("reference" if tp > 1 else
-                                      default_impl(lookup_kv_dtype(kv_dtype).name if kv_dtype else None))
+    # An unknown kv dtype fails here, before a model loads (in any case; the backend is not always chosen by it).
+    kv_dtype = None if str(kv_cache_dtype).lower() == "auto" else kv_format(kv_cache_dtype).name
+    attn_impl = attention_backend or ("reference" if tp > 1 else default_impl(kv_dtype))
     model_dtype = None if dtype == "auto" else dtype
     return kv_dtype, attn_impl, model_dtype
 
@@ -163,14 +163,15 @@ def check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, model_le
 
 
 def read_scales(scales, kv_dtype: str):
-    """The scales argument for a cache of kv_dtype: None, a KVScales, or a scales file (read
-    here); fp8 dequantization scales only, checked against the kv dtype."""
+    """The scales argument for a cache of kv_dtype (a KVSpec's, normalised, name): None, a
+    KVScales, or a scales file (read here); fp8 dequantization scales only, checked against the
+    kv dtype."""
     if isinstance(scales, str):
         scales = quant.KVScales.load(scales)
-    if scales is not None and not lookup_kv_dtype(kv_dtype).name.startswith("fp8"):
+    if scales is not None and kv_dtype not in FP8_FORMATS:
         raise LLMError(f"scales are fp8 dequantization scales, but the kv dtype is {kv_dtype}")
     if scales is not None:
-        scales.check_kv_dtype(lookup_kv_dtype(kv_dtype).name)
+        scales.check_kv_dtype(kv_dtype)
     return scales
 
 

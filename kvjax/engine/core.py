@@ -18,13 +18,8 @@ prompts share a system prompt with the first hits the blocks the first cached, u
 requests: the first caches the prompt's full blocks as it is scheduled and the others hit them,
 so the prompt's blocks are held once with ref_cnt n.
 
-Chunked prefill is on by default, as in vLLM V1: the running requests are scheduled first (a
-decode takes one token of the step's budget, `max_num_batched_tokens`, default 2048), then
-waiting requests fill what remains; a prompt longer than what remains is prefilled over
-several steps and samples only when its last chunk runs (the scheduler's `sample` flag), and
-a prefix-cache hit followed by a chunked rest works the same way. With `chunked_prefill=False`
-(vLLM's `enable_chunked_prefill=False`) a waiting request is admitted only when its whole
-prompt, less its prefix-cache hit, fits the budget, which is therefore at least max_model_len.
+Chunked prefill is on by default, as in vLLM V1 (the scheduler's rules; the step's budget,
+`max_num_batched_tokens`, defaults to 2048, and without chunked prefill to at least max_model_len).
 
 Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request
 keeps one row of the step's batch (B = max_num_seqs rows) from admission until it finishes
@@ -33,26 +28,9 @@ sits in; the contiguous cache (`kv_layout="contiguous"`, kvjax.worker.paged_cach
 baseline paging is measured against) stores row r's K/V in its row r, so the same modules,
 steps and decode loop serve both layouts.
 
-Two compiled device calls serve every plan; shapes are padded to buckets so that a run
-compiles a handful of programs, never one per step:
-
-* `_ragged_step` — any plan with prefill tokens: the flat ragged batch of vLLM V1's model
-  runner (`BatchMetadata`), T tokens padded to a power of two, B rows.
-* `_decode_loop` — a plan of one token per request, every request sampling: the decode form
-  (T = B; the Pallas kernels with attn_impl "pallas"). It runs that step, then up to K - 1
-  more (`steps_per_call`) inside one `lax.while_loop`, with sampling and the functional
-  block pool in the carry: each iteration appends the sampled tokens (`manager.append_token_step`)
-  and allocates the next token's slot (`manager.allocate_step`), exactly what the host's
-  `update` + `schedule` would do between two steps. The loop stops early, and returns to the
-  host scheduler, when a request finishes (its blocks are freed and a waiting request may be
-  admitted) or when `manager.step_fits` — the rule the host scheduler applies too — says the
-  next step's blocks do not all fit (checked before allocating, so the pool is left as the
-  host expects; the host's next `schedule` repeats the allocation and preempts). Between
-  those events the host scheduler would only have run the same decodes — a waiting request
-  that did not fit cannot fit while blocks are only taken — so K = 8 gives the same schedule,
-  and (with `kvjax.engine.sampling`'s position-keyed draws) the same tokens, as K = 1. A step that
-  preempted runs alone, since the next one may admit. Every `ok` flag the pool returns in
-  the loop is checked; a refusal raises `SchedulerError` naming the request and the counts.
+Two compiled device calls serve every plan (kvjax.engine.steps: the ragged step for any plan
+with prefill tokens, the decode loop for K = `steps_per_call` decode steps in one call), their
+shapes padded to buckets so that a run compiles a handful of programs, never one per step.
 
 Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`):
 the scheduler keeps its index (kvjax.kv_offload.manager) and plans, at admission, the loads of host
@@ -79,204 +57,33 @@ and vocab_size unless they are passed in. This module imports nothing from `mode
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
 from kvjax.accounting.budget import pow2_bucket
-from kvjax.attention.metadata import build_metadata, decode_metadata
-from kvjax.core import kv_cache_manager as manager
+from kvjax.attention.metadata import build_metadata
+from kvjax.config.engine import DEFAULT_BUDGET, EngineConfig, EngineError
+from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, StepPlan
+from kvjax.core.sched.output import StepPlan
+from kvjax.core.sched.scheduler import Scheduler, SchedulerError
 from kvjax.engine import sampling
-from kvjax.engine.sampling import MAX_SEED, SamplingParams
-from kvjax.engine.stats import RunStats, Summary
-from kvjax.errors import INT32_MAX, KvjaxError, check_int
+from kvjax.engine import steps as device
+from kvjax.engine.outputs import EngineRun, RequestResult, TokenLogprobs
+from kvjax.engine.sampling import SamplingParams
+from kvjax.engine.stats import RunStats
 from kvjax.kv_offload import host_pages as offload
 from kvjax.worker import sharding as shd
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
-MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
-MAX_NUM_SEQS = 2**16  # rows of every step
 MIN_TABLE_TOKENS = 64  # smallest block-table width bucket, in tokens
 MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
-DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
 
-
-class EngineError(KvjaxError):
-    """An engine built or called with values that break a rule; the message names the value."""
-
-
-KV_LAYOUTS = ("paged", "contiguous")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    num_blocks: int  # P, including the null block 0
-    block_size: int = 16  # Z
-    max_num_seqs: int = 8  # B: requests running at once (rows of every step)
-    max_model_len: int | None = None  # prompt + generated tokens; None: the model's max_position_embeddings
-    max_num_batched_tokens: int | None = None  # step token budget; None: 2048 (unchunked: ≥ max_model_len)
-    chunked_prefill: bool = True  # False: a prompt is prefilled in one step (vLLM enable_chunked_prefill)
-    prefix_caching: bool = True
-    steps_per_call: int = 1  # K decode steps per device call
-    seed: int = 0  # the random stream of requests without a seed of their own
-    policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
-    kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
-    kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.kv_offload.host_pages); 0 = none
-    kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
-    max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
-    tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.worker.sharding)
-
-    def __post_init__(self):
-        # Every value bounded where it is given: beyond these, XLA would be asked for the impossible
-        # (steps_per_call=10**9 aborts the process inside the compiler) or int32 indices would wrap.
-        for name, low, high in (("num_blocks", 1, INT32_MAX), ("block_size", 1, INT32_MAX),
-                                ("max_num_seqs", 1, MAX_NUM_SEQS), ("steps_per_call", 1, MAX_STEPS_PER_CALL),
-                                ("seed", 0, MAX_SEED), ("max_logprobs", -1, INT32_MAX),
-                                ("tensor_parallel_size", 1, 256), ("kv_offload_blocks", 0, INT32_MAX)):
-            check_int(getattr(self, name), name, low, high, EngineError)
-        for name in ("max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
-                check_int(getattr(self, name), name, 1, INT32_MAX, EngineError)
-        for name in ("chunked_prefill", "prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.num_blocks < 2:
-            raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
-        if self.policy not in ("fcfs", "priority"):
-            raise EngineError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
-        if self.kv_layout == "contiguous" and self.prefix_caching:
-            raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
-                              "turn prefix caching off")
-        value = self.kv_offload_blocks
-        offload.check_policy(self.kv_offload_policy)
-        if value and not self.prefix_caching:
-            raise EngineError("a host offload tier needs prefix caching: its blocks are found by their hashes")
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if tp > 1 and (value or self.kv_layout != "paged"):
-            raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
-                              "tier copies whole pages of one device)")
-
-
-@dataclasses.dataclass
-class TokenLogprobs:
-    """The log-probabilities reported for one generated token (SamplingParams.logprobs = J)."""
-
-    logprob: float  # the chosen token's raw log-probability
-    rank: int  # its rank in the vocabulary (1 = most likely)
-    top_ids: list[int]  # the J most likely tokens, most likely first
-    top_logprobs: list[float]
-
-
-@dataclasses.dataclass
-class RequestResult:
-    """One generated sequence: sample `sample` (of SamplingParams.n) of prompt `index`."""
-
-    index: int  # position of its prompt in the prompts passed to generate
-    sample: int  # which of the prompt's n samples, 0 .. n-1
-    request_id: str  # the scheduler's id, unique over the engine's lifetime
-    prompt_tokens: int
-    output: list[int]  # generated token ids (a stop token included)
-    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
-    error: str | None = None  # why this request was refused; None if it ran
-    finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
-    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
-    text: str | None = None  # the output's text (with a tokenizer and detokenize), cut at a stop string
-    preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
-    ttft_s: float | None = None  # seconds from the start of generate to this request's first token
-    last_token_s: float | None = None  # seconds from the start of generate to its last token
-
-
-@dataclasses.dataclass
-class EngineRun:
-    results: list[RequestResult]  # prompt by prompt, each prompt's n samples in order
-    summary: Summary
-
-
-# ----------------------------------------------------------------------------------- device calls
-@functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")
-def _ragged_step(model, params, cache, tokens, md, rows: sampling.SamplingRows, positions, *, num_logprobs: int):
-    """One ragged step. tokens: i32[T]; rows: each row's sampling parameters; positions: i32[B]
-    the position each sampled token takes → (sampling.Sampled per row, cache)."""
-    logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)  # f32[B, V]
-    return sampling.sample(logits, rows, positions, num_logprobs), cache
-
-
-@functools.partial(jax.jit, static_argnames=("model", "num_steps", "width", "num_logprobs"), donate_argnames="cache")
-def _decode_loop(model, params, state: manager.KVCacheManager, cache, slots, tokens, computed, remaining, stop_ids,
-                 sampling_rows: sampling.SamplingRows, max_steps, *, num_steps: int, width: int, num_logprobs: int):
-    """Up to max_steps (<= num_steps) decode steps of the same requests, in one call.
-
-    Per row (B): slots i32 pool slots, -1 = empty row; tokens i32 each row's last token (its KV
-    is computed now); computed i32 tokens already cached; remaining i32 tokens still to generate;
-    stop_ids i32[B, X] tokens that end the row's request (-1 padding); sampling_rows the rows'
-    sampling parameters. The pool already holds the first step's allocation (the host's `schedule`).
-    → (state, cache, sampled i32[num_steps, B], log-probs f32[num_steps, B], steps run, blocks in
-    use per step i32[num_steps], refusal): refusal = (rows whose sampled token the pool refused
-    bool[B], rows whose allocation it refused although `step_fits` said it fit bool[B], blocks each
-    row needed i32[B], free blocks i32[]); either refusal is a bug that the host raises.
-    """
-    active = slots >= 0  # bool[B]
-    slot = jnp.where(active, slots, 0)
-    scatter_at = jnp.where(active, slots, state.reqs.max_requests)  # empty rows scatter out of range
-    usable = state.pool.num_blocks - 1
-
-    def body(c):
-        i, state, cache, rows, tokens, computed, remaining, out, used, refusal, _ = c
-        used = used.at[i].set(usable - state.pool.num_free)
-        tables = jnp.where(active[:, None], state.reqs.block_table[slot, :width], 0)  # i32[B, M]
-        md = decode_metadata(tables, computed, active, state.reqs.block_size)
-        logits, cache = model.apply({"params": params}, tokens, md, cache)  # f32[B, V]
-        sampled = sampling.sample(logits, rows, computed + 1, num_logprobs)
-        new = jnp.where(active, sampled.tokens, 0)
-        rows = rows.add_tokens(new, active)
-        remaining = remaining - active
-        stopped = (new[:, None] == stop_ids).any(axis=1)
-        keep = active & (remaining > 0) & ~stopped  # a request's last token is never appended (Scheduler.update)
-        finished = active & ~keep
-        append = jnp.zeros(state.reqs.max_requests, jnp.int32).at[scatter_at].set(new, mode="drop")
-        mask = jnp.zeros(state.reqs.max_requests, bool).at[scatter_at].set(keep, mode="drop")
-        state, appended = manager.append_token_step(state, append, mask)
-        append_refused = keep & ~appended[slot]
-        go_on = (i + 1 < max_steps) & ~finished.any() & ~append_refused.any()
-        # The host scheduler's rule (manager.step_fits): allocate the next step only if all of it
-        # fits, so that stopping leaves the pool as the host's next `schedule` expects.
-        reqs = jnp.where(keep, slots, -1)
-        need, fits = manager.step_fits(state, reqs, keep.astype(jnp.int32))
-
-        def allocate(s):
-            return manager.allocate_step(s, reqs, keep.astype(jnp.int32))
-
-        state, allocated = jax.lax.cond(go_on & fits, allocate,
-                                        lambda s: (s, jnp.ones(reqs.shape, bool)), state)
-        alloc_refused = keep & ~allocated
-        refusal = (refusal[0] | append_refused, refusal[1] | alloc_refused, jnp.where(alloc_refused, need, refusal[2]),
-                   jnp.where(alloc_refused.any(), state.pool.num_free, refusal[3]))
-        out = jax.tree.map(lambda o, x: o.at[i].set(x), out, sampled.replace(tokens=new))
-        return (i + 1, state, cache, rows, new, computed + 1, remaining, out, used, refusal,
-                go_on & fits & ~alloc_refused.any())
-
-    b = slots.shape[0]
-    no = jnp.zeros(b, bool)
-    out = sampling.Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b), jnp.float32),
-                           jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b, num_logprobs), jnp.int32),
-                           jnp.zeros((num_steps, b, num_logprobs), jnp.float32))
-    init = (jnp.int32(0), state, cache, sampling_rows, tokens, computed, remaining, out, jnp.zeros(num_steps, jnp.int32),
-            (no, no, jnp.zeros(b, jnp.int32), jnp.int32(0)), jnp.bool_(True))
-    n, state, cache, _, _, _, _, out, used, refusal, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
-    return state, cache, out, n, used, refusal
 
 
 @dataclasses.dataclass
@@ -285,7 +92,6 @@ class _Active:
 
     params: SamplingParams  # this sample's own (n = 1; the j-th of n samples has seed + j)
     key: np.ndarray  # u32[2]
-    stop_ids: tuple[int, ...]
     prompt: list[int]
     result: RequestResult
     text_chars: int = 0  # characters of its output's text at the last stop-string check
@@ -379,15 +185,7 @@ class Engine:
     def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`);
         reset_connector also empties the host tier. False, changing nothing, while requests run."""
-        if self.scheduler.has_unfinished():
-            return False
-        state, ok = manager.reset_prefix_cache(self.scheduler.state)
-        if not bool(ok):  # nothing runs, so every block is free: the pool's own rule must agree
-            raise SchedulerError("the block pool refused to reset its prefix cache with no request running")
-        self.scheduler.state = state
-        if reset_connector and self.host_pages is not None:
-            self.scheduler.host = self.scheduler.new_host_index()
-        return True
+        return self.scheduler.reset_prefix_cache(reset_host=reset_connector)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
@@ -462,18 +260,14 @@ class Engine:
             res = RequestResult(i, j, rid, len(prompt), [], None if child.logprobs is None else [], error)
             results.append(res)
             if error is None:
-                stop = child.stop_ids(self.eos_token_ids)
                 sched.add_request(rid, prompt, new, priority=0 if priorities is None else int(priorities[i]),
-                                  stop_ids=stop)
+                                  stop_ids=child.stop_ids(self.eos_token_ids))
                 self._active[rid] = _Active(child, sampling.request_key(self.config.seed, int(rid), child.seed),
-                                            tuple(sorted(stop)), prompt, res)
+                                            prompt, res)
         try:
             return self._run(results, progress)
         except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
-            for rid, req in list(sched.requests.items()):
-                if req.status != "finished":
-                    sched.finish_request(rid, "abort")
-                sched.requests.pop(rid)
+            sched.abort_all()
             raise
 
     def _run(self, results: list[RequestResult], progress) -> EngineRun:
@@ -487,7 +281,6 @@ class Engine:
         start = time.perf_counter()
         while sched.has_unfinished():
             t0 = time.perf_counter()
-            running = {r.req_id for r in sched.running}
             plan = sched.schedule()
             if plan.num_requests == 0:
                 raise SchedulerError("the scheduler planned an empty step with requests unfinished")
@@ -497,12 +290,12 @@ class Engine:
             for rid in plan.req_ids:
                 if rid not in self._rows:
                     self._rows[rid] = free_rows.pop(0)
-            stats.admissions(sched, plan, running, by_id)
+            stats.admissions(plan, by_id)
             if len(plan.loads):  # host tier hits: copied in before the step that reads them
                 self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
                 sched.loads_done(plan)
-            prefill = _prefill_rows(sched, plan)
-            decode_form = bool(plan.sample.all() and (plan.num_scheduled == 1).all())
+            prefill = np.flatnonzero(plan.prefill)
+            decode_form = plan.is_decode
             if decode_form:
                 steps, used, finished = self._decode_call(sched, plan)
             else:
@@ -528,7 +321,7 @@ class Engine:
                 progress(generated)
         wall = time.perf_counter() - start
         for rid, a in self._active.items():
-            req, res = sched.requests.pop(rid), a.result  # finished: the scheduler forgets it (vLLM does)
+            req, res = sched.forget(rid), a.result  # finished: the scheduler forgets it (vLLM does)
             res.output, res.preemptions = list(req.output), req.num_preemptions
             res.finish_reason = res.finish_reason or req.finish_reason
             if res.stop_reason is None and req.finish_reason == "stop" and (
@@ -540,7 +333,7 @@ class Engine:
             host_blocks=host.num_slots, host_memory_kind=host.memory_kind,
             host_hit_tokens=sched.host_hit_tokens - host_hits,
             host_bytes_stored=host.bytes_stored - stored, host_bytes_loaded=host.bytes_loaded - loaded,
-            host_blocks_in_use=int(sched.host.valid.sum()))
+            host_blocks_in_use=sched.host_blocks_in_use())
         return EngineRun(results, stats.summary(results, sched.num_preemptions - preemptions, wall, tier))
 
     def _stop_strings(self, sched: Scheduler, plan: StepPlan, finished: list[str]) -> list[str]:
@@ -550,12 +343,11 @@ class Engine:
         ended = []
         for rid, do in zip(plan.req_ids, plan.sample):
             a = self._active[rid]
-            req = sched.requests[rid]
-            if not do or not a.params.stop or (rid in finished and req.finish_reason == "stop"):
+            if not do or not a.params.stop or (rid in finished and sched.finish_reason(rid) == "stop"):
                 continue
             # One token came since the last check (a request with stop strings decodes one step
             # per device call), so the new characters start where the last check's text ended.
-            text = self.tokenizer.decode(req.output)
+            text = self.tokenizer.decode(sched.output(rid))
             start, a.text_chars = a.text_chars, len(text)
             hits = [(at, s) for s in a.params.stop if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if not hits:
@@ -575,7 +367,7 @@ class Engine:
         for rid, row in zip(plan.req_ids, rows):
             a = self._active[rid]
             params[row], keys[row], prompts[row] = a.params, a.key, a.prompt
-            outputs[row] = self.scheduler.requests[rid].output
+            outputs[row] = self.scheduler.output(rid)
         return sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
 
     def _plan_logprobs(self, plan: StepPlan) -> int:
@@ -599,7 +391,7 @@ class Engine:
         total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
         rows = [self._rows[r] for r in plan.req_ids]
-        width = pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), sched.max_blocks)
+        width = pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), plan.block_tables.shape[1])
         tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
                             block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
@@ -607,7 +399,7 @@ class Engine:
         tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
         positions = np.zeros(cfg.max_num_seqs, np.int32)
         positions[rows] = plan.seq_lens  # the index each sampled token takes
-        sampled, self.cache = _ragged_step(self.model, self.params, self.cache, tokens, md,
+        sampled, self.cache = device.ragged_step(self.model, self.params, self.cache, tokens, md,
                                            self._sampling_rows(plan, rows), positions,
                                            num_logprobs=self._plan_logprobs(plan))
         sampled = jax.device_get(sampled)
@@ -624,44 +416,25 @@ class Engine:
         one = plan.preempted or any(self._active[r].params.stop for r in plan.req_ids)
         max_steps = 1 if one else k
         width = pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
-                             sched.max_blocks)
+                            plan.block_tables.shape[1])
         rows = [self._rows[r] for r in plan.req_ids]
-        slots = np.full(b, -1, np.int32)
-        tokens, computed, remaining = (np.zeros(b, np.int32) for _ in range(3))
-        width_stop = pow2_bucket(max(len(self._active[r].stop_ids) for r in plan.req_ids))
-        stop_ids = np.full((b, width_stop), -1, np.int32)
-        for i, (rid, row) in enumerate(zip(plan.req_ids, rows)):
-            req, a = sched.requests[rid], self._active[rid]
-            slots[row], tokens[row], computed[row] = plan.slots[i], plan.token_ids[i], plan.seq_lens[i] - 1
-            remaining[row] = req.max_new_tokens - len(req.output)
-            stop_ids[row, :len(a.stop_ids)] = a.stop_ids
-        # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).
-        state, self.cache, out, steps, used, refusal = _decode_loop(
-            self.model, self.params, sched.state, self.cache, slots, tokens, computed, remaining, stop_ids,
-            self._sampling_rows(plan, rows), np.int32(max_steps), num_steps=k, width=width,
-            num_logprobs=self._plan_logprobs(plan))
-        out, steps, used, refusal = jax.device_get((out, steps, used, refusal))  # one transfer
-        _raise_refusal(plan, rows, refusal)
+        tokens, computed = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        tokens[rows], computed[rows] = plan.token_ids, plan.seq_lens - 1
+        decode_rows, sampling_rows, num_logprobs = sched.decode_rows(plan, rows, b), self._sampling_rows(plan, rows), \
+            self._plan_logprobs(plan)
+
+        def run(pool):
+            # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).
+            pool, self.cache, out, steps, used, finish, refusal = device.decode_loop(
+                self.model, self.params, pool, self.cache, decode_rows, tokens, computed, sampling_rows,
+                np.int32(max_steps), num_steps=k, width=width, num_logprobs=num_logprobs)
+            out, steps, used, finish, refusal = jax.device_get((out, steps, used, finish, refusal))  # one transfer
+            device.raise_refusal(plan, rows, refusal)
+            return pool, out.tokens[:steps][:, rows], finish[rows], (out, int(steps), used)
+
+        finished, (out, steps, used) = sched.decode_steps(plan, run)
         for rid, row in zip(plan.req_ids, rows):
             self._record(rid, out, row, slice(0, steps))
-        finished = sched.apply_decode_steps(plan, out.tokens[:steps][:, rows], state)
-        return int(steps), [int(u) for u in used[:steps]], finished
+        return steps, [int(u) for u in used[:steps]], finished
 
 
-def _prefill_rows(sched: Scheduler, plan: StepPlan) -> list[int]:
-    """Plan rows that prefill (a prompt or a chunk of one, or a preempted request's recompute);
-    the other rows decode: they compute the one token sampled last."""
-    reqs = [sched.requests[rid] for rid in plan.req_ids]
-    return [i for i, r in enumerate(reqs)
-            if not r.output or plan.seq_lens[i] - plan.num_scheduled[i] < r.num_tokens - 1]
-
-
-def _raise_refusal(plan: StepPlan, rows: list[int], refusal) -> None:
-    """Raise SchedulerError if the device loop's pool refused a token or an allocation."""
-    append_refused, alloc_refused, need, num_free = refusal
-    for rid, row in zip(plan.req_ids, rows):
-        if append_refused[row]:
-            raise SchedulerError(f"the block pool refused request {rid!r}'s sampled token in the device loop")
-        if alloc_refused[row]:
-            raise SchedulerError(f"the block pool refused {int(need[row])} new block(s) for request {rid!r} in the "
-                                 f"device loop with {int(num_free)} free, although manager.step_fits said the step fit")

@@ -38,11 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.accounting.budget import cdiv, pow2_bucket
-from kvjax.core.kv_cache_interface import kv_dtype as lookup_kv_dtype
+from kvjax.config.engine import DEFAULT_BUDGET, EngineConfig, EngineError
 from kvjax.engine.arg_utils import (LLMError, check_engine_args, check_limits, eviction_policy, generation_defaults,
                                     read_scales, read_template, skip_layers)
-from kvjax.engine.core import DEFAULT_BUDGET, Engine, EngineConfig, EngineError, RequestResult
-from kvjax.engine.outputs import GenerateOutputs, Logprob, prompt_logprobs, request_output
+from kvjax.engine.core import Engine
+from kvjax.engine.outputs import GenerateOutputs, Logprob, RequestResult, prompt_logprobs, request_output
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import INT32_MAX, check_int
 from kvjax.evaluation.scoring import sequence_logits
@@ -116,7 +116,7 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         spec = loaded.config.kv_spec(kv_dtype, skip_layers=skip_layers(kv_cache_dtype_skip_layers))
-        self.kv_spec = spec.replace(model_dtype=lookup_kv_dtype(kv_skip_dtype).name) if kv_skip_dtype else spec
+        self.kv_spec = spec.replace(model_dtype=kv_skip_dtype) if kv_skip_dtype else spec  # KVSpec normalises it
         self.scales = scales = read_scales(scales, self.kv_spec.kv_dtype)
         model_len = loaded.config.max_position_embeddings
         check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, model_len)

@@ -7,8 +7,9 @@ log-probability is a `Logprob` (vLLM's `vllm/logprobs.py`), reported per token a
 {token id: Logprob}: the chosen token first, then the k most likely. `GenerateOutputs` is the
 list of one call's RequestOutputs, with the call's run summary.
 
-`request_output` builds a RequestOutput from the engine's results (kvjax.engine.core's
-RequestResult, one per sample) and `prompt_logprobs` its prompt_logprobs from teacher-forced
+The engine's own results come first: `RequestResult` (one generated sequence, one per sample,
+with its `TokenLogprobs`) and `EngineRun` (one generate call's results and summary).
+`request_output` builds a RequestOutput from the engine's RequestResults and `prompt_logprobs` its prompt_logprobs from teacher-forced
 log-probabilities: the only code that builds these types.
 """
 from __future__ import annotations
@@ -19,8 +20,43 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvjax.engine.core import RequestResult
     from kvjax.engine.stats import Summary
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """The log-probabilities reported for one generated token (SamplingParams.logprobs = J)."""
+
+    logprob: float  # the chosen token's raw log-probability
+    rank: int  # its rank in the vocabulary (1 = most likely)
+    top_ids: list[int]  # the J most likely tokens, most likely first
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """One generated sequence: sample `sample` (of SamplingParams.n) of prompt `index`."""
+
+    index: int  # position of its prompt in the prompts passed to generate
+    sample: int  # which of the prompt's n samples, 0 .. n-1
+    request_id: str  # the scheduler's id, unique over the engine's lifetime
+    prompt_tokens: int
+    output: list[int]  # generated token ids (a stop token included)
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
+    error: str | None = None  # why this request was refused; None if it ran
+    finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
+    text: str | None = None  # the output's text (with a tokenizer and detokenize), cut at a stop string
+    preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
+    ttft_s: float | None = None  # seconds from the start of generate to this request's first token
+    last_token_s: float | None = None  # seconds from the start of generate to its last token
+
+
+@dataclasses.dataclass
+class EngineRun:
+    results: list[RequestResult]  # prompt by prompt, each prompt's n samples in order
+    summary: Summary
 
 
 @dataclasses.dataclass

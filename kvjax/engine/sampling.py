@@ -47,12 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import KvjaxError
+from kvjax.errors import MAX_SEED, KvjaxError
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
-MAX_SEED = 2**32 - 1  # jax.random.key(seed) keeps 32 bits
 INT32_MAX = 2**31 - 1  # token ids and counts are int32 on the device
 
 # vLLM SamplingParams fields that kvjax does not implement: refused by name, with the reason.

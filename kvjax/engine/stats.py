@@ -88,18 +88,17 @@ class RunStats:
         self._compile_start = self._compile_mark = COMPILE_S[0]
 
     def used(self, sched) -> int:
-        return self.usable - int(sched.state.pool.num_free)
+        return self.usable - sched.num_free_blocks()
 
-    def admissions(self, sched, plan, running: set[str], results: dict) -> list[int]:
-        """Rows of requests admitted by this plan; records their prefix-cache lookups in
-        results[request id]."""
-        rows = [i for i, r in enumerate(plan.req_ids) if r not in running]
+    def admissions(self, plan, results: dict) -> list[int]:
+        """Rows of requests admitted by this plan (a kvjax.core.sched.output.StepPlan); records
+        their prefix-cache lookups in results[request id]."""
+        rows = [int(i) for i in np.flatnonzero(plan.admitted)]
         for i in rows:
-            req = sched.requests[plan.req_ids[i]]
             hit = int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
-            self.queried += req.num_tokens
+            self.queried += int(plan.num_tokens[i])
             self.hits += hit
-            if req.num_preemptions == 0:  # vLLM's num_cached_tokens: the hit when first scheduled
+            if plan.num_preemptions[i] == 0:  # vLLM's num_cached_tokens: the hit when first scheduled
                 results[plan.req_ids[i]].num_cached_tokens = hit
         return rows
 

@@ -32,14 +32,13 @@ built-in byte-level ones) adds:
 
 Memory: windows are the outer loop and variants the inner one; each variant's batch is compared
 with the baseline's at once and only per-position sums are kept (kvjax.evaluation.metrics), so
-no variant's full distributions outlive its batch. `kvjax accuracy` and
-experiments/fp8_accuracy.py run this and render the results.
+no variant's full distributions outlive its batch. `kvjax accuracy` (kvjax.commands.accuracy)
+runs this and renders the results; nothing here renders.
 
 This is the API layer: it loads models through `models/` (lazily), as kvjax.engine.llm does.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Callable
@@ -53,9 +52,8 @@ from kvjax.engine.llm import LLM
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import KvjaxError
 from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
-from kvjax.evaluation.metrics import BUCKETS, ChunkedScorer, Tally, compare
-from kvjax.evaluation.scoring import windows
-from kvjax.markdown import markdown_table
+from kvjax.evaluation.metrics import BUCKETS, Tally, compare
+from kvjax.evaluation.scoring import ChunkedScorer, windows
 from kvjax.quant.calibration import calibrate
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
@@ -301,85 +299,3 @@ def _score_long(loaded, vlist: list[dict], scales_for, long_set: np.ndarray, chu
     return dict(windows=int(len(long_set)), seq_len=seq_len, chunk=chunk,
                 scored_tokens=int(len(long_set) * (seq_len - 1)),
                 variants={name: dict(tl.overall(), buckets=tl.buckets()) for name, tl in tallies.items()})
-
-
-def markdown(res: dict) -> str:
-    """The results as markdown: a one-line header saying what was measured, the variant table,
-    and (when measured) KL by context position, layer sensitivity and the outlier map."""
-    head = (f"**{res['model']}**{' with inflated K channels ×' + str(res['outlier_factor']) if res['outlier_channels'] else ''}: "
-            f"{res['scored_tokens']:,} held-out tokens ({res['windows']} windows of {res['seq_len']}), "
-            f"{res['prompts']} greedy prompts × {res['decode_tokens']} tokens; {res['machine']}.\n\n")
-    rows = markdown_table(
-        ["KV variant", "bytes/token", "perplexity", "KL(bf16‖variant)", "top-1 agree", "greedy tokens to divergence"],
-        [[r["variant"], f"{r['bytes_per_token']:,}", f"{r['perplexity']:.4f}", f"{r['kl_vs_bf16']:.2e}",
-          f"{100 * r['top1_agreement']:.2f}%", f"{r['greedy_tokens_until_divergence']:.1f} / {res['decode_tokens']}"]
-         for r in res["results"]], align="lrrrrr")
-    out = head + "\n".join(rows) + "\n"
-    if "long" in res:
-        out += "\n" + _positions_markdown(res)
-    if "sensitivity" in res or "outliers" in res:
-        out += "\n" + _layers_markdown(res)
-    return out
-
-
-def _bucket_name(b: dict) -> str:
-    k = lambda x: f"{x // 1024}K" if x >= 2048 and x % 1024 == 0 else str(x)  # noqa: E731
-    return f"{k(b['start'])}–{k(b['end'])}"
-
-
-def _positions_markdown(res: dict) -> str:
-    long = res["long"]
-    edges = [(BUCKETS[i], BUCKETS[i + 1]) for i in range(len(BUCKETS) - 1)]
-    names = ["window", "variant"] + [_bucket_name(dict(start=a, end=b)) for a, b in edges] + ["all"]
-    caption = (f"KL(bf16‖variant) by context position (the predicting token's position); top-1 agreement in "
-               f"parentheses. Long: {long['windows']} windows of {long['seq_len']:,} tokens prefilled "
-               f"{long['chunk']:,} at a time ({long['scored_tokens']:,} positions); short: the table's windows.\n")
-    rows = []
-
-    def row(label, name, buckets, overall):
-        got = {(b["start"], b["end"]): b for b in buckets}
-        cells = [f"{got[e]['kl_vs_bf16']:.2e} ({100 * got[e]['top1_agreement']:.1f}%)" if e in got else "–"
-                 for e in edges]
-        return [label, name, *cells, f"{overall:.2e}"]
-
-    for name, v in long["variants"].items():
-        if name != "bf16":
-            rows.append(row(f"{long['seq_len']:,}", name, v["buckets"], v["kl_vs_bf16"]))
-    by = {r["variant"]: r for r in res["results"]}
-    for name, buckets in res["positions"]["variants"].items():
-        if name != "bf16":
-            rows.append(row(f"{res['seq_len']}", name, buckets, by[name]["kl_vs_bf16"]))
-    ppl = " / ".join(f"{_bucket_name(b)}: {b['perplexity']:.2f}" for b in long["variants"]["bf16"]["buckets"])
-    table = markdown_table(names, rows, align="ll" + "r" * (len(edges) + 1))
-    return "\n".join([caption, *table]) + f"\n\nbf16 perplexity by position (long windows): {ppl}.\n"
-
-
-def _layers_markdown(res: dict) -> str:
-    sens, outl = res.get("sensitivity"), res.get("outliers")
-    parts = []
-    if sens:
-        skips = ", ".join(map(str, sens["skip_sets"]))
-        parts.append(f"Layer sensitivity: KL(bf16‖only layer i in {sens['variant']}) on {sens['windows']} "
-                     f"calibration windows of {sens['seq_len']}; skip variants keep layers {skips} in bf16.")
-    if outl:
-        sat = outl["saturated_layers"]
-        parts.append(f"Outlier map on {outl['tokens']:,} calibration tokens: max |K|, max |V| over kv heads, and the "
-                     f"largest channel's amax over the median channel's (max over heads). Layers where unit-scale "
-                     f"{outl['format']} saturates (|K| or |V| > {outl['format_max']:g}): "
-                     f"{', '.join(map(str, sat)) if sat else 'none'}.")
-    cols = (["sensitivity KL", "top-1 agree"] if sens else []) + \
-        (["max abs K", "max abs V", "K channel ratio", "V channel ratio"] if outl else [])
-    rows = []
-    num_layers = len(sens["layers"]) if sens else len(outl["k_amax"])
-    for i in range(num_layers):
-        cells = []
-        if sens:
-            r = sens["layers"][i]
-            cells += [f"{r['kl_vs_bf16']:.2e}", f"{100 * r['top1_agreement']:.2f}%"]
-        if outl:
-            cells += [f"{max(outl['k_amax'][i]):.1f}", f"{max(outl['v_amax'][i], default=math.nan):.2f}",
-                      f"{max(outl['k_channel_ratio'][i]):.1f}",
-                      f"{max(outl['v_channel_ratio'][i], default=math.nan):.1f}"]
-        rows.append([i, *cells])
-    table = markdown_table(["layer", *cols], rows, align="r" * (len(cols) + 1))
-    return " ".join(parts) + "\n\n" + "\n".join(table) + "\n"

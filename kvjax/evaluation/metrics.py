@@ -1,5 +1,5 @@
 """Streaming accuracy metrics: compare a variant's next-token distributions with the baseline's
-one batch (or one chunk) at a time, and score long windows chunk by chunk.
+one batch (or one chunk of `kvjax.evaluation.scoring.ChunkedScorer`) at a time.
 
 A real LLM's distributions are too big to keep: SmolLM2's vocabulary is 49,152, so the
 log-probs of 16K scored tokens are 3.2 GB per variant, and one 8,192-token window's are 1.6
@@ -7,30 +7,15 @@ GB. kvjax.evaluation.accuracy therefore loops windows outer and variants inner: 
 scored by the baseline and then by every variant, and `compare` reduces each pair to three
 numbers per position (KL, top-1 agreement, NLL) that a `Tally` adds up, overall and per
 position bucket. Nothing holds more than two batches' distributions at a time.
-
-`ChunkedScorer` scores one long window the way vLLM's chunked prefill serves it: chunk after
-chunk, each chunk's K/V written into the paged cache (in the variant's dtype and scales) and
-its queries attending to every position cached so far, read back from the pages. A one-step
-prefill of 8,192 tokens would make the reference attention hold B × Q × N × S f32 scores per
-layer (9 heads × 8192² × 4 B = 2.4 GB for SmolLM2, and several such temporaries); a chunk of C
-queries holds C / S of that. Chunk c's block table covers only the (c + 1) × C positions it
-can see, so the chunks together do about half the attention work of a full-width table
-(causal), at the price of one compilation per chunk shape.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from kvjax.accounting.budget import cdiv
-from kvjax.errors import KvjaxError
-from kvjax.evaluation.scoring import prefill_layout
-from kvjax.worker.paged_cache import PagedCache
 
 BUCKETS = (0, 128, 512, 2048, 8192)  # position bucket edges: [0, 128), [128, 512), [512, 2K), [2K, 8K)
 
@@ -89,50 +74,3 @@ class Tally:
                      top1_agreement=float(self.top1[b] / self.count[b]),
                      perplexity=math.exp(self.nll[b] / self.count[b]))
                 for b in range(len(self.count)) if self.count[b]]
-
-
-def chunk_layouts(seq_len: int, chunk: int, block_size: int) -> tuple[list, int]:
-    """([(start, metadata)] per chunk, num_blocks) for prefilling one sequence of seq_len tokens
-    chunk tokens at a time into blocks 1..cdiv(seq_len, Z) (block 0 null). Chunk c's block table
-    covers positions < its own end only: what it may attend to."""
-    if chunk <= 0 or seq_len <= 0:
-        raise KvjaxError(f"seq_len {seq_len} and chunk {chunk} must be positive")
-    layouts = [(start, prefill_layout(min(start + chunk, seq_len), block_size, start)[0])
-               for start in range(0, seq_len, chunk)]
-    return layouts, cdiv(seq_len, block_size) + 1
-
-
-class ChunkedScorer:
-    """Teacher-forced log-probs of one long window through an LLM's KV format (its dtype, scales,
-    skipped layers, block size), prefilled chunk by chunk into one paged cache (module docstring).
-
-        scorer = ChunkedScorer(llm, seq_len=8192, chunk=2048)
-        for start, logp in scorer.chunks(window):   # logp f32[C, V]: log p(next | tokens ≤ start + j)
-            ...
-    """
-
-    def __init__(self, llm, seq_len: int, chunk: int):
-        if seq_len > llm.config.max_position_embeddings:
-            raise KvjaxError(f"windows of {seq_len} tokens exceed the model's max_position_embeddings "
-                             f"{llm.config.max_position_embeddings}")
-        self.llm, self.seq_len = llm, seq_len
-        self.layouts, self.num_blocks = chunk_layouts(seq_len, chunk, llm.block_size)
-        module = llm.model.module
-
-        def step(params, tokens, md, cache):  # i32[C] → (f32[C, V], cache)
-            logits, cache = module.apply({"params": params}, tokens, md, cache)
-            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache
-
-        self._step = jax.jit(step, donate_argnums=(3,))
-
-    def chunks(self, window) -> Iterator[tuple[int, jax.Array]]:
-        """(start, log-probs f32[C, V]) of window i32[S] (S = seq_len), chunk after chunk."""
-        window = np.asarray(window)
-        if window.shape != (self.seq_len,):
-            raise ValueError(f"a window must be i32[{self.seq_len}], got {window.shape}")
-        llm = self.llm
-        cache = PagedCache.create(llm.kv_spec, self.num_blocks, llm.block_size, llm.scales)
-        for start, md in self.layouts:
-            n = md.num_tokens
-            logp, cache = self._step(llm.model.params, jnp.asarray(window[start:start + n], jnp.int32), md, cache)
-            yield start, logp

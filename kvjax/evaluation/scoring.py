@@ -1,13 +1,27 @@
-"""Teacher-forced scoring through the paged cache: full-sequence logits, and what calibration reads.
+"""Teacher-forced scoring through the paged cache: a batch of windows prefilled at once, or one
+long window chunk by chunk, each through `kvjax.worker.model_runner.forward`.
 
-Each sequence of a [B, S] batch is one prefill step over its own fresh cache (block table
-1..S/Z, block 0 null), vmapped over B. Every query therefore attends to keys and values read
-back from the cache, stored in the cache's dtype, exactly as a served prefill does (vLLM V1
-writes K/V with `reshape_and_cache_flash` first and attention then reads the cache), so fp8 KV
-changes these logits the same way it changes a served model's. The metadata and the block
-tables are the same for every row, only tokens (and so the pages) differ.
+`prefill` gives both halves of one pass, the logits and the caches it wrote; `sequence_logits`
+and `prefill_caches` (what calibration reads) are its two halves. Each sequence of a [B, S]
+batch is one prefill step over its own fresh cache (block table 1..S/Z, block 0 null), vmapped
+over B. Every query therefore attends to keys and values read back from the cache, stored in
+the cache's dtype, exactly as a served prefill does (vLLM V1 writes K/V with
+`reshape_and_cache_flash` first and attention then reads the cache), so fp8 KV changes these
+logits the same way it changes a served model's. The metadata and the block tables are the
+same for every row, only tokens (and so the pages) differ.
+
+`ChunkedScorer` scores one long window the way vLLM's chunked prefill serves it: chunk after
+chunk, each chunk's K/V written into the paged cache (in the variant's dtype and scales) and
+its queries attending to every position cached so far, read back from the pages. A one-step
+prefill of 8,192 tokens would make the reference attention hold B × Q × N × S f32 scores per
+layer (9 heads × 8192² × 4 B = 2.4 GB for SmolLM2, and several such temporaries); a chunk of C
+queries holds C / S of that. Chunk c's block table covers only the (c + 1) × C positions it
+can see, so the chunks together do about half the attention work of a full-width table
+(causal), at the price of one compilation per chunk shape.
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +31,7 @@ from kvjax.accounting.budget import cdiv
 from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError
+from kvjax.worker.model_runner import forward
 from kvjax.worker.paged_cache import PagedCache
 
 
@@ -37,9 +52,9 @@ def prefill_layout(seq_len: int, block_size: int, start: int = 0):
     return md, blocks + 1
 
 
-def sequence_logits(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16,
-                    make_cache=None) -> jax.Array:
-    """tokens i32[B, S] → logits f32[B, S, V], each row prefilled alone through a paged cache.
+def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16, make_cache=None):
+    """tokens i32[B, S] → (logits f32[B, S, V], caches), each row prefilled alone into its own
+    paged cache; the caches come back stacked (every page array gains a leading B axis).
 
     make_cache(num_blocks, block_size) builds the empty cache (default: `PagedCache.create` of
     kv_spec); the fp8 experiments pass one that carries calibrated scales.
@@ -48,11 +63,22 @@ def sequence_logits(model, params, tokens: jax.Array, kv_spec: KVSpec, block_siz
     make_cache = make_cache or (lambda n, z: PagedCache.create(kv_spec, n, z))
     cache = make_cache(num_blocks, block_size)
 
-    def one(row):  # i32[S] → f32[S, V]
-        logits, _ = model.apply({"params": params}, row, md, cache)
-        return logits
+    def one(row):  # i32[S] → (f32[S, V], the row's cache)
+        return forward(model, params, row, md, cache)
 
     return jax.vmap(one)(tokens)
+
+
+def sequence_logits(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16,
+                    make_cache=None) -> jax.Array:
+    """tokens i32[B, S] → logits f32[B, S, V]: `prefill`'s logits."""
+    return prefill(model, params, tokens, kv_spec, block_size, make_cache)[0]
+
+
+def prefill_caches(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16):
+    """`prefill`'s stacked caches of tokens i32[B, S], one fresh cache of kv_spec per row: the K/V
+    the model writes, which calibration (kvjax.quant.calibration) and the outlier map observe."""
+    return prefill(model, params, tokens, kv_spec, block_size)[1]
 
 
 def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -61,32 +87,49 @@ def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def prefill_caches(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16):
-    """Prefill every row of tokens i32[B, S] into its own cache; the caches come back stacked
-    (every page array gains a leading B axis). Used to observe the K/V a model writes."""
-    md, num_blocks = prefill_layout(tokens.shape[1], block_size)
-    cache = PagedCache.create(kv_spec, num_blocks, block_size)
+def chunk_layouts(seq_len: int, chunk: int, block_size: int) -> tuple[list, int]:
+    """([(start, metadata)] per chunk, num_blocks) for prefilling one sequence of seq_len tokens
+    chunk tokens at a time into blocks 1..cdiv(seq_len, Z) (block 0 null). Chunk c's block table
+    covers positions < its own end only: what it may attend to."""
+    if chunk <= 0 or seq_len <= 0:
+        raise KvjaxError(f"seq_len {seq_len} and chunk {chunk} must be positive")
+    layouts = [(start, prefill_layout(min(start + chunk, seq_len), block_size, start)[0])
+               for start in range(0, seq_len, chunk)]
+    return layouts, cdiv(seq_len, block_size) + 1
 
-    def one(row):
-        return model.apply({"params": params}, row, md, cache)[1]
 
-    return jax.vmap(one)(tokens)
+class ChunkedScorer:
+    """Teacher-forced log-probs of one long window through an LLM's KV format (its dtype, scales,
+    skipped layers, block size), prefilled chunk by chunk into one paged cache (module docstring).
 
-
-def cache_amax(caches) -> tuple[list, list]:
-    """Calibration statistics of stacked caches from `prefill_caches`: per layer max |K| and
-    max |V| per kv head (f32[K] each), or for MLA max |latent| per channel (f32[C], V empty).
-
-    Only real blocks count: block 0 (the null block, never written by a full prefill) is
-    excluded, and every other slot of a prefill layout holds a written token or zeros, which
-    cannot raise a max of absolute values.
+        scorer = ChunkedScorer(llm, seq_len=8192, chunk=2048)
+        for start, logp in scorer.chunks(window):   # logp f32[C, V]: log p(next | tokens ≤ start + j)
+            ...
     """
-    amax_k, amax_v = [], []
-    for layer in caches.layers:
-        if hasattr(layer, "latent"):
-            lat = jnp.abs(layer.latent[:, 1:].astype(jnp.float32))  # [B, P-1, Z, C]
-            amax_k.append(jnp.max(lat, axis=(0, 1, 2)))
-        else:
-            amax_k.append(jnp.max(jnp.abs(layer.k[:, 1:].astype(jnp.float32)), axis=(0, 1, 2, 4)))  # f32[K]
-            amax_v.append(jnp.max(jnp.abs(layer.v[:, 1:].astype(jnp.float32)), axis=(0, 1, 2, 4)))
-    return amax_k, amax_v
+
+    def __init__(self, llm, seq_len: int, chunk: int):
+        if seq_len > llm.config.max_position_embeddings:
+            raise KvjaxError(f"windows of {seq_len} tokens exceed the model's max_position_embeddings "
+                             f"{llm.config.max_position_embeddings}")
+        self.llm, self.seq_len = llm, seq_len
+        self.layouts, self.num_blocks = chunk_layouts(seq_len, chunk, llm.block_size)
+        module = llm.model.module
+
+        # The log-softmax runs inside the same jit as the step, as it does in LLM.score_windows.
+        def step(params, tokens, md, cache):  # i32[C] → (f32[C, V], cache)
+            logits, cache = forward(module, params, tokens, md, cache)
+            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache
+
+        self._step = jax.jit(step, donate_argnums=(3,))
+
+    def chunks(self, window) -> Iterator[tuple[int, jax.Array]]:
+        """(start, log-probs f32[C, V]) of window i32[S] (S = seq_len), chunk after chunk."""
+        window = np.asarray(window)
+        if window.shape != (self.seq_len,):
+            raise ValueError(f"a window must be i32[{self.seq_len}], got {window.shape}")
+        llm = self.llm
+        cache = PagedCache.create(llm.kv_spec, self.num_blocks, llm.block_size, llm.scales)
+        for start, md in self.layouts:
+            n = md.num_tokens
+            logp, cache = self._step(llm.model.params, jnp.asarray(window[start:start + n], jnp.int32), md, cache)
+            yield start, logp

@@ -6,7 +6,7 @@ calibrated checkpoint), which is fine while |x| ≤ the format's max and silentl
 with a bare cast, turns into NaN/inf) beyond it. Calibration measures amax over data and sets
 scale = amax / format max, so the largest observed value lands exactly on the format's max.
 
-Formats (max finite magnitude):
+Formats (max finite magnitude; the table is kvjax.quant.kv_formats's, `FORMATS` its quantized rows):
     fp8_e4m3  float8_e4m3fn   448     (no inf; a bare cast of 470 or inf gives NaN)
     fp8_e5m2  float8_e5m2     57344   (a bare cast of ≥ 61440 gives inf)
     int8      int8            127     (int8_per_token_head: scale per token per kv head,
@@ -32,35 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.errors import InputFileError, KvjaxError, json_type, read_json_object, write_json
+from kvjax.quant.kv_formats import FP8_FORMATS, KVFormat, kv_formats
 
-
-@dataclasses.dataclass(frozen=True)
-class QuantFormat:
-    name: str
-    dtype: Any  # the narrow storage dtype
-    max: float  # largest finite magnitude
-
-    @property
-    def integer(self) -> bool:
-        return jnp.issubdtype(self.dtype, jnp.integer)
-
-
-FORMATS = {
-    "fp8_e4m3": QuantFormat("fp8_e4m3", jnp.float8_e4m3fn, float(jnp.finfo(jnp.float8_e4m3fn).max)),
-    "fp8_e5m2": QuantFormat("fp8_e5m2", jnp.float8_e5m2, float(jnp.finfo(jnp.float8_e5m2).max)),
-    "int8_per_token_head": QuantFormat("int8_per_token_head", jnp.int8, 127.0),
-}
+# The quantized formats with a page format (kvjax.quant.kv_formats's table: storage dtype, max, scale kind).
+FORMATS: dict[str, KVFormat] = {f.name: f for f in kv_formats("static", "per_token")}
 SCALE_MODES = ("unit", "per_tensor", "per_head")
 
 
-def quant_format(name: str) -> QuantFormat:
-    key = "fp8_e4m3" if name == "fp8" else name
-    if key not in FORMATS:
-        raise KvjaxError(f"kv dtype {name!r} is not a quantized format; choose one of fp8, {', '.join(FORMATS)}")
-    return FORMATS[key]
-
-
-def saturating_cast(x, fmt: QuantFormat):
+def saturating_cast(x, fmt: KVFormat):
     """Cast f32 → the narrow format, clipping to ±max first (a bare fp8 cast does not saturate).
 
     NaN stays NaN (it must stay visible; callers count non-finite inputs), ±inf becomes ±max.
@@ -72,7 +51,7 @@ def saturating_cast(x, fmt: QuantFormat):
     return jnp.clip(x, -fmt.max, fmt.max).astype(fmt.dtype)
 
 
-def quantize(x, scale, fmt: QuantFormat):
+def quantize(x, scale, fmt: KVFormat):
     """q = saturate(x / scale); scale broadcasts against x (e.g. f32[K, 1] against [.., K, H])."""
     return saturating_cast(x.astype(jnp.float32) / scale, fmt)
 
@@ -87,7 +66,7 @@ def count_nonfinite(x) -> jax.Array:
     return jnp.sum(~jnp.isfinite(x.astype(jnp.float32))).astype(jnp.int32)
 
 
-def scale_from_amax(amax, fmt: QuantFormat):
+def scale_from_amax(amax, fmt: KVFormat):
     """scale = amax / max, so the largest observed magnitude maps to the format's max.
 
     An all-zero channel (amax 0) gets scale 1.0: any scale represents zeros exactly, and a zero
@@ -97,7 +76,7 @@ def scale_from_amax(amax, fmt: QuantFormat):
     return jnp.where(amax > 0, amax / fmt.max, 1.0).astype(jnp.float32)
 
 
-def quantize_per_token_head(x, fmt: QuantFormat = FORMATS["int8_per_token_head"]):
+def quantize_per_token_head(x, fmt: KVFormat = FORMATS["int8_per_token_head"]):
     """Symmetric per-vector quantization: x [.., H] → (q [.., H], scale f32[..]), scale = amax/max."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
@@ -176,7 +155,6 @@ class KVScales:
             raise KvjaxError(f"the scales are for {self.format} but the kv cache dtype is {kv_dtype}")
 
 
-FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -200,7 +178,7 @@ def _layer_vectors(value, key: str, bad, positive: bool) -> tuple[np.ndarray, ..
     return tuple(out)
 
 
-def scales_from_amax(amax_k, amax_v, fmt: QuantFormat, mode: str, mla_rank: int | None = None) -> KVScales:
+def scales_from_amax(amax_k, amax_v, fmt: KVFormat, mode: str, mla_rank: int | None = None) -> KVScales:
     """Turn per-layer per-head amax (or, for MLA, per-channel amax f32[C]) into scales for `mode`.
 
     per_tensor takes the max over heads and broadcasts it back to every head; unit ignores the

@@ -50,6 +50,7 @@ from flax import struct
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError
 from kvjax.quant import formats as quant
+from kvjax.quant.kv_formats import KVFormat, stored_as
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 
@@ -123,19 +124,20 @@ class PagedCache:
         layers = []
         for i in range(spec.num_layers):
             kv = spec.layer_dtype(i)
-            if kv.name == "nvfp4":
-                raise CacheError(f"kv dtype 'nvfp4' (layer {i}) is accounted for by kvjax.core.kv_cache_interface but has no page "
-                                 "format here (it needs per-16-element fp8 scales)")
-            dtype = jnp.dtype(quant.quant_format(kv.name).dtype if kv.quantized else kv.jnp_name)
+            if not kv.storage:
+                raise CacheError(f"kv dtype {kv.name!r} (layer {i}) is accounted for by "
+                                 "kvjax.core.kv_cache_interface but has no page format here (it needs "
+                                 "per-16-element fp8 scales)")
+            dtype = kv.dtype
             zero = jnp.zeros((), jnp.int32)  # one buffer per layer: the jitted step donates each
             if spec.kind == "mla":
                 shape = (num_blocks, block_size, spec.head_dim)
-                layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv.name, shape, scales, "k", i), zero))
+                layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv, shape, scales, "k", i), zero))
             else:
                 shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
                 layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                                      _layer_scale(kv.name, shape, scales, "k", i),
-                                      _layer_scale(kv.name, shape, scales, "v", i), zero))
+                                      _layer_scale(kv, shape, scales, "k", i),
+                                      _layer_scale(kv, shape, scales, "v", i), zero))
         return cls(tuple(layers), block_size)
 
     @property
@@ -180,7 +182,7 @@ class ContiguousCache:
             kv = spec.layer_dtype(i)
             if kv.quantized:
                 raise CacheError(f"the contiguous cache stores unquantized KV only; layer {i} is {kv.name}")
-            dtype = jnp.dtype(kv.jnp_name)
+            dtype = kv.dtype
             if spec.kind == "mla":
                 layers.append(ContiguousLatent(jnp.zeros((num_rows, max_len, spec.head_dim), dtype)))
             else:
@@ -197,12 +199,12 @@ class ContiguousCache:
         return jnp.zeros((), jnp.int32)  # unquantized: nothing is counted (as PagedCache's unquantized layers)
 
 
-def _layer_scale(kv_name: str, shape: tuple[int, ...], scales: quant.KVScales | None, which: str,
+def _layer_scale(kv: KVFormat, shape: tuple[int, ...], scales: quant.KVScales | None, which: str,
                  layer: int) -> jax.Array | None:
     """The scale array stored beside one layer's K (or V, or MLA latent) pages."""
-    if kv_name == "int8_per_token_head":
+    if kv.scale == "per_token":  # int8_per_token_head
         return jnp.ones(shape[:-1], jnp.float32)  # [P, Z, K] or [P, Z], written with each token
-    if kv_name not in ("fp8_e4m3", "fp8_e5m2"):
+    if kv.scale != "static":  # fp8 has one static scale per kv head
         return None  # fp32 / bf16 / fp16: stored as is
     width = shape[-2] if len(shape) == 4 else shape[-1]  # K heads, or C latent channels
     if scales is None:
@@ -264,10 +266,12 @@ def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_ma
     if scale is None:  # stored as is: a NaN or inf stays what it is, nothing to count
         return scatter_slots(page, values, slot_mapping), None, jnp.zeros((), jnp.int32)
     bad = quant.count_nonfinite(values)  # a cast would hide them: count every one
-    if page.dtype == jnp.int8:  # int8_per_token_head: a fresh scale per token per head
-        q, token_scale = quant.quantize_per_token_head(values)
+    # Each quantized format stores its own dtype, so the page names its format. (Not a static field of
+    # the pages: kvjax.worker.sharding rebuilds these pytrees field by field for their shardings.)
+    fmt = stored_as(page.dtype)
+    if fmt.scale == "per_token":  # int8_per_token_head: a fresh scale per token per head
+        q, token_scale = quant.quantize_per_token_head(values, fmt)
         return scatter_slots(page, q, slot_mapping), scatter_slots(scale, token_scale, slot_mapping), bad
-    fmt = quant.FORMATS["fp8_e4m3" if page.dtype == jnp.float8_e4m3fn else "fp8_e5m2"]
     static = scale[:, None] if page.ndim == 4 else scale  # per head [K, 1], or per channel [C]
     return scatter_slots(page, quant.quantize(values, static, fmt), slot_mapping), scale, bad
 

@@ -6,7 +6,8 @@ linear.py`: `QKVParallelLinear`, `ColumnParallelLinear`, `RowParallelLinear`;
 rather than as a rewritten model. The model code never mentions devices: the parameters and
 the paged cache are placed with `NamedSharding`s and the jitted step's partitioner (GSPMD)
 propagates them through the forward pass, inserting the one all-reduce each row-parallel
-projection needs.
+projection needs. That step is `kvjax.worker.model_runner.make_step(model, mesh, cache)`, which
+keeps the cache in the shardings `cache_shardings` gives.
 
     q/k/v projections, MLA q_b_proj / kv_b_proj, MLP gate/up   column parallel: split the output
                                                                 (head / intermediate) axis
@@ -240,21 +241,6 @@ def create_cache(layout: TPLayout, num_blocks: int, block_size: int, mesh: Mesh,
     spec, scales = layout.cache_spec, replicate_scales(scales, layout)
     make = lambda: PagedCache.create(spec, num_blocks, block_size, scales)  # noqa: E731
     return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), mesh))()
-
-
-def make_sharded_step(model, mesh: Mesh, cache: PagedCache):
-    """jit of (params, tokens i32[T], metadata, cache, logits_indices=None) → (logits, cache) that
-    keeps the cache in its shardings and donates it (like `models.make_step`); logits replicated.
-
-    `model` is any Flax module called as model.apply({"params": p}, tokens, md, cache, idx);
-    `cache` (arrays or ShapeDtypeStructs) fixes the cache's shardings.
-    """
-    out = (NamedSharding(mesh, P()), cache_shardings(cache, mesh))
-
-    def step(params, tokens, md, cache, logits_indices=None):
-        return model.apply({"params": params}, tokens, md, cache, logits_indices)
-
-    return jax.jit(step, out_shardings=out, donate_argnames="cache")
 
 
 def replicated(mesh: Mesh, tree: Any) -> Any:

@@ -18,8 +18,9 @@ import pytest
 
 from kvjax.accounting import budget as bud
 from kvjax.commands import main as cli
+from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
+from kvjax.core.sched.scheduler import Scheduler
 
 SPEC = KVSpec("gqa", 2, 4, 2, 16, kv_dtype="bf16")  # 256 B per token
 VOCAB = 100

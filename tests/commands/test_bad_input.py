@@ -722,7 +722,8 @@ def test_weights_that_cannot_fit_are_refused_before_any_is_made(small_host, caps
 
 def test_the_schedulers_tables_are_sized_from_their_shapes_and_checked(small_host):
     from kvjax.accounting.memory import WontFitError, tree_bytes
-    from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
+    from kvjax.config.scheduler import SchedulerConfig
+    from kvjax.core.sched.scheduler import Scheduler
 
     config = SchedulerConfig(num_blocks=300, block_size=16, max_num_seqs=4, max_model_len=1000, num_host_blocks=50,
                              host_policy="arc")

@@ -139,7 +139,7 @@ def test_preset_random_weights_runs_on_cpu(capsys):
     assert rc == 0, err
     report = json.loads(out)
     _check_exact(report)
-    assert report["model"] == "preset:tiny-mla" and report["kv_dtype"] == "fp8"
+    assert report["model"] == "preset:tiny-mla" and report["kv_dtype"] == "fp8_e4m3"
     assert report["total_bytes"] == bud.gib("0.004")
 
 

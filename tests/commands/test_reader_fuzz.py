@@ -717,7 +717,8 @@ def test_scheduler_sizes_are_checked_before_allocation(num_blocks, block_size, m
 
     from kvjax.accounting import memory
     from kvjax.accounting.memory import tree_bytes
-    from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
+    from kvjax.config.scheduler import SchedulerConfig
+    from kvjax.core.sched.scheduler import Scheduler
 
     with mock.patch.object(memory, "host_ram_bytes", lambda: 64 * 2**20):
         config = parse_or_refuse(lambda: SchedulerConfig(num_blocks=num_blocks, block_size=block_size,

@@ -17,9 +17,10 @@ import zlib
 import numpy as np
 import pytest
 
+from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
+from kvjax.core.sched.scheduler import Scheduler
 
 VOCAB = 50
 Z = 4

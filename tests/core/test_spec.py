@@ -5,8 +5,10 @@ from the code under test.
 """
 import pytest
 
+from kvjax.config.model import ModelConfig
 from kvjax.config.presets import preset
-from kvjax.core.kv_cache_interface import KVSpec, SpecError, kv_dtype
+from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
+from kvjax.quant.kv_formats import kv_format
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -63,7 +65,28 @@ def test_dtype_widths():
     assert spec.replace(kv_dtype="fp32").bytes_per_token == 2 * 2 * 2 * 64 * 4
     assert spec.replace(kv_dtype="fp16").bytes_per_token == 2 * 2 * 2 * 64 * 2
     assert spec.replace(kv_dtype="fp8_e5m2").bytes_per_token == 2 * 2 * 2 * 64
-    assert kv_dtype("fp8") == kv_dtype("fp8_e4m3")
+    assert kv_format("fp8") == kv_format("fp8_e4m3")
+
+
+def test_spec_stores_the_normalised_dtype_name():
+    """Any alias, any case, is stored once as the format's own name: readers never normalise."""
+    spec = KVSpec("gqa", 2, 8, 2, 64, kv_dtype="FP8", model_dtype="bfloat16")
+    assert (spec.kv_dtype, spec.model_dtype) == ("fp8_e4m3", "bf16")
+    assert spec == KVSpec("gqa", 2, 8, 2, 64, kv_dtype="fp8_e4m3")
+    assert spec.replace(kv_dtype="float16").kv_dtype == "fp16"
+    assert spec.replace(kv_dtype=kv_format("half")).kv_dtype == "fp16"
+    assert preset("llama-3-8b").kv_spec("fp8").kv_dtype == "fp8_e4m3"
+    assert preset("llama-3-8b").kv_spec().kv_dtype == preset("llama-3-8b").kv_spec().model_dtype
+    with pytest.raises(SpecError, match="unknown kv dtype 'fp6'"):
+        spec.replace(model_dtype="fp6")
+
+
+@pytest.mark.parametrize("heads, kv, kind", [(8, 8, "mha"), (8, 1, "mqa"), (8, 2, "gqa"), (1, 1, "mha")])
+def test_attention_kind_names_the_layout_for_the_spec_and_the_config(heads, kv, kind):
+    assert attention_kind(heads, kv) == kind
+    config = ModelConfig("llama", 32, 64, 128, 1, heads, kv, head_dim=8)
+    assert config.kv_spec().kind == kind
+    assert KVSpec("gqa", 1, heads * 2, kv * 2, 8).per_rank(2).kind == kind
 
 
 def test_nvfp4_bytes_are_exact():

@@ -14,9 +14,10 @@ import jax
 import numpy as np
 import pytest
 
+from kvjax.config.engine import EngineConfig
 from kvjax.config.presets import preset
 from kvjax.core import kv_cache_manager as manager
-from kvjax.engine.core import Engine, EngineConfig
+from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.models import build_model, init_params
 

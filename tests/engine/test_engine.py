@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 from engine_fixtures import MAX_LEN, Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401 (a fixture)
 
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
-from kvjax.engine.core import Engine, EngineConfig, EngineError
+from kvjax.config.engine import EngineConfig, EngineError
+from kvjax.config.scheduler import SchedulerConfig
+from kvjax.core.sched.scheduler import Scheduler
+from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.evaluation.scoring import sequence_logits
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 from hf_fixtures import make_hf_model, save_hf_model
 
-from kvjax.engine.core import Engine, EngineConfig
+from kvjax.config.engine import EngineConfig
+from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.models import build_model
 from kvjax.models.loader import load_checkpoint

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.evaluation.scoring import cache_amax, prefill_caches, sequence_logits
+from kvjax.evaluation.scoring import prefill_caches, sequence_logits
 from kvjax.experiments.train_small import HF_CONFIGS
 from kvjax.models import build_model, from_hf_config, init_params, preset
 from kvjax.models.loader import save_checkpoint
 from kvjax.models.stress import inflate_k_channels, rope_pairs
 from kvjax.models.tokenizer import Tokenizer as ModelTokenizer
+from kvjax.quant.calibration import cache_amax
 
 
 @pytest.mark.slow

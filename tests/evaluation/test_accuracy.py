@@ -9,7 +9,7 @@ must hold, and the full suite's pieces checked against numbers worked out here.
   buckets equal KL computed here in numpy from LLM.score.
 - Chunked prefill scoring equals one-step scoring (exactly for one chunk, to f32 rounding else).
 - Layer sensitivity ranks first the one layer whose K channels were inflated past 448.
-- The outlier map's amax equal kvjax.evaluation.scoring.cache_amax of the same prefill, and its channel
+- The outlier map's amax equal kvjax.quant.calibration.cache_amax of the same prefill, and its channel
   ratios the max over the median of per-channel amax computed here from the pages.
 """
 import jax
@@ -18,16 +18,17 @@ import numpy as np
 import pytest
 
 from kvjax import LLM
-from kvjax.commands.accuracy import write_outputs
+from kvjax.commands.accuracy import markdown, write_outputs
 from kvjax.evaluation import accuracy
 from kvjax.evaluation.layers import kv_outliers, most_sensitive
-from kvjax.evaluation.metrics import ChunkedScorer, Tally, chunk_layouts
-from kvjax.evaluation.scoring import cache_amax, prefill_caches
+from kvjax.evaluation.metrics import Tally
+from kvjax.evaluation.scoring import ChunkedScorer, chunk_layouts, prefill_caches
 from kvjax.experiments.train_small import HF_CONFIGS
 from kvjax.models import build_model, from_hf_config, init_params
 from kvjax.models.hub import load_model
 from kvjax.models.loader import save_checkpoint
 from kvjax.models.stress import rope_pairs
+from kvjax.quant.calibration import cache_amax
 
 HF = dict(HF_CONFIGS["gqa"], num_hidden_layers=3, hidden_size=64, intermediate_size=128, head_dim=16)
 HOT_LAYER = 1  # the layer whose K channels the "hot" checkpoint inflates
@@ -204,7 +205,7 @@ def test_full_suite(full_suite, tiny_checkpoint, tmp_path):
     assert res["long"]["variants"]["bf16"]["kl_vs_bf16"] == 0 and res["long"]["scored_tokens"] == 639
     assert res["positions"]["variants"]["fp32"][0]["tokens"] == 4 * 63  # short windows: all in bucket 0-128
 
-    md = accuracy.markdown(res)
+    md = markdown(res)
     assert "KL(bf16‖variant) by context position" in md and "Layer sensitivity" in md
     assert f"saturates (|K| or |V| > 448): {HOT_LAYER}." in md
     paths = write_outputs(res, str(tmp_path))

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 from engine_fixtures import Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401
 
+from kvjax.config.engine import EngineError
+from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.core.sched.scheduler import Scheduler, SchedulerConfig
-from kvjax.engine.core import EngineError
+from kvjax.core.sched.scheduler import Scheduler
 from kvjax.errors import KvjaxError
 from kvjax.experiments.offload_bench import chat_workload
 from kvjax.kv_offload import host_pages as offload

@@ -160,6 +160,6 @@ def test_config_keeps_explicit_head_dim_and_builds_kv_spec(tmp_path):
     assert config.head_dim == 24 and config.qk_norm and config.dtype == "bfloat16"
     spec = config.kv_spec("fp8")
     assert (spec.kind, spec.num_kv_heads, spec.head_dim, spec.kv_dtype, spec.model_dtype) == \
-        ("gqa", 2, 24, "fp8", "bf16")
+        ("gqa", 2, 24, "fp8_e4m3", "bf16")
     mla = from_hf_config(_deepseek_config(first_k_dense_replace=4)).kv_spec()
     assert (mla.kind, mla.head_dim, mla.kv_dtype) == ("mla", 24, "bf16")

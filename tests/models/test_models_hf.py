@@ -18,8 +18,9 @@ import pytest
 from hf_fixtures import CASES, hf_logits, make_hf_model, save_hf_model
 
 from kvjax.attention.metadata import build_metadata, decode_metadata
-from kvjax.models import build_model, init_params, make_step, preset
+from kvjax.models import build_model, init_params, preset
 from kvjax.models.loader import load_checkpoint
+from kvjax.worker.model_runner import make_step
 from kvjax.worker.paged_cache import PagedCache
 
 NUM_BLOCKS, BLOCK, MAX_BLOCKS = 48, 4, 8  # P, Z, M

@@ -8,15 +8,14 @@ import numpy as np
 import pytest
 
 from kvjax.quant import formats as quant
+from kvjax.quant.kv_formats import kv_format
 
 E4M3, E5M2, INT8 = quant.FORMATS["fp8_e4m3"], quant.FORMATS["fp8_e5m2"], quant.FORMATS["int8_per_token_head"]
 
 
 def test_format_maxima_are_the_published_ones():
     assert E4M3.max == 448.0 and E5M2.max == 57344.0 and INT8.max == 127.0
-    assert quant.quant_format("fp8") is E4M3
-    with pytest.raises(ValueError, match="'bf16' is not a quantized format"):
-        quant.quant_format("bf16")
+    assert kv_format("fp8") is E4M3 and set(quant.FORMATS) == {"fp8_e4m3", "fp8_e5m2", "int8_per_token_head"}
 
 
 @pytest.mark.parametrize("fmt, np_dtype", [(E4M3, ml_dtypes.float8_e4m3fn), (E5M2, ml_dtypes.float8_e5m2)])

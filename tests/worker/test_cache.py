@@ -35,7 +35,7 @@ def test_cache_bytes_equal_spec(spec, num_blocks, block_size, expected):
     for i, pages in enumerate(cache.layers):
         page_arrays = [pages.latent] if isinstance(pages, LatentPages) else [pages.k, pages.v]
         for page in page_arrays:
-            assert page.dtype == jnp.dtype(spec.layer_dtype(i).jnp_name)
+            assert page.dtype == jnp.dtype(spec.layer_dtype(i).storage) == spec.layer_dtype(i).dtype
 
 
 def test_cache_layouts():

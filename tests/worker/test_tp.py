@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as P
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.models import build_model, init_params, make_step, preset
+from kvjax.models import build_model, init_params, preset
 from kvjax.worker import sharding as shd
+from kvjax.worker.model_runner import make_step
 from kvjax.worker.paged_cache import PagedCache
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (jax_num_cpu_devices in tests/conftest.py)")
@@ -67,7 +68,7 @@ def test_decode_agrees_across_tp(family):
         run_config = config if layout.head_replicas == 1 else config.replace(num_kv_heads=layout.cache_kv_heads)
         sharded = shd.shard_params(shd.replicate_kv_heads(params, layout, config.head_dim or 0), mesh)
         cache = shd.create_cache(layout, NUM_BLOCKS, Z, mesh)
-        step = shd.make_sharded_step(build_model(run_config), mesh, cache)
+        step = make_step(build_model(run_config), mesh, cache)
         got, cache = _decode(step, sharded, cache, lambda x: shd.replicated(mesh, x))
         for i, (g, w) in enumerate(zip(got, want)):
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-5, err_msg=f"{family} tp {tp} step {i}")

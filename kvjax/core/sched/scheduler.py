@@ -43,20 +43,22 @@ tokens each request has computed (the plan's `seq_lens` are read from it, never 
 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
 requests run, how many tokens each, their token ids and block tables as NumPy arrays) that a
-model runner consumes; `update(plan, sampled)` takes the sampled tokens back, appends them
-(one batched `append_token_step`), and finishes requests (vLLM 0.33 `check_stop`, in its
-order): "stop" when the token is one of its stop ids (its stop_token_ids, and the model's EOS
-unless it ignores EOS), else "length" when it reached its `max_new_tokens` (the engine clamps it
-to max_model_len). `finish_request` ends one from outside (a stop string). A finished request's
-blocks return to the pool at once; its full blocks stay cached.
+model runner consumes; `update(plan, sampled)` takes the sampled tokens back through the decode
+transition (kvjax.core.sched.transition, the one rule the engine's device loop applies too): the
+stop check in vLLM 0.33 `check_stop`'s order, "stop" when the token is one of its stop ids (its
+stop_token_ids, and the model's EOS unless it ignores EOS), else "length" when it reached its
+`max_new_tokens` (the engine clamps it to max_model_len); then one batched `append_token_step` of
+the tokens that go on. The plan carries each request's remaining tokens and stop ids, so a model
+runner never reads them from the requests. `finish_request` ends one from outside (a stop
+string). A finished request's blocks return to the pool at once; its full blocks stay cached.
 
 The running requests' allocation asks `manager.step_fits` first — the same rule the engine's
 device decode loop applies before each of its steps — and, when everything fits, is one
 batched `allocate_step` that must then succeed for every request. Otherwise the same call
 allocates up to the first refusal, the scheduler preempts and resumes from the refused request,
-which reproduces vLLM's one-request-at-a-time loop. `apply_decode_steps(plan, sampled, state)` adopts several
-decode steps that a device loop ran itself with the same pool functions (kvjax.engine.core,
-`steps_per_call`). A pool refusal that the accounting says cannot happen raises
+which reproduces vLLM's one-request-at-a-time loop. `apply_decode_steps(plan, sampled, state, finish)`
+adopts several decode steps that a device loop ran itself with the same transition
+(kvjax.engine.core, `steps_per_call`). A pool refusal that the accounting says cannot happen raises
 `SchedulerError` (never `assert`, which `python -O` strips).
 """
 
@@ -71,9 +73,14 @@ import numpy as np
 
 from kvjax.accounting import memory as mem
 from kvjax.accounting.budget import pow2_bucket
+from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core import kv_cache_utils as hashing
+from kvjax.core.sched.output import StepPlan
+from kvjax.core.sched.request import Request
+from kvjax.core.sched.transition import FINISH_REASONS, DecodeRows, host_transition
 from kvjax.errors import KvjaxError
+from kvjax.kv_offload import connector
 from kvjax.kv_offload import manager as host_cache
 
 
@@ -83,112 +90,9 @@ class SchedulerError(manager.PoolRefusedError):
     names the request and the counts."""
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int  # pool size P, including the null block
-    block_size: int  # Z tokens per block
-    max_num_seqs: int = 8  # most requests running at once
-    max_num_batched_tokens: int = 256  # token budget per step (prefill chunks + decodes)
-    max_model_len: int = 256  # prompt + generated tokens per request
-    prefix_caching: bool = True
-    policy: str = "fcfs"  # "fcfs" or "priority"
-    max_requests: int | None = None  # pool request slots; default 2 * max_num_seqs
-    chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
-    num_host_blocks: int = 0  # host offload tier slots (kvjax.kv_offload.manager); 0 = no tier
-    host_policy: str = "lru"  # the tier's eviction policy: "lru" or "arc"
-
-    def __post_init__(self):
-        if self.policy not in ("fcfs", "priority"):
-            raise KvjaxError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len"):
-            if getattr(self, name) < 1:
-                raise KvjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if -(-self.max_model_len // self.block_size) > self.num_blocks - 1:
-            # Otherwise a lone request could preempt itself forever.
-            raise KvjaxError(f"a max_model_len={self.max_model_len} request needs "
-                             f"{-(-self.max_model_len // self.block_size)} blocks but the pool "
-                             f"has only {self.num_blocks - 1} usable")
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # vLLM's rule too: otherwise a long prompt could never be admitted whole.
-            raise KvjaxError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
-                             f"must be >= max_model_len={self.max_model_len}")
-        if self.num_host_blocks < 0 or (self.num_host_blocks and not self.prefix_caching):
-            raise KvjaxError(f"num_host_blocks={self.num_host_blocks}: a host tier needs >= 0 blocks and prefix "
-                             "caching (its blocks are named by their hashes)")
-        if self.max_requests is not None and self.max_requests < self.max_num_seqs:
-            raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
-
-    @property
-    def num_slots(self) -> int:
-        """The pool's request slots: max_requests, default 2 × max_num_seqs."""
-        return self.max_requests or 2 * self.max_num_seqs
-
-    def state_bytes(self) -> int:
-        """The bytes of the pool state and host index a Scheduler allocates, from their shapes
-        (jax.eval_shape: nothing is allocated)."""
-        z = self.block_size
-        shapes = jax.eval_shape(lambda: manager.init(self.num_blocks, z, self.num_slots, -(-self.max_model_len // z),
-                                                     self.prefix_caching))
-        host = jax.eval_shape(lambda: host_cache.init(self.num_host_blocks, self.host_policy)) \
-            if self.num_host_blocks else ()
-        return mem.tree_bytes((shapes, host))
-
-    def describe(self) -> str:
-        """The sizes the tables follow from, for messages."""
-        return (f"num_blocks={self.num_blocks:,}, max_num_seqs={self.max_num_seqs:,} ({self.num_slots:,} request "
-                f"slots), max_model_len={self.max_model_len:,}, block_size={self.block_size}"
-                + (f", num_host_blocks={self.num_host_blocks:,}" if self.num_host_blocks else ""))
-
-
 def _devices(placement) -> list:
     """The devices a placement (a device, or a sharding) puts an array on."""
     return [placement] if isinstance(placement, jax.Device) else sorted(placement.device_set, key=lambda d: d.id)
-
-
-@dataclass
-class Request:
-    req_id: str
-    prompt: list[int]
-    max_new_tokens: int
-    priority: int = 0
-    salt: str | None = None
-    stop_ids: frozenset[int] = frozenset()  # sampling one of these ends the request ("stop")
-    arrival: int = 0  # order of add_request calls
-    output: list[int] = field(default_factory=list)
-    slot: int | None = None  # pool request slot; kept while preempted
-    num_preemptions: int = 0
-    status: str = "waiting"  # waiting | running | finished
-    finish_reason: str | None = None  # "length" | "stop" once finished
-    host_next: int = 0  # host tier: the next logical block to offer it (vLLM's next stored block)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One engine step for a model runner. B scheduled requests, T scheduled tokens."""
-
-    req_ids: tuple[str, ...]  # B, in scheduling order
-    slots: np.ndarray  # i32[B] pool request slots
-    num_scheduled: np.ndarray  # i32[B] tokens computed this step
-    token_ids: np.ndarray  # i32[T] tokens whose KV is computed this step, request after request
-    block_tables: np.ndarray  # i32[B, M] each request's block table (0 = null)
-    seq_lens: np.ndarray  # i32[B] tokens in the KV cache after this step
-    sample: np.ndarray  # bool[B] a token is sampled (the request's last token is computed)
-    preempted: tuple[str, ...]  # requests preempted while planning this step
-    loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # i32[L, 2] (host slot,
-    # device block): host tier hits to copy in before the step runs, then `Scheduler.loads_done`
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.req_ids)
 
 
 @dataclass
@@ -198,6 +102,7 @@ class _Step:
     budget: int  # tokens left in this step
     scheduled: dict[str, int] = field(default_factory=dict)  # req_id -> tokens; insertion = scheduling order
     preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
 
     def take(self, req: Request, n: int) -> None:
@@ -258,6 +163,46 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def output(self, req_id: str) -> tuple[int, ...]:
+        """The tokens a request has generated so far."""
+        return tuple(self.requests[req_id].output)
+
+    def finish_reason(self, req_id: str) -> str | None:
+        return self.requests[req_id].finish_reason
+
+    def forget(self, req_id: str) -> Request:
+        """Drop a finished request's record (vLLM's scheduler forgets finished requests) and
+        return it: its output, finish reason and preemptions."""
+        if self.requests[req_id].status != "finished":
+            raise SchedulerError(f"request {req_id!r} is {self.requests[req_id].status}, not finished")
+        return self.requests.pop(req_id)
+
+    def abort_all(self) -> None:
+        """End and forget every request (an interrupt or an error in the engine): no request,
+        block or slot is left behind in a scheduler that outlives the call."""
+        for rid, req in list(self.requests.items()):
+            if req.status != "finished":
+                self.finish_request(rid, "abort")
+            self.requests.pop(rid)
+
+    def reset_prefix_cache(self, reset_host: bool = False) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`); reset_host also empties the
+        host tier's index. False, changing nothing, while requests run."""
+        if self.has_unfinished():
+            return False
+        state, ok = manager.reset_prefix_cache(self.state)
+        _require(ok, "the block pool refused to reset its prefix cache with no request running")
+        self.state = state
+        if reset_host and self.host is not None:
+            self.host = self.new_host_index()
+        return True
+
+    def num_free_blocks(self) -> int:
+        return int(self.state.pool.num_free)
+
+    def host_blocks_in_use(self) -> int:
+        return 0 if self.host is None else int(self.host.valid.sum())
 
     def _key(self, req: Request) -> tuple[int, int]:
         return (req.priority, req.arrival) if self.config.policy == "priority" else (0, req.arrival)
@@ -380,6 +325,7 @@ class Scheduler:
                 req.host_next = int(nh) + nx  # loaded blocks are not offered back
             self.waiting.remove(req)
             self.running.append(req)
+            step.admitted.append(req.req_id)
             req.status = "running"
             step.take(req, n)
 
@@ -392,15 +338,9 @@ class Scheduler:
         moves p)."""
         if self.host is None:
             return None, 0
-        z = self.config.block_size
-        req_hash = np.asarray(self.state.reqs.req_hash[req.slot])
-        full = req.num_tokens // z
-        self.host = host_cache.touch(self.host, host_cache.pad_hashes(req_hash[:full], self.max_blocks), full)
-        cap = (req.num_tokens - 1) // z - num_hits
-        if cap <= 0:
-            return None, 0
-        hashes = host_cache.pad_hashes(req_hash[num_hits:], self.max_blocks)
-        return hashes, int(host_cache.lookup(self.host, hashes, cap))
+        self.host, hashes, n = connector.lookup(self.host, np.asarray(self.state.reqs.req_hash[req.slot]),
+                                                req.num_tokens, num_hits, self.config.block_size, self.max_blocks)
+        return hashes, n
 
     def _host_load(self, req: Request, hashes: np.ndarray, num_hits: int, n: int, step: "_Step") -> None:
         """Pin the request's n host hits until loaded (prepare_load) and plan their copies into
@@ -427,11 +367,8 @@ class Scheduler:
             return
         req_hash = np.asarray(self.state.reqs.req_hash)  # a computed full block's hash is its request's
         for req, t, b in zip(reqs, tables, end):
-            a, req.host_next = req.host_next, max(req.host_next, int(b))
-            if b <= a:
-                continue
-            self.host, slots, stored = host_cache.offer(self.host, req_hash[req.slot, :b], a)
-            self.stores += [(int(t[j]), int(s)) for j, s, k in zip(range(a, b), slots, stored) if k]
+            self.host, stored, req.host_next = connector.offer(self.host, req_hash[req.slot], req.host_next, int(b))
+            self.stores += [(int(t[j]), s) for j, s in stored]
 
     def take_stores(self) -> list[tuple[int, int]]:
         stores, self.stores = self.stores, []
@@ -445,50 +382,69 @@ class Scheduler:
         tables = np.asarray(tables)[slots] if reqs else np.zeros((0, self.max_blocks), np.int32)
         seq_lens = np.asarray(computed)[slots].astype(np.int32) if reqs else np.zeros(0, np.int32)
         token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
+        stop_ids = np.full((len(reqs), pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
+        for i, r in enumerate(reqs):
+            stop_ids[i, :len(r.stop_ids)] = sorted(r.stop_ids)
         return StepPlan(
             req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums, token_ids=token_ids,
             block_tables=tables, seq_lens=seq_lens,
             sample=np.array([e == r.num_tokens for r, e in zip(reqs, seq_lens)], bool),
-            preempted=tuple(step.preempted), loads=np.array(step.loads, np.int32).reshape(-1, 2))
+            preempted=tuple(step.preempted),
+            remaining=np.array([r.max_new_tokens - len(r.output) for r in reqs], np.int32).reshape(-1),
+            stop_ids=stop_ids, admitted=np.array([r.req_id in step.admitted for r in reqs], bool),
+            # a decoding request computes the one token it sampled last; every other row prefills
+            prefill=np.array([not r.output or e - n < r.num_tokens - 1 for r, n, e in zip(reqs, nums, seq_lens)],
+                             bool),
+            num_tokens=np.array([r.num_tokens for r in reqs], np.int32).reshape(-1),
+            num_preemptions=np.array([r.num_preemptions for r in reqs], np.int32).reshape(-1),
+            loads=np.array(step.loads, np.int32).reshape(-1, 2))
 
-    @staticmethod
-    def _stop_reason(req: Request) -> str | None:
-        """vLLM `check_stop` after a token was appended: stop ids first, then the length cap."""
-        if req.output[-1] in req.stop_ids:
-            return "stop"
-        if len(req.output) >= req.max_new_tokens:
-            return "length"
-        return None
+    def decode_rows(self, plan: StepPlan, rows=None, num_rows: int | None = None) -> DecodeRows:
+        """The plan's requests as the decode transition's rows: plan order, padded to
+        max_num_seqs rows (one compile), or placed at `rows` of `num_rows` (the engine's rows)."""
+        b = num_rows or self.config.max_num_seqs
+        at = np.arange(plan.num_requests) if rows is None else np.asarray(rows, np.int64)
+        slots, remaining = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+        stop_ids = np.full((b, plan.stop_ids.shape[1]), -1, np.int32)
+        slots[at], remaining[at], stop_ids[at] = plan.slots, plan.remaining, plan.stop_ids
+        return DecodeRows(slots, remaining, stop_ids)
 
     def update(self, plan: StepPlan, sampled) -> list[str]:
         """Take the sampled tokens (i32[B], aligned with plan rows; rows with sample False
-        are ignored), append them, and finish requests that reached max_new_tokens or a stop
-        token. Returns the finished request ids."""
+        are ignored) through the decode transition (kvjax.core.sched.transition: the stop check,
+        then the append of each token that goes on). Returns the finished request ids."""
         sampled = np.asarray(sampled).reshape(-1)
         if sampled.shape[0] != plan.num_requests:
             raise SchedulerError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
-        z = self.config.block_size
+        z, b = self.config.block_size, self.config.max_num_seqs
         self._store([self.requests[r] for r in plan.req_ids], plan.block_tables, plan.seq_lens // z)
-        tokens = np.zeros(self.num_slots, np.int32)
-        mask = np.zeros(self.num_slots, bool)
+        active = np.zeros(b, bool)
+        active[:plan.num_requests] = np.asarray(plan.sample, bool) & np.array(
+            [self.requests[r].status == "running" for r in plan.req_ids], bool)
+        tokens = np.zeros(b, np.int32)
+        tokens[:plan.num_requests] = sampled
+        self.state, t = host_transition(self.state, self.decode_rows(plan), tokens, active)
+        finish, refused = jax.device_get((t.finish, t.append_refused))
+        if refused.any():
+            i = int(np.flatnonzero(refused)[0])
+            req = self.requests[plan.req_ids[i]]
+            raise SchedulerError(f"the pool refused sampled token {int(tokens[i])} of request {req.req_id!r} "
+                                 f"({req.num_tokens + 1} tokens)")
+        return self._adopt(plan, tokens[None, :plan.num_requests], active[:plan.num_requests],
+                           finish[:plan.num_requests])
+
+    def _adopt(self, plan: StepPlan, sampled: np.ndarray, active: np.ndarray, finish: np.ndarray) -> list[str]:
+        """Append the steps' tokens (i32[n, B]) to the active requests' outputs, and finish those
+        whose transition finished them (finish: i32[B] FINISH_REASONS index, after the last step)."""
         finished = []
-        for rid, do, tok in zip(plan.req_ids, plan.sample, sampled):
-            req = self.requests[rid]
-            if not do or req.status != "running":
+        for i, rid in enumerate(plan.req_ids):
+            if not active[i]:
                 continue
-            req.output.append(int(tok))
-            req.finish_reason = self._stop_reason(req)
+            req = self.requests[rid]
+            req.output += [int(x) for x in sampled[:, i]]
+            req.finish_reason = FINISH_REASONS[int(finish[i])]
             if req.finish_reason:
-                finished.append(req)  # a request's last token is never appended: nothing computes it
-            else:
-                tokens[req.slot], mask[req.slot] = tok, True
-        if mask.any():
-            self.state, ok = manager.append_token_step(self.state, tokens, mask)
-            refused = np.flatnonzero(mask & ~np.asarray(ok))
-            if refused.size:
-                req = next(r for r in self.running if r.slot == refused[0])
-                raise SchedulerError(f"the pool refused sampled token {int(tokens[refused[0]])} of request "
-                                     f"{req.req_id!r} ({req.num_tokens} tokens)")
+                finished.append(req)
         for req in finished:
             self._finish(req)
         return [r.req_id for r in finished]
@@ -516,41 +472,38 @@ class Scheduler:
         self.running.remove(req)
         req.status, req.slot = "finished", None
 
-    def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager) -> list[str]:
+    def decode_steps(self, plan: StepPlan, run) -> tuple[list[str], object]:
+        """Let a device loop run the decode plan and its next steps itself: run(pool state) →
+        (pool state, sampled i32[n, B] per step and plan row, finish i32[B], extra). The
+        scheduler hands its pool to the loop and adopts what it returns (apply_decode_steps).
+        → (finished request ids, extra)."""
+        if not plan.is_decode:
+            raise SchedulerError("decode_steps needs a decode plan: one token per request, all sampling")
+        state, sampled, finish, extra = run(self.state)
+        return self.apply_decode_steps(plan, sampled, state, finish), extra
+
+    def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager, finish) -> list[str]:
         """Adopt n decode steps that a device loop ran itself (kvjax.engine.core, --steps-per-call).
 
         `plan` is a decode plan (one token per request, every request samples) that `schedule()`
         returned; the device loop ran it, then n - 1 more steps of the same requests, doing
-        what `update` + `schedule` would have done between them with the same pool functions:
-        `append_token_step` of each sampled token (except a request's last), then, when
-        `manager.step_fits` says the next step fits, `allocate_step` of one more token per request.
-        It stopped after the first step in which a request finished (length or stop token),
-        before an allocation that did not fit (the host then preempts as usual), or after its
-        step limit. sampled: i32[n, B] tokens per step and plan row; state: the loop's final
-        pool. Finishes the requests that ended. Returns their ids."""
-        sampled = np.asarray(sampled)
+        what `update` + `schedule` would have done between them, with the same decode transition
+        (kvjax.core.sched.transition) after each step. It stopped after the first step in which
+        a request finished (length or stop token), before an allocation that did not fit (the
+        host then preempts as usual), or after its step limit. sampled: i32[n, B] tokens per step
+        and plan row; state: the loop's final pool; finish: i32[B] each row's FINISH_REASONS
+        index after the last step. Finishes the requests that ended. Returns their ids."""
+        sampled, finish = np.asarray(sampled), np.asarray(finish)
         if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
             raise SchedulerError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
-        if not (plan.sample.all() and (plan.num_scheduled == 1).all()):
+        if not plan.is_decode:
             raise SchedulerError("apply_decode_steps needs a decode plan: one token per request, all sampling")
         self.state = state
-        steps, finished, z = sampled.shape[0], [], self.config.block_size
+        steps, z = sampled.shape[0], self.config.block_size
         if self.host is not None:
             tables = np.asarray(state.reqs.block_table)[plan.slots]
             self._store([self.requests[r] for r in plan.req_ids], tables, (plan.seq_lens - 1 + steps) // z)
-        for i, rid in enumerate(plan.req_ids):
-            req = self.requests[rid]
-            for step, token in enumerate(sampled[:, i]):
-                req.output.append(int(token))
-                req.finish_reason = self._stop_reason(req)
-                if req.finish_reason and step < steps - 1:
-                    raise SchedulerError(f"the device loop ran {steps - 1 - step} step(s) past request {rid!r}'s "
-                                         f"end ({req.finish_reason})")
-            if req.finish_reason:
-                finished.append(req)
-        for req in finished:
-            self._finish(req)
-        return [r.req_id for r in finished]
+        return self._adopt(plan, sampled, np.ones(plan.num_requests, bool), finish)
 
 
 def _require(ok, message: str) -> None:

@@ -1,0 +1,72 @@
+"""The engine's configuration: pool size, rows, token budget, steps per device call, layout, host tier
+and tensor parallelism, each bounded where it is given (vLLM's `vllm/config/` engine args as kvjax's
+Engine takes them; kvjax.engine.arg_utils maps LLM(...)'s names onto it). No JAX at import.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.config.scheduler import check_host_tier, check_policy
+from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, check_int
+
+MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
+MAX_NUM_SEQS = 2**16  # rows of every step
+DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
+KV_LAYOUTS = ("paged", "contiguous")
+
+
+class EngineError(KvjaxError):
+    """An engine built or called with values that break a rule; the message names the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int  # P, including the null block 0
+    block_size: int = 16  # Z
+    max_num_seqs: int = 8  # B: requests running at once (rows of every step)
+    max_model_len: int | None = None  # prompt + generated tokens; None: the model's max_position_embeddings
+    max_num_batched_tokens: int | None = None  # step token budget; None: 2048 (unchunked: ≥ max_model_len)
+    chunked_prefill: bool = True  # False: a prompt is prefilled in one step (vLLM enable_chunked_prefill)
+    prefix_caching: bool = True
+    steps_per_call: int = 1  # K decode steps per device call
+    seed: int = 0  # the random stream of requests without a seed of their own
+    policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
+    kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
+    kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.kv_offload.host_pages); 0 = none
+    kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
+    max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
+    tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.worker.sharding)
+
+    def __post_init__(self):
+        # Every value bounded where it is given: beyond these, XLA would be asked for the impossible
+        # (steps_per_call=10**9 aborts the process inside the compiler) or int32 indices would wrap.
+        for name, low, high in (("num_blocks", 1, INT32_MAX), ("block_size", 1, INT32_MAX),
+                                ("max_num_seqs", 1, MAX_NUM_SEQS), ("steps_per_call", 1, MAX_STEPS_PER_CALL),
+                                ("seed", 0, MAX_SEED), ("max_logprobs", -1, INT32_MAX),
+                                ("tensor_parallel_size", 1, 256), ("kv_offload_blocks", 0, INT32_MAX)):
+            check_int(getattr(self, name), name, low, high, EngineError)
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, 1, INT32_MAX, EngineError)
+        for name in ("chunked_prefill", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.num_blocks < 2:
+            raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
+        check_policy(self.policy, EngineError)
+        if self.kv_layout not in KV_LAYOUTS:
+            raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "contiguous" and self.prefix_caching:
+            raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
+                              "turn prefix caching off")
+        value = self.kv_offload_blocks
+        from kvjax.kv_offload import host_pages as offload  # JAX: only when an engine is configured
+
+        offload.check_policy(self.kv_offload_policy)
+        check_host_tier(value, self.prefix_caching, EngineError, "kv_offload_blocks")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and (value or self.kv_layout != "paged"):
+            raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
+                              "tier copies whole pages of one device)")

@@ -1,0 +1,90 @@
+"""The scheduler's configuration (vLLM's `vllm/config/scheduler.py`): pool size, rows, token budget,
+policy, chunked prefill and the host tier, checked once where they are given.
+
+Plain Python at import time (kvjax plan imports kvjax.config without JAX); `state_bytes` imports
+JAX when it is called.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvjax.errors import KvjaxError
+
+POLICIES = ("fcfs", "priority")
+
+
+def check_policy(policy, error: type = KvjaxError) -> None:
+    """vLLM's scheduling policies: "fcfs", or "priority" (lower value first, then arrival)."""
+    if policy not in POLICIES:
+        raise error(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+
+
+def check_host_tier(num_host_blocks: int, prefix_caching: bool, error: type = KvjaxError,
+                    name: str = "num_host_blocks") -> None:
+    """A host offload tier needs prefix caching: its blocks are found by their hashes."""
+    if num_host_blocks and not prefix_caching:
+        raise error(f"{name}={num_host_blocks}: a host offload tier needs prefix caching (its blocks are found "
+                    "by their hashes)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # pool size P, including the null block
+    block_size: int  # Z tokens per block
+    max_num_seqs: int = 8  # most requests running at once
+    max_num_batched_tokens: int = 256  # token budget per step (prefill chunks + decodes)
+    max_model_len: int = 256  # prompt + generated tokens per request
+    prefix_caching: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    max_requests: int | None = None  # pool request slots; default 2 * max_num_seqs
+    chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
+    num_host_blocks: int = 0  # host offload tier slots (kvjax.kv_offload.manager); 0 = no tier
+    host_policy: str = "lru"  # the tier's eviction policy: "lru" or "arc"
+
+    def __post_init__(self):
+        check_policy(self.policy)
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len"):
+            if getattr(self, name) < 1:
+                raise KvjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if -(-self.max_model_len // self.block_size) > self.num_blocks - 1:
+            # Otherwise a lone request could preempt itself forever.
+            raise KvjaxError(f"a max_model_len={self.max_model_len} request needs "
+                             f"{-(-self.max_model_len // self.block_size)} blocks but the pool "
+                             f"has only {self.num_blocks - 1} usable")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM's rule too: otherwise a long prompt could never be admitted whole.
+            raise KvjaxError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
+                             f"must be >= max_model_len={self.max_model_len}")
+        if self.num_host_blocks < 0:
+            raise KvjaxError(f"num_host_blocks={self.num_host_blocks}: a host tier needs >= 0 blocks")
+        check_host_tier(self.num_host_blocks, self.prefix_caching)
+        if self.max_requests is not None and self.max_requests < self.max_num_seqs:
+            raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
+
+    @property
+    def num_slots(self) -> int:
+        """The pool's request slots: max_requests, default 2 × max_num_seqs."""
+        return self.max_requests or 2 * self.max_num_seqs
+
+    def state_bytes(self) -> int:
+        """The bytes of the pool state and host index a Scheduler allocates, from their shapes
+        (jax.eval_shape: nothing is allocated)."""
+        import jax
+
+        from kvjax.accounting import memory as mem
+        from kvjax.core import kv_cache_manager as manager
+        from kvjax.kv_offload import manager as host_cache
+
+        z = self.block_size
+        shapes = jax.eval_shape(lambda: manager.init(self.num_blocks, z, self.num_slots, -(-self.max_model_len // z),
+                                                     self.prefix_caching))
+        host = jax.eval_shape(lambda: host_cache.init(self.num_host_blocks, self.host_policy)) \
+            if self.num_host_blocks else ()
+        return mem.tree_bytes((shapes, host))
+
+    def describe(self) -> str:
+        """The sizes the tables follow from, for messages."""
+        return (f"num_blocks={self.num_blocks:,}, max_num_seqs={self.max_num_seqs:,} ({self.num_slots:,} request "
+                f"slots), max_model_len={self.max_model_len:,}, block_size={self.block_size}"
+                + (f", num_host_blocks={self.num_host_blocks:,}" if self.num_host_blocks else ""))

@@ -1,0 +1,40 @@
+"""The step plan the scheduler hands a model runner (vLLM V1's `vllm/v1/core/sched/output.py`).
+
+Axes: B scheduled requests, T scheduled tokens, M blocks per request, X stop ids, L host loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step for a model runner. B scheduled requests, T scheduled tokens."""
+
+    req_ids: tuple[str, ...]  # B, in scheduling order
+    slots: np.ndarray  # i32[B] pool request slots
+    num_scheduled: np.ndarray  # i32[B] tokens computed this step
+    token_ids: np.ndarray  # i32[T] tokens whose KV is computed this step, request after request
+    block_tables: np.ndarray  # i32[B, M] each request's block table (0 = null)
+    seq_lens: np.ndarray  # i32[B] tokens in the KV cache after this step
+    sample: np.ndarray  # bool[B] a token is sampled (the request's last token is computed)
+    preempted: tuple[str, ...]  # requests preempted while planning this step
+    remaining: np.ndarray  # i32[B] tokens each request may still generate
+    stop_ids: np.ndarray  # i32[B, X] tokens that finish each request "stop" (-1 padding; X a power of two)
+    admitted: np.ndarray  # bool[B] admitted from waiting by this step (its prefix lookup just ran)
+    prefill: np.ndarray  # bool[B] computes a prompt, a chunk of one, or a preempted request's recompute
+    num_tokens: np.ndarray  # i32[B] each request's tokens (prompt + output so far)
+    num_preemptions: np.ndarray  # i32[B] times each request was preempted before
+    loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # i32[L, 2] (host slot,
+    # device block): host tier hits to copy in before the step runs, then `Scheduler.loads_done`
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes one token and samples: the step a device loop may repeat."""
+        return bool(self.sample.all() and (self.num_scheduled == 1).all())
