@@ -42,6 +42,7 @@ from kvjax.core import kv_cache_manager as manager
 from kvjax.errors import write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
+from kvjax.math_utils import cdiv
 from kvjax.testing.pool_oracle import OraclePool
 
 Z, PROMPT, STEPS = 16, 8, 64  # block size, prompt tokens per request, decode steps timed
@@ -55,7 +56,7 @@ def prompts(n: int) -> np.ndarray:
 
 
 def bench_oracle(n: int) -> float:
-    m = -(-(PROMPT + 2 * STEPS) // Z)
+    m = cdiv(PROMPT + 2 * STEPS, Z)
     o = OraclePool(n * m + 1, Z, max_blocks_per_request=m)
     for r, p in enumerate(prompts(n)):
         assert o.add(str(r), p.tolist())["ok"]
@@ -75,7 +76,7 @@ def bench_oracle(n: int) -> float:
 
 
 def setup_jax(n: int):
-    m = -(-(PROMPT + 2 * STEPS) // Z)  # room for warm-up + timed steps
+    m = cdiv(PROMPT + 2 * STEPS, Z)  # room for warm-up + timed steps
     s = manager.init(n * m + 1, Z, n, m)
     toks = np.zeros((n, m * Z), np.int32)
     toks[:, :PROMPT] = prompts(n)

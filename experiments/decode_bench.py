@@ -52,6 +52,7 @@ from kvjax.config.presets import preset
 from kvjax.errors import write_text
 from kvjax.experiments import require, results_dir
 from kvjax.markdown import markdown_table
+from kvjax.math_utils import cdiv
 from kvjax.models import build_model, init_params
 from kvjax.models.hub import LoadedModel, load_model
 from kvjax.models.tokenizer import Tokenizer
@@ -80,7 +81,7 @@ def warm_run(model, prompts, max_tokens: int, **settings) -> dict:
 def paged_vs_contiguous(model, prompts: np.ndarray, steps: int, block_size: int, repeats: int) -> dict:
     """Decode tokens/s of the paged and the contiguous layout on the same greedy load, in alternation."""
     b, p = prompts.shape
-    per_seq = -(-(p + steps) // block_size)
+    per_seq = cdiv(p + steps, block_size)
     s_max = per_seq * block_size  # both caches hold S_max positions per sequence
     base = dict(num_gpu_blocks_override=1 + b * per_seq, block_size=block_size, max_num_seqs=b, max_model_len=s_max,
                 enable_prefix_caching=False, steps_per_call=8)
@@ -111,7 +112,7 @@ def context_sweep(model, vocab: int, rng, batch: int, contexts, block_size: int,
 
 def loop_vs_host(model, prompts, max_tokens, block_size, repeats) -> dict:
     longest = max(len(p) for p in prompts) + max_tokens
-    base = dict(num_gpu_blocks_override=1 + len(prompts) * -(-longest // block_size), block_size=block_size,
+    base = dict(num_gpu_blocks_override=1 + len(prompts) * cdiv(longest, block_size), block_size=block_size,
                 max_num_seqs=len(prompts), max_model_len=longest)
     runs = {k: [] for k in (1, 8)}
     for _ in range(repeats):
@@ -128,7 +129,7 @@ def prefix_caching(model, vocab, rng, requests, system_len, block_size, max_num_
     system = rng.integers(0, vocab, system_len).tolist()
     prompts = [system + rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(16, 33, requests)]
     longest = max(len(p) for p in prompts) + 8
-    base = dict(num_gpu_blocks_override=1 + 2 * max_num_seqs * -(-longest // block_size), block_size=block_size,
+    base = dict(num_gpu_blocks_override=1 + 2 * max_num_seqs * cdiv(longest, block_size), block_size=block_size,
                 max_num_seqs=max_num_seqs, max_model_len=longest, steps_per_call=8)
     on, off = (warm_run(model, prompts, 8, enable_prefix_caching=flag, **base) for flag in (True, False))
     pick = ("prefill_tokens", "prefix_hit_rate", "prefix_hit_tokens", "wall_s", "prefill_tokens_per_s")
@@ -151,7 +152,7 @@ def sweep_kv(args, out_dir: pathlib.Path) -> dict:
     result = {"meta": _meta(), "model": config.name, "layers": config.num_layers, "dtype": config.dtype,
               "batch": batch, "prompt": prompt_len, "gen": gen, "init_s": time.perf_counter() - t0, "rows": []}
     z = 16
-    settings = dict(num_gpu_blocks_override=1 + batch * -(-(prompt_len + gen) // z), block_size=z,
+    settings = dict(num_gpu_blocks_override=1 + batch * cdiv(prompt_len + gen, z), block_size=z,
                     max_num_seqs=batch, max_model_len=prompt_len + gen, max_num_batched_tokens=batch * prompt_len,
                     steps_per_call=8)
     # The kernel first: under a time limit the variants that matter most come out first.

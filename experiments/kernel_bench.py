@@ -46,6 +46,7 @@ from kvjax.attention.tiles import default_mla_tiles, default_tiles
 from kvjax.errors import write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
+from kvjax.math_utils import cdiv
 
 GiB = 1024**3
 FP8 = jnp.float8_e4m3fn
@@ -102,7 +103,7 @@ def build_case(model: Model, batch: int, context: int, block_size: int, dtype, s
     """Inputs of one decode step: every sequence holds `context` tokens in scattered pages."""
     key = jax.random.key(seed)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    blocks = -(-context // block_size)
+    blocks = cdiv(context, block_size)
     num_pages = batch * blocks + 1  # + the null block 0
     tables = (jax.random.permutation(k1, num_pages - 1) + 1)[: batch * blocks].reshape(batch, blocks)
     tables = tables.astype(jnp.int32)

@@ -43,6 +43,7 @@ from kvjax.errors import save_figure
 from kvjax.experiments import results_dir
 from kvjax.experiments.decode_bench import _meta, _write
 from kvjax.markdown import markdown_table
+from kvjax.math_utils import cdiv
 from kvjax.models.hub import load_model
 
 FRACTIONS = (0.25, 0.5, 1.0, 2.0)  # host tier sizes, as fractions of the workload's distinct blocks
@@ -93,10 +94,10 @@ def bench(model_name: str, conversations: int, turns: int, first: int, new: int,
     prompts = chat_workload(conversations, turns, first, new, model.config.vocab_size)
     z = block_size
     longest = first + (turns - 1) * new + max_tokens
-    distinct = conversations * -(-longest // z)  # blocks of every conversation's last turn
+    distinct = conversations * cdiv(longest, z)  # blocks of every conversation's last turn
     # The pool holds max_num_seqs requests of the longest length (nothing is preempted) and
     # about half of the workload's distinct blocks.
-    num_blocks = 1 + max(max_num_seqs * -(-longest // z), distinct // 2)
+    num_blocks = 1 + max(max_num_seqs * cdiv(longest, z), distinct // 2)
     base = dict(num_gpu_blocks_override=num_blocks, block_size=z, max_num_seqs=max_num_seqs, max_model_len=longest,
                 steps_per_call=8)
     bytes_per_block = model.config.kv_spec().bytes_per_block(z)

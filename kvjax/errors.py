@@ -71,10 +71,15 @@ def one_line(message: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Numbers
 # --------------------------------------------------------------------------------------------
-def check_int(value: Any, name: str, lo: int = 0, hi: int = INT32_MAX, error: type = None) -> int:
-    """An int (not a bool, not a float) in [lo, hi], else a KvjaxError (or `error`, a subclass)
-    naming `name`."""
+def check_int(value: Any, name: str, lo: int = 0, hi: int | None = INT32_MAX, error: type = None) -> int:
+    """An int (not a bool, not a float) in [lo, hi] (hi None: no upper bound), else a KvjaxError
+    (or `error`, a subclass) naming `name`."""
     error = error or KvjaxError
+    if hi is None:  # one rule, one message: "block_size must be a positive integer, got 0"
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            rule = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
+            raise error(f"{name} must be {rule}, got {_show(value)}")
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"{name} must be an integer, got {_show(value)}")
     if not lo <= value <= hi:

@@ -33,7 +33,8 @@ from fractions import Fraction
 from typing import Any
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
-from kvjax.errors import MAX_GIB
+from kvjax.errors import MAX_GIB, check_int
+from kvjax.math_utils import cdiv
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_UTIL = Fraction("0.92")
@@ -101,18 +102,6 @@ def weight_bytes(params: Any, dtype: str = "bf16") -> int:
     return math.ceil(n * WEIGHT_DTYPE_BYTES[dtype])
 
 
-def cdiv(a, b):
-    """Ceiling division (ints or integer arrays): blocks needed for a tokens in blocks of b."""
-    return -(-a // b)
-
-
-def pow2_bucket(n: int, lo: int = 1, hi: int | None = None) -> int:
-    """The smallest power of two >= max(n, lo), capped at hi (callers guarantee n <= hi): the
-    padded sizes that let a jitted call compile once per bucket rather than once per size."""
-    b = 1 << (max(n, lo) - 1).bit_length()
-    return b if hi is None else min(hi, b)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything `kvjax plan` prints. Byte counts are ints; `*_exact` values are unrounded."""
@@ -172,8 +161,7 @@ def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
     host_offload_bytes sizes a host tier the way vLLM's kv_offloading_size does (all ranks together).
     """
     for name, value in (("context", context), ("block_size", block_size), ("tp", tp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise BudgetError(f"{name} must be a positive integer, got {value!r}")
+        check_int(value, name, 1, None, BudgetError)
     for name, value in (("weights", weights_bytes), ("activations", activations_bytes),
                         ("cudagraph", cudagraph_bytes)):
         if value < 0:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from kvjax.errors import KvjaxError
+from kvjax.math_utils import cdiv
 from kvjax.quant.kv_formats import FP8_FORMATS
 
 
@@ -198,7 +199,7 @@ def snapshot(devices: list[jax.Device]) -> list[int]:
 
 def rounded_bytes(nbytes: list[int], unit: int = ALLOCATOR_ALIGNMENT) -> int:
     """What an allocator that rounds each allocation up to `unit` bytes counts for these arrays."""
-    return sum(-(-n // unit) * unit for n in nbytes)
+    return sum(cdiv(n, unit) * unit for n in nbytes)
 
 
 def cache_static_bytes(spec) -> int:

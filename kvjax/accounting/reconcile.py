@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.accounting import memory as mem
 from kvjax.accounting.sizing import SizingReport, cache_maker
+from kvjax.math_utils import cdiv
 from kvjax.worker import sharding as shd
 
 
@@ -73,7 +74,7 @@ def _allocate(sized: SizingReport) -> dict:
         for i, a in zip(want, arrays):
             made[i] = a
     cache = jax.tree_util.tree_unflatten(treedef, made)
-    width = -(-sized.max_model_len // sized.block_size)
+    width = cdiv(sized.max_model_len, sized.block_size)
     tables = jax.device_put(jnp.zeros((sized.max_num_seqs, width), jnp.int32),
                             NamedSharding(mesh, P()))  # i32[B, M]
     jax.block_until_ready(tables)

@@ -40,7 +40,8 @@ from kvjax.accounting import budget as bud
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, check_int
+from kvjax.math_utils import cdiv
 from kvjax.worker import sharding as shd
 from kvjax.worker.model_runner import make_step
 from kvjax.worker.paged_cache import PagedCache
@@ -95,8 +96,7 @@ def device_total_bytes(device: jax.Device) -> int:
 
 def _check_positive(**values: Any) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise SizingError(f"{name} must be a positive integer, got {value!r}")
+        check_int(value, name, 1, None, SizingError)
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def cache_maker(layout: shd.TPLayout, num_blocks: int, block_size: int):
 def _profile_inputs(vocab_size: int, tokens: int, block_size: int):
     """One sequence of `tokens` tokens in blocks 1..cdiv(tokens, Z): (ids, metadata, logits row,
     blocks), as host arrays, so that they reach the devices only when the profile measures them."""
-    blocks = -(-tokens // block_size)
+    blocks = cdiv(tokens, block_size)
     md = build_metadata([0], [tokens], [list(range(1, blocks + 1))], block_size=block_size, max_tokens=tokens,
                         max_seqs=1, max_blocks_per_seq=blocks)
     md = jax.tree_util.tree_map(np.array, md)  # copies: a numpy view would keep the device buffer alive

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.worker.paged_cache import NULL_BLOCK
+from kvjax.core.block_pool import NULL_BLOCK
+from kvjax.math_utils import cdiv
 
 
 class MetadataError(ValueError):
@@ -125,7 +126,7 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
         if done < 0 or new < 0:
             raise MetadataError(f"sequence {i}: num_computed {done} and num_new {new} must be >= 0")
         end = done + new
-        needed = -(-end // block_size)
+        needed = cdiv(end, block_size)
         if needed > max_blocks_per_seq:
             raise MetadataError(f"sequence {i}: {end} tokens need {needed} blocks of {block_size}, "
                                 f"more than max_blocks_per_seq {max_blocks_per_seq}")

@@ -41,9 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention.reference import paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
-from kvjax.attention.tiles import DecodeTiles, cdiv, default_tiles, is_power_of_two
+from kvjax.attention.tiles import DecodeTiles, default_tiles
+from kvjax.core.block_pool import NULL_BLOCK
+from kvjax.math_utils import cdiv, is_power_of_two
 from kvjax.quant.kv_formats import kv_formats
-from kvjax.worker.paged_cache import NULL_BLOCK
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: MASK - MASK is 0, not NaN
 # From kvjax.quant.kv_formats's table: the kernels read unscaled pages and pages with a static

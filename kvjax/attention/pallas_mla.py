@@ -38,7 +38,8 @@ from kvjax.attention.pallas_decode import (MASK_VALUE, check_dtypes, check_scale
                                            dot_f32, dot_precision, merge_splits, online_softmax_step, resolve_interpret,
                                            split_block_tables, split_pages, step_pages, write_partial)
 from kvjax.attention.reference import mla_paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
-from kvjax.attention.tiles import DecodeTiles, default_mla_tiles, is_power_of_two
+from kvjax.attention.tiles import DecodeTiles, default_mla_tiles
+from kvjax.math_utils import cdiv, is_power_of_two
 
 
 def _mla_kernel(
@@ -88,7 +89,7 @@ def _mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens
     rope_dim = q_rope.shape[2]  # [B, N, Dr]
     num_pages, block_size, channels = latent_pages.shape  # [P, Z, C]
     block_h = tiles.block_h
-    head_blocks = -(-num_heads // block_h)
+    head_blocks = cdiv(num_heads, block_h)
     pad = ((0, 0), (0, head_blocks * block_h - num_heads), (0, 0))
     q_latent_p = jnp.pad(q_latent, pad)  # [B, N', R], N' = head_blocks × block_h
     q_rope_p = jnp.pad(q_rope, pad)  # [B, N', Dr]

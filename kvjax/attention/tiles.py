@@ -22,20 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.accounting.budget import cdiv
+from kvjax.math_utils import cdiv, is_power_of_two, pow2_bucket
 
 _SMS = 132  # streaming multiprocessors on an H100/H200; the split heuristic fills 2 waves
 _MIN_STEPS_PER_SPLIT = 2  # fewer makes the merge cost more than the split parallelism wins
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +61,9 @@ class DecodeTiles:
 
 
 def _pages_per_block(block_size: int, max_blocks: int, target_tokens: int) -> int:
-    ppb = next_power_of_two(max(1, target_tokens // block_size))
-    ppb = min(ppb, next_power_of_two(max_blocks))  # don't gather pages no sequence can have
-    return max(ppb, next_power_of_two(cdiv(16, block_size)))  # Triton dots need block_k >= 16
+    ppb = pow2_bucket(max(1, target_tokens // block_size))
+    ppb = min(ppb, pow2_bucket(max_blocks))  # don't gather pages no sequence can have
+    return max(ppb, pow2_bucket(cdiv(16, block_size)))  # Triton dots need block_k >= 16
 
 
 def _num_splits(programs: int, steps: int) -> int:
@@ -87,13 +77,13 @@ def default_tiles(*, batch: int, num_kv_heads: int, group: int, head_dim: int, b
     ppb = _pages_per_block(block_size, max_blocks, 128 if head_dim <= 128 else 64)
     steps = cdiv(max_blocks, ppb)
     return DecodeTiles(pages_per_block=ppb, num_splits=_num_splits(batch * num_kv_heads, steps),
-                       block_h=max(16, next_power_of_two(group)), num_warps=8, num_stages=2)
+                       block_h=max(16, pow2_bucket(group)), num_warps=8, num_stages=2)
 
 
 def default_mla_tiles(*, batch: int, num_heads: int, kv_lora_rank: int, block_size: int,
                       max_blocks: int) -> DecodeTiles:
     """MLA tiles: one program per (sequence, head tile, split). Up to 64 heads share a latent read."""
-    block_h = min(64, max(16, next_power_of_two(num_heads)))
+    block_h = min(64, max(16, pow2_bucket(num_heads)))
     ppb = _pages_per_block(block_size, max_blocks, 32 if kv_lora_rank >= 256 else 64)
     steps = cdiv(max_blocks, ppb)
     return DecodeTiles(pages_per_block=ppb, num_splits=_num_splits(batch * cdiv(num_heads, block_h), steps),

@@ -65,8 +65,7 @@ class EngineConfig:
         offload.check_policy(self.kv_offload_policy)
         check_host_tier(value, self.prefix_caching, EngineError, "kv_offload_blocks")
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise EngineError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        check_int(tp, "tensor_parallel_size", 1, None, EngineError)
         if tp > 1 and (value or self.kv_layout != "paged"):
             raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
                               "tier copies whole pages of one device)")

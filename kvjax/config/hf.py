@@ -16,9 +16,8 @@ import math
 import os
 from typing import Any, Mapping
 
-from kvjax.config.model import (MAX_LAYERS, MLA_TYPES, MODEL_TYPES, ModelConfig, ModelConfigError, RopeConfig,
-                                RopeError, _is_positive_int)
-from kvjax.errors import INT32_MAX, KvjaxError, read_json_object
+from kvjax.config.model import MAX_LAYERS, MLA_TYPES, MODEL_TYPES, ModelConfig, ModelConfigError, RopeConfig, RopeError
+from kvjax.errors import INT32_MAX, KvjaxError, check_int, read_json_object
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,8 +39,8 @@ def rope_from_hf(cfg: Mapping[str, Any], layout: str = "half") -> RopeConfig:
     original = None
     if rope_type in ("llama3", "yarn"):
         original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
-        if original is not None and not _is_positive_int(original):
-            raise RopeError(f"original_max_position_embeddings must be a positive integer, got {_show(original)}")
+        if original is not None:
+            check_int(original, "original_max_position_embeddings", 1, None, RopeError)
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise RopeError(f"truncate must be true or false, got {_show(truncate)}")

@@ -26,7 +26,7 @@ import os
 from typing import Any, Mapping
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
-from kvjax.errors import INT32_MAX, KvjaxError
+from kvjax.errors import INT32_MAX, KvjaxError, check_int
 
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -145,8 +145,7 @@ class ModelConfig:
         ints += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"] if self.is_mla else ["head_dim"]
         for field in ints:
             value = getattr(self, field)
-            if not _is_positive_int(value):
-                raise ModelConfigError(f"{field} must be a positive integer, got {value!r}")
+            check_int(value, field, 1, None, ModelConfigError)
             limit = MAX_LAYERS if field == "num_layers" else INT32_MAX
             if value > limit:
                 raise ModelConfigError(f"{field} {value:,} is beyond kvjax's limit {limit:,}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvjax.errors import KvjaxError
+from kvjax.math_utils import cdiv
 
 POLICIES = ("fcfs", "priority")
 
@@ -47,10 +48,10 @@ class SchedulerConfig:
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise KvjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if -(-self.max_model_len // self.block_size) > self.num_blocks - 1:
+        if cdiv(self.max_model_len, self.block_size) > self.num_blocks - 1:
             # Otherwise a lone request could preempt itself forever.
             raise KvjaxError(f"a max_model_len={self.max_model_len} request needs "
-                             f"{-(-self.max_model_len // self.block_size)} blocks but the pool "
+                             f"{cdiv(self.max_model_len, self.block_size)} blocks but the pool "
                              f"has only {self.num_blocks - 1} usable")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # vLLM's rule too: otherwise a long prompt could never be admitted whole.
@@ -77,7 +78,7 @@ class SchedulerConfig:
         from kvjax.kv_offload import manager as host_cache
 
         z = self.block_size
-        shapes = jax.eval_shape(lambda: manager.init(self.num_blocks, z, self.num_slots, -(-self.max_model_len // z),
+        shapes = jax.eval_shape(lambda: manager.init(self.num_blocks, z, self.num_slots, cdiv(self.max_model_len, z),
                                                      self.prefix_caching))
         host = jax.eval_shape(lambda: host_cache.init(self.num_host_blocks, self.host_policy)) \
             if self.num_host_blocks else ()

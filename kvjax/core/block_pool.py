@@ -54,7 +54,7 @@ from flax import struct
 
 from kvjax.errors import KvjaxError, require
 
-NULL_BLOCK = 0
+NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 NOT_LISTED = np.iinfo(np.int32).max  # the position of an entry that is not in a list
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvjax.errors import INT32_MAX
+from kvjax.errors import INT32_MAX, check_int
 from kvjax.quant.kv_formats import KVFormat, SpecError, kv_format  # SpecError: re-exported for the spec's users
 
 KINDS = ("mha", "gqa", "mqa", "mla")
@@ -129,7 +129,7 @@ class KVSpec:
 
     def page_bytes(self, layer: int, block_size: int) -> int:
         """vLLM's page for one layer: num_heads × block_size × (head_size + head_size_v) × dtype."""
-        _positive("block_size", block_size)
+        check_int(block_size, "block_size", 1, None, SpecError)
         return block_size * self.layer_bytes_per_token(layer)
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -172,7 +172,7 @@ class KVSpec:
         MHA/GQA split kv heads over ranks; when tp > Hkv each head is replicated on tp / Hkv
         ranks so every rank holds one. MLA's single latent is replicated on every rank.
         """
-        _positive("tp", tp)
+        check_int(tp, "tp", 1, None, SpecError)
         if self.kind == "mla":
             return 1
         if self.num_heads % tp:
@@ -192,9 +192,3 @@ class KVSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(f"{name} must be a positive integer, got {value!r}")
-

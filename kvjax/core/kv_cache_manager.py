@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.accounting.budget import cdiv
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_utils as hashing
 from kvjax.core.block_pool import BlockPool
 from kvjax.errors import KvjaxError, require
+from kvjax.math_utils import cdiv
 
 
 class PoolRefusedError(RuntimeError):
@@ -97,8 +97,7 @@ def request_table(block_size: int, max_requests: int, max_blocks_per_request: in
     return Requests(block_size=z, max_requests=r, max_blocks_per_request=m, active=jnp.zeros(r, bool),
                     tokens=i32((r, m * z)), num_tokens=i32(r), has_salt=jnp.zeros(r, bool),
                     salt=jnp.zeros((r, 2), jnp.uint32), req_hash=jnp.zeros((r, m, 2), jnp.uint32),
-                    num_hashed=i32(r), block_table=i32((r, m)), num_held=i32(r), num_computed=i32(r),
-                    num_cached=i32(r))
+                    num_hashed=i32(r), block_table=i32((r, m)), num_held=i32(r), num_computed=i32(r), num_cached=i32(r))
 
 
 def _slot(t: Requests, req):

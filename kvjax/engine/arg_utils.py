@@ -152,8 +152,7 @@ def check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, model_le
     """The sizes once the model is loaded: block_size and max_num_seqs in [1, INT32_MAX],
     max_logprobs >= -1, max_model_len (None: the model's) at most the model's length."""
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
-            raise LLMError(f"{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
+        check_int(value, name, 1, INT32_MAX, LLMError)
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
         raise LLMError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)

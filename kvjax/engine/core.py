@@ -12,32 +12,27 @@ requests that sampled a stop token (EOS unless ignored, or one of stop_token_ids
 their length; the engine then checks stop strings in the detokenized text.
 
 The engine lives as long as its owner (`kvjax.LLM`), as vLLM's engine core does: one scheduler,
-block pool, prefix cache and host tier serve every `generate` call, so a second call whose
-prompts share a system prompt with the first hits the blocks the first cached, until
-`reset_prefix_cache`. A prompt's n samples (SamplingParams.n, vLLM's parallel sampling) are n
-requests: the first caches the prompt's full blocks as it is scheduled and the others hit them,
-so the prompt's blocks are held once with ref_cnt n.
+block pool, prefix cache and host tier serve every `generate` call (a second call's shared
+prefix hits the blocks the first cached, until `reset_prefix_cache`). A prompt's n samples
+(SamplingParams.n, vLLM's parallel sampling) are n requests: the first caches the prompt's full
+blocks and the others hit them, so they are held once with ref_cnt n.
 
-Chunked prefill is on by default, as in vLLM V1 (the scheduler's rules; the step's budget,
-`max_num_batched_tokens`, defaults to 2048, and without chunked prefill to at least max_model_len).
+Chunked prefill is on by default, as in vLLM V1 (the step's budget, `max_num_batched_tokens`,
+defaults to 2048; without chunked prefill, to at least max_model_len).
 
-Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request
-keeps one row of the step's batch (B = max_num_seqs rows) from admission until it finishes
-or is preempted; empty rows are padding. A paged cache does not care which row a request
-sits in; the contiguous cache (`kv_layout="contiguous"`, kvjax.worker.paged_cache.ContiguousCache, the
-baseline paging is measured against) stores row r's K/V in its row r, so the same modules,
-steps and decode loop serve both layouts.
+Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request keeps
+one row of the step's batch (B = max_num_seqs rows) from admission until it finishes or is
+preempted; empty rows are padding. The contiguous cache (`kv_layout="contiguous"`, the baseline
+paging is measured against) stores row r's K/V in its row r, so one set of steps serves both.
 
 Two compiled device calls serve every plan (kvjax.engine.steps: the ragged step for any plan
 with prefill tokens, the decode loop for K = `steps_per_call` decode steps in one call), their
 shapes padded to buckets so that a run compiles a handful of programs, never one per step.
 
-Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`):
-the scheduler keeps its index (kvjax.kv_offload.manager) and plans, at admission, the loads of host
-hits that follow a request's device prefix hits (`StepPlan.loads`); the engine copies those
-pages into their fresh blocks before the step (kvjax.kv_offload.host_pages.HostPages.load) and, after the
-step, copies out the blocks that the step computed in full and the tier newly took
-(`Scheduler.take_stores`), without waiting for the copies.
+Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`): the
+scheduler plans, at admission, the loads of host hits (`StepPlan.loads`, kvjax.kv_offload.connector);
+the engine copies those pages in before the step (kvjax.kv_offload.host_pages) and, after it,
+copies out the blocks the tier newly took (`Scheduler.take_stores`), without waiting.
 
 Tensor parallelism (`tensor_parallel_size` > 1, vLLM's): the params and the paged cache are
 placed on a one-axis mesh with kvjax.worker.sharding's rules (column / row split, pages by kv heads)
@@ -45,14 +40,8 @@ and the same jitted steps run on them; XLA's partitioner splits the work and ins
 all-reduces. The pool state is replicated on every rank, as every vLLM worker holds the same
 block tables.
 
-The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
-the reference attention reads every position of the table it is given, so a short batch is
-not charged for max_model_len.
-
-The engine never prints; `generate` takes an optional progress callback. The model is any Flax
-module called as `model.apply({"params": p}, tokens i32[T], md, cache, logits_indices)` →
-(logits f32[R, V], cache) (models.build_model); its `config` supplies max_position_embeddings
-and vocab_size unless they are passed in. This module imports nothing from `models/`.
+The engine never prints (`generate` takes a progress callback) and imports nothing from
+`models/`: the model is any Flax module called as kvjax.worker.model_runner.forward calls it.
 """
 from __future__ import annotations
 
@@ -65,19 +54,20 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
-from kvjax.accounting.budget import pow2_bucket
 from kvjax.attention.metadata import build_metadata
 from kvjax.config.engine import DEFAULT_BUDGET, EngineConfig, EngineError
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.scheduler import Scheduler, SchedulerError
-from kvjax.engine import sampling
+from kvjax.engine import processor, sampling
 from kvjax.engine import steps as device
-from kvjax.engine.outputs import EngineRun, RequestResult, TokenLogprobs
+from kvjax.engine.outputs import EngineRun, RequestResult, token_logprobs
+from kvjax.engine.processor import find_stop_string
 from kvjax.engine.sampling import SamplingParams
 from kvjax.engine.stats import RunStats
 from kvjax.kv_offload import host_pages as offload
+from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.worker import sharding as shd
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
@@ -105,12 +95,13 @@ class Engine:
 
     def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
                  max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None):
-        """tokenizer: anything with decode(ids) → str; it gives results their text and is needed
-        for stop strings. With config.tensor_parallel_size > 1 the params are placed on a mesh
-        of that many devices (kvjax.worker.sharding) and the KV pages split over it by kv heads; with
-        more ranks than kv heads, `model` and `params` must already carry the repeated heads
-        (sharding.replicate_kv_heads, a model built with TPLayout.cache_kv_heads), as kvjax.LLM does. eos_token_ids: the model's EOS ids, the first being its primary EOS
-        (a stop on it has stop_reason None; the others act as stop_token_ids, as in vLLM)."""
+        """tokenizer: anything with decode(ids) → str (results' text, stop strings). The model's
+        `config` gives max_position_embeddings and vocab_size unless they are passed. With
+        config.tensor_parallel_size > 1 the params and KV pages are placed on a mesh
+        (kvjax.worker.sharding); with more ranks than kv heads, `model` and `params` must already
+        carry the repeated heads (sharding.replicate_kv_heads), as kvjax.LLM does. eos_token_ids:
+        the first is the primary EOS (its stop has stop_reason None; the others act as
+        stop_token_ids, as in vLLM)."""
         model_config = getattr(model, "config", None)
         model_len = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
         self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
@@ -124,6 +115,8 @@ class Engine:
         self.max_model_len = config.max_model_len or model_len  # what a request may reach
         self.usable_blocks = config.num_blocks - 1
         z = config.block_size
+        self.limits = processor.Limits(self.vocab_size, self.max_model_len, z, self.usable_blocks, config.max_logprobs,
+                                       tokenizer is not None)
         # The scheduler's table width: the longest request the pool could ever hold.
         sched_len = min(self.max_model_len, self.usable_blocks * z)
         # vLLM's default budget (2048), at least one token per row; without chunking never below
@@ -157,7 +150,7 @@ class Engine:
         """A thunk that creates the one-device KV cache (pages, or contiguous rows)."""
         cfg, z = self.config, self.config.block_size
         if cfg.kv_layout == "contiguous":
-            return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, -(-sched_len // z) * z)
+            return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, cdiv(sched_len, z) * z)
         return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales)
 
     def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales) -> None:
@@ -189,38 +182,11 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
-        """(why the request is refused or None, tokens it may generate: max_tokens clamped to
-        max_model_len). Rules: a non-empty prompt of ids in the vocabulary, shorter than
-        max_model_len; prompt + new tokens fit the pool's usable blocks; logprobs within
-        max_logprobs; stop strings need a tokenizer."""
-        z, n = self.config.block_size, len(prompt)
-        if n == 0:
-            return "empty prompt: at least one token is needed", 0
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab_size})", 0
-        if n >= self.max_model_len:
-            return (f"prompt has {n} tokens; the model's max length is {self.max_model_len} tokens "
-                    "including at least one generated token"), 0
-        room = self.max_model_len - n
-        new = room if params.max_tokens is None else min(params.max_tokens, room)
-        need = -(-(n + new) // z)
-        if need > self.usable_blocks:
-            return (f"needs {need} blocks of {z} tokens ({n} prompt + {new} new), but the pool has only "
-                    f"{self.usable_blocks} usable blocks"), 0
-        limit = self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            k = self.vocab_size if k == -1 else k
-            if k is not None and limit != -1 and k > limit:
-                return f"requested {name}={k}, more than max_logprobs={limit}", 0
-        if params.stop and self.tokenizer is None:
-            return "stop strings need a tokenizer (the engine was built without one)", 0
-        return None, new
+        """(why the request is refused or None, tokens it may generate): kvjax.engine.processor."""
+        return processor.check_request(prompt, params, self.limits)
 
     def num_logprobs(self, params: SamplingParams) -> int:
-        """How many most likely tokens the request's logprobs report (0 when it asks for none)."""
-        return 0 if params.logprobs is None else self.vocab_size if params.logprobs == -1 else params.logprobs
+        return processor.num_logprobs(params, self.vocab_size)
 
     # ------------------------------------------------------------------ the loop
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -295,8 +261,7 @@ class Engine:
                 self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
                 sched.loads_done(plan)
             prefill = np.flatnonzero(plan.prefill)
-            decode_form = plan.is_decode
-            if decode_form:
+            if plan.is_decode:
                 steps, used, finished = self._decode_call(sched, plan)
             else:
                 (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
@@ -307,13 +272,10 @@ class Engine:
                 stores = sched.take_stores()
                 host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
             now = time.perf_counter() - start
-            for rid, do in zip(plan.req_ids, plan.sample):
-                if do:
-                    res = by_id[rid]
-                    res.ttft_s = now if res.ttft_s is None else res.ttft_s
-                    res.last_token_s = now
+            for res in (by_id[rid] for rid, do in zip(plan.req_ids, plan.sample) if do):
+                res.ttft_s, res.last_token_s = now if res.ttft_s is None else res.ttft_s, now
             generated = int(plan.sample.sum()) + (steps - 1) * plan.num_requests
-            decode_tokens = plan.num_requests * steps - len(prefill) if decode_form else \
+            decode_tokens = plan.num_requests * steps - len(prefill) if plan.is_decode else \
                 plan.num_requests - len(prefill)
             stats.call(time.perf_counter() - t0, steps, used,
                        prefill_tokens=int(sum(plan.num_scheduled[i] for i in prefill)), decode_tokens=decode_tokens)
@@ -349,12 +311,11 @@ class Engine:
             # per device call), so the new characters start where the last check's text ended.
             text = self.tokenizer.decode(sched.output(rid))
             start, a.text_chars = a.text_chars, len(text)
-            hits = [(at, s) for s in a.params.stop if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
-            if not hits:
+            hit = find_stop_string(text, start, a.params.stop, a.params.include_stop_str_in_output)
+            if hit is None:
                 continue
-            at, s = min(hits)
-            a.result.text = text[:at + len(s)] if a.params.include_stop_str_in_output else text[:at]
-            a.result.finish_reason, a.result.stop_reason = "stop", s
+            a.result.text, a.result.stop_reason = hit
+            a.result.finish_reason = "stop"
             if rid not in finished:
                 sched.finish_request(rid, "stop")
                 ended.append(rid)
@@ -378,20 +339,15 @@ class Engine:
     def _record(self, rid: str, sampled, row: int, steps=slice(None)) -> None:
         """Keep request rid's reported log-probabilities from sampling.Sampled arrays (host copies)."""
         res = self._active[rid].result
-        if res.logprobs is None:
-            return
-        k = self.num_logprobs(self._active[rid].params)
-        for lp, rank, ids, lps in zip(np.atleast_1d(sampled.logprobs[steps, row]), np.atleast_1d(sampled.ranks[steps, row]),
-                                      np.atleast_2d(sampled.top_ids[steps, row]),
-                                      np.atleast_2d(sampled.top_logprobs[steps, row])):
-            res.logprobs.append(TokenLogprobs(float(lp), int(rank), ids[:k].tolist(), lps[:k].tolist()))
+        if res.logprobs is not None:
+            res.logprobs += token_logprobs(sampled, row, steps, self.num_logprobs(self._active[rid].params))
 
     def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str]]:
         cfg, z = self.config, self.config.block_size
         total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
         rows = [self._rows[r] for r in plan.req_ids]
-        width = pow2_bucket(-(-int(plan.seq_lens.max()) // z), -(-MIN_TABLE_TOKENS // z), plan.block_tables.shape[1])
+        width = _table_width(plan, int(plan.seq_lens.max()), z)
         tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
                             block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
@@ -415,8 +371,7 @@ class Engine:
         # strings are checked on the host after every token.
         one = plan.preempted or any(self._active[r].params.stop for r in plan.req_ids)
         max_steps = 1 if one else k
-        width = pow2_bucket(-(-(int(plan.seq_lens.max()) + max_steps - 1) // z), -(-MIN_TABLE_TOKENS // z),
-                            plan.block_tables.shape[1])
+        width = _table_width(plan, int(plan.seq_lens.max()) + max_steps - 1, z)
         rows = [self._rows[r] for r in plan.req_ids]
         tokens, computed = np.zeros(b, np.int32), np.zeros(b, np.int32)
         tokens[rows], computed[rows] = plan.token_ids, plan.seq_lens - 1
@@ -438,3 +393,7 @@ class Engine:
         return steps, [int(u) for u in used[:steps]], finished
 
 
+def _table_width(plan: StepPlan, tokens: int, z: int) -> int:
+    """The block-table width a step is given: the blocks of its longest row (`tokens`), bucketed
+    to a power of two of at least MIN_TABLE_TOKENS tokens, at most the tables' width."""
+    return pow2_bucket(cdiv(tokens, z), cdiv(MIN_TABLE_TOKENS, z), plan.block_tables.shape[1])

@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.accounting.budget import cdiv, pow2_bucket
 from kvjax.config.engine import DEFAULT_BUDGET, EngineConfig, EngineError
 from kvjax.engine.arg_utils import (LLMError, check_engine_args, check_limits, eviction_policy, generation_defaults,
                                     read_scales, read_template, skip_layers)
@@ -47,6 +46,7 @@ from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import INT32_MAX, check_int
 from kvjax.evaluation.scoring import sequence_logits
 from kvjax.kv_offload import host_pages as offload
+from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.worker.paged_cache import PagedCache
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization

@@ -33,6 +33,16 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+def token_logprobs(sampled, row: int, steps, k: int) -> list[TokenLogprobs]:
+    """The TokenLogprobs of batch row `row` at `steps` (an index or a slice) of sampling.Sampled
+    arrays (host copies, [steps, B, ...]), the k most likely kept."""
+    return [TokenLogprobs(float(lp), int(rank), ids[:k].tolist(), lps[:k].tolist())
+            for lp, rank, ids, lps in zip(np.atleast_1d(sampled.logprobs[steps, row]),
+                                          np.atleast_1d(sampled.ranks[steps, row]),
+                                          np.atleast_2d(sampled.top_ids[steps, row]),
+                                          np.atleast_2d(sampled.top_logprobs[steps, row]))]
+
+
 @dataclasses.dataclass
 class RequestResult:
     """One generated sequence: sample `sample` (of SamplingParams.n) of prompt `index`."""

@@ -22,6 +22,10 @@ programs, never one per step.
   preempted runs alone, since the next one may admit. Every `ok` flag the pool returns in
   the loop is checked; a refusal raises `SchedulerError` naming the request and the counts.
 
+The block table width passed to a step is bucketed too (powers of two, at least 64 tokens):
+the reference attention reads every position of the table it is given, so a short batch is
+not charged for max_model_len.
+
 Axes: B batch rows, T tokens, V vocabulary, M blocks per row, J log-probabilities per token.
 """
 from __future__ import annotations

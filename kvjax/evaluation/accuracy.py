@@ -50,7 +50,7 @@ import numpy as np
 from kvjax.data import HELDOUT, PROSE
 from kvjax.engine.llm import LLM
 from kvjax.engine.sampling import SamplingParams
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, check_int
 from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
 from kvjax.evaluation.metrics import BUCKETS, Tally, compare
 from kvjax.evaluation.scoring import ChunkedScorer, windows
@@ -141,11 +141,9 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
 
     for name, value in (("seq_len", seq_len), ("max_windows", max_windows), ("prompts", prompts),
                         ("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("long_chunk", long_chunk)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise KvjaxError(f"{name} must be a positive integer, got {value!r}")
+        check_int(value, name, 1, None)
     for name, value in (("long_windows", long_windows), ("sensitivity_windows", sensitivity_windows)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise KvjaxError(f"{name} must be a non-negative integer, got {value!r}")
+        check_int(value, name, 0, None)
     start = time.time()
     phases = {}
     say = progress or (lambda message: None)

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.accounting.budget import cdiv
 from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError
+from kvjax.math_utils import cdiv
 from kvjax.worker.model_runner import forward
 from kvjax.worker.paged_cache import PagedCache
 

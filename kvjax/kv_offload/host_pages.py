@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from kvjax.accounting import budget
-from kvjax.accounting.budget import pow2_bucket
 from kvjax.errors import KvjaxError
 from kvjax.kv_offload import manager as host_cache
+from kvjax.math_utils import pow2_bucket
 
 
 class OffloadError(KvjaxError):

@@ -64,9 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.accounting.budget import pow2_bucket
 from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, ordered
 from kvjax.errors import KvjaxError, require
+from kvjax.math_utils import pow2_bucket
 
 POLICIES = ("lru", "arc")
 

@@ -48,11 +48,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, check_int
 from kvjax.quant import formats as quant
 from kvjax.quant.kv_formats import KVFormat, stored_as
-
-NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 
 
 class CacheError(KvjaxError):
@@ -116,8 +114,7 @@ class PagedCache:
         MLA latent's f32[C]); without it they get vLLM's default, 1.0 everywhere.
         """
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CacheError(f"{name} must be a positive integer, got {value!r}")
+            check_int(value, name, 1, None, CacheError)
         if num_blocks < 2:
             raise CacheError(f"num_blocks {num_blocks} leaves no usable block: block 0 is the null block")
         _check_scales(spec, scales)
@@ -175,8 +172,7 @@ class ContiguousCache:
     def create(cls, spec: KVSpec, num_rows: int, max_len: int) -> "ContiguousCache":
         """Zeroed rows: num_rows batch rows of max_len positions, in the spec's (unquantized) dtype."""
         for name, value in (("num_rows", num_rows), ("max_len", max_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CacheError(f"{name} must be a positive integer, got {value!r}")
+            check_int(value, name, 1, None, CacheError)
         layers = []
         for i in range(spec.num_layers):
             kv = spec.layer_dtype(i)

@@ -43,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, check_int
 from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache
 
 AXIS = "tp"
@@ -67,8 +67,7 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     model code (JAX's default for `jax.make_mesh` is now Explicit, which would require every
     reshape in the model to name its output sharding).
     """
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
-        raise ShardingError(f"tp must be a positive integer, got {tp!r}")
+    check_int(tp, "tp", 1, None, ShardingError)
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < tp:
         hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"

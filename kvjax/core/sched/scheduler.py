@@ -22,19 +22,11 @@ plans one engine step, the way vLLM V1's `Scheduler.schedule` does:
    `chunked_prefill=False` (vLLM's `enable_chunked_prefill=False`) a request is admitted only
    if all of its tokens past its prefix hit fit the remaining budget, so a prompt is never split.
 
-Host offload tier (`num_host_blocks` > 0; vLLM's OffloadingConnector, scheduler side): at
-each admission attempt, all of the request's full-block hashes are touched first (resident
-or not, so an ARC ghost hit moves p); after the device prefix hits, the request's hash chain
-continues in the tier (kvjax.kv_offload.manager.lookup, capped so the last token is still
-computed); its contiguous host hits take fresh blocks in the same `allocate_slots` call and
-count as computed tokens (vLLM's external tokens), so only the rest is scheduled, and the
-plan lists their copies (`StepPlan.loads`; the slots stay pinned until `loads_done`). If
-the pool has no room for them and the rest, the request waits like any admission. After
-every step (`update`, `apply_decode_steps`), each request's full blocks not yet offered are
-offered to the tier
-(`host_cache.store`, which keeps the hashes it lacks and evicts by its policy, LRU or ARC):
-from block 0, device hits included, or from after its host hits; when it stored any, the
-request's earlier blocks are touched too. `take_stores` hands the engine the copies to make.
+Host offload tier (`num_host_blocks` > 0; vLLM's OffloadingConnector, scheduler side,
+kvjax.kv_offload.connector): at admission, the tier's hits after the device prefix hits take
+fresh blocks in the same `allocate_slots` call and count as computed, so only the rest is
+scheduled (`StepPlan.loads` lists their copies); after every step, each request's full blocks
+not yet offered are offered to the tier (`take_stores` hands the engine the copies to make).
 
 `schedule()` reads as those steps: `_schedule_running` (with `_preempt_for` when the pool is
 short), then `_admit_waiting`, then `_plan`. Each piece of request state has one owner: the
@@ -42,15 +34,12 @@ host `Request` holds tokens, output and status; the pool holds block tables and 
 tokens each request has computed (the plan's `seq_lens` are read from it, never mirrored).
 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which
-requests run, how many tokens each, their token ids and block tables as NumPy arrays) that a
-model runner consumes; `update(plan, sampled)` takes the sampled tokens back through the decode
-transition (kvjax.core.sched.transition, the one rule the engine's device loop applies too): the
-stop check in vLLM 0.33 `check_stop`'s order, "stop" when the token is one of its stop ids (its
-stop_token_ids, and the model's EOS unless it ignores EOS), else "length" when it reached its
-`max_new_tokens` (the engine clamps it to max_model_len); then one batched `append_token_step` of
-the tokens that go on. The plan carries each request's remaining tokens and stop ids, so a model
-runner never reads them from the requests. `finish_request` ends one from outside (a stop
-string). A finished request's blocks return to the pool at once; its full blocks stay cached.
+requests run, how many tokens each, their token ids, block tables, remaining tokens and stop
+ids as NumPy arrays) that a model runner consumes; `update(plan, sampled)` takes the sampled
+tokens back through the decode transition (kvjax.core.sched.transition: the stop check in vLLM
+0.33 `check_stop`'s order, then the append of the tokens that go on), the one rule the engine's
+device loop applies too. `finish_request` ends one from outside (a stop string). A finished
+request's blocks return to the pool at once; its full blocks stay cached.
 
 The running requests' allocation asks `manager.step_fits` first — the same rule the engine's
 device decode loop applies before each of its steps — and, when everything fits, is one
@@ -72,22 +61,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.accounting import memory as mem
-from kvjax.accounting.budget import pow2_bucket
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core import kv_cache_utils as hashing
 from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.request import Request
-from kvjax.core.sched.transition import FINISH_REASONS, DecodeRows, host_transition
+from kvjax.core.sched.update import SchedulerError, SchedulerUpdates, _require
 from kvjax.errors import KvjaxError
 from kvjax.kv_offload import connector
-from kvjax.kv_offload import manager as host_cache
-
-
-class SchedulerError(manager.PoolRefusedError):
-    """The block pool refused an operation that the scheduler's own accounting said must
-    succeed, or the schedule itself went wrong: a bug in kvjax, not bad input. The message
-    names the request and the counts."""
+from kvjax.math_utils import cdiv, pow2_bucket
 
 
 def _devices(placement) -> list:
@@ -110,7 +92,7 @@ class _Step:
         self.budget -= n
 
 
-class Scheduler:
+class Scheduler(SchedulerUpdates):
     """Requests, their queues, and the block pool state (the one owner of block tables and of
     how many tokens each request has computed); see the module docstring."""
 
@@ -120,7 +102,7 @@ class Scheduler:
         self.config = config
         self.placement = placement if placement is not None else jax.devices()[0]
         z = config.block_size
-        self.max_blocks = -(-config.max_model_len // z)
+        self.max_blocks = cdiv(config.max_model_len, z)
         self.num_slots = config.num_slots
         mem.check_fits(f"the scheduler's tables ({config.describe()})", config.state_bytes(),
                        _devices(self.placement))
@@ -134,14 +116,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._arrivals = 0
         # The host offload tier's index; the engine moves the bytes (kvjax.kv_offload.host_pages).
-        self.host = self.new_host_index() if config.num_host_blocks else None
-        self.stores: list[tuple[int, int]] = []  # (device block, host slot) to copy after the step
-        self.host_hit_tokens = 0
-
-    def new_host_index(self) -> host_cache.HostIndex:
-        """An empty host tier index, committed to the device like the pool state."""
-        return jax.device_put(host_cache.init(self.config.num_host_blocks, self.config.host_policy),
-                              self.placement)
+        self.tier = connector.HostTier(config.num_host_blocks, config.host_policy, self.placement, z,
+                                       self.max_blocks) if config.num_host_blocks else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int,
@@ -194,15 +170,15 @@ class Scheduler:
         state, ok = manager.reset_prefix_cache(self.state)
         _require(ok, "the block pool refused to reset its prefix cache with no request running")
         self.state = state
-        if reset_host and self.host is not None:
-            self.host = self.new_host_index()
+        if reset_host and self.tier is not None:
+            self.tier.index = self.tier.new_index()
         return True
 
     def num_free_blocks(self) -> int:
         return int(self.state.pool.num_free)
 
     def host_blocks_in_use(self) -> int:
-        return 0 if self.host is None else int(self.host.valid.sum())
+        return 0 if self.tier is None else self.tier.blocks_in_use()
 
     def _key(self, req: Request) -> tuple[int, int]:
         return (req.priority, req.arrival) if self.config.policy == "priority" else (0, req.arrival)
@@ -310,7 +286,8 @@ class Scheduler:
             if req.slot is None and not self._put_in_pool(req):
                 return
             hits, nh = manager.get_computed_blocks(self.state, req.slot)
-            host_hashes, nx = self._host_lookup(req, int(nh))
+            host_hashes, nx = (None, 0) if self.tier is None else \
+                self.tier.lookup(np.asarray(self.state.reqs.req_hash[req.slot]), req.num_tokens, int(nh))
             rest = req.num_tokens - (int(nh) + nx) * z
             if not cfg.chunked_prefill and rest > step.budget:
                 return  # vLLM without chunked prefill: wait for a step with room for the whole prompt
@@ -321,7 +298,8 @@ class Scheduler:
             if not bool(ok):
                 return
             if nx:
-                self._host_load(req, host_hashes, int(nh), nx, step)
+                step.loads += self.tier.plan_loads(
+                    host_hashes, nx, np.asarray(self.state.reqs.block_table[req.slot])[int(nh):int(nh) + nx])
                 req.host_next = int(nh) + nx  # loaded blocks are not offered back
             self.waiting.remove(req)
             self.running.append(req)
@@ -330,49 +308,30 @@ class Scheduler:
             step.take(req, n)
 
     # ------------------------------------------------------------------ the host tier
-    def _host_lookup(self, req: Request, num_hits: int) -> tuple[np.ndarray | None, int]:
-        """The request's block hashes after its num_hits device hits (u32[M, 2], zero padded) and
-        how many of them, from the first, the host tier holds, capped like device hits so the
-        last token is computed. First, as vLLM's connector does at each admission attempt, all
-        of the request's full-block hashes are touched, resident or not (ARC: a ghost hit
-        moves p)."""
-        if self.host is None:
-            return None, 0
-        self.host, hashes, n = connector.lookup(self.host, np.asarray(self.state.reqs.req_hash[req.slot]),
-                                                req.num_tokens, num_hits, self.config.block_size, self.max_blocks)
-        return hashes, n
+    @property
+    def host(self):
+        """The host tier's index (kvjax.kv_offload.manager.HostIndex), or None without a tier."""
+        return None if self.tier is None else self.tier.index
 
-    def _host_load(self, req: Request, hashes: np.ndarray, num_hits: int, n: int, step: "_Step") -> None:
-        """Pin the request's n host hits until loaded (prepare_load) and plan their copies into
-        the fresh blocks after its device hits."""
-        self.host, slots = host_cache.prepare_load(self.host, hashes, n)
-        blocks = np.asarray(self.state.reqs.block_table[req.slot])[num_hits:num_hits + n]
-        step.loads += zip(np.asarray(slots[:n]).tolist(), blocks.tolist())
-        self.host_hit_tokens += n * self.config.block_size
+    @property
+    def host_hit_tokens(self) -> int:
+        return 0 if self.tier is None else self.tier.hit_tokens
 
     def loads_done(self, plan: StepPlan) -> None:
-        """The engine copied the plan's loads in: unpin their host slots (complete_load)."""
-        if len(plan.loads):
-            slots = np.full(pow2_bucket(len(plan.loads)), -1, np.int32)
-            slots[: len(plan.loads)] = plan.loads[:, 0]
-            self.host, ok = host_cache.complete_load(self.host, slots, len(plan.loads))
-            _require(ok, f"the host tier refused to unpin slots {plan.loads[:, 0].tolist()} after their load")
+        """The engine copied the plan's loads in: unpin their host slots."""
+        self.tier.loads_done(plan.loads)
+
+    def take_stores(self) -> list[tuple[int, int]]:
+        return [] if self.tier is None else self.tier.take_stores()
 
     def _store(self, reqs: list[Request], tables, end) -> None:
-        """Offer the host tier each row's full blocks not yet offered: logical blocks
-        req.host_next .. end[i] - 1 of tables[i] (vLLM's connector starts a request at block 0,
-        device hits included, or after its host hits), row by row as the connector does
-        (`host_cache.offer`). `stores` lists the (device block, host slot) copies to make."""
-        if self.host is None or not any(b > r.host_next for r, b in zip(reqs, end)):
+        """Offer the host tier each row's full blocks not yet offered (logical blocks
+        req.host_next .. end[i] - 1 of tables[i]), row by row as vLLM's connector does."""
+        if self.tier is None or not any(b > r.host_next for r, b in zip(reqs, end)):
             return
         req_hash = np.asarray(self.state.reqs.req_hash)  # a computed full block's hash is its request's
         for req, t, b in zip(reqs, tables, end):
-            self.host, stored, req.host_next = connector.offer(self.host, req_hash[req.slot], req.host_next, int(b))
-            self.stores += [(int(t[j]), s) for j, s in stored]
-
-    def take_stores(self) -> list[tuple[int, int]]:
-        stores, self.stores = self.stores, []
-        return stores
+            req.host_next = self.tier.store(req_hash[req.slot], req.host_next, int(b), t)
 
     def _plan(self, step: "_Step") -> StepPlan:
         reqs = [self.requests[r] for r in step.scheduled]
@@ -398,114 +357,3 @@ class Scheduler:
             num_tokens=np.array([r.num_tokens for r in reqs], np.int32).reshape(-1),
             num_preemptions=np.array([r.num_preemptions for r in reqs], np.int32).reshape(-1),
             loads=np.array(step.loads, np.int32).reshape(-1, 2))
-
-    def decode_rows(self, plan: StepPlan, rows=None, num_rows: int | None = None) -> DecodeRows:
-        """The plan's requests as the decode transition's rows: plan order, padded to
-        max_num_seqs rows (one compile), or placed at `rows` of `num_rows` (the engine's rows)."""
-        b = num_rows or self.config.max_num_seqs
-        at = np.arange(plan.num_requests) if rows is None else np.asarray(rows, np.int64)
-        slots, remaining = np.full(b, -1, np.int32), np.zeros(b, np.int32)
-        stop_ids = np.full((b, plan.stop_ids.shape[1]), -1, np.int32)
-        slots[at], remaining[at], stop_ids[at] = plan.slots, plan.remaining, plan.stop_ids
-        return DecodeRows(slots, remaining, stop_ids)
-
-    def update(self, plan: StepPlan, sampled) -> list[str]:
-        """Take the sampled tokens (i32[B], aligned with plan rows; rows with sample False
-        are ignored) through the decode transition (kvjax.core.sched.transition: the stop check,
-        then the append of each token that goes on). Returns the finished request ids."""
-        sampled = np.asarray(sampled).reshape(-1)
-        if sampled.shape[0] != plan.num_requests:
-            raise SchedulerError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
-        z, b = self.config.block_size, self.config.max_num_seqs
-        self._store([self.requests[r] for r in plan.req_ids], plan.block_tables, plan.seq_lens // z)
-        active = np.zeros(b, bool)
-        active[:plan.num_requests] = np.asarray(plan.sample, bool) & np.array(
-            [self.requests[r].status == "running" for r in plan.req_ids], bool)
-        tokens = np.zeros(b, np.int32)
-        tokens[:plan.num_requests] = sampled
-        self.state, t = host_transition(self.state, self.decode_rows(plan), tokens, active)
-        finish, refused = jax.device_get((t.finish, t.append_refused))
-        if refused.any():
-            i = int(np.flatnonzero(refused)[0])
-            req = self.requests[plan.req_ids[i]]
-            raise SchedulerError(f"the pool refused sampled token {int(tokens[i])} of request {req.req_id!r} "
-                                 f"({req.num_tokens + 1} tokens)")
-        return self._adopt(plan, tokens[None, :plan.num_requests], active[:plan.num_requests],
-                           finish[:plan.num_requests])
-
-    def _adopt(self, plan: StepPlan, sampled: np.ndarray, active: np.ndarray, finish: np.ndarray) -> list[str]:
-        """Append the steps' tokens (i32[n, B]) to the active requests' outputs, and finish those
-        whose transition finished them (finish: i32[B] FINISH_REASONS index, after the last step)."""
-        finished = []
-        for i, rid in enumerate(plan.req_ids):
-            if not active[i]:
-                continue
-            req = self.requests[rid]
-            req.output += [int(x) for x in sampled[:, i]]
-            req.finish_reason = FINISH_REASONS[int(finish[i])]
-            if req.finish_reason:
-                finished.append(req)
-        for req in finished:
-            self._finish(req)
-        return [r.req_id for r in finished]
-
-    def finish_request(self, req_id: str, reason: str) -> None:
-        """End a running or waiting request from outside (vLLM `finish_requests`: a stop string
-        the detokenizer found, an abort): its blocks return to the pool."""
-        req = self.requests[req_id]
-        if req.status == "finished":
-            raise SchedulerError(f"request {req_id!r} already finished ({req.finish_reason})")
-        req.finish_reason = reason
-        if req.status == "running":
-            self._finish(req)
-            return
-        self.waiting.remove(req)
-        if req.slot is not None:
-            self.state, ok = manager.remove_request(self.state, req.slot)
-            _require(ok, f"the pool refused to remove waiting request {req_id!r} from slot {req.slot}")
-        req.status, req.slot = "finished", None
-
-    def _finish(self, req: Request) -> None:
-        self.state, ok = manager.free(self.state, req.slot)
-        self.state, ok2 = manager.remove_request(self.state, req.slot)
-        _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
-        self.running.remove(req)
-        req.status, req.slot = "finished", None
-
-    def decode_steps(self, plan: StepPlan, run) -> tuple[list[str], object]:
-        """Let a device loop run the decode plan and its next steps itself: run(pool state) →
-        (pool state, sampled i32[n, B] per step and plan row, finish i32[B], extra). The
-        scheduler hands its pool to the loop and adopts what it returns (apply_decode_steps).
-        → (finished request ids, extra)."""
-        if not plan.is_decode:
-            raise SchedulerError("decode_steps needs a decode plan: one token per request, all sampling")
-        state, sampled, finish, extra = run(self.state)
-        return self.apply_decode_steps(plan, sampled, state, finish), extra
-
-    def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager, finish) -> list[str]:
-        """Adopt n decode steps that a device loop ran itself (kvjax.engine.core, --steps-per-call).
-
-        `plan` is a decode plan (one token per request, every request samples) that `schedule()`
-        returned; the device loop ran it, then n - 1 more steps of the same requests, doing
-        what `update` + `schedule` would have done between them, with the same decode transition
-        (kvjax.core.sched.transition) after each step. It stopped after the first step in which
-        a request finished (length or stop token), before an allocation that did not fit (the
-        host then preempts as usual), or after its step limit. sampled: i32[n, B] tokens per step
-        and plan row; state: the loop's final pool; finish: i32[B] each row's FINISH_REASONS
-        index after the last step. Finishes the requests that ended. Returns their ids."""
-        sampled, finish = np.asarray(sampled), np.asarray(finish)
-        if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
-            raise SchedulerError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
-        if not plan.is_decode:
-            raise SchedulerError("apply_decode_steps needs a decode plan: one token per request, all sampling")
-        self.state = state
-        steps, z = sampled.shape[0], self.config.block_size
-        if self.host is not None:
-            tables = np.asarray(state.reqs.block_table)[plan.slots]
-            self._store([self.requests[r] for r in plan.req_ids], tables, (plan.seq_lens - 1 + steps) // z)
-        return self._adopt(plan, sampled, np.ones(plan.num_requests, bool), finish)
-
-
-def _require(ok, message: str) -> None:
-    if not bool(ok):
-        raise SchedulerError(message)

@@ -1,0 +1,71 @@
+"""Requests on their way in and out (vLLM V1's `vllm/v1/engine/processor.py` and its detokenizer's
+stop strings): what fails a request alone, as vLLM's engine fails one request and runs the
+others, and where a stop string ends one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from kvjax.engine.sampling import SamplingParams
+from kvjax.math_utils import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What an engine can serve: the rules a request is checked against."""
+
+    vocab_size: int
+    max_model_len: int  # prompt + generated tokens
+    block_size: int
+    usable_blocks: int  # the pool's blocks, the null block not counted
+    max_logprobs: int  # -1: no limit
+    has_tokenizer: bool  # stop strings need one
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, limits: Limits) -> tuple[str | None, int]:
+    """(why the request is refused or None, tokens it may generate: max_tokens clamped to
+    max_model_len). Rules: a non-empty prompt of ids in the vocabulary, shorter than
+    max_model_len; prompt + new tokens fit the pool's usable blocks; logprobs within
+    max_logprobs; stop strings need a tokenizer."""
+    z, n = limits.block_size, len(prompt)
+    if n == 0:
+        return "empty prompt: at least one token is needed", 0
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the model's vocabulary [0, {limits.vocab_size})", 0
+    if n >= limits.max_model_len:
+        return (f"prompt has {n} tokens; the model's max length is {limits.max_model_len} tokens "
+                "including at least one generated token"), 0
+    room = limits.max_model_len - n
+    new = room if params.max_tokens is None else min(params.max_tokens, room)
+    need = cdiv(n + new, z)
+    if need > limits.usable_blocks:
+        return (f"needs {need} blocks of {z} tokens ({n} prompt + {new} new), but the pool has only "
+                f"{limits.usable_blocks} usable blocks"), 0
+    limit = limits.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        k = limits.vocab_size if k == -1 else k
+        if k is not None and limit != -1 and k > limit:
+            return f"requested {name}={k}, more than max_logprobs={limit}", 0
+    if params.stop and not limits.has_tokenizer:
+        return "stop strings need a tokenizer (the engine was built without one)", 0
+    return None, new
+
+
+def num_logprobs(params: SamplingParams, vocab_size: int) -> int:
+    """How many most likely tokens the request's logprobs report (0 when it asks for none)."""
+    return 0 if params.logprobs is None else vocab_size if params.logprobs == -1 else params.logprobs
+
+
+def find_stop_string(text: str, start: int, stops, include: bool) -> tuple[str, str] | None:
+    """vLLM's stop-string check on a request's text after a new token: the stop string that
+    occurs first, searched from where the text of the last check ended (`start` characters; a
+    string may straddle it). → (the text cut before it, or after it with include, the string),
+    or None."""
+    hits = [(at, s) for s in stops if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    if not hits:
+        return None
+    at, s = min(hits)
+    return (text[:at + len(s)] if include else text[:at]), s
