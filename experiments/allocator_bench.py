@@ -2,16 +2,16 @@
 
 One "op" = one request getting the slot for its next decode token: append the sampled
 token (hashing the block it completes) and allocate_slots(1) (a new block every Z tokens,
-cached when full). At N concurrent requests, one decode step is N ops. Three ways:
+cached when full). At B concurrent requests, one decode step is B ops. Three ways:
 
 * oracle    kvjax/testing/pool_oracle.py, plain Python lists/dicts, one request at a time
             (vLLM's own allocator is plain Python objects like these);
 * jax-call  kv_cache_manager.append_token_step + allocate_step jitted together, one call
             per step, driven by a host loop (kvjax.core.sched.scheduler makes calls like these);
-* jax-scan  the same two calls for all D steps inside one jitted lax.scan (no host round
+* jax-scan  the same two calls for all STEPS steps inside one jitted lax.scan (no host round
             trip; what a fused decode loop does).
 
-Compile time is excluded (each path is warmed up once); each measurement reruns the D
+Compile time is excluded (each path is warmed up once); each measurement reruns the STEPS
 steps from the same start state until it has taken MIN_TIME_S. A ratio, not a pass/fail. The
 "loop iterations" column counts, in the jaxpr of one jitted decode step, the iterations of
 every sequential loop (scan, fori_loop, while_loop; nested loops multiply): each one is a
@@ -90,7 +90,7 @@ def setup_jax(n: int):
 
 @jax.jit
 def decode_step(s, t, reqs):
-    """One decode step's bookkeeping for requests reqs (i32[N]), as one jitted call."""
+    """One decode step's bookkeeping for requests reqs (i32[B]), as one jitted call."""
     n = reqs.shape[0]
     s, ok_a = manager.append_token_step(s, jnp.full(n, 1, jnp.int32) * t, jnp.ones(n, bool))
     s, ok = manager.allocate_step(s, reqs, jnp.ones(n, jnp.int32))

@@ -25,7 +25,7 @@ host loop at batch 8 on a small model.
 `--vs-transformers` runs kvjax against transformers on the same fp32 weights, batch 1 and 8
 (experiments/vs_transformers.py; `--model smollm2-135m` for the real model).
 
-`--sweep-kv` instead runs the engine (K = 8) on a random-weight Llama-3-8B-shaped model in bf16
+`--sweep-kv` instead runs the engine (steps_per_call 8) on a random-weight Llama-3-8B-shaped model in bf16
 (`kvjax.config.presets.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
 pallas attention: decode tokens/s and step latency per variant, results rewritten after each
 variant so that a time limit leaves what was done. That is the GPU check's decode step

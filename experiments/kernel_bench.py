@@ -58,8 +58,8 @@ class Model:
     kind: str  # "gqa" | "mla"
     heads: int  # query heads N
     kv_heads: int  # K (1 for MLA)
-    head_dim: int  # H (GQA) or kv_lora_rank R (MLA)
-    rope_dim: int = 0  # Dr (MLA)
+    head_dim: int  # H (GQA) or kv_lora_rank (MLA)
+    rope_dim: int = 0  # rope, qk_rope_head_dim (MLA)
 
     def kv_bytes(self, batch: int, context: int, itemsize: int) -> int:
         per_token = 2 * self.kv_heads * self.head_dim if self.kind == "gqa" else self.head_dim + self.rope_dim

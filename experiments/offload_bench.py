@@ -1,6 +1,6 @@
 """Host offload tier benchmark: multi-turn chat with and without a host KV tier, over host sizes.
 
-The workload is N conversations × T turns. A conversation's first prompt is `first` tokens;
+The workload is `conversations` × `turns` prompts. A conversation's first prompt is `first` tokens;
 each later prompt is the previous one plus `new` tokens (the assistant's recorded reply and
 the user's next message; fixed text, so the whole workload is known up front). Prompts are
 interleaved turn by turn (turn 1 of every conversation, then turn 2, ...) and submitted in

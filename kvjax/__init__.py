@@ -15,6 +15,31 @@ folders become `kvjax.models` and `kvjax.experiments` (pyproject.toml's package-
 checkout those folders sit beside `kvjax/`, not inside it; `_CheckoutFolders` maps the same two
 names there, so pytest or `python -m` run from the repository root (where `./kvjax` comes first
 on sys.path, before any install) import all of kvjax from that one tree.
+
+Axes. Every shape comment and docstring in kvjax/, models/ and experiments/ (`i32[B, M]`,
+`[P, Z, K, H]`) uses this one legend, each letter for one thing only:
+
+    B  batch rows of a step (its requests; a scoring batch's windows)
+    T  tokens: a step's flat, padded token axis (a chunk's, or the token ids handed to one call)
+    Q  new tokens per sequence in a step (max_query_len)
+    S  positions of a sequence (cached, or of a scoring window)
+    N  query heads              K  kv heads              G  query heads per kv head (N / K)
+    H  head dim (Hk, Hv where the keys' and the values' differ)
+    C  MLA latent channels (kv_lora_rank + qk_rope_head_dim)
+    D  hidden size              V  vocabulary            L  layers
+    P  pages (blocks) of the pool, the null block 0 included
+    Z  tokens per page (block size)
+    M  blocks per request (block-table width)
+    R  request slots of the pool
+    E  host slots of the offload tier (also the cells of each ARC ghost list)
+    A  entries handed to one block-pool or host-index call (blocks, hashes or slots)
+    X  stop ids per row         J  log-probabilities per token          W  scoring windows
+
+Lengths that are not axes of the model or the cache are spelled out: steps (the decode steps of
+one device call: `[steps, B]`), loads (host → device copies), splits (split-K), the Pallas
+tiles (block_h, block_k, pages_per_split), MLA's widths (kv_lora_rank, rope, nope, v) and a
+hash's two u32 lanes (2). A module's own note says what a letter is for its calls where that
+adds something (which M, which T); in prose, K and V alone are the key and value tensors.
 """
 from __future__ import annotations
 

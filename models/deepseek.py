@@ -3,12 +3,12 @@
 MLA (DeepSeek-V2, arXiv 2405.04434, §2.1) compresses each token's keys and values into one
 latent c_kv (kv_lora_rank lanes, RMS-normed) plus one rope key k_pe shared by all heads
 (qk_rope_head_dim lanes). Only [c_kv, k_pe] is cached: one vector of C = kv_lora_rank +
-qk_rope_head_dim per token per layer, with no head axis (SPEC: f = 1, Hkv = 1).
+qk_rope_head_dim per token per layer, with no head axis (SPEC: f = 1, one kv head).
 
 transformers' `DeepseekV3Attention` expands the cached latent through kv_b_proj into per-head
 keys [k_nope, k_pe] and values. kvjax uses the absorbed form for every step, prefill and
 decode alike (vLLM's MLA decode path; mathematically equal to the expansion, and one code path
-to test): with kv_b_proj's weight viewed as W [C, N, nope + v] = [W_UK | W_UV],
+to test): with kv_b_proj's weight viewed as W [kv_lora_rank, N, nope + v] = [W_UK | W_UV],
 
     score(t, s, n) = (q_nope[t, n] · W_UK[:, n]) · c_kv[s] + q_pe[t, n] · k_pe[s]
     out(t, n)      = (Σ_s p(t, s, n) c_kv[s]) · W_UV[:, n]
@@ -33,7 +33,7 @@ from kvjax.worker.paged_cache import ContiguousLatent, LatentPages, write_step
 
 
 class KVUpProjection(nn.Module):
-    """kv_b_proj's weight, kept as a matrix for absorption: returns W [C, N, nope + v]."""
+    """kv_b_proj's weight, kept as a matrix for absorption: returns W [kv_lora_rank, N, nope + v]."""
 
     config: ModelConfig
 
@@ -75,7 +75,7 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(kv[:, None, rank:], md.positions, freq, factor, c.rope.layout)[:, 0]  # [T, rope]
         pages = write_step(pages, md, jnp.concatenate([c_kv, k_pe], axis=-1))
 
-        w = KVUpProjection(c, name="kv_b_proj")().astype(jnp.float32)  # [C, N, nope + v]
+        w = KVUpProjection(c, name="kv_b_proj")().astype(jnp.float32)  # [kv_lora_rank, N, nope + v]
         w_uk, w_uv = w[..., :nope], w[..., nope:]
         q_latent = jnp.einsum("tnd,cnd->tnc", q_nope.astype(jnp.float32), w_uk)  # f32[T, N, kv_lora_rank]
         scale = deepseek_softmax_scale(c.rope, nope + rope, c.max_position_embeddings)

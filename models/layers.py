@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """tokens i32[T], metadata, cache → (logits f32[T, V] or f32[R, V] at logits_indices i32[R], cache)."""
+    """tokens i32[T], metadata, cache → (logits f32[T, V] or f32[B, V] at logits_indices i32[B], cache)."""
 
     config: ModelConfig
     attn_impl: str = "reference"
@@ -134,7 +134,7 @@ class CausalLM(nn.Module):
             layers.append(pages)
         x = RMSNorm(c.rms_norm_eps, c.dtype, name="norm")(x)
         if logits_indices is not None:
-            x = x[logits_indices]  # [R, D]
+            x = x[logits_indices]  # [B, D]
         if c.tie_word_embeddings:
             logits = embed.attend(x)
         else:

@@ -96,13 +96,14 @@ def deepseek_softmax_scale(rope: RopeConfig, qk_head_dim: int, max_position_embe
 
 def apply_rope(x: jax.Array, positions: jax.Array, freq: np.ndarray, attention_factor: float,
                layout: str) -> jax.Array:
-    """Rotate x: [T, N, R] at positions i32[T] by freq f32[R // 2] → [T, N, R] in x's dtype.
+    """Rotate x: [T, heads, rope] at positions i32[T] by freq f32[rope // 2] → x's shape and dtype
+    (heads: N, K or 1; rope: the rotated width, H or MLA's qk_rope_head_dim).
 
     The rotation runs in f32 for every layout (transformers does so for DeepSeek-V2 and in the
     input dtype elsewhere: identical in f32, within bf16 rounding otherwise).
     """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(freq)[None, :]  # f32[T, R/2]
-    cos = (jnp.cos(angles) * attention_factor)[:, None, :]  # f32[T, 1, R/2]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(freq)[None, :]  # f32[T, rope/2]
+    cos = (jnp.cos(angles) * attention_factor)[:, None, :]  # f32[T, 1, rope/2]
     sin = (jnp.sin(angles) * attention_factor)[:, None, :]
     xf = x.astype(jnp.float32)
     if layout == "half":

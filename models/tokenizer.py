@@ -26,7 +26,7 @@ from kvjax.errors import KvjaxError, check_input_file, decode_utf8, one_line, re
 
 
 class Tokenizer:
-    """encode(text) → ids, decode(ids) → text, encode_file(path) → ids i32[N]."""
+    """encode(text) → ids, decode(ids) → text, encode_file(path) → ids i32[T]."""
 
     def __init__(self, folder: str | None = None, *, backend=None):
         """folder: a checkpoint folder (its tokenizer.json, if it has one); backend: a
@@ -76,7 +76,7 @@ class Tokenizer:
         return self._tok.id_to_token(int(token_id))
 
     def encode_file(self, path: str) -> np.ndarray:
-        """Token ids i32[N] of a text file (the byte vocabulary takes its bytes as they are)."""
+        """Token ids i32[T] of a text file (the byte vocabulary takes its bytes as they are)."""
         data = read_bytes(path, "data file")
         if self._tok is None:
             return np.frombuffer(data, np.uint8).astype(np.int32)

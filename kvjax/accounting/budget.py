@@ -18,7 +18,7 @@ over the TP ranks and each rank offloads its own shard into its 1/tp:
 
 and the simulator of SPEC "The simulator": concurrency = floor(budget / KV per request), shown
 beside the unrounded value and beside what the block pool really admits,
-floor(usable / cdiv(T, block_size)), which also pays for the tail block's waste.
+floor(usable / cdiv(context, block_size)), which also pays for the tail block's waste.
 
 Everything is exact integer/rational arithmetic: GiB inputs such as 65.2 are read as exact
 decimals (Fraction), never as binary floats, and a fractional byte count is rounded UP

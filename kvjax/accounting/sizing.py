@@ -23,7 +23,7 @@ Unlike vLLM's dummy run, which spreads the tokens over min(tokens, max_num_seqs)
 samples max_num_seqs rows, the profile is one sequence with one row of logits.
 
 Tensor parallelism: pass a mesh (kvjax.worker.sharding.make_mesh) and params placed by
-kvjax.worker.sharding.param_shardings; with tp > Hkv the model and params must already carry the
+kvjax.worker.sharding.param_shardings; with tp > K the model and params must already carry the
 repeated kv heads (TPLayout.cache_kv_heads, sharding.replicate_kv_heads).
 """
 from __future__ import annotations

@@ -57,7 +57,7 @@ Q_DTYPES = tuple(f.dtype for f in kv_formats("none"))  # float32, bfloat16, floa
 # ----------------------------------------------------------------------------------- the kernel
 
 def dot_f32(a, b, *, contract_b: int, precision):
-    """a [M, D] · b ([D, N] if contract_b == 0, [N, D] if 1) → f32 [M, N]."""
+    """a [rows, depth] · b ([depth, cols] if contract_b == 0, [cols, depth] if 1) → f32[rows, cols]."""
     return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
 
@@ -82,7 +82,8 @@ def step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_bloc
 
 
 def online_softmax_step(carry, logits, valid, v, compute_dtype, precision):
-    """Fold one step's f32 logits [R, block_k] and values [block_k, D] into (o, m, l)."""
+    """Fold one step's f32 logits [block_h, block_k] and values [block_k, H] (MLA: [block_k, kv_lora_rank])
+    into (o, m, l)."""
     o, m, l = carry
     logits = jnp.where(valid[None, :], logits, MASK_VALUE)
     m_new = jnp.maximum(m, logits.max(axis=-1))  # every step holds >= 1 valid token: finite
@@ -161,14 +162,15 @@ def split_block_tables(block_tables, num_splits: int, pages_per_block: int):
 
 
 def merge_splits(o, lse, axis: int):
-    """Combine per-split normalized outputs o [..., S, R, D] and logsumexps lse [..., S, R].
+    """Combine per-split normalized outputs o [..., splits, block_h, width] and logsumexps
+    lse [..., splits, block_h].
 
     out = Σ_s exp(lse_s − max) o_s / Σ_s exp(lse_s − max). Splits that saw no token carry
     lse = −inf and weigh 0; if no split saw a token (context length 0) the output is 0.
     """
     m = lse.max(axis=axis, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # all −inf: avoid −inf − (−inf) = NaN
-    w = jnp.exp(lse - m)  # [..., S, R]
+    w = jnp.exp(lse - m)  # [..., splits, block_h]
     denom = w.sum(axis=axis)
     out = (w[..., None] * o).sum(axis=axis)
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
@@ -182,7 +184,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
     block_h = tiles.block_h
     q4 = q.reshape(batch, num_kv_heads, group, head_dim)  # query head n = kv head × G + g
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))  # [B, K, block_h, H]
-    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, S, pps]
+    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, splits, pages_per_split]
     num_splits, pages_per_split = tables.shape[1:]
     compute_dtype = compute_dtype_for(q.dtype, k_pages.dtype)
     kernel = functools.partial(_gqa_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,

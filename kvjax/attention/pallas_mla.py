@@ -1,7 +1,7 @@
 """Pallas paged-decode attention for MLA (DeepSeek-V2/V3) in the absorbed form, with split-K.
 
 MLA caches one latent vector per token: c_kv (kv_lora_rank lanes, the compressed K/V) followed
-by the decoupled rope key (qk_rope_head_dim lanes), pages [P, Z, C] (SPEC: f = 1, Hkv = 1).
+by the decoupled rope key (qk_rope_head_dim lanes), pages [P, Z, C] (SPEC: f = 1, one kv head).
 With W_UK absorbed into the query and W_UV into the output (DeepSeek-V2 §2.1.2; vLLM's
 `MLACommonImpl` decode path, FlashMLA), decode attention runs on the latent directly:
 
@@ -13,8 +13,9 @@ heads of one sequence (all of them for N <= 64) and one split of its context, so
 is read once per head tile: with DeepSeek-V3's 128 heads per rank the default tile of 64 reads
 it twice; tiles.block_h = 128 reads it once, at 128 × 512 f32 of accumulator per program.
 
-The kernel reads c_kv and k_rope as two lane slices of the same page ([.., :R] and [.., R:]),
-so both widths must be powers of two (Triton tiles), as they are for DeepSeek (512, 64).
+The kernel reads c_kv and k_rope as two lane slices of the same page ([.., :kv_lora_rank] and
+[.., kv_lora_rank:]), so both widths must be powers of two (Triton tiles), as they are for
+DeepSeek (512, 64).
 
 fp8: `latent_scale` f32[C] is a per-channel dequant scale (page.astype(f32) × scale[c]), which
 lets a calibrated c_kv scale and a separate rope-key scale coexist; None means 1.0. Per channel
@@ -45,11 +46,11 @@ from kvjax.math_utils import cdiv, is_power_of_two
 def _mla_kernel(
     lens_ref,  # i32[1]: this sequence's context length
     tables_ref,  # i32[pages_per_split]: this split's slice of the block table
-    q_latent_ref,  # [block_h, R]: this head tile's absorbed queries (padded heads are zero)
-    q_rope_ref,  # [block_h, Dr]: this head tile's rope queries
-    latent_ref,  # [P, Z, C]: latent pages, C = R + Dr
+    q_latent_ref,  # [block_h, kv_lora_rank]: this head tile's absorbed queries (padded heads are zero)
+    q_rope_ref,  # [block_h, rope]: this head tile's rope queries
+    latent_ref,  # [P, Z, C]: latent pages, C = kv_lora_rank + rope
     scale_ref,  # f32[C]: per-channel dequant scale
-    o_ref,  # f32[block_h, R]: this split's normalized output
+    o_ref,  # f32[block_h, kv_lora_rank]: this split's normalized output
     lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
     *, sm_scale: float, pages_per_block: int, compute_dtype, precision,
 ):
@@ -60,8 +61,8 @@ def _mla_kernel(
     length = lens_ref[0]
     first_page, n_pages, n_steps = split_pages(tables_ref, length, block_size, pages_per_block)
 
-    latent_scale = scale_ref[pl.ds(0, rank)]  # f32[R]
-    rope_scale = scale_ref[pl.ds(rank, rope_dim)]  # f32[Dr]
+    latent_scale = scale_ref[pl.ds(0, rank)]  # f32[kv_lora_rank]
+    rope_scale = scale_ref[pl.ds(rank, rope_dim)]  # f32[rope]
     # The per-channel dequant scale moves onto the query: (q × s) · page == q · (page × s).
     q_latent = (q_latent_ref[...].astype(jnp.float32) * latent_scale[None, :]).astype(compute_dtype)
     q_rope = (q_rope_ref[...].astype(jnp.float32) * rope_scale[None, :]).astype(compute_dtype)
@@ -85,15 +86,15 @@ def _mla_kernel(
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def _mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, latent_scale, *, scale, tiles,
                       interpret):
-    batch, num_heads, rank = q_latent.shape  # [B, N, R]
-    rope_dim = q_rope.shape[2]  # [B, N, Dr]
+    batch, num_heads, rank = q_latent.shape  # [B, N, kv_lora_rank]
+    rope_dim = q_rope.shape[2]  # [B, N, rope]
     num_pages, block_size, channels = latent_pages.shape  # [P, Z, C]
     block_h = tiles.block_h
     head_blocks = cdiv(num_heads, block_h)
     pad = ((0, 0), (0, head_blocks * block_h - num_heads), (0, 0))
-    q_latent_p = jnp.pad(q_latent, pad)  # [B, N', R], N' = head_blocks × block_h
-    q_rope_p = jnp.pad(q_rope, pad)  # [B, N', Dr]
-    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, S, pps]
+    q_latent_p = jnp.pad(q_latent, pad)  # [B, N', kv_lora_rank], N' = head_blocks × block_h
+    q_rope_p = jnp.pad(q_rope, pad)  # [B, N', rope]
+    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, splits, pages_per_split]
     num_splits, pages_per_split = tables.shape[1:]
     compute_dtype = compute_dtype_for(q_latent.dtype, latent_pages.dtype)
     kernel = functools.partial(_mla_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
@@ -121,7 +122,7 @@ def _mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens
         interpret=interpret,
         name=f"kvjax_mla_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}",
     )(context_lens.astype(jnp.int32), tables, q_latent_p, q_rope_p, latent_pages, latent_scale)
-    out = o[:, :, 0] if num_splits == 1 else merge_splits(o, lse, axis=2)  # f32[B, head_blocks, block_h, R]
+    out = o[:, :, 0] if num_splits == 1 else merge_splits(o, lse, axis=2)  # f32[B, head_blocks, block_h, kv_lora_rank]
     return out.reshape(batch, head_blocks * block_h, rank)[:, :num_heads].astype(q_latent.dtype)
 
 
@@ -129,15 +130,16 @@ def mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens,
                      latent_scale=None, tiles: DecodeTiles | None = None, interpret: bool | None = None) -> jax.Array:
     """Absorbed-MLA decode attention over a paged latent cache (Pallas kernel).
 
-    q_latent [B, N, R] (R = kv_lora_rank; W_UK already applied), q_rope [B, N, Dr] (rotated),
-    both f32/bf16/f16 and unscaled; latent_pages [P, Z, R + Dr] (f32, bf16, f16, e4m3, e5m2);
-    block_tables i32[B, M]; context_lens i32[B] (0 gives a zero output); scale: softmax scale,
-    applied in the kernel; latent_scale: None (1.0), a per-tensor scalar or per-channel
-    f32[R + Dr] dequant scale; tiles: None → `default_mla_tiles`; interpret: None → True on CPU.
-    Returns [B, N, R] in q_latent's dtype (apply W_UV outside). Bad shapes raise ValueError.
+    q_latent [B, N, kv_lora_rank] (W_UK already applied), q_rope [B, N, rope] (rotated; rope =
+    qk_rope_head_dim), both f32/bf16/f16 and unscaled; latent_pages [P, Z, C], C = kv_lora_rank
+    + rope (f32, bf16, f16, e4m3, e5m2); block_tables i32[B, M]; context_lens i32[B] (0 gives a
+    zero output); scale: softmax scale, applied in the kernel; latent_scale: None (1.0), a
+    per-tensor scalar or per-channel f32[C] dequant scale; tiles: None → `default_mla_tiles`;
+    interpret: None → True on CPU. Returns [B, N, kv_lora_rank] in q_latent's dtype (apply W_UV
+    outside). Bad shapes raise ValueError.
     """
     if len(q_latent.shape) != 3 or len(q_rope.shape) != 3:
-        raise ValueError(f"q_latent and q_rope must be [B, N, R] and [B, N, Dr]; got shapes"
+        raise ValueError(f"q_latent and q_rope must be [B, N, kv_lora_rank] and [B, N, rope]; got shapes"
                          f" {tuple(q_latent.shape)} and {tuple(q_rope.shape)}")
     if q_rope.shape[:2] != q_latent.shape[:2] or q_rope.dtype != q_latent.dtype:
         raise ValueError(f"q_rope {tuple(q_rope.shape)} {q_rope.dtype} must share B, N and dtype with q_latent"

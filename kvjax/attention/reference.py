@@ -75,14 +75,14 @@ def _masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
     """Masked softmax attention in f32, each query row with its own keys.
 
-    q: [R, N, Hk]; k: [R, S, K, Hk]; v: [R, S, K, Hv]; mask: bool[R, S] → f32[R, N, Hv].
+    q: [B, N, Hk]; k: [B, S, K, Hk]; v: [B, S, K, Hv]; mask: bool[B, S] → f32[B, N, Hv].
     Query head n uses kv head n // G (G = N // K), as `repeat_kv` in transformers does.
 
     Both products read K and V in their stored [S, K, H] order: every key is scored against
-    all N query heads ([R, S, K, N]) and the pairs where kv head k serves query head n are
+    all N query heads ([B, S, K, N]) and the pairs where kv head k serves query head n are
     kept; likewise every query head's weights reach all K value heads. That is K × the
     multiply-adds of the exact grouping, but a batched dot over (row, kv head) makes XLA first
-    transpose each layer's whole context into [R, K, H, S] (kv heads beside the rows, the
+    transpose each layer's whole context into [B, K, H, S] (kv heads beside the rows, the
     contracted axis ahead of S), and that copy costs more than the extra arithmetic: on CPU
     this form made small-gqa's decode steps about 20% faster, paged and contiguous alike
     (experiments/decode_bench.py).
@@ -94,11 +94,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: fl
     # reach every output through 0 × NaN, so values are zeroed where masked.
     v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
     pairs = jnp.einsum("rskh,rnh->rskn", k.astype(jnp.float32), q.astype(jnp.float32), precision=HIGHEST)
-    pairs = pairs.reshape(rows, seq, kv_heads, kv_heads, group)  # [R, S, K, K', G]: query head K' × G + g
-    scores = jnp.diagonal(pairs, axis1=2, axis2=3).transpose(0, 3, 2, 1) * scale  # f32[R, K, G, S]
+    pairs = pairs.reshape(rows, seq, kv_heads, kv_heads, group)  # [B, S, K, K', G]: query head K' × G + g
+    scores = jnp.diagonal(pairs, axis1=2, axis2=3).transpose(0, 3, 2, 1) * scale  # f32[B, K, G, S]
     weights = _masked_softmax(scores, mask[:, None, None, :]).reshape(rows, heads, seq)
-    out = jnp.einsum("rns,rskh->rnkh", weights, v, precision=HIGHEST)  # f32[R, N, K, Hv]
-    out = out.reshape(rows, kv_heads, group, kv_heads, v.shape[-1])  # [R, K', G, K, Hv]
+    out = jnp.einsum("rns,rskh->rnkh", weights, v, precision=HIGHEST)  # f32[B, N, K, Hv]
+    out = out.reshape(rows, kv_heads, group, kv_heads, v.shape[-1])  # [B, K', G, K, Hv]
     return jnp.diagonal(out, axis1=1, axis2=3).transpose(0, 3, 1, 2).reshape(rows, heads, v.shape[-1])
 
 
@@ -119,7 +119,7 @@ def _attend_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)  # see `_attend`
     q = q.astype(jnp.float32).reshape(b, nq, kv_heads, group, q.shape[-1]).transpose(0, 2, 1, 3, 4)
     q = q.reshape(b, kv_heads, nq * group, -1)  # [B, K, Q·G, Hk]
-    scores = jnp.matmul(q, k.astype(jnp.float32).transpose(0, 2, 3, 1), precision=HIGHEST) * scale  # [B, K, QG, S]
+    scores = jnp.matmul(q, k.astype(jnp.float32).transpose(0, 2, 3, 1), precision=HIGHEST) * scale  # [B, K, Q·G, S]
     weights = _masked_softmax(scores.reshape(b, kv_heads, nq, group, -1), mask[:, None, :, None, :])
     out = jnp.matmul(weights.reshape(b, kv_heads, nq * group, -1), v.transpose(0, 2, 1, 3),
                      precision=HIGHEST)  # f32[B, K, Q·G, Hv]
@@ -147,7 +147,7 @@ def _to_tokens(out: jax.Array, md: BatchMetadata) -> jax.Array:
 
 
 def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, md: BatchMetadata, scale: float) -> jax.Array:
-    """Ragged causal attention: q [T, N, Hk]; k, v [B, S, K, H] per sequence → f32[T, N, Hv]."""
+    """Ragged causal attention: q [T, N, Hk]; k [B, S, K, Hk], v [B, S, K, Hv] per sequence → f32[T, N, Hv]."""
     token, mask = _query_blocks(md, k.shape[1])
     return _to_tokens(_attend_blocks(q[token], k, v, mask, scale), md)
 
@@ -239,11 +239,12 @@ def contiguous_decode_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arr
 # --------------------------------------------------------------------------------------------
 def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: float, *, mask: jax.Array | None = None,
          md: BatchMetadata | None = None) -> jax.Array:
-    """latent: [B, S, C + rope] per sequence → MQA with key = latent, value = c_kv. Decode:
-    q [B, N, ..], mask bool[B, S] → [B, N, C]; ragged (md given): q [T, N, ..] → [T, N, C]."""
+    """latent: [B, S, C] per sequence (C = kv_lora_rank + rope) → MQA with key = latent, value =
+    c_kv. Decode: q [B, N, C], mask bool[B, S] → [B, N, kv_lora_rank]; ragged (md given):
+    q [T, N, C] → [T, N, kv_lora_rank]."""
     rank = q_latent.shape[-1]
-    q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [.., N, C + rope]
-    k = latent[..., None, :]  # [B, S, 1, C + rope]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [.., N, C]
+    k = latent[..., None, :]  # [B, S, 1, C]
     out = _ragged(q, k, k[..., :rank], md, scale) if md is not None else _attend(q, k, k[..., :rank], mask, scale)
     return out.astype(q_latent.dtype)
 
@@ -251,7 +252,7 @@ def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: float
 def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                                   md: BatchMetadata, *, scale: float, latent_scale=None) -> jax.Array:
     """Ragged causal MLA. q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope];
-    latent_pages: [P, Z, kv_lora_rank + rope] → [T, N, kv_lora_rank]."""
+    latent_pages: [P, Z, C] → [T, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
     latent = gather_dequant(latent_pages, latent_scale, md.block_tables)  # f32[B, S, C]

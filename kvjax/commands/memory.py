@@ -136,7 +136,7 @@ def _leaf_maker(shape: tuple[int, ...], dtype: str, sharding):
 
 def _load_params(folder, config, layout, shardings, shapes, seed: int):
     """The weights, placed by `shardings` (checkpoint: loaded onto the default device, kv heads
-    repeated for tp > Hkv, then put in their shards; preset: random, made in place)."""
+    repeated for tp > K, then put in their shards; preset: random, made in place)."""
     import jax
 
     from kvjax.models.loader import load_params
@@ -175,7 +175,7 @@ class _Setup:
         self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
         self.mesh = shd.make_mesh(args.tensor_parallel_size)
         self.devices = list(self.mesh.devices.flat)
-        # tp > Hkv: the model runs with each kv head repeated (kvjax.worker.sharding), the same function.
+        # tp > K: the model runs with each kv head repeated (kvjax.worker.sharding), the same function.
         self.model = build_model(self.config if self.layout.head_replicas == 1 else
                                  self.config.replace(num_kv_heads=self.layout.cache_kv_heads))
         self.shapes = param_shapes(self.model)

@@ -28,7 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # step token budget; None: 2048 (unchunked: ≥ max_model_len)
     chunked_prefill: bool = True  # False: a prompt is prefilled in one step (vLLM enable_chunked_prefill)
     prefix_caching: bool = True
-    steps_per_call: int = 1  # K decode steps per device call
+    steps_per_call: int = 1  # decode steps per device call
     seed: int = 0  # the random stream of requests without a seed of their own
     policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
     kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)

@@ -37,9 +37,9 @@ class SchedulerConfig:
     max_model_len: int = 256  # prompt + generated tokens per request
     prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
-    max_requests: int | None = None  # pool request slots; default 2 * max_num_seqs
+    max_requests: int | None = None  # R pool request slots; default 2 * max_num_seqs
     chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
-    num_host_blocks: int = 0  # host offload tier slots (kvjax.kv_offload.manager); 0 = no tier
+    num_host_blocks: int = 0  # E host offload tier slots (kvjax.kv_offload.manager); 0 = no tier
     host_policy: str = "lru"  # the tier's eviction policy: "lru" or "arc"
 
     def __post_init__(self):

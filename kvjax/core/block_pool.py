@@ -42,7 +42,8 @@ array: O(M * P) work, but one branch-free vector op with no probe loops, tombsto
 resizing, and "several blocks per hash" comes for free. Hash and collision odds:
 `kvjax/core/kv_cache_utils.py`.
 
-Axis legend: P blocks (incl. the null block), N blocks passed in, B requests.
+Axes: the kvjax package docstring's legend; A is the blocks or hashes one call is handed (a
+request's table or its hashes, or a batch's tables flattened).
 """
 
 from __future__ import annotations
@@ -96,16 +97,17 @@ def _evict(pool: BlockPool, mask) -> BlockPool:
 # A list held as one position per entry (0 = first, NOT_LISTED = not in it): the free queue
 # here, the host tier's LRU / ARC lists in kvjax/kv_offload/manager.py.
 def count_before(pos, sub):
-    """For each listed entry: how many sub (bool[M]) entries sit before it in the list."""
+    """For each listed entry: how many sub entries sit before it in the list. pos i32, sub bool:
+    one per entry that may be listed (P here; E in the host tier)."""
     m = pos.shape[0]
     listed = pos < NOT_LISTED
     mark = jnp.zeros(m, jnp.int32).at[jnp.where(sub & listed, pos, m)].set(1, mode="drop")
-    before = jnp.cumsum(mark) - mark  # i32[M] by position
+    before = jnp.cumsum(mark) - mark  # i32, one per position
     return before[jnp.where(listed, pos, 0)]
 
 
 def close_up(pos, gone):
-    """Remove the entries where gone (bool[M]); the others close up, keeping their order."""
+    """Remove the entries where gone (bool, like pos); the others close up, keeping their order."""
     keep = (pos < NOT_LISTED) & ~gone
     return jnp.where(keep, pos - count_before(pos, gone), NOT_LISTED)
 
@@ -138,7 +140,7 @@ def take(pool: BlockPool, counts):
 
 @jax.jit
 def touch(pool: BlockPool, blocks, mask):
-    """ref_cnt += 1 for every blocks[k] with mask[k] (i32[N], bool[N]; a block may repeat);
+    """ref_cnt += 1 for every blocks[k] with mask[k] (i32[A], bool[A]; a block may repeat);
     a block leaving ref_cnt 0 leaves the free queue, wherever it sat."""
     p = pool.num_blocks
     ref = pool.ref_cnt.at[jnp.where(mask, blocks, p)].add(1, mode="drop")
@@ -150,12 +152,12 @@ def touch(pool: BlockPool, blocks, mask):
 @jax.jit
 def release(pool: BlockPool, blocks, count):
     """Release blocks[count-1], ..., blocks[0] (reverse order; a request's table: distinct
-    blocks) per the module docstring. blocks: i32[N]."""
+    blocks) per the module docstring. blocks: i32[A]."""
     p = pool.num_blocks
     live = jnp.arange(blocks.shape[0]) < count
     at = jnp.where(live, blocks, p)
     ref = pool.ref_cnt.at[at].add(-1, mode="drop")
-    back = live & (ref.at[at].get(mode="fill", fill_value=1) == 0)  # bool[N]: returns to the queue
+    back = live & (ref.at[at].get(mode="fill", fill_value=1) == 0)  # bool[A]: returns to the queue
     hashed = pool.has_hash.at[at].get(mode="fill", fill_value=False)
     # Release order runs from the table's end: rank = how many such blocks sit after this one.
     to_head, to_tail = back & ~hashed, back & hashed
@@ -170,9 +172,9 @@ def release(pool: BlockPool, blocks, count):
 
 @jax.jit
 def cache(pool: BlockPool, blocks, hashes, mask, rank):
-    """Give blocks[k] the hash hashes[k] where mask[k] (vLLM cache_full_blocks). blocks: i32[N]
-    distinct where masked; hashes: u32[N, 2]; rank: i32[N] the order in which the masked blocks
-    are cached, 0..count-1 (the caller knows it without a cumulative sum over N)."""
+    """Give blocks[k] the hash hashes[k] where mask[k] (vLLM cache_full_blocks). blocks: i32[A]
+    distinct where masked; hashes: u32[A, 2]; rank: i32[A] the order in which the masked blocks
+    are cached, 0..count-1 (the caller knows it without a cumulative sum over A)."""
     at = jnp.where(mask, blocks, pool.num_blocks)
     return pool.replace(block_hash=pool.block_hash.at[at].set(hashes, mode="drop"),
                         has_hash=pool.has_hash.at[at].set(True, mode="drop"),
@@ -182,8 +184,8 @@ def cache(pool: BlockPool, blocks, hashes, mask, rank):
 
 @jax.jit
 def lookup(pool: BlockPool, hashes):
-    """The oldest cached block holding each hash. hashes: u32[N, 2]. -> (blocks i32[N], found bool[N])."""
-    match = (pool.has_hash[None, :]  # bool[N, P]: block p holds hash n
+    """The oldest cached block holding each hash. hashes: u32[A, 2]. -> (blocks i32[A], found bool[A])."""
+    match = (pool.has_hash[None, :]  # bool[A, P]: block p holds hash a
              & (pool.block_hash[None, :, 0] == hashes[:, None, 0])
              & (pool.block_hash[None, :, 1] == hashes[:, None, 1]))
     block = jnp.argmin(jnp.where(match, pool.cached_at[None, :], _NEVER), axis=1)

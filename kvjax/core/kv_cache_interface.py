@@ -1,8 +1,9 @@
 """KV layout of one model, and its exact byte accounting.
 
-This module is the arithmetic of SPEC "The per-token formula" and "KV dtypes":
+This module is the arithmetic of SPEC "The per-token formula" and "KV dtypes" (SPEC and the
+`kvjax plan` tables write it f × L × Hkv × D × b; here in the package legend's letters):
 
-    bytes per token = f × L × Hkv × D × b        (f = 2 for MHA/GQA/MQA: K and V; f = 1 for MLA)
+    bytes per token = f × L × K × H × b        (f = 2 for MHA/GQA/MQA: K and V; f = 1 for MLA)
 
 and of vLLM V1's per-layer page size (`vllm/v1/kv_cache_interface.py`, `AttentionSpec.page_size_bytes`
 and `MLAAttentionSpec`):
@@ -124,7 +125,7 @@ class KVSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """f × L × Hkv × D × b, summed layer by layer (skip layers at their own width)."""
+        """f × L × K × H × b, summed layer by layer (skip layers at their own width)."""
         return self._sum_layers(self.layer_bytes_per_token)
 
     def page_bytes(self, layer: int, block_size: int) -> int:
@@ -169,7 +170,7 @@ class KVSpec:
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one rank holds (vLLM `ModelConfig.get_num_kv_heads`).
 
-        MHA/GQA split kv heads over ranks; when tp > Hkv each head is replicated on tp / Hkv
+        MHA/GQA split kv heads over ranks; when tp > K each head is replicated on tp / K
         ranks so every rank holds one. MLA's single latent is replicated on every rank.
         """
         check_int(tp, "tp", 1, None, SpecError)

@@ -19,8 +19,8 @@ in order up to the first refusal (tests/core/test_kv_cache_manager.py checks tha
 Every operation is `state -> state` (plus an `ok` flag where it can fail) and is jitted with
 the sizes static; a failure returns the state unchanged.
 
-Axis legend: P blocks, Z tokens per block, R request slots, M blocks per request (table
-width), B requests in a batched call, L tokens passed in.
+Axes: the kvjax package docstring's legend; here B is the requests of one batched call and T
+the token ids a call is handed.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _extend_hashes(t: Requests, rows, max_new: int | None = None) -> Requests:
 
 
 def _append(state: KVCacheManager, rows, tokens, n, max_new: int | None = None) -> KVCacheManager:
-    """Append tokens[b, :n[b]] (i32[B, L]) after each row's tokens, then hash what they filled."""
+    """Append tokens[b, :n[b]] (i32[B, T]) after each row's tokens, then hash what they filled."""
     t = state.reqs
     mz = t.max_blocks_per_request * t.block_size
     idx = jnp.arange(tokens.shape[1])
@@ -143,7 +143,7 @@ def _append(state: KVCacheManager, rows, tokens, n, max_new: int | None = None) 
 
 
 def _tokens_ok(t: Requests, r, tokens, n):
-    """n tokens (of tokens i32[L]) fit in slot r's row and are valid ids (>= 0)."""
+    """n tokens (of tokens i32[T]) fit in slot r's row and are valid ids (>= 0)."""
     idx = jnp.arange(tokens.shape[0])
     room = t.max_blocks_per_request * t.block_size - t.num_tokens[r]
     return (n >= 0) & (n <= tokens.shape[0]) & (n <= room) & ~((idx < n) & (tokens < 0)).any()
@@ -151,7 +151,7 @@ def _tokens_ok(t: Requests, r, tokens, n):
 
 @jax.jit
 def add_request(state: KVCacheManager, req, tokens, num_tokens, has_salt=False, salt=None):
-    """Put a new request (its prompt tokens[:num_tokens], i32[L]) in the free slot req and
+    """Put a new request (its prompt tokens[:num_tokens], i32[T]) in the free slot req and
     hash its full blocks; salt (u32[2], from hashing.salt_key) enters the first block's
     hash when has_salt. Allocates nothing. Fails if the slot is taken, the prompt is empty
     or longer than M*Z tokens, or a token id is negative. -> (state, ok)."""
@@ -171,7 +171,7 @@ def add_request(state: KVCacheManager, req, tokens, num_tokens, has_salt=False, 
 
 @jax.jit
 def append_tokens(state: KVCacheManager, req, tokens, n):
-    """Append tokens[:n] (i32[L]) to active request req (sampled or user tokens) and hash
+    """Append tokens[:n] (i32[T]) to active request req (sampled or user tokens) and hash
     blocks they fill. Allocates nothing. -> (state, ok)."""
     valid, r = _slot(state.reqs, req)
     ok = valid & state.reqs.active[r] & _tokens_ok(state.reqs, r, tokens, n)

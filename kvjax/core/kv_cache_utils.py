@@ -25,7 +25,7 @@ chain.
 
 Collisions. With a 64-bit hash and P cached blocks, one lookup of a fresh prefix falsely
 matches some cached block with probability about P / 2**64 (P = 1e6 blocks: 5e-14), and
-over L lookups about L * P / 2**64. That is the odds for non-adversarial input only:
+over n lookups about n * P / 2**64. That is the odds for non-adversarial input only:
 MurmurHash3 is not a cryptographic hash, seed-independent collisions for it are known, and
 two seeds of one weak function are not an independent 64-bit hash. A collision is NOT
 detected: a lookup would return a block holding another prefix's KV and the model would

@@ -21,7 +21,7 @@ usage. A failed op gives "ok": false and the unchanged state (a failed add leave
 request behind, so a later op on that name is an unknown request). Blank lines are skipped.
 
 The host offload tier (`kvjax/kv_offload/manager.py`, vLLM's CPU offloading): `init` may add
-"host_blocks": H (default 0 = no tier; needs prefix_caching) and "host_policy": "lru" |
+"host_blocks": E (default 0 = no tier; needs prefix_caching) and "host_policy": "lru" |
 "arc" (default "lru"). The trace then drives the tier by kvjax/core/sched/scheduler.py's rules: `add`
 touches all of the request's full-block hashes (resident or not: ARC's ghost hits move p),
 takes device hits first, then the host tier's run of the hashes that follow (lookup, the
@@ -250,7 +250,7 @@ def host_lists(index: host_cache.HostIndex) -> dict:
 # ---------------------------------------------------------------------------- trace input
 MAX_BLOCKS = 2**16  # replay is for reading pools, not for sizing them: small limits keep its tables small
 MAX_REQUEST_TOKENS = 2**20
-MAX_HOST_BLOCKS = 2**12  # the host index compares every hash with every slot: O(N × H) per op
+MAX_HOST_BLOCKS = 2**12  # the host index compares every hash with every slot: O(A × E) per op
 
 
 def _int(v, what: str, lo: int, hi: int) -> int:

@@ -26,7 +26,7 @@ preempted; empty rows are padding. The contiguous cache (`kv_layout="contiguous"
 paging is measured against) stores row r's K/V in its row r, so one set of steps serves both.
 
 Two compiled device calls serve every plan (kvjax.engine.steps: the ragged step for any plan
-with prefill tokens, the decode loop for K = `steps_per_call` decode steps in one call), their
+with prefill tokens, the decode loop for `steps_per_call` decode steps in one call), their
 shapes padded to buckets so that a run compiles a handful of programs, never one per step.
 
 Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`): the

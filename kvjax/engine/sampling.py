@@ -34,7 +34,7 @@ Log-probabilities are the model's raw distribution (vLLM V1's default `raw_logpr
 token's rank is the number of vocabulary entries with a log-probability >= its own (vLLM's
 `batched_count_greater_than`), so the most likely token has rank 1.
 
-Axis legend: B rows (requests in a step), V vocabulary, X stop ids per row, J log-probs per row.
+Axes: the kvjax package docstring's legend.
 """
 from __future__ import annotations
 

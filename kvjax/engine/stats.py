@@ -33,7 +33,7 @@ class Summary:
     decode_tokens: int  # tokens computed for generated tokens, one per request per step
     prefill_tokens_per_s: float  # prefill tokens / time of the steps that had any
     decode_tokens_per_s: float  # decode tokens / time of decode-only steps
-    step_latency_p50_ms: float  # per token step, scheduling included; a K-step call counts as K steps
+    step_latency_p50_ms: float  # per token step, scheduling included; a call of n steps counts as n steps
     step_latency_p99_ms: float
     steps: int
     device_calls: int

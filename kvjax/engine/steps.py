@@ -5,8 +5,8 @@ programs, never one per step.
 * `ragged_step` — any plan with prefill tokens: the flat ragged batch of vLLM V1's model
   runner (`BatchMetadata`), T tokens padded to a power of two, B rows.
 * `decode_loop` — a plan of one token per request, every request sampling: the decode form
-  (T = B; the Pallas kernels with attn_impl "pallas"). It runs that step, then up to K - 1
-  more (`steps_per_call`) inside one `lax.while_loop`, with sampling and the functional
+  (T = B; the Pallas kernels with attn_impl "pallas"). It runs that step, then up to
+  `steps_per_call` - 1 more inside one `lax.while_loop`, with sampling and the functional
   block pool in the carry: after each step it applies the decode transition
   (kvjax.core.sched.transition: the stop check, the append of each token that goes on, and the
   next token's slot) — the same function the host's `Scheduler.update` applies, so the rule
@@ -17,8 +17,8 @@ programs, never one per step.
   next step's blocks do not all fit (checked before allocating, so the pool is left as the
   host expects; the host's next `schedule` repeats the allocation and preempts). Between
   those events the host scheduler would only have run the same decodes — a waiting request
-  that did not fit cannot fit while blocks are only taken — so K = 8 gives the same schedule,
-  and (with `kvjax.engine.sampling`'s position-keyed draws) the same tokens, as K = 1. A step that
+  that did not fit cannot fit while blocks are only taken — so steps_per_call 8 gives the same
+  schedule, and (with `kvjax.engine.sampling`'s position-keyed draws) the same tokens, as 1. A step that
   preempted runs alone, since the next one may admit. Every `ok` flag the pool returns in
   the loop is checked; a refusal raises `SchedulerError` naming the request and the counts.
 
@@ -26,7 +26,7 @@ The block table width passed to a step is bucketed too (powers of two, at least 
 the reference attention reads every position of the table it is given, so a short batch is
 not charged for max_model_len.
 
-Axes: B batch rows, T tokens, V vocabulary, M blocks per row, J log-probabilities per token.
+Axes: the kvjax package docstring's legend; M here is the bucketed table width a step is given.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ only the cache's dtype and scales change:
 
 Metrics per variant: perplexity per token, mean KL(bf16 ‖ variant) of the next-token
 distributions, top-1 agreement with bf16, and greedy-decode agreement (tokens until the first
-divergence from bf16's continuation, over N prompts). `outlier_channels` inflates a few cached
+divergence from bf16's continuation, over a set of prompts). `outlier_channels` inflates a few cached
 K channels (models.stress; the model's function is unchanged) to mimic the outliers of large
 models.
 
@@ -269,7 +269,7 @@ def _score_short(llms: dict, eval_windows: np.ndarray) -> dict[str, Tally]:
         targets = jnp.asarray(part[:, 1:], jnp.int32)
         base = None
         for name, llm in llms.items():
-            logp = jnp.asarray(llm.score_windows(part, batch)[:, :-1])  # [b, S-1, V] predicting tokens 1..S-1
+            logp = jnp.asarray(llm.score_windows(part, batch)[:, :-1])  # [B, S-1, V] predicting tokens 1..S-1
             base = logp if base is None else base
             tallies[name].add(positions, *compare(base, logp, targets))
     return tallies

@@ -14,8 +14,8 @@ same for every row, only tokens (and so the pages) differ.
 chunk, each chunk's K/V written into the paged cache (in the variant's dtype and scales) and
 its queries attending to every position cached so far, read back from the pages. A one-step
 prefill of 8,192 tokens would make the reference attention hold B × Q × N × S f32 scores per
-layer (9 heads × 8192² × 4 B = 2.4 GB for SmolLM2, and several such temporaries); a chunk of C
-queries holds C / S of that. Chunk c's block table covers only the (c + 1) × C positions it
+layer (9 heads × 8192² × 4 B = 2.4 GB for SmolLM2, and several such temporaries); a chunk of T
+queries holds T / S of that. Chunk c's block table covers only the (c + 1) × T positions it
 can see, so the chunks together do about half the attention work of a full-width table
 (causal), at the price of one compilation per chunk shape.
 """
@@ -103,7 +103,7 @@ class ChunkedScorer:
     skipped layers, block size), prefilled chunk by chunk into one paged cache (module docstring).
 
         scorer = ChunkedScorer(llm, seq_len=8192, chunk=2048)
-        for start, logp in scorer.chunks(window):   # logp f32[C, V]: log p(next | tokens ≤ start + j)
+        for start, logp in scorer.chunks(window):   # logp f32[T, V]: log p(next | tokens ≤ start + j)
             ...
     """
 
@@ -116,14 +116,14 @@ class ChunkedScorer:
         module = llm.model.module
 
         # The log-softmax runs inside the same jit as the step, as it does in LLM.score_windows.
-        def step(params, tokens, md, cache):  # i32[C] → (f32[C, V], cache)
+        def step(params, tokens, md, cache):  # i32[T] → (f32[T, V], cache)
             logits, cache = forward(module, params, tokens, md, cache)
             return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache
 
         self._step = jax.jit(step, donate_argnums=(3,))
 
     def chunks(self, window) -> Iterator[tuple[int, jax.Array]]:
-        """(start, log-probs f32[C, V]) of window i32[S] (S = seq_len), chunk after chunk."""
+        """(start, log-probs f32[T, V], T = the chunk) of window i32[S] (S = seq_len), chunk after chunk."""
         window = np.asarray(window)
         if window.shape != (self.seq_len,):
             raise ValueError(f"a window must be i32[{self.seq_len}], got {window.shape}")

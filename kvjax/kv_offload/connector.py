@@ -81,7 +81,7 @@ class HostTier:
         return list(zip(np.asarray(slots[:n]).tolist(), np.asarray(blocks).tolist()))
 
     def loads_done(self, loads: np.ndarray) -> None:
-        """The engine copied loads (i32[L, 2] host slot, device block) in: unpin their slots."""
+        """The engine copied loads (i32[loads, 2] host slot, device block) in: unpin their slots."""
         if len(loads):
             slots = np.full(pow2_bucket(len(loads)), -1, np.int32)
             slots[: len(loads)] = loads[:, 0]

@@ -1,7 +1,7 @@
 """The host-memory offload tier's index and eviction policy: vLLM V1's CPU offloading
 (OffloadingConnector, `--kv_offloading_backend native`) as pure functions over a pytree.
 
-H host slots each hold one offloaded KV block, named by its chained block hash (two uint32
+E host slots each hold one offloaded KV block, named by its chained block hash (two uint32
 lanes, `kvjax/core/kv_cache_utils.py`). This module decides WHICH slot holds WHICH hash and what to evict;
 copying the KV bytes is the caller's job. The rules, from vLLM's `vllm/v1/kv_offload/`
 (`abstract.py`, `lru_manager.py`, `arc_manager.py`, `cpu/manager.py`) and the scheduler side
@@ -11,7 +11,7 @@ of `distributed/kv_transfer/kv_connector/v1/offloading_connector.py`:
 * touch   = walk the hashes LAST to FIRST, moving each resident one to the MRU end, so the
             first block of a prefix ends most recent and a prefix is evicted from its tail.
             ARC: a T1 hit moves to T2's MRU end, a T2 hit to T2's MRU end; a hash in ghost
-            list B1 raises the target p by max(1, |B2| // |B1|) (at most H), one in B2 lowers
+            list B1 raises the target p by max(1, |B2| // |B1|) (at most E), one in B2 lowers
             it by max(1, |B1| // |B2|) (at least 0), in that walk order, and moves to its
             ghost list's MRU end (`arc_manager.py`). A hash in none of the lists is ignored:
             the connector touches all of a request's block hashes, resident or not.
@@ -23,7 +23,7 @@ of `distributed/kv_transfer/kv_connector/v1/offloading_connector.py`:
             end while |T1| >= p and T1 has an evictable block, else from T2's LRU end (vLLM
             does not fall back from T2 to T1, and neither do we). Evictable = ref count 0 and
             not among the masked hashes (`cpu/manager.py` protects a store's own hashes). ARC
-            victims go to the MRU end of B1 / B2, each ghost list then trimmed to its H most
+            victims go to the MRU end of B1 / B2, each ghost list then trimmed to its E most
             recent; a stored hash enters T1 (never T2) and leaves the ghost lists. Then, if
             any hash was newly stored, all masked resident hashes are touched; the ones just
             stored stay in T1 (vLLM's touch sees them not yet loadable, so not a second use).
@@ -40,7 +40,7 @@ list; slot ids are not part of the policy).
 
 ARC and its paper (Megiddo & Modha, FAST 2003). vLLM's code is explicit on every ARC rule
 used here, so none comes from the paper; where vLLM departs from it, kvjax follows vLLM:
-each ghost list is bounded by H (the paper bounds |T1| + |B1| <= H and all four by 2H); a
+each ghost list is bounded by E (the paper bounds |T1| + |B1| <= E and all four by 2E); a
 ghost hit only moves p (the paper also fetches the block into T2; here it re-enters T1 when
 next stored); T1 is chosen when |T1| >= p (the paper: |T1| > p, or = p on a B2 hit); p
 moves by integer max(1, ratio) (the paper: a real ratio); the paper has no pinned blocks.
@@ -49,12 +49,13 @@ Every list is held as positions, with `kvjax/core/block_pool.py`'s list primitiv
 the LRU list (ARC: in T1 or in T2), 0 = LRU end, INT32_MAX = not in it; each ghost cell
 its position in B1 or B2. Removing entries is a cumulative sum, appending is length + rank,
 and the k oldest evictable blocks are those whose rank among evictable ones is < k, so every
-op is a fixed number of O(H + N*H) vector ops. Victims need no loop either: with p fixed
+op is a fixed number of O(E + A*E) vector ops. Victims need no loop either: with p fixed
 during a store, ARC takes k1 = min(need, a1, max(|T1| - p + 1, 0)) from T1 (a1 its evictable
 blocks) and the rest from T2. Only touch's p walk is sequential (each step clamps to
-[0, H]): a lax.fori_loop over the N hashes, a scalar per step.
+[0, E]): a lax.fori_loop over the A hashes, a scalar per step.
 
-Axis legend: H host slots, N hashes passed in.
+Axes: the kvjax package docstring's legend; A is the hashes (or slots) one operation is handed,
+zero padded (`pad_hashes`), and each ARC ghost list has E cells.
 """
 
 from __future__ import annotations
@@ -75,20 +76,20 @@ POLICIES = ("lru", "arc")
 class HostIndex:
     """Which hash each host slot holds, its in-flight loads, and the eviction order."""
 
-    num_slots: int = struct.field(pytree_node=False)  # H
+    num_slots: int = struct.field(pytree_node=False)  # E
     policy: str = struct.field(pytree_node=False)  # "lru" | "arc"
-    block_hash: jax.Array  # u32[H, 2] hash held by the slot; 0 when not valid
-    valid: jax.Array  # bool[H] slot holds a block (resident); False = free
-    ref_cnt: jax.Array  # i32[H] loads in flight from the slot; > 0 protects it from eviction
-    pos: jax.Array  # i32[2, H] position in list 0 (LRU; ARC T1) / 1 (ARC T2); 0 = LRU end
-    ghost_hash: jax.Array  # u32[2, G, 2] ARC B1 (row 0) and B2 (row 1) hashes; G = H (0 for LRU)
-    ghost_pos: jax.Array  # i32[2, G] position in B1 / B2 (0 = oldest); INT32_MAX = empty cell
-    target: jax.Array  # i32[] ARC's target size p of T1, in [0, H]; 0 for LRU
+    block_hash: jax.Array  # u32[E, 2] hash held by the slot; 0 when not valid
+    valid: jax.Array  # bool[E] slot holds a block (resident); False = free
+    ref_cnt: jax.Array  # i32[E] loads in flight from the slot; > 0 protects it from eviction
+    pos: jax.Array  # i32[2, E] position in list 0 (LRU; ARC T1) / 1 (ARC T2); 0 = LRU end
+    ghost_hash: jax.Array  # u32[2, E, 2] ARC B1 (row 0) and B2 (row 1) hashes; LRU: u32[2, 0, 2]
+    ghost_pos: jax.Array  # i32[2, E] position in B1 / B2 (0 = oldest); INT32_MAX = empty cell
+    target: jax.Array  # i32[] ARC's target size p of T1, in [0, E]; 0 for LRU
 
 
 def pad_hashes(rows, size: int | None = None) -> np.ndarray:
-    """Block hashes u32[n, 2] zero padded to `size` rows (default: a power of two), the N of
-    every operation here, whose jitted forms compile once per N. Pass n (or a mask) for the
+    """Block hashes u32[n, 2] zero padded to `size` rows (default: a power of two), the A of
+    every operation here, whose jitted forms compile once per A. Pass n (or a mask) for the
     live rows."""
     rows = np.asarray(rows, np.uint32).reshape(-1, 2)
     out = np.zeros((pow2_bucket(len(rows)) if size is None else size, 2), np.uint32)
@@ -132,26 +133,26 @@ def _check_hashes(hashes) -> None:
 
 
 def _same(a, b):
-    """bool[A, B]: hash a[i] == hash b[j]. a: u32[A, 2], b: u32[B, 2]."""
+    """bool[len(a), len(b)]: hash a[i] == hash b[j]. a, b: u32[.., 2]."""
     return (a[:, None, 0] == b[None, :, 0]) & (a[:, None, 1] == b[None, :, 1])
 
 
 def _find(state: HostIndex, hashes):
-    """The slot holding each hash. hashes: u32[N, 2] -> (slot i32[N], resident bool[N])."""
-    match = _same(hashes, state.block_hash) & state.valid[None, :]  # bool[N, H]
+    """The slot holding each hash. hashes: u32[A, 2] -> (slot i32[A], resident bool[A])."""
+    match = _same(hashes, state.block_hash) & state.valid[None, :]  # bool[A, E]
     return jnp.argmax(match, axis=1).astype(jnp.int32), match.any(axis=1)
 
 
 def _first(hashes, live):
-    """bool[N]: live and no earlier live entry holds the same hash."""
+    """bool[A]: live and no earlier live entry holds the same hash."""
     n = hashes.shape[0]
     earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [k, j]: j before k
     return live & ~(_same(hashes, hashes) & earlier & live[None, :]).any(axis=1)
 
 
 def _move_to_mru(state: HostIndex, slot, sel, fresh):
-    """vLLM's touch walk for resident hashes: slot i32[N], sel bool[N] first occurrences to
-    touch; fresh bool[N] just stored (ARC keeps those in T1). Each touched block goes to the
+    """vLLM's touch walk for resident hashes: slot i32[A], sel bool[A] first occurrences to
+    touch; fresh bool[A] just stored (ARC keeps those in T1). Each touched block goes to the
     MRU end of its new list, the first hash last (most recent)."""
     h = state.num_slots
     at = lambda m: jnp.where(m, slot, h)  # noqa: E731 - scatter index, out of range = dropped
@@ -171,7 +172,7 @@ def _move_to_mru(state: HostIndex, slot, sel, fresh):
 # ------------------------------------------------------------------ the operations
 @jax.jit
 def lookup(state: HostIndex, hashes, n):
-    """Number of leading hashes among hashes[:n] (u32[N, 2]) that are all resident. -> i32[]."""
+    """Number of leading hashes among hashes[:n] (u32[A, 2]) that are all resident. -> i32[]."""
     _check_hashes(hashes)
     _, resident = _find(state, hashes)
     live = jnp.arange(hashes.shape[0]) < n
@@ -192,8 +193,8 @@ def touch(state: HostIndex, hashes, n):
     in_b2 = g & (_same(hashes, state.ghost_hash[1]) & (state.ghost_pos[1] < NOT_LISTED)[None, :]).any(1)
     len1, len2 = _length(state.ghost_pos[0]), _length(state.ghost_pos[1])
     up, down = jnp.maximum(1, len2 // jnp.maximum(len1, 1)), jnp.maximum(1, len1 // jnp.maximum(len2, 1))
-    step = jnp.where(in_b1, up, jnp.where(in_b2, -down, 0))  # i32[N]
-    last = hashes.shape[0] - 1  # the walk runs last to first; each step clamps to [0, H]
+    step = jnp.where(in_b1, up, jnp.where(in_b2, -down, 0))  # i32[A]
+    last = hashes.shape[0] - 1  # the walk runs last to first; each step clamps to [0, E]
     p = jax.lax.fori_loop(0, hashes.shape[0],
                           lambda i, p: jnp.clip(p + step[last - i], 0, state.num_slots), state.target)
     ghost_pos = jnp.stack([_ghost_to_mru(state.ghost_hash[r], state.ghost_pos[r], hashes, hit)
@@ -205,7 +206,7 @@ def _ghost_to_mru(ghash, gpos, hashes, hit):
     """A ghost hit also moves its ghost entry to its list's MRU end, in the walk's order (the
     first hash ends most recent), so the ghost list keeps its recently asked-for entries."""
     g = gpos.shape[0]
-    match = _same(hashes, ghash) & (gpos < NOT_LISTED)[None, :]  # bool[N, G]
+    match = _same(hashes, ghash) & (gpos < NOT_LISTED)[None, :]  # bool[A, E]
     cell = jnp.where(hit, jnp.argmax(match, axis=1), g)
     sel = _first(hashes, hit)
     moved = jnp.zeros(g, bool).at[cell].set(True, mode="drop")
@@ -217,7 +218,7 @@ def _ghost_to_mru(ghash, gpos, hashes, hit):
 @jax.jit
 def prepare_load(state: HostIndex, hashes, n):
     """Ref count +1 for each resident hash of hashes[:n] (a repeat counts twice), protecting
-    it from eviction until complete_load. -> (state, slots i32[N]; -1 = not resident)."""
+    it from eviction until complete_load. -> (state, slots i32[A]; -1 = not resident)."""
     _check_hashes(hashes)
     slot, resident = _find(state, hashes)
     hit = resident & (jnp.arange(hashes.shape[0]) < n)
@@ -227,7 +228,7 @@ def prepare_load(state: HostIndex, hashes, n):
 
 @jax.jit
 def complete_load(state: HostIndex, slots, n):
-    """Ref count -1 for slots[:n] (i32[N]; -1 entries are skipped). Fails, changing nothing,
+    """Ref count -1 for slots[:n] (i32[A]; -1 entries are skipped). Fails, changing nothing,
     when a slot is out of range or would drop below 0. -> (state, ok)."""
     h = state.num_slots
     live = (jnp.arange(slots.shape[0]) < n) & (slots != -1)
@@ -238,8 +239,8 @@ def complete_load(state: HostIndex, slots, n):
 
 
 def _ghost_push(ghash, gpos, victims, vrank, block_hash):
-    """Append the victims (bool[H] over slots, vrank their order) at one ghost list's MRU
-    end, keeping its H most recent (dropping the oldest first leaves the same entries)."""
+    """Append the victims (bool[E] over slots, vrank their order) at one ghost list's MRU
+    end, keeping its E most recent (dropping the oldest first leaves the same entries)."""
     g = gpos.shape[0]
     k = victims.sum(dtype=jnp.int32)
     gpos = close_up(gpos, gpos < _length(gpos) + k - g)
@@ -252,19 +253,19 @@ def _ghost_push(ghash, gpos, victims, vrank, block_hash):
 
 @jax.jit
 def store(state: HostIndex, hashes, mask):
-    """Store the masked hashes (u32[N, 2], bool[N]) per the module docstring.
-    -> (state, slots i32[N]: the slot each masked hash is resident in afterwards, -1 if not;
-    stored bool[N]: newly written, i.e. the caller copies that block's KV to slots[k])."""
+    """Store the masked hashes (u32[A, 2], bool[A]) per the module docstring.
+    -> (state, slots i32[A]: the slot each masked hash is resident in afterwards, -1 if not;
+    stored bool[A]: newly written, i.e. the caller copies that block's KV to slots[k])."""
     _check_hashes(hashes)
     h, mask = state.num_slots, mask.astype(bool)
     slot, resident = _find(state, hashes)
     first = _first(hashes, mask)
-    want = first & ~resident  # bool[N] to store, in order
-    order = jnp.cumsum(want) - 1  # i32[N] 0.. among want
+    want = first & ~resident  # bool[A] to store, in order
+    order = jnp.cumsum(want) - 1  # i32[A] 0.. among want
     protected = jnp.zeros(h, bool).at[jnp.where(mask & resident, slot, h)].set(True, mode="drop")
     num_free = h - state.valid.sum(dtype=jnp.int32)
     need = jnp.maximum(want.sum(dtype=jnp.int32) - num_free, 0)
-    evictable = state.valid & (state.ref_cnt == 0) & ~protected  # bool[H]
+    evictable = state.valid & (state.ref_cnt == 0) & ~protected  # bool[E]
     r0, r1 = _rank(state.pos[0], evictable), _rank(state.pos[1], evictable)
     if state.policy == "lru":
         k0, k1 = need, jnp.zeros((), jnp.int32)
@@ -273,7 +274,7 @@ def store(state: HostIndex, hashes, mask):
         a1 = (evictable & (state.pos[1] < NOT_LISTED)).sum(dtype=jnp.int32)
         k0 = jnp.minimum(jnp.minimum(need, a0), jnp.maximum(_length(state.pos[0]) - state.target + 1, 0))
         k1 = jnp.minimum(need - k0, a1)
-    v0, v1 = r0 < k0, r1 < k1  # bool[H] victims from list 0 / 1, oldest first
+    v0, v1 = r0 < k0, r1 < k1  # bool[E] victims from list 0 / 1, oldest first
     gh, gp = state.ghost_hash, state.ghost_pos
     if state.policy == "arc":
         b1 = _ghost_push(gh[0], gp[0], v0, r0, state.block_hash)

@@ -8,7 +8,7 @@ calibration statistic, and `calibrate` turns it into scale = amax / format max (
 leaves this step to llm-compressor and defaults every scale to 1.0; the `KVScales` this
 returns is what `kvjax.LLM(scales=...)`, `kvjax decode --scales` and the accuracy evaluation load.
 
-Axis legend: B windows, P pages, Z page size, K kv heads, H head dim, C latent channels.
+Axes: the kvjax package docstring's legend; B is a prefill batch's windows (one per row).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ of it the way vLLM's own managers are written (`vllm/v1/kv_offload/lru_manager.p
 eviction at a time. Only the rules are shared (see host_cache's module docstring): the jitted
 index computes victims, ranks and positions in closed form, this walks them step by step.
 
-Hashes are (lo, hi) tuples. Results have the jitted functions' shapes: lists of length N with
+Hashes are (lo, hi) tuples. Results have the jitted functions' shapes: lists of length A with
 -1 / False where a hash was not live, so tests compare the two element for element.
 """
 

@@ -7,12 +7,12 @@ cache, and its jit (the role of vLLM V1's `vllm/v1/worker/gpu_model_runner.py`, 
     step = make_step(model, mesh, cache)                        # tensor parallel: the cache stays in its shards
 
 `model` is any Flax decoder called as `model.apply({"params": p}, tokens i32[T], md, cache,
-logits_indices)` → (logits f32[T or R, V], cache), such as `kvjax.models.build_model`'s; it is
+logits_indices)` → (logits f32[T or B, V], cache), such as `kvjax.models.build_model`'s; it is
 passed in, never imported here (the worker is below the models: models import the worker).
 Whatever runs the model (scoring, calibration, the chunked scorer, the tensor-parallel profile)
 calls `forward` or `make_step`, so the step is written once.
 
-Axis legend: T tokens, R logits rows (logits_indices), V vocabulary.
+Axes: the kvjax package docstring's legend; logits rows are B, one per sequence (logits_indices).
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from kvjax.worker.sharding import cache_shardings
 
 def forward(model, params: Any, tokens: jax.Array, md, cache: PagedCache,
             logits_indices: jax.Array | None = None) -> tuple[jax.Array, PagedCache]:
-    """One step: tokens i32[T] at md's positions → (logits f32[T, V], or f32[R, V] for the rows
-    logits_indices i32[R] select; the cache with this step's K/V written)."""
+    """One step: tokens i32[T] at md's positions → (logits f32[T, V], or f32[B, V] for the rows
+    logits_indices i32[B] select; the cache with this step's K/V written)."""
     return model.apply({"params": params}, tokens, md, cache, logits_indices)
 
 

@@ -8,7 +8,7 @@ writing through `slot_mapping`, attention kernels reading through `block_table`)
   for K kv heads of dim H. That is vLLM's flash-attention layout for one layer (its
   [2, P, Z, K, H] tensor split into its K and V halves). MLA caches one vector per token, the
   compressed latent c_kv concatenated with the rope key, so its page is [P, Z, C] with
-  C = kv_lora_rank + qk_rope_head_dim (SPEC: f = 1, Hkv = 1).
+  C = kv_lora_rank + qk_rope_head_dim (SPEC: f = 1, one kv head).
 - Per-layer arrays, not one layer-stacked array. They match vLLM's per-layer tensors, let a
   layer skipped by fp8 quantization (`--kv-cache-dtype-skip-layers`) keep its own dtype, and
   under `jax.jit(..., donate_argnums=...)` each layer's write updates its own buffer in place
@@ -30,7 +30,7 @@ quantized cache is reported rather than silently transformed (NaN is kept, visib
 saturates to ±max). Unquantized pages store NaN and inf as they are and count nothing.
 
 The contiguous cache (`ContiguousCache`) is the baseline paging is measured against: per
-layer one row of max_len positions per batch row, K/V [R, S, K, H] (MLA [R, S, C]), written at
+layer one row of max_len positions per batch row, K/V [B, S, K, H] (MLA [B, S, C]), written at
 (row, position) and read in place, with no block table. Models write every layer through
 `write_step` and attend through `kvjax.attention`, which take either kind, so a paged and a
 contiguous run execute the same Flax modules and differ only in where K/V live. It stores
@@ -84,15 +84,15 @@ LayerPages = KVPages | LatentPages
 class ContiguousKV:
     """One MHA/GQA/MQA layer of the contiguous cache: row r holds batch row r's positions."""
 
-    k: jax.Array  # [R, S, K, H]
-    v: jax.Array  # [R, S, K, H]
+    k: jax.Array  # [B, S, K, H]
+    v: jax.Array  # [B, S, K, H]
 
 
 @struct.dataclass
 class ContiguousLatent:
     """One MLA layer of the contiguous cache."""
 
-    latent: jax.Array  # [R, S, C]
+    latent: jax.Array  # [B, S, C]
 
 
 LayerRows = ContiguousKV | ContiguousLatent
@@ -289,7 +289,7 @@ def write_latent(pages: LatentPages, latent: jax.Array, slot_mapping: jax.Array)
 
 def write_rows(rows: jax.Array, values: jax.Array, md) -> jax.Array:
     """Contiguous write: values[t] ([T, ...]) at row md.seq_ids[t], position md.positions[t] of
-    rows [R, S, ...]. Padding tokens (valid False) are dropped: a contiguous cache has no null block."""
+    rows [B, S, ...]. Padding tokens (valid False) are dropped: a contiguous cache has no null block."""
     row = jnp.where(md.valid, md.seq_ids, rows.shape[0])  # out of range: dropped
     return rows.at[row, md.positions].set(values.astype(rows.dtype), mode="drop")
 

@@ -16,20 +16,20 @@ keeps the cache in the shardings `cache_shardings` gives.
     GQA/MHA KV pages [P, Z, K, H]                               split over kv heads (axis K)
     MLA latent pages [P, Z, C]                                  replicated on every rank
 
-KV heads follow `KVSpec.kv_heads_per_rank` (SPEC "Budget → blocks", vLLM's rule): with tp ≤ Hkv
-each rank holds Hkv / tp heads; with tp > Hkv each head is held by tp / Hkv ranks, one head per
+KV heads follow `KVSpec.kv_heads_per_rank` (SPEC "Budget → blocks", vLLM's rule): with tp ≤ K
+each rank holds K / tp heads; with tp > K each head is held by tp / K ranks, one head per
 rank. A NamedSharding cannot give two ranks the same slice of an axis that is split, so the
 replicated case is expressed the way vLLM's weight loader does it: the k/v projection
-columns (and fp8 scales) of each kv head are repeated tp / Hkv times, making a model with
+columns (and fp8 scales) of each kv head are repeated tp / K times, making a model with
 tp kv heads whose head k·r + j is a copy of head k. Query head n of that model reads kv head
-n // (N / tp), a copy of the original n // (N / Hkv): the same function, and a cache whose
+n // (N / tp), a copy of the original n // (N / K): the same function, and a cache whose
 head axis (tp heads) splits evenly, one head per rank. Build the model from the config with
 `num_kv_heads = layout.cache_kv_heads`.
 
 The MLA latent is one vector per token shared by all heads, so every rank keeps the whole
 latent cache (SPEC: TP does not shrink per-device MLA KV); its per-head projections are split.
 
-Axis legend: P pages, Z page size, K kv heads, H head dim, C latent channels, D hidden.
+Axes: the kvjax package docstring's legend.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class TPLayout:
 
     @property
     def head_replicas(self) -> int:
-        """Copies of each kv head across ranks: tp / Hkv when tp > Hkv (GQA/MHA), else 1."""
+        """Copies of each kv head across ranks: tp / K when tp > K (GQA/MHA), else 1."""
         if self.spec.kind == "mla":
             return 1  # the latent is not split at all: every rank holds it (see cache_shardings)
         return max(1, self.tp // self.spec.num_kv_heads)

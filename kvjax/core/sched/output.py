@@ -1,6 +1,6 @@
 """The step plan the scheduler hands a model runner (vLLM V1's `vllm/v1/core/sched/output.py`).
 
-Axes: B scheduled requests, T scheduled tokens, M blocks per request, X stop ids, L host loads.
+Axes: the kvjax package docstring's legend; B are the scheduled requests, T their scheduled tokens.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class StepPlan:
     prefill: np.ndarray  # bool[B] computes a prompt, a chunk of one, or a preempted request's recompute
     num_tokens: np.ndarray  # i32[B] each request's tokens (prompt + output so far)
     num_preemptions: np.ndarray  # i32[B] times each request was preempted before
-    loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # i32[L, 2] (host slot,
+    loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # i32[loads, 2] (host slot,
     # device block): host tier hits to copy in before the step runs, then `Scheduler.loads_done`
 
     @property

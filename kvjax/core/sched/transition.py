@@ -16,7 +16,7 @@ decode steps in one call, kvjax.engine.core) both call it. For every active row,
    host's next `schedule` expects. Otherwise nothing is allocated, and the host's `schedule`
    allocates, preempting where the pool is short.
 
-Axes: B batch rows, X stop ids per row, R the pool's request slots.
+Axes: the kvjax package docstring's legend.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class SchedulerUpdates:
                            finish[:plan.num_requests])
 
     def _adopt(self, plan: StepPlan, sampled: np.ndarray, active: np.ndarray, finish: np.ndarray) -> list[str]:
-        """Append the steps' tokens (i32[n, B]) to the active requests' outputs, and finish those
+        """Append the steps' tokens (i32[steps, B]) to the active requests' outputs, and finish those
         whose transition finished them (finish: i32[B] FINISH_REASONS index, after the last step)."""
         finished = []
         for i, rid in enumerate(plan.req_ids):
@@ -101,7 +101,7 @@ class SchedulerUpdates:
 
     def decode_steps(self, plan: StepPlan, run) -> tuple[list[str], object]:
         """Let a device loop run the decode plan and its next steps itself: run(pool state) →
-        (pool state, sampled i32[n, B] per step and plan row, finish i32[B], extra). The
+        (pool state, sampled i32[steps, B] per step and plan row, finish i32[B], extra). The
         scheduler hands its pool to the loop and adopts what it returns (apply_decode_steps).
         → (finished request ids, extra)."""
         if not plan.is_decode:
@@ -117,7 +117,7 @@ class SchedulerUpdates:
         what `update` + `schedule` would have done between them, with the same decode transition
         (kvjax.core.sched.transition) after each step. It stopped after the first step in which
         a request finished (length or stop token), before an allocation that did not fit (the
-        host then preempts as usual), or after its step limit. sampled: i32[n, B] tokens per step
+        host then preempts as usual), or after its step limit. sampled: i32[steps, B] tokens per step
         and plan row; state: the loop's final pool; finish: i32[B] each row's FINISH_REASONS
         index after the last step. Finishes the requests that ended. Returns their ids."""
         sampled, finish = np.asarray(sampled), np.asarray(finish)
