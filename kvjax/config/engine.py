@@ -15,6 +15,13 @@ DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not give
 KV_LAYOUTS = ("paged", "contiguous")
 
 
+def step_budget(max_num_batched_tokens: int | None, max_num_seqs: int, chunked_prefill: bool, max_len: int) -> int:
+    """A step's token budget: max_num_batched_tokens, else vLLM's default (DEFAULT_BUDGET), at
+    least one token per row, and without chunked prefill never below max_len (the longest
+    request), or a long prompt could never be admitted."""
+    return max_num_batched_tokens or max(max_num_seqs, DEFAULT_BUDGET, 0 if chunked_prefill else max_len)
+
+
 class EngineError(KvjaxError):
     """An engine built or called with values that break a rule; the message names the value."""
 

@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata
-from kvjax.config.engine import DEFAULT_BUDGET, EngineConfig, EngineError
+from kvjax.config.engine import EngineConfig, EngineError, step_budget
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.core.sched.output import StepPlan
@@ -119,10 +119,7 @@ class Engine:
                                        tokenizer is not None)
         # The scheduler's table width: the longest request the pool could ever hold.
         sched_len = min(self.max_model_len, self.usable_blocks * z)
-        # vLLM's default budget (2048), at least one token per row; without chunking never below
-        # max_model_len, or a long prompt could never be admitted.
-        budget = config.max_num_batched_tokens or max(config.max_num_seqs, DEFAULT_BUDGET,
-                                                      0 if config.chunked_prefill else sched_len)
+        budget = step_budget(config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill, sched_len)
         self.scheduler_config = SchedulerConfig(
             num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config.engine import DEFAULT_BUDGET, EngineConfig, EngineError
+from kvjax.config.engine import EngineConfig, EngineError, step_budget
 from kvjax.engine.arg_utils import (LLMError, check_engine_args, check_limits, eviction_policy, generation_defaults,
                                     read_scales, read_template, skip_layers)
 from kvjax.engine.core import Engine
@@ -186,9 +186,9 @@ class LLM:
                 f"block_size={self.block_size}))")
         from kvjax.accounting.sizing import profile_and_size
 
-        # Profile the largest step the engine can schedule: its token budget (kvjax.engine.core's
-        # default), or all rows prefilling max_model_len tokens if that is less.
-        budget = max_num_batched_tokens or max(max_num_seqs, DEFAULT_BUDGET, 0 if chunked else self.max_model_len)
+        # Profile the largest step the engine can schedule: its token budget (before sizing, with
+        # max_model_len for the longest request), or all rows prefilling max_model_len if less.
+        budget = step_budget(max_num_batched_tokens, max_num_seqs, chunked, self.max_model_len)
         module, params, mesh = self._engine_model
         report = profile_and_size(module, params, self.kv_spec, mesh=mesh,
                                   util=DEFAULT_UTIL if util is None else util, total_bytes=total_bytes,
