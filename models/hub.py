@@ -38,6 +38,7 @@ from kvjax.config.model import ModelConfig
 from kvjax.config.presets import preset
 from kvjax.errors import KvjaxError, check_input_file, file_kind, read_json_object, read_text
 from kvjax.models.tokenizer import Tokenizer
+from kvjax.progress import Phases
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 BUILTIN = {"small-gqa": os.path.join(CHECKPOINTS, "small-gqa"),
@@ -154,17 +155,18 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
     from kvjax.models import build_model, init_params
     from kvjax.models.loader import is_gguf, load_checkpoint, load_params
 
-    stages = _Stages(progress, name_or_dir)
+    stages = Phases(f"load {name_or_dir}", 1 if name_or_dir.startswith("preset:") else 3, progress, unit="stage",
+                    leave=True)
     with stages:
         if name_or_dir.startswith("preset:"):
-            stages.next("random weights")
+            stages.start("random weights")
             config = preset(name_or_dir.split(":", 1)[1])
             config = config.replace(dtype=dtype) if dtype else config
             module = build_model(config, attn_impl=attn_impl)
             return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
-        stages.next("fetch" if name_or_dir in REGISTRY and not _cached(name_or_dir) else "locate")
+        stages.start("fetch" if name_or_dir in REGISTRY and not _cached(name_or_dir) else "locate")
         path = resolve_model(name_or_dir)
-        stages.next("read weights")
+        stages.start("read weights")
         if is_gguf(path):
             from kvjax.models.gguf import GGUFFile
 
@@ -172,41 +174,13 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
                 config = gguf.config(dtype)
                 tokenizer = Tokenizer(backend=gguf.tokenizer())
                 params = load_params(gguf, config)
-                stages.next("build")
+                stages.start("build")
                 return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
                                    gguf.eos_token_ids, path, gguf.chat_template)
         config, params = load_checkpoint(path, dtype=dtype)
-        stages.next("build")
+        stages.start("build")
         return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, Tokenizer(path),
                            eos_token_ids(path), path, chat_template(path))
-
-
-class _Stages:
-    """A tqdm bar over load_model's stages (or nothing when progress is off)."""
-
-    def __init__(self, progress: bool, name: str):
-        self.bar, self.name, self.started = None, name, False
-        if progress:
-            from tqdm import tqdm
-
-            total = 1 if name.startswith("preset:") else 3
-            self.bar = tqdm(total=total, desc=f"load {name}", unit="stage", file=sys.stderr)
-
-    def next(self, stage: str) -> None:
-        """The previous stage is done; `stage` starts."""
-        if self.bar is not None:
-            self.bar.update(int(self.started))
-            self.bar.set_description(f"load {self.name} ({stage})")
-            self.started = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            if exc[0] is None:
-                self.bar.update(self.bar.total - self.bar.n)
-            self.bar.close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ import json
 import math
 import os
 
-from kvjax.commands.common import Phases, add_progress_flag, progress_enabled
+from kvjax.commands.common import add_progress_flag, progress_enabled
 from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure, write_json,
                           write_text)
 from kvjax.markdown import markdown_table
+from kvjax.progress import Phases
 
 DEFAULT_OUT = "results"
 SMALL_MODELS = ("small-gqa", "small-mla")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 
-from kvjax.commands.common import Phases, add_dtype_flag, add_progress_flag, progress_enabled
+from kvjax.commands.common import add_dtype_flag, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
+from kvjax.progress import Phases
 from kvjax.quant.kv_formats import FP8_FORMATS
 
 

@@ -7,9 +7,9 @@ What every command shares lives here, so that a flag reads and means the same ev
   model's dtype, or a kv dtype kvjax stores; `model_dtype_arg`: vLLM's --dtype names);
 - `check_plot_file`: a --plot path matplotlib writes as given (.png, .svg, .pdf), checked
   before any work;
-- `Phases`: a command's progress bar on stderr. Bars are drawn when stderr is a terminal (as
-  git draws its progress) and never with --no-progress, so that a script reading stderr sees
-  exactly the one error line of the bad-input contract.
+- `progress_enabled`: whether a command draws its progress bar (kvjax.progress.Phases) on
+  stderr: when stderr is a terminal (as git draws its progress) and never with --no-progress, so
+  that a script reading stderr sees exactly the one error line of the bad-input contract.
 
 Nothing here imports JAX: `kvjax plan` and `kvjax tables` import this module and start at once.
 """
@@ -116,39 +116,3 @@ def stderr_is_terminal() -> bool:
 def progress_enabled(args) -> bool:
     """Whether the command draws progress bars: not --no-progress, and stderr is a terminal."""
     return not getattr(args, "no_progress", False) and stderr_is_terminal()
-
-
-class Phases:
-    """One progress bar on stderr for a command's phases (load the model, compile, profile, ...):
-    it counts the phases done and names the one running, with the time spent. `start(name)`
-    ends the running phase and begins the next; use it as a context manager so that an error
-    clears the bar before the error line is printed. Disabled, it does nothing."""
-
-    def __init__(self, command: str, total: int | None = None, enabled: bool = True):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=command, unit="phase", file=sys.stderr, leave=False,
-                            dynamic_ncols=True, bar_format="{desc}: {n_fmt}/{total_fmt} phases [{elapsed}]{postfix}"
-                            if total else "{desc}: [{elapsed}]{postfix}")
-        self.running = False
-
-    def start(self, phase: str) -> None:
-        if self.bar is None:
-            return
-        if self.running:
-            self.bar.update(1)
-        self.running = True
-        self.bar.set_postfix_str(phase)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def __enter__(self) -> "Phases":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -47,10 +47,10 @@ import math
 import re
 import sys
 
-from kvjax.commands.common import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
-                                   progress_enabled)
+from kvjax.commands.common import add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg, progress_enabled
 from kvjax.commands.prompts import build_requests, read_prompts, refused_output, sampling_params
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, UsageError, float_arg, int_arg, json_type, loads
+from kvjax.progress import Phases
 
 PROMPT_LEN = 32  # --prompt-len's default (given with --prompts, it would be ignored)
 BYTES_MAX = MAX_GIB * 2**30  # --kv-cache-memory-bytes at most

@@ -31,9 +31,9 @@ import json
 import os
 
 from kvjax.accounting import budget as bud
-from kvjax.commands.common import (Phases, add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
-                                   progress_enabled)
+from kvjax.commands.common import add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg, progress_enabled
 from kvjax.errors import UsageError, int_arg
+from kvjax.progress import Phases
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
 # name of XLA_PYTHON_CLIENT_MEM_FRACTION).

@@ -23,9 +23,10 @@ import os
 import time
 from typing import Any
 
-from kvjax.commands.common import Phases, add_progress_flag, progress_enabled
+from kvjax.commands.common import add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_output_dir, save_figure, write_json, write_text
 from kvjax.markdown import markdown_table
+from kvjax.progress import Phases
 
 DEFAULT_OUT = "results"
 SECTIONS = ("decode", "accuracy", "memory", "smollm")  # after section 1, the tables, which always runs

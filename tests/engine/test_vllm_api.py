@@ -298,7 +298,7 @@ def test_use_tqdm_on_load_and_use_tqdm_draw_on_stderr_only(capfd):
     llm = LLM("small-gqa", num_gpu_blocks_override=16, max_num_seqs=1, use_tqdm_on_load=True)
     llm.generate("ab", SamplingParams(max_tokens=2, **GREEDY))
     out, err = capfd.readouterr()
-    assert out == "" and "load small-gqa (build)" in err and "3/3" in err and "Generating" in err
+    assert out == "" and "load small-gqa: 3/3 stages" in err and "build" in err and "Generating" in err
     quiet = LLM("small-gqa", num_gpu_blocks_override=16, max_num_seqs=1, use_tqdm_on_load=False)
     quiet.generate("ab", SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     assert capfd.readouterr() == ("", "")
