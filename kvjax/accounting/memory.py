@@ -104,17 +104,17 @@ def check_fits(what: str, nbytes: int, devices: jax.Device | Sequence[jax.Device
     else:
         need, ceiling = nbytes * len(devs), host_ram_bytes()
         where = "the host's RAM (a CPU device reports no limit)"
-    if need > ceiling:
-        per = f" ({len(devs)} devices × {nbytes:,} B)" if need != nbytes else ""
-        raise WontFitError(f"{what} need {need:,} B ({_human(need)}){per}, more than {where}, "
-                           f"{ceiling:,} B ({_human(ceiling)})")
+    _refuse_above(what, need, ceiling, where, f" ({len(devs)} devices × {nbytes:,} B)" if need != nbytes else "")
 
 
 def check_host_fits(what: str, nbytes: int) -> None:
     """Refuse host memory (the offload tier's pages) beyond the host's RAM."""
-    ceiling = host_ram_bytes()
-    if nbytes > ceiling:
-        raise WontFitError(f"{what} need {nbytes:,} B ({_human(nbytes)}), more than the host's RAM, "
+    _refuse_above(what, nbytes, host_ram_bytes(), "the host's RAM")
+
+
+def _refuse_above(what: str, need: int, ceiling: int, where: str, per: str = "") -> None:
+    if need > ceiling:
+        raise WontFitError(f"{what} need {need:,} B ({_human(need)}){per}, more than {where}, "
                            f"{ceiling:,} B ({_human(ceiling)})")
 
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.accounting import memory as mem
-from kvjax.accounting.sizing import SizingReport, cache_maker
+from kvjax.accounting.sizing import SizingReport
 from kvjax.math_utils import cdiv
 from kvjax.worker import sharding as shd
 
@@ -59,7 +59,7 @@ def _allocate(sized: SizingReport) -> dict:
     """Pages (with int8's per-slot scale pages), then static scales and counters, then the block
     tables, each measured as the increase of bytes in use on every device."""
     devices, mesh = sized.devices, sized.mesh
-    make = cache_maker(sized.layout, sized.num_blocks, sized.block_size)
+    make = shd.cache_maker(sized.layout, sized.num_blocks, sized.block_size)
     shapes = jax.eval_shape(make)
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes, mesh))

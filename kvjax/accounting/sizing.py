@@ -44,7 +44,6 @@ from kvjax.errors import KvjaxError, check_int
 from kvjax.math_utils import cdiv
 from kvjax.worker import sharding as shd
 from kvjax.worker.model_runner import make_step
-from kvjax.worker.paged_cache import PagedCache
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
@@ -116,12 +115,7 @@ class ProfileStep:
     cache_blocks: int  # the profile's own cache: cdiv(T, Z) blocks + the null block
 
     def make_cache(self):
-        return cache_maker(self.layout, self.cache_blocks, self.block_size)
-
-
-def cache_maker(layout: shd.TPLayout, num_blocks: int, block_size: int):
-    """A function of no arguments that creates the paged cache of `layout` (to jit, or to eval_shape)."""
-    return lambda: PagedCache.create(layout.cache_spec, num_blocks, block_size)
+        return shd.cache_maker(self.layout, self.cache_blocks, self.block_size)
 
 
 def _profile_inputs(vocab_size: int, tokens: int, block_size: int):
@@ -164,7 +158,7 @@ def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = Non
     mesh = mesh if mesh is not None else shd.make_mesh(1)
     layout = shd.tp_layout(spec, mesh.shape[shd.AXIS])
     ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size)
-    cache_shapes = jax.eval_shape(cache_maker(layout, blocks, block_size))
+    cache_shapes = jax.eval_shape(shd.cache_maker(layout, blocks, block_size))
     whole = NamedSharding(mesh, P())
     compiled = make_step(model, mesh, cache_shapes).lower(
         _param_abstract(params, mesh), _abstract(ids, whole), _abstract(md, whole),

@@ -155,9 +155,8 @@ class Engine:
         one step's logits rows (max_num_seqs × vocab f32) exceed what each device could hold."""
         cfg = self.config
         if self.mesh is not None:
-            layout = shd.tp_layout(kv_spec, cfg.tensor_parallel_size)
-            shapes = jax.eval_shape(lambda: PagedCache.create(layout.cache_spec, cfg.num_blocks, cfg.block_size,
-                                                              shd.replicate_scales(scales, layout)))
+            shapes = jax.eval_shape(shd.cache_maker(shd.tp_layout(kv_spec, cfg.tensor_parallel_size), cfg.num_blocks,
+                                                    cfg.block_size, scales))
             cache_bytes = mem.shard_bytes(shapes, shd.cache_shardings(shapes, self.mesh))
             devices = list(self.mesh.devices.flat)
         else:

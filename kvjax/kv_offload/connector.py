@@ -20,6 +20,7 @@ slots pinned until the engine copied them in (`loads_done`). `take_stores` hands
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from kvjax.core.kv_cache_manager import PoolRefusedError
@@ -64,8 +65,6 @@ class HostTier:
 
     def new_index(self) -> host_cache.HostIndex:
         """An empty index, committed to the device like the pool state."""
-        import jax
-
         return jax.device_put(host_cache.init(self.num_slots, self.policy), self.placement)
 
     def lookup(self, req_hash: np.ndarray, num_tokens: int, num_hits: int) -> tuple[np.ndarray | None, int]:

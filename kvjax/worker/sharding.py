@@ -234,11 +234,18 @@ def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
     return cache.replace(layers=tuple(layers))
 
 
+def cache_maker(layout: TPLayout, num_blocks: int, block_size: int, scales=None):
+    """A function of no arguments that creates the zeroed paged cache of `layout.cache_spec` (to
+    jit into its shards, or to eval_shape). `scales`: the model's fp8 KVScales (per original kv
+    head; repeated here)."""
+    spec, scales = layout.cache_spec, replicate_scales(scales, layout)
+    return lambda: PagedCache.create(spec, num_blocks, block_size, scales)
+
+
 def create_cache(layout: TPLayout, num_blocks: int, block_size: int, mesh: Mesh, scales=None) -> PagedCache:
     """Zeroed paged cache for `layout.cache_spec`, created directly in its shards (no full copy
-    on one device). `scales`: the model's fp8 KVScales (per original kv head; repeated here)."""
-    spec, scales = layout.cache_spec, replicate_scales(scales, layout)
-    make = lambda: PagedCache.create(spec, num_blocks, block_size, scales)  # noqa: E731
+    on one device)."""
+    make = cache_maker(layout, num_blocks, block_size, scales)
     return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), mesh))()
 
 

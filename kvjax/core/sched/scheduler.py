@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,9 +141,10 @@ class Scheduler(SchedulerUpdates):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def output(self, req_id: str) -> tuple[int, ...]:
-        """The tokens a request has generated so far."""
-        return tuple(self.requests[req_id].output)
+    def output(self, req_id: str) -> Sequence[int]:
+        """The tokens a request has generated so far: the request's own list, not a copy (the
+        engine reads it for every row of every step), so read it and do not change it."""
+        return self.requests[req_id].output
 
     def finish_reason(self, req_id: str) -> str | None:
         return self.requests[req_id].finish_reason

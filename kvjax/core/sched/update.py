@@ -112,9 +112,10 @@ class SchedulerUpdates:
     def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager, finish) -> list[str]:
         """Adopt n decode steps that a device loop ran itself (kvjax.engine.core, --steps-per-call).
 
-        `plan` is a decode plan (one token per request, every request samples) that `schedule()`
-        returned; the device loop ran it, then n - 1 more steps of the same requests, doing
-        what `update` + `schedule` would have done between them, with the same decode transition
+        `plan` is a decode plan (one token per request, every request samples: `decode_steps`
+        checks it before the loop runs) that `schedule()` returned; the device loop ran it, then
+        n - 1 more steps of the same requests, doing what `update` + `schedule` would have done
+        between them, with the same decode transition
         (kvjax.core.sched.transition) after each step. It stopped after the first step in which
         a request finished (length or stop token), before an allocation that did not fit (the
         host then preempts as usual), or after its step limit. sampled: i32[steps, B] tokens per step
@@ -123,8 +124,6 @@ class SchedulerUpdates:
         sampled, finish = np.asarray(sampled), np.asarray(finish)
         if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
             raise SchedulerError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
-        if not plan.is_decode:
-            raise SchedulerError("apply_decode_steps needs a decode plan: one token per request, all sampling")
         self.state = state
         steps, z = sampled.shape[0], self.config.block_size
         if self.tier is not None:
