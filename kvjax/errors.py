@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import math
+import numbers
 import os
 import stat
 import tempfile
@@ -71,20 +72,25 @@ def one_line(message: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Numbers
 # --------------------------------------------------------------------------------------------
+def is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool: what check_int accepts."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_int(value: Any, name: str, lo: int = 0, hi: int | None = INT32_MAX, error: type = None) -> int:
-    """An int (not a bool, not a float) in [lo, hi] (hi None: no upper bound), else a KvjaxError
-    (or `error`, a subclass) naming `name`."""
+    """An integer (a Python or NumPy int; not a bool, not a float) in [lo, hi] (hi None: no upper
+    bound) as a Python int, else a KvjaxError (or `error`, a subclass) naming `name`. The one
+    integer guard: "n must be an integer in [1, 16384], got 0", "block_size must be a positive
+    integer, got 0"."""
     error = error or KvjaxError
-    if hi is None:  # one rule, one message: "block_size must be a positive integer, got 0"
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+    ok = is_int(value)
+    if hi is None:
+        if not ok or value < lo:
             rule = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
             raise error(f"{name} must be {rule}, got {_show(value)}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{name} must be an integer, got {_show(value)}")
-    if not lo <= value <= hi:
-        raise error(f"{name} must be in [{lo}, {hi}], got {_show(value)}")
-    return value
+    elif not ok or not lo <= value <= hi:
+        raise error(f"{name} must be an integer in [{lo}, {hi}], got {_show(value)}")
+    return int(value)
 
 
 def int_arg(lo: int = 1, hi: int = INT32_MAX):

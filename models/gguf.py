@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.errors import KvjaxError, check_input_file
+from kvjax.errors import KvjaxError, check_input_file, check_int
 from kvjax.models.gguf_tokenizer import PRE_SPLITS, byte_level_bpe
 from kvjax.models.tensors import CheckpointError, TensorSource
 
@@ -169,10 +169,8 @@ class GGUFFile(TensorSource):
         head_dim = m("attention.key_length", None) or m("rope.dimension_count", None)
         for key in ("attention.key_length", "rope.dimension_count"):
             value = m(key, None)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value <= 0):
-                raise GGUFFormatError(f"GGUF file {self.where!r}: {ARCHITECTURE}.{key} must be a positive integer, "
-                                      f"got {str(value)[:40]!r}")
+            if value is not None:
+                check_int(value, f"GGUF file {self.where!r}: {ARCHITECTURE}.{key}", 1, None, GGUFFormatError)
         if head_dim is not None:
             cfg["head_dim"] = head_dim
             rotary = m("rope.dimension_count", head_dim)

@@ -36,7 +36,7 @@ import jax
 
 from kvjax.config.model import ModelConfig
 from kvjax.config.presets import preset
-from kvjax.errors import KvjaxError, check_input_file, file_kind, read_json_object, read_text
+from kvjax.errors import KvjaxError, check_input_file, file_kind, is_int, read_json_object, read_text
 from kvjax.models.tokenizer import Tokenizer
 from kvjax.progress import Phases
 
@@ -127,9 +127,9 @@ def eos_token_ids(folder: str) -> tuple[int, ...]:
         value = read_json_object(path, name).get("eos_token_id")
         values = [] if value is None else value if isinstance(value, list) else [value]
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_int(v) or v < 0:
                 raise KvjaxError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r:.60}")
-            ids[v] = None
+            ids[int(v)] = None
     return tuple(ids)
 
 

@@ -70,20 +70,6 @@ class NoUsableBlockError(SizingError):
                          "no usable block; raise total_bytes or util, or lower max_num_batched_tokens")
 
 
-def check_cache_fits(spec: KVSpec, num_blocks: int, block_size: int, device: jax.Device | None = None,
-                     why: str = "") -> None:
-    """Refuse a pool that cannot exist before allocating it: token slots are int32 indices, and
-    the pages must fit the device's memory (kvjax.accounting.memory.check_fits). why: where num_blocks
-    came from, for the message."""
-    from kvjax.errors import INT32_MAX
-
-    if num_blocks * block_size > INT32_MAX:
-        raise SizingError(f"num_blocks {num_blocks:,} × block_size {block_size:,} = {num_blocks * block_size:,} "
-                          f"token slots; slots are int32 indices (at most {INT32_MAX:,})")
-    mem.check_fits(f"num_blocks {num_blocks:,}{why} of {spec.bytes_per_block(block_size):,} B of KV cache",
-                   num_blocks * spec.bytes_per_block(block_size), device)
-
-
 def device_total_bytes(device: jax.Device) -> int:
     """The memory the device's allocator may use (GPU `bytes_limit`: with preallocation,
     XLA_CLIENT_MEM_FRACTION × memory); NoMemoryLimitError where it reports none (CPU)."""

@@ -43,13 +43,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
 
 from kvjax.commands.common import add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg, progress_enabled
 from kvjax.commands.prompts import build_requests, read_prompts, refused_output, sampling_params
+from kvjax.config.scheduler import check_host_tier
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, UsageError, float_arg, int_arg, json_type, loads
+from kvjax.math_utils import cdiv
 from kvjax.progress import Phases
 
 PROMPT_LEN = 32  # --prompt-len's default (given with --prompts, it would be ignored)
@@ -196,7 +197,7 @@ def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
     if num_blocks is None and args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
         limit = args.max_model_len or loaded.config.max_position_embeddings
         longest = min(max((len(r["tokens"]) + r["max_tokens"] for r in requests), default=1), limit)
-        num_blocks = 1 + args.max_num_seqs * math.ceil(longest / z)
+        num_blocks = 1 + args.max_num_seqs * cdiv(longest, z)
     return LLM(loaded, kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
                scales=scales, block_size=z,
                num_gpu_blocks_override=num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -295,8 +296,7 @@ def _check_flags(args):
                          "would drop them); add --json")
     if args.min_tokens > args.max_tokens:
         raise UsageError(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
-    if args.kv_offloading_size and not args.enable_prefix_caching:
-        raise UsageError("--kv-offloading-size needs prefix caching: host blocks are found by their hashes")
+    check_host_tier(args.kv_offloading_size, args.enable_prefix_caching, UsageError, "--kv-offloading-size")
     if args.kv_transfer_config is not None and not args.kv_offloading_size:
         raise UsageError("--kv-transfer-config configures the host tier of --kv-offloading-size; without one it "
                          "would be ignored")

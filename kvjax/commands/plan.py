@@ -146,7 +146,10 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     device = args.device_memory_gib if args.device_memory_gib is not None else g.get("gpu_gib")
     util = util_flag if util_flag is not None else (None if args.extensible else g.get("util"))
     host = bud.gib(args.kv_offloading_size or 0, "--kv-offloading-size")
-    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kw=dict(
+    # The kv dtype is shown as it was asked for (fp8 stays fp8, as vLLM prints its --kv-cache-dtype); the spec holds
+    # the format's own name.
+    label = None if kv_dtype == "auto" else kv_dtype
+    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, kw=dict(
         context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
         block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
         total_bytes=None if device is None else bud.gib(device, "--device-memory-gib"),
@@ -185,19 +188,22 @@ def run(args) -> int:
         out = result.to_json()
         out["model"] = inputs["title"]
         out["warnings"] = warnings
+        if inputs["kv_label"]:
+            out["spec"]["kv_dtype"] = inputs["kv_label"]
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(result, inputs["title"], warnings))
+        print(format_plan(result, inputs["title"], warnings, inputs["kv_label"]))
     return 0
 
 
-def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str]) -> str:
-    """The human readout: one row per quantity, exact bytes beside 1024-based units."""
+def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str | None = None) -> str:
+    """The human readout: one row per quantity, exact bytes beside 1024-based units. kv_label: the kv dtype
+    as the user spelled it (default: the spec's format name)."""
     h = bud.human_bytes
     s = pl.spec
     rows: list[tuple[str, str, str]] = [
         ("model", title, f"{s.kind.upper()}, L={s.num_layers}, Hkv/rank={s.num_kv_heads}, D={s.head_dim}, "
-                         f"f={s.factor}, kv dtype {s.kv_dtype}" + (f", tp={pl.tp}" if pl.tp > 1 else "")),
+                         f"f={s.factor}, kv dtype {kv_label or s.kv_dtype}" + (f", tp={pl.tp}" if pl.tp > 1 else "")),
         ("KV bytes / token", h(pl.bytes_per_token), f"{pl.bytes_per_token:,} B"),
         ("KV bytes / block", h(pl.bytes_per_block), f"{pl.bytes_per_block:,} B = {pl.block_size} tokens"),
         ("KV bytes / request", h(pl.kv_bytes_per_request), f"{pl.kv_bytes_per_request:,} B = {pl.context:,} tokens"),

@@ -19,7 +19,6 @@ breaks their rules fails alone, as in vLLM, with `refused_output` as its output.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
@@ -60,9 +59,10 @@ def read_prompts(path: str, allow_priority: bool = False, chat: bool = False) ->
         if "tokens" in obj:
             if not isinstance(tokens, list):
                 raise bad(f'"tokens" must be a list of token ids, got a JSON {json_type(tokens)}')
-            for i, t in enumerate(tokens):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
-                    raise bad(f'token {i} is {json.dumps(t)[:40]}: token ids are ints in [0, 2**31)')
+            try:
+                tokens = [check_int(t, f"token {i}", 0, INT32_MAX) for i, t in enumerate(tokens)]
+            except KvjaxError as e:
+                raise bad(str(e)) from None
             if chat:
                 raise bad('"tokens" with --chat: a chat template renders text, so token ids would be sent '
                           'without it; give "prompt" text')

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.config.scheduler import check_host_tier, check_policy
-from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, check_int
+from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, _show, check_int, is_int
 
 MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
 MAX_NUM_SEQS = 2**16  # rows of every step
@@ -24,6 +24,17 @@ def step_budget(max_num_batched_tokens: int | None, max_num_seqs: int, chunked_p
 
 class EngineError(KvjaxError):
     """An engine built or called with values that break a rule; the message names the value."""
+
+
+def model_len(max_model_len, max_position_embeddings: int, error: type = EngineError) -> int:
+    """The longest request (prompt + generated tokens): max_model_len, an integer in [1, the model's
+    max_position_embeddings], or the model's own length when None."""
+    if max_model_len is None:
+        return max_position_embeddings
+    if not is_int(max_model_len) or not 1 <= max_model_len <= max_position_embeddings:
+        raise error(f"max_model_len={_show(max_model_len)} must be in [1, {max_position_embeddings}] "
+                    "(an integer; the model's max_position_embeddings)")
+    return int(max_model_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,10 @@ class EngineConfig:
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_blocks < 2:
             raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
+        if self.num_blocks * self.block_size > INT32_MAX:
+            raise EngineError(f"num_blocks {self.num_blocks:,} × block_size {self.block_size:,} = "
+                              f"{self.num_blocks * self.block_size:,} token slots; slots are int32 indices "
+                              f"(at most {INT32_MAX:,})")
         check_policy(self.policy, EngineError)
         if self.kv_layout not in KV_LAYOUTS:
             raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")

@@ -17,7 +17,7 @@ import os
 from typing import Any, Mapping
 
 from kvjax.config.model import MAX_LAYERS, MLA_TYPES, MODEL_TYPES, ModelConfig, ModelConfigError, RopeConfig, RopeError
-from kvjax.errors import INT32_MAX, KvjaxError, check_int, read_json_object
+from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int, read_json_object
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,17 +93,17 @@ def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., lo: int = 1, hi: 
         if default is ...:
             raise ModelConfigError(f"config is missing the field {key!r} (model_type {cfg.get('model_type')!r})")
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         rule = "a positive integer" if lo == 1 else f"an integer ≥ {lo}"
         raise ModelConfigError(f"config field {key!r} must be {rule} (at most {hi:,}), got {_show(value)}")
-    return value
+    return int(value)
 
 
 def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
     value = cfg.get(key) or []
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list):
         raise ModelConfigError(f"config field {key!r} must be a list of integers, got {_show(value)}")
-    return value
+    return [check_int(v, f"config field {key!r}[{i}]", 0, None, ModelConfigError) for i, v in enumerate(value)]
 
 
 def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: str | None = None) -> ModelConfig:

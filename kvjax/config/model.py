@@ -26,7 +26,7 @@ import os
 from typing import Any, Mapping
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
-from kvjax.errors import INT32_MAX, KvjaxError, check_int
+from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int
 
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -151,7 +151,7 @@ class ModelConfig:
                 raise ModelConfigError(f"{field} {value:,} is beyond kvjax's limit {limit:,}")
         for field in ("vocab_size", "intermediate_size", "q_lora_rank", "sliding_window", "published_params"):
             value = getattr(self, field)
-            if value is not None and not _is_positive_int(value):
+            if value is not None and not (is_int(value) and value > 0):
                 raise ModelConfigError(f"{field} must be a positive integer or None, got {value!r}")
         if not self.is_mla and self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_kv_heads {self.num_kv_heads} does not divide num_heads {self.num_heads}")
@@ -226,7 +226,3 @@ class ModelConfig:
         from kvjax.config.hf import from_hf_config  # hf builds ModelConfigs: imported on use
 
         return from_hf_config(path_or_dict, dtype=dtype)
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

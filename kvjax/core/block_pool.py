@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import KvjaxError, require
+from kvjax.errors import KvjaxError, is_int, require
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 NOT_LISTED = np.iinfo(np.int32).max  # the position of an entry that is not in a list
@@ -76,7 +76,7 @@ class BlockPool:
 
 def init(num_blocks: int) -> BlockPool:
     """A fresh pool: every usable block free, in id order (block b at position b - 1)."""
-    if not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool) or num_blocks < 2:
+    if not is_int(num_blocks) or num_blocks < 2:
         raise KvjaxError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
     p = int(num_blocks)
     pos = np.arange(-1, p - 1, dtype=np.int32)

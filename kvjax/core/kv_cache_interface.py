@@ -75,9 +75,7 @@ class KVSpec:
         if self.kind not in KINDS:
             raise SpecError(f"unknown attention kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT32_MAX:
-                raise SpecError(f"{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
+            check_int(getattr(self, field), field, 1, INT32_MAX, SpecError)
         # The same format under its one name: a frozen field, set once here, before anything reads it.
         object.__setattr__(self, "kv_dtype", kv_format(self.kv_dtype).name)
         object.__setattr__(self, "model_dtype", kv_format(self.model_dtype).name)

@@ -35,7 +35,7 @@ from flax import struct
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_utils as hashing
 from kvjax.core.block_pool import BlockPool
-from kvjax.errors import KvjaxError, require
+from kvjax.errors import KvjaxError, check_int, require
 from kvjax.math_utils import cdiv
 
 
@@ -86,11 +86,9 @@ def init(num_blocks: int, block_size: int, max_requests: int,
 
 def request_table(block_size: int, max_requests: int, max_blocks_per_request: int) -> Requests:
     """An empty request table of R slots."""
-    for name, v in (("block_size", block_size), ("max_requests", max_requests),
-                    ("max_blocks_per_request", max_blocks_per_request)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise KvjaxError(f"{name} must be an int >= 1, got {v!r}")
-    z, r, m = int(block_size), int(max_requests), int(max_blocks_per_request)
+    z = check_int(block_size, "block_size", 1, None)
+    r = check_int(max_requests, "max_requests", 1, None)
+    m = check_int(max_blocks_per_request, "max_blocks_per_request", 1, None)
     if m * z >= 2**31:
         raise KvjaxError(f"max_blocks_per_request * block_size = {m * z} overflows int32 token positions")
     i32 = functools.partial(jnp.zeros, dtype=jnp.int32)

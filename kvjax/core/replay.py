@@ -58,7 +58,7 @@ import numpy as np
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core import kv_cache_utils as hashing
-from kvjax.errors import KvjaxError, loads
+from kvjax.errors import KvjaxError, is_int, loads
 from kvjax.kv_offload import connector
 from kvjax.kv_offload import manager as host_cache
 
@@ -254,7 +254,7 @@ MAX_HOST_BLOCKS = 2**12  # the host index compares every hash with every slot: O
 
 
 def _int(v, what: str, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    if not is_int(v) or v < lo:
         raise ReplayError(f"{what} must be an int >= {lo}, got {json.dumps(v)}")
     if v > hi:
         raise ReplayError(f"{what} must be at most {hi:,}, got {v:,}")
@@ -289,7 +289,7 @@ def _tokens(op: dict) -> list[int]:
     if not isinstance(toks, list) or not toks:
         raise ReplayError(f"'tokens' must be a non-empty list of ints, got {json.dumps(toks)}")
     for i, t in enumerate(toks):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+        if not is_int(t) or not 0 <= t < 2**31:
             raise ReplayError(f"token {i} is {json.dumps(t)}: tokens must be ints in [0, 2**31)")
     return toks
 
@@ -312,9 +312,7 @@ def _init(op: dict) -> Replay:
                           f"replay keeps every request's tokens, at most {MAX_REQUEST_TOKENS:,} each")
     host_blocks = _int(op.get("host_blocks", 0), "host_blocks", 0, MAX_HOST_BLOCKS)
     policy = op.get("host_policy", "lru")
-    if not isinstance(policy, str) or policy not in host_cache.POLICIES:
-        raise ReplayError(f"host_policy must be one of {', '.join(map(json.dumps, host_cache.POLICIES))}, "
-                          f"got {json.dumps(policy)}")
+    host_cache.check_policy(policy, ReplayError, "host_policy")
     return Replay(num_blocks, block_size, pc, host_blocks=host_blocks, host_policy=policy)
 
 

@@ -21,9 +21,9 @@ import math
 import os
 
 from kvjax.attention import IMPLS, default_impl
-from kvjax.config.engine import EngineConfig, EngineError
+from kvjax.config.engine import EngineConfig, EngineError, model_len
 from kvjax.engine.sampling import SamplingParams
-from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int
+from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int, is_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.quant import formats as quant
 from kvjax.quant.kv_formats import FP8_FORMATS, kv_format
@@ -148,17 +148,14 @@ def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales
         raise LLMError(f"scales must be a scales file or kvjax.quant.formats.KVScales, got {type(scales).__name__}")
 
 
-def check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, model_len: int) -> None:
+def check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, max_position_embeddings: int) -> int:
     """The sizes once the model is loaded: block_size and max_num_seqs in [1, INT32_MAX],
-    max_logprobs >= -1, max_model_len (None: the model's) at most the model's length."""
+    max_logprobs >= -1 (-1: no limit), max_model_len (None: the model's) at most the model's
+    length (kvjax.config.engine.model_len). → the longest request."""
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
         check_int(value, name, 1, INT32_MAX, LLMError)
-    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
-        raise LLMError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
-    if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-                                      or not 1 <= max_model_len <= model_len):
-        raise LLMError(f"max_model_len must be an integer in [1, {model_len}] (the model's maximum length), "
-                       f"got {max_model_len!r}")
+    check_int(max_logprobs, "max_logprobs", -1, None, LLMError)
+    return model_len(max_model_len, max_position_embeddings, LLMError)
 
 
 def read_scales(scales, kv_dtype: str):
@@ -182,7 +179,7 @@ def skip_layers(layers) -> tuple[int, ...]:
     for x in layers:
         if isinstance(x, str) and x.strip().isdigit():
             x = int(x)
-        if isinstance(x, bool) or not isinstance(x, int):
+        if not is_int(x):
             raise LLMError(f"kv_cache_dtype_skip_layers: {x!r} is not a layer index (attention-type names such as "
                            "'sliding_window' need hybrid KV cache groups, not implemented yet)")
         out.append(x)

@@ -22,7 +22,7 @@ defaults to 2048; without chunked prefill, to at least max_model_len).
 
 Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request keeps
 one row of the step's batch (B = max_num_seqs rows) from admission until it finishes or is
-preempted; empty rows are padding. The contiguous cache (`kv_layout="contiguous"`, the baseline
+preempted (the scheduler assigns it, `StepPlan.rows`); empty rows are padding. The contiguous cache (`kv_layout="contiguous"`, the baseline
 paging is measured against) stores row r's K/V in its row r, so one set of steps serves both.
 
 Two compiled device calls serve every plan (kvjax.engine.steps: the ragged step for any plan
@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata
-from kvjax.config.engine import EngineConfig, EngineError, step_budget
+from kvjax.config.engine import EngineConfig, EngineError, model_len, step_budget
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.core.sched.output import StepPlan
@@ -82,7 +82,6 @@ class _Active:
 
     params: SamplingParams  # this sample's own (n = 1; the j-th of n samples has seed + j)
     key: np.ndarray  # u32[2]
-    prompt: list[int]
     result: RequestResult
     text_chars: int = 0  # characters of its output's text at the last stop-string check
 
@@ -94,7 +93,8 @@ class Engine:
     call to the next (vLLM's engine core), until `reset_prefix_cache`."""
 
     def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
-                 max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None):
+                 max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None,
+                 mesh=None, sized_by: str = ""):
         """tokenizer: anything with decode(ids) → str (results' text, stop strings). The model's
         `config` gives max_position_embeddings and vocab_size unless they are passed. With
         config.tensor_parallel_size > 1 the params and KV pages are placed on a mesh
@@ -103,16 +103,13 @@ class Engine:
         the first is the primary EOS (its stop has stop_reason None; the others act as
         stop_token_ids, as in vLLM)."""
         model_config = getattr(model, "config", None)
-        model_len = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
+        positions = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
         self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
-        if model_len is None or self.vocab_size is None:
+        if positions is None or self.vocab_size is None:
             raise EngineError("pass max_position_embeddings and vocab_size: the model has no config with them")
-        if config.max_model_len is not None and not 1 <= config.max_model_len <= model_len:
-            raise EngineError(f"max_model_len={config.max_model_len} must be in [1, {model_len}] "
-                              "(the model's max_position_embeddings)")
         self.model, self.params, self.config, self.tokenizer = model, params, config, tokenizer
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.max_model_len = config.max_model_len or model_len  # what a request may reach
+        self.max_model_len = model_len(config.max_model_len, positions)  # what a request may reach
         self.usable_blocks = config.num_blocks - 1
         z = config.block_size
         self.limits = processor.Limits(self.vocab_size, self.max_model_len, z, self.usable_blocks, config.max_logprobs,
@@ -126,11 +123,12 @@ class Engine:
             policy=config.policy, chunked_prefill=config.chunked_prefill,
             num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
         tp = config.tensor_parallel_size
-        self.mesh = shd.make_mesh(tp) if tp > 1 else None
-        self._check_fits(kv_spec, sched_len, scales)
+        self.mesh = None if tp == 1 else mesh if mesh is not None else shd.make_mesh(tp)
+        self._check_fits(kv_spec, sched_len, scales, sized_by)
         if tp > 1:  # Megatron TP as vLLM applies it, as shardings the partitioner propagates
             self.cache = shd.create_cache(shd.tp_layout(kv_spec, tp), config.num_blocks, z, self.mesh, scales)
-            self.params = shd.shard_params(params, self.mesh)
+            if mesh is None:
+                self.params = shd.shard_params(params, self.mesh)
             placement = NamedSharding(self.mesh, PartitionSpec())  # the pool state: on every rank
         else:
             placement = jax.devices()[0]
@@ -141,7 +139,6 @@ class Engine:
         self.host_pages = offload.HostPages(config.kv_offload_blocks, self.cache) if config.kv_offload_blocks else None
         self._next_request = 0  # request numbers: ids, and the random stream of unseeded requests
         self._active: dict[str, _Active] = {}
-        self._rows: dict[str, int] = {}
 
     def _make_cache(self, kv_spec: KVSpec, sched_len: int, scales):
         """A thunk that creates the one-device KV cache (pages, or contiguous rows)."""
@@ -150,17 +147,20 @@ class Engine:
             return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, cdiv(sched_len, z) * z)
         return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales)
 
-    def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales) -> None:
-        """Refuse, before allocating any of it, an engine whose KV cache, scheduler tables and
-        one step's logits rows (max_num_seqs × vocab f32) exceed what each device could hold."""
-        cfg = self.config
+    def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales, sized_by: str) -> None:
+        """Refuse, before allocating any of it, an engine whose KV pages alone, or whose KV cache,
+        scheduler tables and one step's logits rows (max_num_seqs × vocab f32) together, exceed
+        what each device could hold. sized_by: how num_blocks was chosen, for the message."""
+        cfg, tp = self.config, self.config.tensor_parallel_size
+        per_block = kv_spec.per_rank(tp).bytes_per_block(cfg.block_size)  # one rank's share of a block
+        devices = None if self.mesh is None else list(self.mesh.devices.flat)
+        mem.check_fits(f"num_blocks {cfg.num_blocks:,}{sized_by} of {per_block:,} B of KV cache",
+                       cfg.num_blocks * per_block, devices)
         if self.mesh is not None:
-            shapes = jax.eval_shape(shd.cache_maker(shd.tp_layout(kv_spec, cfg.tensor_parallel_size), cfg.num_blocks,
-                                                    cfg.block_size, scales))
+            shapes = jax.eval_shape(shd.cache_maker(shd.tp_layout(kv_spec, tp), cfg.num_blocks, cfg.block_size, scales))
             cache_bytes = mem.shard_bytes(shapes, shd.cache_shardings(shapes, self.mesh))
-            devices = list(self.mesh.devices.flat)
         else:
-            cache_bytes, devices = mem.tree_bytes(jax.eval_shape(self._make_cache(kv_spec, sched_len, scales))), None
+            cache_bytes = mem.tree_bytes(jax.eval_shape(self._make_cache(kv_spec, sched_len, scales)))
         logits = cfg.max_num_seqs * self.vocab_size * 4
         mem.check_fits(f"the KV cache ({cache_bytes:,} B), the scheduler's tables "
                        f"({self.scheduler_config.describe()}) and one step's logits ({logits:,} B)",
@@ -215,7 +215,7 @@ class Engine:
             for j in range(sp.n):
                 child = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                 samples.append((i, j, prompt, child, error, new))
-        results, self._active, self._rows = [], {}, {}
+        results, self._active = [], {}
         for i, j, prompt, child, error, new in samples:
             rid = str(self._next_request)
             self._next_request += 1
@@ -225,7 +225,7 @@ class Engine:
                 sched.add_request(rid, prompt, new, priority=0 if priorities is None else int(priorities[i]),
                                   stop_ids=child.stop_ids(self.eos_token_ids))
                 self._active[rid] = _Active(child, sampling.request_key(self.config.seed, int(rid), child.seed),
-                                            prompt, res)
+                                            res)
         try:
             return self._run(results, progress)
         except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
@@ -246,12 +246,6 @@ class Engine:
             plan = sched.schedule()
             if plan.num_requests == 0:
                 raise SchedulerError("the scheduler planned an empty step with requests unfinished")
-            for rid in plan.preempted:
-                self._rows.pop(rid, None)
-            free_rows = sorted(set(range(self.config.max_num_seqs)) - set(self._rows.values()))
-            for rid in plan.req_ids:
-                if rid not in self._rows:
-                    self._rows[rid] = free_rows.pop(0)
             stats.admissions(plan, by_id)
             if len(plan.loads):  # host tier hits: copied in before the step that reads them
                 self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
@@ -262,8 +256,6 @@ class Engine:
             else:
                 (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
             finished += self._stop_strings(sched, plan, finished)
-            for rid in finished:
-                self._rows.pop(rid)
             if host is not None:  # blocks this step computed in full, copied out without waiting
                 stores = sched.take_stores()
                 host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
@@ -323,8 +315,8 @@ class Engine:
         params, keys, prompts, outputs = [None] * b, [None] * b, [()] * b, [()] * b
         for rid, row in zip(plan.req_ids, rows):
             a = self._active[rid]
-            params[row], keys[row], prompts[row] = a.params, a.key, a.prompt
-            outputs[row] = self.scheduler.output(rid)
+            params[row], keys[row] = a.params, a.key
+            prompts[row], outputs[row] = self.scheduler.prompt(rid), self.scheduler.output(rid)
         return sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
 
     def _plan_logprobs(self, plan: StepPlan) -> int:
@@ -342,7 +334,7 @@ class Engine:
         cfg, z = self.config, self.config.block_size
         total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
-        rows = [self._rows[r] for r in plan.req_ids]
+        rows = plan.rows.tolist()
         width = _table_width(plan, int(plan.seq_lens.max()), z)
         tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
@@ -368,10 +360,10 @@ class Engine:
         one = plan.preempted or any(self._active[r].params.stop for r in plan.req_ids)
         max_steps = 1 if one else k
         width = _table_width(plan, int(plan.seq_lens.max()) + max_steps - 1, z)
-        rows = [self._rows[r] for r in plan.req_ids]
+        rows = plan.rows.tolist()
         tokens, computed = np.zeros(b, np.int32), np.zeros(b, np.int32)
         tokens[rows], computed[rows] = plan.token_ids, plan.seq_lens - 1
-        decode_rows, sampling_rows, num_logprobs = sched.decode_rows(plan, rows, b), self._sampling_rows(plan, rows), \
+        decode_rows, sampling_rows, num_logprobs = sched.decode_rows(plan, by_row=True), self._sampling_rows(plan, rows), \
             self._plan_logprobs(plan)
 
         def run(pool):

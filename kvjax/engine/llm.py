@@ -43,7 +43,7 @@ from kvjax.engine.arg_utils import (LLMError, check_engine_args, check_limits, e
 from kvjax.engine.core import Engine
 from kvjax.engine.outputs import GenerateOutputs, Logprob, RequestResult, prompt_logprobs, request_output
 from kvjax.engine.sampling import SamplingParams
-from kvjax.errors import INT32_MAX, check_int
+from kvjax.errors import INT32_MAX, check_int, is_int
 from kvjax.evaluation.scoring import sequence_logits
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
@@ -118,10 +118,9 @@ class LLM:
         spec = loaded.config.kv_spec(kv_dtype, skip_layers=skip_layers(kv_cache_dtype_skip_layers))
         self.kv_spec = spec.replace(model_dtype=kv_skip_dtype) if kv_skip_dtype else spec  # KVSpec normalises it
         self.scales = scales = read_scales(scales, self.kv_spec.kv_dtype)
-        model_len = loaded.config.max_position_embeddings
-        check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, model_len)
+        self.max_model_len = check_limits(block_size, max_num_seqs, max_logprobs, max_model_len,
+                                          loaded.config.max_position_embeddings)
         self.block_size = block_size
-        self.max_model_len = max_model_len or model_len
         self.tensor_parallel_size = tp
         self._engine_model = self._place(tp, attn_impl)
         num_blocks, why = num_gpu_blocks_override, ""
@@ -137,12 +136,9 @@ class LLM:
             kv_layout=kv_layout, kv_offload_blocks=host_blocks,
             kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size), max_logprobs=max_logprobs,
             tensor_parallel_size=tp)
-        from kvjax.accounting.sizing import check_cache_fits
-
-        check_cache_fits(self.kv_spec, num_blocks, block_size, why=why)  # before allocating the pages
-        module, params, _ = self._engine_model
+        module, params, mesh = self._engine_model
         self.engine = Engine(module, params, self.kv_spec, self.engine_config, scales=scales,
-                             eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer)
+                             eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer, mesh=mesh, sized_by=why)
         self.chat_template = read_template(chat_template) if chat_template is not None else loaded.chat_template
         self.default_sampling_params = generation_defaults(
             None if generation_config == "vllm" else generation_config if generation_config != "auto"
@@ -243,7 +239,7 @@ class LLM:
     @staticmethod
     def _ids(ids) -> list[int]:
         ids = list(ids) if isinstance(ids, (list, tuple, np.ndarray)) else None
-        if ids is None or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+        if ids is None or not all(is_int(t) for t in ids):
             raise LLMError(f"prompt token ids must be a list of integers, got {ids!r:.80}")
         return [int(t) for t in ids]
 
@@ -263,7 +259,7 @@ class LLM:
             prompts = [prompts]
         pairs = [self._prompt(p) for p in prompts]
         params = self.default_sampling_params if sampling_params is None else sampling_params
-        if isinstance(priority, (int, np.integer)) and not isinstance(priority, bool):
+        if is_int(priority):
             priority = [int(priority)] * len(pairs)
         if priority is not None:
             if not isinstance(priority, (list, tuple)):

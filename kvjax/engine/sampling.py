@@ -47,12 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import MAX_SEED, KvjaxError
+from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, check_int
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
-INT32_MAX = 2**31 - 1  # token ids and counts are int32 on the device
 
 # vLLM SamplingParams fields that kvjax does not implement: refused by name, with the reason.
 _NOT_IMPLEMENTED = {
@@ -119,12 +118,8 @@ class SamplingParams:
         return super().__new__(cls)
 
     def __post_init__(self):
-        def integer(name, value, low, high=None):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low or \
-                    (high is not None and value > high):
-                rule = f">= {low}" if high is None else f"in [{low}, {high}]"
-                raise SamplingParamsError(f"{name} must be an integer {rule}, got {value!r}")
-            return int(value)
+        def integer(name, value, low, high):
+            return check_int(value, name, low, high, SamplingParamsError)
 
         def real(name, value, low, high, rule):
             if not _real(value) or not low <= value <= high:

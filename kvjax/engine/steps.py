@@ -1,6 +1,6 @@
 """The engine's two compiled device calls (vLLM V1's model runner's execute_model with its sampler,
-as jitted JAX functions); shapes are padded to buckets so that a run compiles a handful of
-programs, never one per step.
+as jitted JAX functions, each around kvjax.worker.model_runner.forward, the one model step);
+shapes are padded to buckets so that a run compiles a handful of programs, never one per step.
 
 * `ragged_step` — any plan with prefill tokens: the flat ragged batch of vLLM V1's model
   runner (`BatchMetadata`), T tokens padded to a power of two, B rows.
@@ -42,6 +42,7 @@ from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.scheduler import SchedulerError
 from kvjax.core.sched.transition import DecodeRows, decode_transition
 from kvjax.engine import sampling
+from kvjax.worker.model_runner import forward
 from kvjax.worker.paged_cache import PagedCache
 
 
@@ -49,7 +50,7 @@ from kvjax.worker.paged_cache import PagedCache
 def ragged_step(model, params, cache, tokens, md, rows: sampling.SamplingRows, positions, *, num_logprobs: int):
     """One ragged step. tokens: i32[T]; rows: each row's sampling parameters; positions: i32[B]
     the position each sampled token takes → (sampling.Sampled per row, cache)."""
-    logits, cache = model.apply({"params": params}, tokens, md, cache, md.logits_indices)  # f32[B, V]
+    logits, cache = forward(model, params, tokens, md, cache, md.logits_indices)  # f32[B, V]
     return sampling.sample(logits, rows, positions, num_logprobs), cache
 
 
@@ -91,7 +92,7 @@ def decode_loop(model, params, pool: manager.KVCacheManager, cache, rows: Decode
         used = c.used.at[c.step].set(usable - c.pool.pool.num_free)
         tables = jnp.where(active[:, None], c.pool.reqs.block_table[slot, :width], 0)  # i32[B, M]
         md = decode_metadata(tables, c.computed, active, c.pool.reqs.block_size)
-        logits, cache = model.apply({"params": params}, c.tokens, md, c.cache)  # f32[B, V]
+        logits, cache = forward(model, params, c.tokens, md, c.cache)  # f32[B, V]
         sampled = sampling.sample(logits, c.sampling, c.computed + 1, num_logprobs)
         new = jnp.where(active, sampled.tokens, 0)
         pool, t = decode_transition(c.pool, c.rows, new, active, c.step + 1 < max_steps)

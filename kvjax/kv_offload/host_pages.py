@@ -53,9 +53,8 @@ def host_blocks(gib, bytes_per_block: int, name: str = "kv_offloading_size") -> 
 
 
 def check_policy(policy) -> str:
-    if policy not in host_cache.POLICIES:
-        raise OffloadError(f"kv offload policy must be one of {', '.join(host_cache.POLICIES)}, got {policy!r}")
-    return policy
+    """The host tier's eviction policy as LLM / EngineConfig take it (kvjax.kv_offload.manager's rule)."""
+    return host_cache.check_policy(policy, OffloadError, "kv offload policy", str)
 
 
 def _per_block(cache):

@@ -60,13 +60,15 @@ zero padded (`pad_hashes`), and each ARC ghost list has E cells.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, ordered
-from kvjax.errors import KvjaxError, require
+from kvjax.errors import KvjaxError, _show, is_int, require
 from kvjax.math_utils import pow2_bucket
 
 POLICIES = ("lru", "arc")
@@ -97,13 +99,20 @@ def pad_hashes(rows, size: int | None = None) -> np.ndarray:
     return out
 
 
+def check_policy(policy, error: type = KvjaxError, name: str = "policy", show=json.dumps) -> str:
+    """The host tier's eviction policies, vLLM's kv_offloading ones: "lru" or "arc". The message
+    names `name`, the choices written by `show`."""
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise error(f"{name} must be one of {', '.join(map(show, POLICIES))}, got {_show(policy)}")
+    return policy
+
+
 def init(num_host_blocks: int, policy: str = "lru") -> HostIndex:
     """An empty index of num_host_blocks slots, evicting by policy ("lru" or "arc")."""
-    if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, (int, np.integer)) or num_host_blocks < 1:
+    if not is_int(num_host_blocks) or num_host_blocks < 1:
         raise KvjaxError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise KvjaxError(f"policy must be one of {POLICIES}, got {policy!r}")
     h = int(num_host_blocks)
+    check_policy(policy)
     g = h if policy == "arc" else 0
     return HostIndex(num_slots=h, policy=policy, block_hash=jnp.zeros((h, 2), jnp.uint32),
                      valid=jnp.zeros(h, bool), ref_cnt=jnp.zeros(h, jnp.int32),

@@ -26,10 +26,10 @@ dtypes are names, resolved to JAX dtypes on first use by `KVFormat.dtype`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from kvjax.errors import KvjaxError
+from kvjax.math_utils import cdiv
 
 SCALE_KINDS = ("none", "static", "per_token", "per_block")
 
@@ -66,7 +66,7 @@ class KVFormat:
         if (dim * self.bits) % 8:
             raise SpecError(f"kv dtype {self.name}: head dim {dim} × {self.bits} bits is not a whole number of bytes")
         data = dim * self.bits // 8
-        scales = math.ceil(dim / self.group) * self.group_scale_bytes if self.group else 0
+        scales = cdiv(dim, self.group) * self.group_scale_bytes if self.group else 0
         return data + scales + self.vector_scale_bytes
 
     @property
@@ -120,13 +120,3 @@ def kv_formats(*scales: str) -> tuple[KVFormat, ...]:
 
 
 FP8_FORMATS = tuple(f.name for f in kv_formats("static"))  # what a scales file may be made for
-
-
-def stored_as(dtype) -> KVFormat:
-    """The quantized format whose pages have storage dtype `dtype` (a page's dtype names its
-    format: each quantized format stores a different dtype)."""
-    name = getattr(dtype, "name", str(dtype))
-    for f in kv_formats("static", "per_token"):
-        if f.storage == name:
-            return f
-    raise SpecError(f"no quantized kv dtype stores pages of dtype {name}")

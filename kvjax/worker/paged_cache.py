@@ -50,7 +50,7 @@ from flax import struct
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError, check_int
 from kvjax.quant import formats as quant
-from kvjax.quant.kv_formats import KVFormat, stored_as
+from kvjax.quant.kv_formats import KVFormat, kv_format
 
 
 class CacheError(KvjaxError):
@@ -66,6 +66,7 @@ class KVPages:
     k_scale: jax.Array | None = None  # fp8: f32[K]; int8_per_token_head: f32[P, Z, K]; else None
     v_scale: jax.Array | None = None  # as k_scale
     nonfinite: jax.Array | None = None  # i32[]: NaN/inf values written so far
+    kv_dtype: str | None = struct.field(pytree_node=False, default=None)  # its kvjax.quant.kv_formats name
 
 
 @struct.dataclass
@@ -75,6 +76,7 @@ class LatentPages:
     latent: jax.Array  # [P, Z, C]
     scale: jax.Array | None = None  # fp8: f32[C] per channel; int8_per_token_head: f32[P, Z]; else None
     nonfinite: jax.Array | None = None  # i32[]
+    kv_dtype: str | None = struct.field(pytree_node=False, default=None)  # its kvjax.quant.kv_formats name
 
 
 LayerPages = KVPages | LatentPages
@@ -129,12 +131,13 @@ class PagedCache:
             zero = jnp.zeros((), jnp.int32)  # one buffer per layer: the jitted step donates each
             if spec.kind == "mla":
                 shape = (num_blocks, block_size, spec.head_dim)
-                layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv, shape, scales, "k", i), zero))
+                layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv, shape, scales, "k", i), zero,
+                                          kv.name))
             else:
                 shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
                 layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                                       _layer_scale(kv, shape, scales, "k", i),
-                                      _layer_scale(kv, shape, scales, "v", i), zero))
+                                      _layer_scale(kv, shape, scales, "v", i), zero, kv.name))
         return cls(tuple(layers), block_size)
 
     @property
@@ -257,14 +260,14 @@ def scatter_slots(page: jax.Array, values: jax.Array, slot_mapping: jax.Array) -
     return page.at[slot_mapping // block_size, slot_mapping % block_size].set(values.astype(page.dtype))
 
 
-def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_mapping: jax.Array):
-    """Quantize values [T, ...] for `page` and scatter them: returns (page, scale, nonfinite)."""
+def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_mapping: jax.Array,
+            kv_dtype: str | None):
+    """Quantize values [T, ...] for `page` (of format kv_dtype) and scatter them: returns (page,
+    scale, nonfinite)."""
     if scale is None:  # stored as is: a NaN or inf stays what it is, nothing to count
         return scatter_slots(page, values, slot_mapping), None, jnp.zeros((), jnp.int32)
     bad = quant.count_nonfinite(values)  # a cast would hide them: count every one
-    # Each quantized format stores its own dtype, so the page names its format. (Not a static field of
-    # the pages: kvjax.worker.sharding rebuilds these pytrees field by field for their shardings.)
-    fmt = stored_as(page.dtype)
+    fmt = kv_format(kv_dtype)
     if fmt.scale == "per_token":  # int8_per_token_head: a fresh scale per token per head
         q, token_scale = quant.quantize_per_token_head(values, fmt)
         return scatter_slots(page, q, slot_mapping), scatter_slots(scale, token_scale, slot_mapping), bad
@@ -275,16 +278,16 @@ def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_ma
 def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
     """k, v: [T, K, H]; slot_mapping: i32[T] → pages with those T tokens written (quantized if
     the pages are)."""
-    k_page, k_scale, k_bad = _encode(pages.k, pages.k_scale, k, slot_mapping)
-    v_page, v_scale, v_bad = _encode(pages.v, pages.v_scale, v, slot_mapping)
+    k_page, k_scale, k_bad = _encode(pages.k, pages.k_scale, k, slot_mapping, pages.kv_dtype)
+    v_page, v_scale, v_bad = _encode(pages.v, pages.v_scale, v, slot_mapping, pages.kv_dtype)
     counted = None if pages.nonfinite is None else pages.nonfinite + k_bad + v_bad
-    return KVPages(k_page, v_page, k_scale, v_scale, counted)
+    return pages.replace(k=k_page, v=v_page, k_scale=k_scale, v_scale=v_scale, nonfinite=counted)
 
 
 def write_latent(pages: LatentPages, latent: jax.Array, slot_mapping: jax.Array) -> LatentPages:
     """latent: [T, C] (c_kv then rope key); slot_mapping: i32[T]."""
-    page, scale, bad = _encode(pages.latent, pages.scale, latent, slot_mapping)
-    return LatentPages(page, scale, None if pages.nonfinite is None else pages.nonfinite + bad)
+    page, scale, bad = _encode(pages.latent, pages.scale, latent, slot_mapping, pages.kv_dtype)
+    return pages.replace(latent=page, scale=scale, nonfinite=None if pages.nonfinite is None else pages.nonfinite + bad)
 
 
 def write_rows(rows: jax.Array, values: jax.Array, md) -> jax.Array:

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError, check_int
-from kvjax.worker.paged_cache import KVPages, LatentPages, PagedCache
+from kvjax.worker.paged_cache import LatentPages, PagedCache
 
 AXIS = "tp"
 
@@ -211,8 +211,6 @@ def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
     whole = NamedSharding(mesh, P())
 
     def heads(a):
-        if a is None:
-            return None
         if a.ndim == 0:
             return whole
         axis = 2 if a.ndim >= 3 else 0  # [P, Z, K, (H)] or f32[K]
@@ -223,15 +221,8 @@ def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
         spec[axis] = AXIS
         return NamedSharding(mesh, P(*spec))
 
-    layers = []
-    for layer in cache.layers:
-        if isinstance(layer, LatentPages):
-            layers.append(LatentPages(whole, None if layer.scale is None else whole,
-                                      None if layer.nonfinite is None else whole))
-        else:
-            layers.append(KVPages(heads(layer.k), heads(layer.v), heads(layer.k_scale), heads(layer.v_scale),
-                                  None if layer.nonfinite is None else whole))
-    return cache.replace(layers=tuple(layers))
+    return cache.replace(layers=tuple(jax.tree.map(lambda a: whole if isinstance(layer, LatentPages) else heads(a),
+                                                   layer) for layer in cache.layers))
 
 
 def cache_maker(layout: TPLayout, num_blocks: int, block_size: int, scales=None):

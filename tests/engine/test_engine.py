@@ -190,10 +190,10 @@ def test_generation_stops_at_max_model_len(tiny):
 def test_engine_config_errors(tiny):
     with pytest.raises(EngineError, match="num_blocks=1 leaves no usable block"):
         EngineConfig(num_blocks=1)
-    with pytest.raises(EngineError, match=r"steps_per_call must be in \[1, 1024\], got 0"):
+    with pytest.raises(EngineError, match=r"steps_per_call must be an integer in \[1, 1024\], got 0"):
         EngineConfig(num_blocks=8, steps_per_call=0)
     # bounded where given: 10**9 steps would abort the process inside XLA's compiler
-    with pytest.raises(EngineError, match=r"steps_per_call must be in \[1, 1024\], got 1000000000"):
+    with pytest.raises(EngineError, match=r"steps_per_call must be an integer in \[1, 1024\], got 1000000000"):
         EngineConfig(num_blocks=8, steps_per_call=10**9)
     for name, value in (("seed", "x"), ("seed", 2**32), ("max_num_batched_tokens", "x"), ("max_num_batched_tokens", 0),
                         ("prefix_caching", "no"), ("max_num_seqs", 2**31 - 1)):

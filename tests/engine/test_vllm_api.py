@@ -244,7 +244,7 @@ def test_auto_kv_dtype_is_the_models_and_memory_bytes_size_the_pool():
     (dict(enforce_eager=True), "LLM(enforce_eager=True): kvjax compiles every step with XLA"),
     (dict(trust_remote_code=True), "LLM(trust_remote_code=True): kvjax runs no code from checkpoints"),
     (dict(swap_space=4), "LLM(swap_space=4): vLLM V1 recomputes on preemption"),
-    (dict(tensor_parallel_size=0), "tensor_parallel_size must be in [1, 256], got 0"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer in [1, 256], got 0"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3: tp 3 does not divide the 4 query heads"),
     (dict(attention_backend="FLASH_ATTN"), "attention_backend='FLASH_ATTN': kvjax's backends are reference, pallas"),
     (dict(num_gpu_blocks_override=8, kv_cache_memory_bytes=10**6), "give one of num_gpu_blocks_override or"),

@@ -231,7 +231,7 @@ def test_greedy_tokens_are_identical_with_the_tier_on_and_off(tiny, k):
 
 
 def test_engine_refuses_bad_tier_settings(tiny):
-    for kw, says in [(dict(kv_offload_blocks=-1), r"kv_offload_blocks must be in \[0, 2147483647\], got -1"),
+    for kw, says in [(dict(kv_offload_blocks=-1), r"kv_offload_blocks must be an integer in \[0, 2147483647\], got -1"),
                      (dict(kv_offload_blocks=2.5), "got 2.5"),
                      (dict(kv_offload_policy="mru"), "'mru'"),
                      (dict(kv_offload_blocks=4, prefix_caching=False), "needs prefix caching")]:

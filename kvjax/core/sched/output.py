@@ -15,6 +15,7 @@ class StepPlan:
 
     req_ids: tuple[str, ...]  # B, in scheduling order
     slots: np.ndarray  # i32[B] pool request slots
+    rows: np.ndarray  # i32[B] batch rows: a running request keeps its row (of max_num_seqs) until it stops
     num_scheduled: np.ndarray  # i32[B] tokens computed this step
     token_ids: np.ndarray  # i32[T] tokens whose KV is computed this step, request after request
     block_tables: np.ndarray  # i32[B, M] each request's block table (0 = null)

@@ -1,7 +1,7 @@
 """A request as the scheduler keeps it (vLLM V1's `vllm/v1/request.py`): its tokens, output and status.
 
-The host `Request` owns a request's tokens, output and status; the pool (kvjax.core.kv_cache_manager)
-owns its block table and how many of its tokens are computed.
+The host `Request` owns a request's tokens, output, status and batch row; the pool
+(kvjax.core.kv_cache_manager) owns its block table and how many of its tokens are computed.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Request:
     arrival: int = 0  # order of add_request calls
     output: list[int] = field(default_factory=list)
     slot: int | None = None  # pool request slot; kept while preempted
+    row: int | None = None  # batch row while running (vLLM's persistent batch), lowest free at admission
     num_preemptions: int = 0
     status: str = "waiting"  # waiting | running | finished
     finish_reason: str | None = None  # "length" | "stop" once finished

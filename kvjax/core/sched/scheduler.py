@@ -54,6 +54,7 @@ adopts several decode steps that a device loop ran itself with the same transiti
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -87,9 +88,11 @@ class _Step:
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    starts: dict[str, int] = field(default_factory=dict)  # req_id -> tokens computed before this step
 
-    def take(self, req: Request, n: int) -> None:
+    def take(self, req: Request, n: int, start: int) -> None:
         self.scheduled[req.req_id] = n
+        self.starts[req.req_id] = start
         self.budget -= n
 
 
@@ -114,6 +117,7 @@ class Scheduler(SchedulerUpdates):
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.free_rows = list(range(config.max_num_seqs))  # a heap: admission takes the lowest
         self.num_preemptions = 0
         self._arrivals = 0
         # The host offload tier's index; the engine moves the bytes (kvjax.kv_offload.host_pages).
@@ -145,6 +149,10 @@ class Scheduler(SchedulerUpdates):
         """The tokens a request has generated so far: the request's own list, not a copy (the
         engine reads it for every row of every step), so read it and do not change it."""
         return self.requests[req_id].output
+
+    def prompt(self, req_id: str) -> Sequence[int]:
+        """A request's prompt tokens (its own list: read it, do not change it)."""
+        return self.requests[req_id].prompt
 
     def finish_reason(self, req_id: str) -> str | None:
         return self.requests[req_id].finish_reason
@@ -211,7 +219,7 @@ class Scheduler(SchedulerUpdates):
         front of waiting, and give back any budget it had been given this step."""
         self.state, ok = manager.free(self.state, victim.slot)
         _require(ok, f"the pool refused to free running request {victim.req_id!r} (slot {victim.slot})")
-        self.running.remove(victim)
+        self._leave_running(victim)
         victim.status = "waiting"
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -230,7 +238,8 @@ class Scheduler(SchedulerUpdates):
         return self._plan(step)
 
     def _computed(self) -> np.ndarray:
-        """Tokens computed per pool slot, i32[R]: the pool owns this count (one copy, read once)."""
+        """Tokens computed per pool slot, i32[R]: the pool owns this count (read once per step; the
+        plan's seq_lens are these plus the tokens scheduled)."""
         return np.asarray(jax.device_get(self.state.reqs.num_computed))
 
     def _schedule_running(self, step: "_Step", computed: np.ndarray) -> None:
@@ -241,8 +250,9 @@ class Scheduler(SchedulerUpdates):
         i = 0
         while i < len(self.running) and step.budget > 0:
             batch, nums, left = self.running[i:], [], step.budget
-            for r in batch:  # each running request is allocated once per step: `computed` stays valid
-                nums.append(min(r.num_tokens - int(computed[r.slot]), left))
+            starts = [int(computed[r.slot]) for r in batch]  # allocated once per step: `computed` stays valid
+            for r, start in zip(batch, starts):
+                nums.append(min(r.num_tokens - start, left))
                 left -= nums[-1]
             reqs = [r.slot if n > 0 else -1 for r, n in zip(batch, nums)]
             pad = self.config.max_num_seqs - len(reqs)  # one static batch size: one compile
@@ -251,23 +261,23 @@ class Scheduler(SchedulerUpdates):
             need, fits = manager.step_fits(self.state, reqs_a, nums_a)
             self.state, ok = manager.allocate_step(self.state, reqs_a, nums_a)
             failed = None
-            for r, n, s, k, blocks in zip(batch, nums, reqs, np.asarray(ok), np.asarray(need)):
+            for r, n, start, s, k, blocks in zip(batch, nums, starts, reqs, np.asarray(ok), np.asarray(need)):
                 if s < 0:
                     continue
                 if not k:
                     if fits:
                         raise SchedulerError(f"the pool refused {int(blocks)} new block(s) for request {r.req_id!r} "
                                              f"although the step's {int(need.sum())} fit its free blocks")
-                    failed = (r, n)
+                    failed = (r, n, start)
                     break
-                step.take(r, n)
+                step.take(r, n, start)
             if failed is None:
                 return
-            req, n = failed
-            self._preempt_for(req, n, step)
+            req, n, start = failed
+            self._preempt_for(req, n, start, step)
             i = self.running.index(req) + 1 if req in self.running else len(self.running)
 
-    def _preempt_for(self, req: Request, n: int, step: "_Step") -> None:
+    def _preempt_for(self, req: Request, n: int, start: int, step: "_Step") -> None:
         """Preempt (policy's victim first) until req's n tokens fit, or req itself is preempted."""
         while True:
             victim = max(self.running, key=self._key) if self.config.policy == "priority" else self.running[-1]
@@ -276,7 +286,7 @@ class Scheduler(SchedulerUpdates):
                 return
             self.state, ok = manager.allocate_slots(self.state, req.slot, n)
             if bool(ok):
-                step.take(req, n)
+                step.take(req, n, start)
                 return
 
     def _admit_waiting(self, step: "_Step") -> None:
@@ -305,9 +315,10 @@ class Scheduler(SchedulerUpdates):
                 req.host_next = int(nh) + nx  # loaded blocks are not offered back
             self.waiting.remove(req)
             self.running.append(req)
+            req.row = heapq.heappop(self.free_rows)
             step.admitted.append(req.req_id)
             req.status = "running"
-            step.take(req, n)
+            step.take(req, n, (int(nh) + nx) * z)
 
     # ------------------------------------------------------------------ the host tier
     @property
@@ -339,15 +350,16 @@ class Scheduler(SchedulerUpdates):
         reqs = [self.requests[r] for r in step.scheduled]
         nums = np.array([step.scheduled[r.req_id] for r in reqs], np.int32)
         slots = np.array([r.slot for r in reqs], np.int32)
-        tables, computed = jax.device_get((self.state.reqs.block_table, self.state.reqs.num_computed))
-        tables = np.asarray(tables)[slots] if reqs else np.zeros((0, self.max_blocks), np.int32)
-        seq_lens = np.asarray(computed)[slots].astype(np.int32) if reqs else np.zeros(0, np.int32)
+        tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
+            np.zeros((0, self.max_blocks), np.int32)
+        seq_lens = np.array([step.starts[r.req_id] for r in reqs], np.int32) + nums  # in the cache after the step
         token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
         stop_ids = np.full((len(reqs), pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
         for i, r in enumerate(reqs):
             stop_ids[i, :len(r.stop_ids)] = sorted(r.stop_ids)
         return StepPlan(
-            req_ids=tuple(r.req_id for r in reqs), slots=slots, num_scheduled=nums, token_ids=token_ids,
+            req_ids=tuple(r.req_id for r in reqs), slots=slots, rows=np.array([r.row for r in reqs], np.int32),
+            num_scheduled=nums, token_ids=token_ids,
             block_tables=tables, seq_lens=seq_lens,
             sample=np.array([e == r.num_tokens for r, e in zip(reqs, seq_lens)], bool),
             preempted=tuple(step.preempted),

@@ -8,6 +8,8 @@ transition (kvjax.core.sched.transition); and ending requests (`finish_request`)
 """
 from __future__ import annotations
 
+import heapq
+
 import jax
 import numpy as np
 
@@ -26,11 +28,11 @@ class SchedulerError(manager.PoolRefusedError):
 class SchedulerUpdates:
     """Taking results back and ending requests (see the module docstring)."""
 
-    def decode_rows(self, plan: StepPlan, rows=None, num_rows: int | None = None) -> DecodeRows:
-        """The plan's requests as the decode transition's rows: plan order, padded to
-        max_num_seqs rows (one compile), or placed at `rows` of `num_rows` (the engine's rows)."""
-        b = num_rows or self.config.max_num_seqs
-        at = np.arange(plan.num_requests) if rows is None else np.asarray(rows, np.int64)
+    def decode_rows(self, plan: StepPlan, by_row: bool = False) -> DecodeRows:
+        """The plan's requests as the decode transition's max_num_seqs rows (one compile): in plan
+        order, or with by_row at their batch rows (plan.rows), as the engine's device loop runs them."""
+        b = self.config.max_num_seqs
+        at = plan.rows if by_row else np.arange(plan.num_requests)
         slots, remaining = np.full(b, -1, np.int32), np.zeros(b, np.int32)
         stop_ids = np.full((b, plan.stop_ids.shape[1]), -1, np.int32)
         slots[at], remaining[at], stop_ids[at] = plan.slots, plan.remaining, plan.stop_ids
@@ -96,8 +98,14 @@ class SchedulerUpdates:
         self.state, ok = manager.free(self.state, req.slot)
         self.state, ok2 = manager.remove_request(self.state, req.slot)
         _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
-        self.running.remove(req)
+        self._leave_running(req)
         req.status, req.slot = "finished", None
+
+    def _leave_running(self, req: Request) -> None:
+        """A running request stops running (finished or preempted): its batch row is free again."""
+        self.running.remove(req)
+        heapq.heappush(self.free_rows, req.row)
+        req.row = None
 
     def decode_steps(self, plan: StepPlan, run) -> tuple[list[str], object]:
         """Let a device loop run the decode plan and its next steps itself: run(pool state) →
