@@ -1,13 +1,13 @@
 """The KV cache manager: vLLM V1's `core/kv_cache_manager.py` as pure functions over a pytree.
 
-It owns the request table (each request slot's tokens, chained block hashes, block table and
-computed tokens) and asks the block pool (`kvjax/core/block_pool.py`, which owns the blocks) for
-blocks: `get_computed_blocks` (prefix-cache hits), `allocate_slots` (room for new tokens;
-caches every block that becomes full), `free` (a request's blocks back to the pool). Hashes
-live on the request, so they survive preemption, as on vLLM's Request.
-
-A request's blocks are hashed as its tokens arrive (`add_request`, `append_tokens`, and the
-batched `append_token_step`), by one helper, `_extend_hashes`; a block is cached when the
+It owns the request table (each request slot's block hashes, block table and computed tokens)
+and asks the block pool (`kvjax/core/block_pool.py`, which owns the blocks) for blocks:
+`get_computed_blocks` (prefix-cache hits), `allocate_slots` (room for new tokens; caches every
+block that becomes full), `free` (a request's blocks back to the pool). Hashes live on the
+request, so they survive preemption, as on vLLM's Request. A request's blocks are hashed as its
+tokens arrive (`add_request`, `append_tokens`, the batched `append_token_step`: `_append`, with
+kv_cache_utils' request block hasher), so
+the table keeps only the tokens of each unfilled last block; a block is cached when the
 allocation that schedules its last token runs.
 
 The decode step's two batched calls, `append_token_step` and `allocate_step`, are a fixed
@@ -52,7 +52,7 @@ class Requests:
     max_requests: int = struct.field(pytree_node=False)  # R request slots
     max_blocks_per_request: int = struct.field(pytree_node=False)  # M; a request holds <= M*Z tokens
     active: jax.Array  # bool[R] slot holds a request
-    tokens: jax.Array  # i32[R, M*Z] all known token ids (prompt + generated), 0-padded
+    tail: jax.Array  # i32[R, Z] the tokens of each request's unfilled last block (num_tokens % Z), 0-padded
     num_tokens: jax.Array  # i32[R]
     has_salt: jax.Array  # bool[R] first block's hash mixes in a cache salt
     salt: jax.Array  # u32[R, 2] the salt key (hashing.salt_key)
@@ -93,7 +93,7 @@ def request_table(block_size: int, max_requests: int, max_blocks_per_request: in
         raise KvjaxError(f"max_blocks_per_request * block_size = {m * z} overflows int32 token positions")
     i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
     return Requests(block_size=z, max_requests=r, max_blocks_per_request=m, active=jnp.zeros(r, bool),
-                    tokens=i32((r, m * z)), num_tokens=i32(r), has_salt=jnp.zeros(r, bool),
+                    tail=i32((r, z)), num_tokens=i32(r), has_salt=jnp.zeros(r, bool),
                     salt=jnp.zeros((r, 2), jnp.uint32), req_hash=jnp.zeros((r, m, 2), jnp.uint32),
                     num_hashed=i32(r), block_table=i32((r, m)), num_held=i32(r), num_computed=i32(r), num_cached=i32(r))
 
@@ -103,41 +103,23 @@ def _slot(t: Requests, req):
     return (req >= 0) & (req < t.max_requests), jnp.clip(req, 0, t.max_requests - 1)
 
 
-def _extend_hashes(t: Requests, rows, max_new: int | None = None) -> Requests:
-    """Hash the blocks of request slots rows (i32[B], distinct) that became full since the
-    last call, chained on each row's previous hash. max_new: a static bound on new full
-    blocks per row (1 for a one-token append: no loop); None loops over the most any row has."""
-    z, m = t.block_size, t.max_blocks_per_request
-
-    def one(_, t):
-        j = t.num_hashed[rows]  # i32[B] the next block to hash
-        do = j < t.num_tokens[rows] // z
-        toks = jax.vmap(lambda row, jj: jax.lax.dynamic_slice(row, (jj * z,), (z,)))(
-            t.tokens[rows], jnp.minimum(j, m - 1))
-        first = j == 0
-        parent = jnp.where(first[:, None], jnp.uint32(0), t.req_hash[rows, jnp.maximum(j - 1, 0)])
-        h = hashing.block_hash_jnp(parent, toks, first & t.has_salt[rows],
-                                   jnp.where(first[:, None], t.salt[rows], jnp.uint32(0)))
-        return t.replace(req_hash=t.req_hash.at[rows, jnp.where(do, j, m)].set(h, mode="drop"),
-                         num_hashed=t.num_hashed.at[rows].add(do.astype(jnp.int32)))
-
-    if max_new is not None:
-        for k in range(max_new):
-            t = one(k, t)
-        return t
-    most = (t.num_tokens[rows] // z - t.num_hashed[rows]).max()
-    return jax.lax.fori_loop(0, most, one, t)
-
-
 def _append(state: KVCacheManager, rows, tokens, n, max_new: int | None = None) -> KVCacheManager:
-    """Append tokens[b, :n[b]] (i32[B, T]) after each row's tokens, then hash what they filled."""
+    """Append tokens[b, :n[b]] (i32[B, T]) after each row's tokens, then hash the blocks they
+    fill; each row keeps its unfilled block (`tail`). A request's tokens are its owner's, the
+    scheduler's Request: a full block lives on here as its hash."""
     t = state.reqs
-    mz = t.max_blocks_per_request * t.block_size
-    idx = jnp.arange(tokens.shape[1])
-    pos = jnp.where(idx < n[:, None], t.num_tokens[rows][:, None] + idx, mz)  # mz: out of range, dropped
-    t = t.replace(tokens=t.tokens.at[rows[:, None], pos].set(tokens, mode="drop"),
+    z, (b, width) = t.block_size, tokens.shape
+    fill = t.num_tokens[rows] % z  # i32[B] tokens already in each row's tail
+    idx = jnp.arange(width)  # past the end: dropped
+    pos = jnp.where(idx < n[:, None], fill[:, None] + idx, 2 * z + width)
+    filled = jnp.zeros((b, 2 * z + width), jnp.int32).at[:, :z].set(t.tail[rows])
+    filled = filled.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")  # the tail, then the new tokens
+    base = t.num_tokens[rows] // z  # the tail's block
+    t = t.replace(tail=t.tail.at[rows].set(hashing.blocks_of(filled, (fill + n) // z, z)),
                   num_tokens=t.num_tokens.at[rows].add(n))
-    return state.replace(reqs=_extend_hashes(t, rows, max_new) if state.prefix_caching else t)
+    if state.prefix_caching:
+        t = hashing.extend_request_hashes(t, rows, filled, base, max_new)
+    return state.replace(reqs=t)
 
 
 def _tokens_ok(t: Requests, r, tokens, n):
@@ -200,7 +182,8 @@ def get_computed_blocks(state: KVCacheManager, req):
         return jnp.zeros(m, jnp.int32), jnp.int32(0)
     valid, r = _slot(t, req)
     block, found = block_pool.lookup(state.pool, t.req_hash[r])
-    max_hits = jnp.where(valid, jnp.minimum(t.num_hashed[r], hashing.max_cached_blocks(t.num_tokens[r], t.block_size)), 0)
+    max_hits = jnp.where(valid, jnp.minimum(t.num_hashed[r], hashing.max_cached_blocks(t.num_tokens[r], t.block_size)),
+                         0)
     run = jnp.cumprod(found & (jnp.arange(m) < max_hits)).astype(bool)
     return jnp.where(run, block, 0).astype(jnp.int32), run.sum().astype(jnp.int32)
 
@@ -356,7 +339,7 @@ def remove_request(state: KVCacheManager, req):
     def do(s):
         q = s.reqs
         return s.replace(reqs=q.replace(
-            active=q.active.at[r].set(False), tokens=q.tokens.at[r].set(0), num_tokens=q.num_tokens.at[r].set(0),
+            active=q.active.at[r].set(False), tail=q.tail.at[r].set(0), num_tokens=q.num_tokens.at[r].set(0),
             has_salt=q.has_salt.at[r].set(False), salt=q.salt.at[r].set(0), req_hash=q.req_hash.at[r].set(0),
             num_hashed=q.num_hashed.at[r].set(0)))
 

@@ -1,4 +1,5 @@
-"""The chained block hash used by the prefix cache (vLLM V1 `core/kv_cache_utils.py`).
+"""The chained block hash used by the prefix cache, and the request block hasher that applies it as a
+request's tokens arrive (vLLM V1 `core/kv_cache_utils.py`).
 
 vLLM gives every FULL block of a request a hash of (parent block hash, the block's token
 ids, extra keys such as the cache salt on the first block), so a hash names a whole
@@ -121,6 +122,39 @@ def block_hash_jnp(parent, block_tokens, has_extra, extra) -> jax.Array:
     has_extra bool[...], extra u32[..., 2]. Equals `block_hash_np` element for element."""
     z = block_tokens.shape[-1]
     return block_hash_finish(block_token_state(block_tokens), parent, has_extra, extra, z)
+
+
+def blocks_of(filled, k, z: int):
+    """Block k[b] (Z tokens) of each row b of filled i32[B, N]."""
+    return jax.vmap(lambda row, kk: jax.lax.dynamic_slice(row, (kk * z,), (z,)))(filled, k)
+
+
+def extend_request_hashes(t, rows, filled, base, max_new: int | None = None):
+    """The request block hasher (vLLM's `get_request_block_hasher`) over the KV cache manager's
+    request table t (kvjax.core.kv_cache_manager.Requests): hash the blocks of request slots
+    rows (i32[B], distinct) that became full since the last call, chained on each row's
+    previous hash. Block base[b] + k of row b holds the tokens filled[b, k*Z:(k+1)*Z]. max_new:
+    a static bound on new full blocks per row (1 for a one-token append: no loop); None loops
+    over the most any row has. → t."""
+    z, m = t.block_size, t.max_blocks_per_request
+
+    def one(_, t):
+        j = t.num_hashed[rows]  # i32[B] the next block to hash
+        do = j < t.num_tokens[rows] // z
+        toks = blocks_of(filled, jnp.maximum(j - base, 0), z)
+        first = j == 0
+        parent = jnp.where(first[:, None], jnp.uint32(0), t.req_hash[rows, jnp.maximum(j - 1, 0)])
+        salt = jnp.where(first[:, None], t.salt[rows], jnp.uint32(0))
+        h = block_hash_jnp(parent, toks, first & t.has_salt[rows], salt)
+        return t.replace(req_hash=t.req_hash.at[rows, jnp.where(do, j, m)].set(h, mode="drop"),
+                         num_hashed=t.num_hashed.at[rows].add(do.astype(jnp.int32)))
+
+    if max_new is not None:
+        for k in range(max_new):
+            t = one(k, t)
+        return t
+    most = (t.num_tokens[rows] // z - t.num_hashed[rows]).max()
+    return jax.lax.fori_loop(0, most, one, t)
 
 
 def salt_key(salt: str | None) -> tuple[bool, tuple[int, int]]:

@@ -54,7 +54,7 @@ def host_blocks(gib, bytes_per_block: int, name: str = "kv_offloading_size") -> 
 
 def check_policy(policy) -> str:
     """The host tier's eviction policy as LLM / EngineConfig take it (kvjax.kv_offload.manager's rule)."""
-    return host_cache.check_policy(policy, OffloadError, "kv offload policy", str)
+    return host_cache.check_policy(policy, OffloadError, "kv offload policy", str, repr)
 
 
 def _per_block(cache):

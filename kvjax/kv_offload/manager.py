@@ -99,11 +99,11 @@ def pad_hashes(rows, size: int | None = None) -> np.ndarray:
     return out
 
 
-def check_policy(policy, error: type = KvjaxError, name: str = "policy", show=json.dumps) -> str:
+def check_policy(policy, error: type = KvjaxError, name: str = "policy", show=json.dumps, got=_show) -> str:
     """The host tier's eviction policies, vLLM's kv_offloading ones: "lru" or "arc". The message
-    names `name`, the choices written by `show`."""
+    names `name`, the choices written by `show`, the value by `got`."""
     if not isinstance(policy, str) or policy not in POLICIES:
-        raise error(f"{name} must be one of {', '.join(map(show, POLICIES))}, got {_show(policy)}")
+        raise error(f"{name} must be one of {', '.join(map(show, POLICIES))}, got {got(policy)}")
     return policy
 
 

@@ -729,8 +729,8 @@ def test_the_schedulers_tables_are_sized_from_their_shapes_and_checked(small_hos
                              host_policy="arc")
     sched = Scheduler(config)
     assert config.state_bytes() == tree_bytes((sched.state, sched.host))  # the shapes' bytes = what was allocated
-    huge = SchedulerConfig(num_blocks=2**20, block_size=16, max_num_seqs=65536, max_model_len=2**16)
-    # tokens i32[2·65536, 2¹⁶] alone: 32 GiB
+    huge = SchedulerConfig(num_blocks=2**20, block_size=16, max_num_seqs=65536, max_model_len=2**17)
+    # block tables i32[2·65536, 2¹³] and block hashes u32[2·65536, 2¹³, 2]: 12 GiB
     with pytest.raises(WontFitError, match=r"scheduler's tables \(num_blocks=1,048,576, max_num_seqs=65,536 "
                                            r"\(131,072 request slots\)"):
         Scheduler(huge)
@@ -741,8 +741,9 @@ def test_the_engine_checks_cache_tables_and_logits_together(monkeypatch):
     from kvjax.accounting import memory
     from kvjax.accounting.memory import WontFitError
 
-    # 64 MiB: the 100 blocks of KV (3.2 MB) fit alone, but not with 8192 request slots' tables
-    monkeypatch.setattr(memory, "host_ram_bytes", lambda: 64 * 2**20)
+    # 16 MiB: the 100 blocks of KV (3.2 MB) fit alone, but not with 8192 request slots' tables (10 MiB)
+    # and 4096 rows of logits
+    monkeypatch.setattr(memory, "host_ram_bytes", lambda: 16 * 2**20)
     with pytest.raises(WontFitError, match=r"the KV cache \(3,276,8\d\d B\), the scheduler's tables \(num_blocks=100, "
                                            r"max_num_seqs=4,096 .* and one step's logits"):
         LLM("small-gqa", max_num_seqs=4096, num_gpu_blocks_override=100, use_tqdm_on_load=False)
