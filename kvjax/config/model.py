@@ -22,8 +22,6 @@ so `kvjax plan` and `kvjax tables` start instantly.
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, Mapping
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
 from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int
@@ -219,10 +217,3 @@ class ModelConfig:
         layer = attn + mlp + 2 * d  # + input_layernorm, post_attention_layernorm
         embed = self.vocab_size * d
         return embed + self.num_layers * layer + d + (0 if self.tie_word_embeddings else embed)
-
-    @classmethod
-    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any],
-                       dtype: str | None = None) -> "ModelConfig":
-        from kvjax.config.hf import from_hf_config  # hf builds ModelConfigs: imported on use
-
-        return from_hf_config(path_or_dict, dtype=dtype)

@@ -104,21 +104,30 @@ def _slot(t: Requests, req):
 
 
 def _append(state: KVCacheManager, rows, tokens, n, max_new: int | None = None) -> KVCacheManager:
-    """Append tokens[b, :n[b]] (i32[B, T]) after each row's tokens, then hash the blocks they
-    fill; each row keeps its unfilled block (`tail`). A request's tokens are its owner's, the
-    scheduler's Request: a full block lives on here as its hash."""
+    """Append tokens[b, :n[b]] (i32[B, T]) after the tokens of request slots rows (i32[B],
+    distinct; None: every slot, in order), then hash the blocks they fill; each row keeps its
+    unfilled block (`tail`). A request's tokens are its owner's, the scheduler's Request: a full
+    block lives on here as its hash."""
     t = state.reqs
     z, (b, width) = t.block_size, tokens.shape
-    fill = t.num_tokens[rows] % z  # i32[B] tokens already in each row's tail
-    idx = jnp.arange(width)  # past the end: dropped
-    pos = jnp.where(idx < n[:, None], fill[:, None] + idx, 2 * z + width)
-    filled = jnp.zeros((b, 2 * z + width), jnp.int32).at[:, :z].set(t.tail[rows])
-    filled = filled.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")  # the tail, then the new tokens
-    base = t.num_tokens[rows] // z  # the tail's block
-    t = t.replace(tail=t.tail.at[rows].set(hashing.blocks_of(filled, (fill + n) // z, z)),
-                  num_tokens=t.num_tokens.at[rows].add(n))
+    every = rows is None  # the decode step: elementwise over the table, no gather or scatter of rows
+    rows = jnp.arange(t.max_requests) if every else rows
+    old_tail, num_tokens = (t.tail, t.num_tokens) if every else (t.tail[rows], t.num_tokens[rows])
+    fill = num_tokens % z  # i32[B] tokens already in each row's tail
+    full = (fill + n) // z  # i32[B] blocks the row fills
+    if width == 1:  # one token a row: written into the tail, which is hashed and emptied if it fills
+        filled = jnp.where((jnp.arange(z) == fill[:, None]) & (n > 0)[:, None], tokens, old_tail)
+        tail = jnp.where((full > 0)[:, None], 0, filled)
+    else:
+        idx = jnp.arange(width)  # past the end: dropped
+        pos = jnp.where(idx < n[:, None], fill[:, None] + idx, 2 * z + width)
+        filled = jnp.concatenate([old_tail, jnp.zeros((b, z + width), jnp.int32)], axis=1)
+        filled = filled.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")  # the tail, then the new tokens
+        tail = hashing.blocks_of(filled, full, z)
+    t = t.replace(tail=tail if every else t.tail.at[rows].set(tail),
+                  num_tokens=num_tokens + n if every else t.num_tokens.at[rows].add(n))
     if state.prefix_caching:
-        t = hashing.extend_request_hashes(t, rows, filled, base, max_new)
+        t = hashing.extend_request_hashes(t, rows, filled, max_new)
     return state.replace(reqs=t)
 
 
@@ -166,8 +175,7 @@ def append_token_step(state: KVCacheManager, tokens, mask):
     -> (state, ok bool[R]); a full or inactive slot, or a negative id, fails alone."""
     t = state.reqs
     ok = mask & t.active & (t.num_tokens < t.max_blocks_per_request * t.block_size) & (tokens >= 0)
-    rows = jnp.arange(t.max_requests)
-    return _append(state, rows, tokens[:, None], ok.astype(jnp.int32), max_new=1), ok
+    return _append(state, None, tokens[:, None], ok.astype(jnp.int32), max_new=1), ok
 
 
 @jax.jit

@@ -125,23 +125,26 @@ def block_hash_jnp(parent, block_tokens, has_extra, extra) -> jax.Array:
 
 
 def blocks_of(filled, k, z: int):
-    """Block k[b] (Z tokens) of each row b of filled i32[B, N]."""
+    """Block k[b] (Z tokens) of each row b of `filled` (i32[B, T + 2Z]: a row's tail, then the
+    tokens handed to the call)."""
     return jax.vmap(lambda row, kk: jax.lax.dynamic_slice(row, (kk * z,), (z,)))(filled, k)
 
 
-def extend_request_hashes(t, rows, filled, base, max_new: int | None = None):
+def extend_request_hashes(t, rows, filled, max_new: int | None = None):
     """The request block hasher (vLLM's `get_request_block_hasher`) over the KV cache manager's
     request table t (kvjax.core.kv_cache_manager.Requests): hash the blocks of request slots
     rows (i32[B], distinct) that became full since the last call, chained on each row's
-    previous hash. Block base[b] + k of row b holds the tokens filled[b, k*Z:(k+1)*Z]. max_new:
-    a static bound on new full blocks per row (1 for a one-token append: no loop); None loops
-    over the most any row has. → t."""
+    previous hash. A row's blocks are hashed as soon as they fill, so its k-th new block holds
+    the tokens filled[b, k*Z:(k+1)*Z] (its old tail, then the tokens handed to the call).
+    max_new: a static bound on new full blocks per row (1 for a one-token append: no loop);
+    None loops over the most any row has. → t."""
     z, m = t.block_size, t.max_blocks_per_request
 
-    def one(_, t):
+    def one(k, t):
         j = t.num_hashed[rows]  # i32[B] the next block to hash
         do = j < t.num_tokens[rows] // z
-        toks = blocks_of(filled, jnp.maximum(j - base, 0), z)
+        toks = filled[:, k * z:(k + 1) * z] if isinstance(k, int) else \
+            jax.lax.dynamic_slice_in_dim(filled, k * z, z, axis=1)
         first = j == 0
         parent = jnp.where(first[:, None], jnp.uint32(0), t.req_hash[rows, jnp.maximum(j - 1, 0)])
         salt = jnp.where(first[:, None], t.salt[rows], jnp.uint32(0))

@@ -136,8 +136,7 @@ class Replay:
             return self.view("add", name, False)
         blocks = manager.request_blocks(s, slot)
         host, loaded = self._load(host, hashes, nx, blocks[nh:nh + nx])
-        # Offered to the tier: from block 0 (device hits too), or after the host hits.
-        host, stored, self.host_next[name] = self._store(host, s, slot, nh + nx if nx else 0)
+        host, stored, self.host_next[name] = self._store(host, s, slot, connector.first_offer(nh, nx))
         self.state, self.slots[name], self.host = s, slot, host
         return self.view("add", name, True, blocks[:nh], blocks[nh:], nx, loaded, stored)
 

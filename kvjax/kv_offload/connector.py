@@ -3,7 +3,7 @@ of a request's blocks the tier serves at admission, and which of its blocks are 
 
 `HostTier` is what the scheduler (kvjax.core.sched.scheduler) keeps of the tier: the index, the
 copies it planned, its hit count. The scheduler and the trace replay (kvjax.core.replay) both go
-through `lookup` and `offer`, so the connector's rules exist once:
+through `lookup`, `first_offer` and `offer`, so the connector's rules exist once:
 
 - at every admission attempt, all of the request's full-block hashes are touched first,
   resident or not (ARC: a ghost hit moves p); then the hash chain continues in the tier after
@@ -41,6 +41,13 @@ def lookup(host: host_cache.HostIndex, req_hash: np.ndarray, num_tokens: int, nu
         return host, None, 0
     hashes = host_cache.pad_hashes(req_hash[num_hits:num_hits + cap], size)
     return host, hashes, int(host_cache.lookup(host, hashes, cap))
+
+
+def first_offer(num_hits: int, host_hits: int, offered: int = 0) -> int:
+    """The logical block from which a request's blocks are offered after its admission: just after
+    the host hits when there were any (loaded blocks are not offered back), else where its
+    offering stood (block 0 for a new request, device hits included)."""
+    return num_hits + host_hits if host_hits else offered
 
 
 def offer(host: host_cache.HostIndex, req_hash: np.ndarray, first: int, end: int):
