@@ -283,9 +283,7 @@ def check_output_file(path: str | os.PathLike, flag: str) -> str:
     written (symlinks resolved, so a dangling link names its target) is not a folder, a FIFO or a
     device, and its folder exists and takes a new file (a probe file, removed at once). Nothing is
     created at the path itself, so a command refused later leaves nothing behind."""
-    path = os.fspath(path)
-    if not path:
-        raise OutputPathError(f"{flag} is an empty path")
+    path = _nonempty(path, flag)
     target = os.path.realpath(path)
     if os.path.isdir(target):
         raise OutputPathError(f"{flag} {path!r} is a folder; give a file name")
@@ -296,12 +294,24 @@ def check_output_file(path: str | os.PathLike, flag: str) -> str:
         raise OutputPathError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    _probe(folder, f"{flag} {path!r} cannot be written")
+    return path
+
+
+def _nonempty(path: str | os.PathLike, flag: str) -> str:
+    path = os.fspath(path)
+    if not path:
+        raise OutputPathError(f"{flag} is an empty path")
+    return path
+
+
+def _probe(folder: str, refusal: str) -> None:
+    """A file can be created in folder (a probe file, removed at once), else OutputPathError."""
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise OutputPathError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
-    return path
+        raise OutputPathError(f"{refusal}: {e.strerror or e}") from None
 
 
 @contextlib.contextmanager
@@ -365,17 +375,11 @@ def _umask() -> int:
 def check_output_dir(path: str | os.PathLike, flag: str) -> str:
     """An output folder that exists and is writable, or can be created: its nearest existing
     ancestor is a folder (not a file) in which a file can be created (and is removed again)."""
-    path = os.fspath(path)
-    if not path:
-        raise OutputPathError(f"{flag} is an empty path")
+    path = _nonempty(path, flag)
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise OutputPathError(f"{flag} {path!r}: {probe!r} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as e:
-        raise OutputPathError(f"{flag} {path!r}: {probe!r} is not writable ({e.strerror or e})") from None
+    _probe(probe, f"{flag} {path!r}: {probe!r} is not writable")
     return path

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from kvjax.attention import mla_paged_attention
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.config.model import ModelConfig
-from kvjax.models.layers import CausalLM, RMSNorm, dense
+from kvjax.models.layers import Attention, CausalLM, RMSNorm, dense
 from kvjax.models.rope import apply_rope, deepseek_softmax_scale, inv_freq
 from kvjax.worker.paged_cache import ContiguousLatent, LatentPages, write_step
 
@@ -45,18 +45,15 @@ class KVUpProjection(nn.Module):
         return kernel.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(Attention):
     """Multi-head latent attention; returns (output, new latent pages)."""
 
-    config: ModelConfig
-    attn_impl: str = "reference"
+    layouts = (LatentPages, ContiguousLatent)
 
     @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LatentPages | ContiguousLatent
+    def attend(self, x: jax.Array, md: BatchMetadata, pages: LatentPages | ContiguousLatent
                  ) -> tuple[jax.Array, LatentPages | ContiguousLatent]:
         c = self.config
-        if not isinstance(pages, (LatentPages, ContiguousLatent)):
-            raise TypeError(f"MLA attention needs LatentPages or ContiguousLatent, got {type(pages).__name__}")
         tokens, n = x.shape[0], c.num_heads
         nope, rope, rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if c.q_lora_rank is None:

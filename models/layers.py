@@ -67,6 +67,23 @@ def dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.D
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
+class Attention(nn.Module):
+    """An attention layer: (x [T, D], the step's metadata, the layer's cache) → (output [T, D], the
+    layer's cache with this step's K/V written). `layouts` are the cache layer kinds (paged,
+    contiguous) a subclass's `attend` (its compact method) reads and writes."""
+
+    config: ModelConfig
+    attn_impl: str = "reference"
+    layouts: ClassVar[tuple[type, ...]] = ()
+
+    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages | LayerRows
+                 ) -> tuple[jax.Array, LayerPages | LayerRows]:
+        if not isinstance(pages, self.layouts):
+            raise TypeError(f"{type(self).__name__} needs {' or '.join(t.__name__ for t in self.layouts)}, "
+                            f"got {type(pages).__name__}")
+        return self.attend(x, md, pages)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) × weight, normalized in f32 and cast back before the weight (as transformers)."""
 

@@ -17,24 +17,20 @@ import jax
 
 from kvjax.attention import paged_attention
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.config.model import ModelConfig
-from kvjax.models.layers import CausalLM, RMSNorm, dense
+from kvjax.models.layers import Attention, CausalLM, RMSNorm, dense
 from kvjax.models.rope import apply_rope, inv_freq
 from kvjax.worker.paged_cache import ContiguousKV, KVPages, write_step
 
 
-class GQAAttention(nn.Module):
+class GQAAttention(Attention):
     """Multi-head / grouped-query / multi-query attention; returns (output, new pages)."""
 
-    config: ModelConfig
-    attn_impl: str = "reference"
+    layouts = (KVPages, ContiguousKV)
 
     @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: KVPages | ContiguousKV
+    def attend(self, x: jax.Array, md: BatchMetadata, pages: KVPages | ContiguousKV
                  ) -> tuple[jax.Array, KVPages | ContiguousKV]:
         c = self.config
-        if not isinstance(pages, (KVPages, ContiguousKV)):
-            raise TypeError(f"GQA attention needs KVPages or ContiguousKV, got {type(pages).__name__}")
         tokens = x.shape[0]
         n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
         q = dense(c, n * h, c.qkv_bias, "q_proj")(x).reshape(tokens, n, h)  # [T, N, H]

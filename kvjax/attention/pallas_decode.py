@@ -161,6 +161,23 @@ def split_block_tables(block_tables, num_splits: int, pages_per_block: int):
     return tables.reshape(batch, num_splits, pages_per_split)
 
 
+def split_inputs(pages_per_split: int) -> list:
+    """in_specs of a split-K decode kernel's per-sequence inputs, for its (sequence, head block,
+    split) program: the context length and the split's row of the block table."""
+    return [pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0))]
+
+
+def split_outputs(batch: int, head_blocks: int, num_splits: int, block_h: int, width: int) -> dict:
+    """pallas_call's out_specs and out_shape for a split-K decode kernel: per (sequence, head
+    block, split) program, the partial output f32[block_h, width] and its log-sum-exp
+    f32[block_h], which `merge_splits` combines."""
+    return dict(out_specs=[pl.BlockSpec((None, None, None, block_h, width), lambda b, h, s: (b, h, s, 0, 0)),
+                           pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0))],
+                out_shape=[jax.ShapeDtypeStruct((batch, head_blocks, num_splits, block_h, width), jnp.float32),
+                           jax.ShapeDtypeStruct((batch, head_blocks, num_splits, block_h), jnp.float32)])
+
+
 def merge_splits(o, lse, axis: int):
     """Combine per-split normalized outputs o [..., splits, block_h, width] and logsumexps
     lse [..., splits, block_h].
@@ -195,19 +212,11 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda b, h, s: (b,)),  # context_lens
-            pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),  # tables
+            *split_inputs(pages_per_split),
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
             page_spec, page_spec, head_scalar_spec, head_scalar_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h), jnp.float32),
-        ],
+        **split_outputs(batch, num_kv_heads, num_splits, block_h, head_dim),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}",

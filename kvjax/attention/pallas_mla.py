@@ -37,7 +37,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention.pallas_decode import (MASK_VALUE, check_dtypes, check_scale, check_tables, compute_dtype_for,
                                            dot_f32, dot_precision, merge_splits, online_softmax_step, resolve_interpret,
-                                           split_block_tables, split_pages, step_pages, write_partial)
+                                           split_block_tables, split_inputs, split_outputs, split_pages, step_pages,
+                                           write_partial)
 from kvjax.attention.reference import mla_paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, default_mla_tiles
 from kvjax.math_utils import cdiv, is_power_of_two
@@ -103,21 +104,13 @@ def _mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens
         kernel,
         grid=(batch, head_blocks, num_splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda b, n, s: (b,)),  # context_lens
-            pl.BlockSpec((None, None, pages_per_split), lambda b, n, s: (b, s, 0)),  # tables
+            *split_inputs(pages_per_split),
             pl.BlockSpec((None, block_h, rank), lambda b, n, s: (b, n, 0)),  # q_latent
             pl.BlockSpec((None, block_h, rope_dim), lambda b, n, s: (b, n, 0)),  # q_rope
             pl.BlockSpec((num_pages, block_size, channels), lambda b, n, s: (0, 0, 0)),  # latent pages
             pl.BlockSpec((channels,), lambda b, n, s: (0,)),  # latent_scale
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_h, rank), lambda b, n, s: (b, n, s, 0, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda b, n, s: (b, n, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, head_blocks, num_splits, block_h, rank), jnp.float32),
-            jax.ShapeDtypeStruct((batch, head_blocks, num_splits, block_h), jnp.float32),
-        ],
+        **split_outputs(batch, head_blocks, num_splits, block_h, rank),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"kvjax_mla_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}",

@@ -23,7 +23,7 @@ import json
 import math
 import os
 
-from kvjax.commands.common import add_progress_flag, progress_enabled
+from kvjax.commands.common import MODEL_HELP, add_progress_flag, progress_enabled
 from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure, write_json,
                           write_text)
 from kvjax.markdown import markdown_table
@@ -34,8 +34,7 @@ SMALL_MODELS = ("small-gqa", "small-mla")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="small-gqa", help="small-gqa | small-mla | smollm2-135m | PATH.gguf | "
-                                                         "a Hugging Face folder | preset:NAME")
+    ap.add_argument("--model", default="small-gqa", help=MODEL_HELP)
     ap.add_argument("--suite", choices=("auto", "basic", "full"), default="auto",
                     help="defaults for unset options (auto: basic for the built-in small models, else full)")
     ap.add_argument("--data", nargs="+", help="held-out text files (basic: the shipped stdlib held-out split; "

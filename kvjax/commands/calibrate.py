@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from kvjax.commands.common import add_dtype_flag, add_progress_flag, progress_enabled
+from kvjax.commands.common import add_model_flags, add_progress_flag, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
 from kvjax.progress import Phases
 from kvjax.quant.kv_formats import FP8_FORMATS
@@ -19,9 +19,7 @@ from kvjax.quant.kv_formats import FP8_FORMATS
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="fp8 KV scales from a model run over calibration text",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="small-gqa | small-mla | smollm2-135m | PATH.gguf | a Hugging Face folder")
-    add_dtype_flag(p)
+    add_model_flags(p)
     p.add_argument("--data", required=True, help="calibration text file")
     p.add_argument("--mode", choices=["per_tensor", "per_head"], default="per_tensor")
     p.add_argument("--format", choices=list(FP8_FORMATS), default="fp8_e4m3")

@@ -84,6 +84,15 @@ def model_dtype_arg(text: str) -> str | None:
     return MODEL_DTYPES[text.lower()]
 
 
+MODEL_HELP = "small-gqa | small-mla | smollm2-135m | a Hugging Face folder | PATH.gguf | preset:NAME (random weights)"
+
+
+def add_model_flags(p) -> None:
+    """--model (required) and --dtype, as every command that loads a model takes them."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_dtype_flag(p)
+
+
 def add_dtype_flag(p) -> None:
     p.add_argument("--dtype", type=model_dtype_arg, default=None, metavar="DTYPE",
                    help=f"weights dtype, vLLM's --dtype: {', '.join(MODEL_DTYPES)} (auto: the checkpoint's; "

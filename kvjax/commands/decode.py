@@ -46,7 +46,8 @@ import json
 import re
 import sys
 
-from kvjax.commands.common import add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg, progress_enabled
+from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
+                                   progress_enabled)
 from kvjax.commands.prompts import build_requests, read_prompts, refused_output, sampling_params
 from kvjax.config.scheduler import check_host_tier
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, UsageError, float_arg, int_arg, json_type, loads
@@ -60,9 +61,7 @@ BYTES_MAX = MAX_GIB * 2**30  # --kv-cache-memory-bytes at most
 def add_parser(sub) -> None:
     p = sub.add_parser("decode", help="batched generation through scheduler, pool, paged cache and model",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="small-gqa | small-mla | smollm2-135m | a Hugging Face folder | PATH.gguf | preset:NAME")
-    add_dtype_flag(p)
+    add_model_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt per line (or .jsonl objects)")
     src.add_argument("--synthetic", type=int_arg(1, 2**20), metavar="N", help="N random prompts")

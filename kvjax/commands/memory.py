@@ -31,7 +31,8 @@ import json
 import os
 
 from kvjax.accounting import budget as bud
-from kvjax.commands.common import add_dtype_flag, add_progress_flag, human_int_arg, kv_cache_dtype_arg, progress_enabled
+from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
+                                   progress_enabled)
 from kvjax.errors import UsageError, int_arg
 from kvjax.progress import Phases
 
@@ -46,10 +47,7 @@ DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, 
 def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="size the cache from a profiled budget; analytic vs measured bytes",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="small-gqa | small-mla | smollm2-135m | PATH.gguf | a Hugging Face folder | "
-                        "preset:NAME (random weights, e.g. preset:llama-3-8b)")
-    add_dtype_flag(p)
+    add_model_flags(p)
     p.add_argument("--gpu-memory-utilization", metavar="U", help="the share of the device's memory to use, in (0, 1] "
                                                                  "(default 0.92)")
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg, default="auto",
