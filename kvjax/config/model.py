@@ -172,6 +172,12 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), as kvjax.accounting.hybrid groups them."""
+        sliding = set(self.sliding_layers)
+        return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
+
     def kv_spec(self, kv_dtype: str | None = None, skip_layers: tuple[int, ...] = ()) -> KVSpec:
         """The KV layout this model caches (kv_dtype None or "auto": the model dtype, as vLLM's
         kv_cache_dtype="auto")."""

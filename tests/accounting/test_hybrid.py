@@ -1,0 +1,117 @@
+"""vLLM 0.33's hybrid KV cache arithmetic (kvjax.accounting.hybrid) on layer patterns worked out by
+hand from vLLM's rules (kv_cache_planning._get_kv_cache_groups_uniform_page_size,
+get_kv_cache_config_from_groups, SlidingWindowSpec.max_admission_blocks_per_request,
+kv_cache_utils.get_max_concurrency_for_kv_cache_config)."""
+import pytest
+
+from kvjax.accounting import hybrid
+from kvjax.accounting.hybrid import HybridError, KVGroup, all_full, kv_cache_groups, plan_groups
+from kvjax.core.kv_cache_interface import KVSpec
+
+GIB = 2**30
+
+
+def gemma3_27b_shape():
+    """62 layers, 16 kv heads of 128, bf16; every 6th layer full, the others a 1024-token window."""
+    return KVSpec("gqa", 62, 32, 16, 128, kv_dtype="bf16"), [None if (i + 1) % 6 == 0 else 1024 for i in range(62)]
+
+
+def test_five_to_one_pattern_groups_as_vllm():
+    spec, windows = gemma3_27b_shape()
+    groups = kv_cache_groups(spec, windows, 16)
+    sliding = [i for i in range(62) if (i + 1) % 6]
+    full = [i for i in range(62) if (i + 1) % 6 == 0]
+    # 52 sliding and 10 full layers: group size 10 (52 >= 1.5 × 10); the sliding bucket (first seen)
+    # splits into cdiv(52, 10) = 6 groups, the i-th its layers[i::6]; the full bucket is one group
+    assert [g.window for g in groups] == [1024] * 6 + [None]
+    assert [g.layers for g in groups] == [tuple(sliding[i::6]) for i in range(6)] + [tuple(full)]
+    assert [len(g.layers) for g in groups] == [9, 9, 9, 9, 8, 8, 10]
+    page = 16 * 16 * (128 + 128) * 2  # kv heads × Z × (K + V dims) × bf16
+    assert [g.block_bytes for g in groups] == [9 * page] * 4 + [8 * page] * 2 + [10 * page]
+
+
+def test_five_to_one_pattern_pool_and_concurrency():
+    spec, windows = gemma3_27b_shape()
+    p = plan_groups(spec, windows, 60 * GIB, block_size=16, max_model_len=8192, max_num_batched_tokens=2048)
+    page = 131_072
+    assert p.bytes_per_block == 10 * page  # the largest group: the full one
+    assert p.num_blocks == 60 * GIB // (10 * page) == 49_152
+    # full: cdiv(8192, 16) = 512; sliding: cdiv(min(1023 + 2048, 8192), 16) + 1 = 192 + 1
+    assert p.blocks_per_request == (193,) * 6 + (512,)
+    assert p.max_concurrency == 49_152 / (6 * 193 + 512)
+    assert p.kv_cache_tokens == int(49_152 / 1670 * 8192) == 241_109
+    assert p.admitted == 49_151 // 1670 == 29
+    # the fallback: one group of 62 full layers
+    f = plan_groups(spec, all_full(windows), 60 * GIB, block_size=16, max_model_len=8192, max_num_batched_tokens=2048)
+    assert [len(g.layers) for g in f.groups] == [62] and f.groups[0].window is None
+    assert f.bytes_per_block == 62 * page == spec.bytes_per_block(16)
+    assert f.num_blocks == 60 * GIB // (62 * page) == 7_927
+    assert f.blocks_per_request == (512,) and f.max_concurrency == 7_927 / 512
+
+
+def test_close_counts_use_the_larger_as_group_size():
+    # vLLM's own example: 12 sliding + 13 full layers is padded to (13 sw, 13 full), not (12 sw, 24 full)
+    spec = KVSpec("gqa", 25, 8, 8, 64, kv_dtype="bf16")
+    windows = [128] * 12 + [None] * 13
+    groups = kv_cache_groups(spec, windows, 16)
+    assert [(g.window, len(g.layers)) for g in groups] == [(128, 12), (None, 13)]
+    assert max(g.block_bytes for g in groups) == 13 * spec.page_bytes(0, 16)
+    # alternating 12 : 12 (gpt-oss-20b's pattern): two groups of 12
+    spec = KVSpec("gqa", 24, 64, 8, 64, kv_dtype="bf16")
+    groups = kv_cache_groups(spec, [128 if i % 2 == 0 else None for i in range(24)], 16)
+    assert [(g.window, g.layers) for g in groups] == [(128, tuple(range(0, 24, 2))), (None, tuple(range(1, 24, 2)))]
+
+
+def test_every_layer_one_window_is_one_group():
+    # Mistral-7B-v0.1: 32 layers, all with a 4096-token window: one group, the page the sum of the layers'
+    spec = KVSpec("gqa", 32, 32, 8, 128, kv_dtype="bf16")
+    p = plan_groups(spec, [4096] * 32, 10 * GIB, block_size=16, max_model_len=32768, max_num_batched_tokens=8192)
+    assert len(p.groups) == 1 and p.groups[0].layers == tuple(range(32))
+    assert p.bytes_per_block == spec.bytes_per_block(16) == 32 * 8 * 16 * 256 * 2
+    assert p.blocks_per_request == ((4095 + 8192 + 15) // 16 + 1,) == (769,)
+    # two batches in flight (async scheduling) hold the window's blocks for twice the tokens
+    p2 = plan_groups(spec, [4096] * 32, 10 * GIB, block_size=16, max_model_len=32768, max_num_batched_tokens=8192,
+                     max_concurrent_batches=2)
+    assert p2.blocks_per_request == ((4095 + 16384 + 15) // 16 + 1,) == (1281,)
+    # never more than max_model_len
+    p3 = plan_groups(spec, [4096] * 32, 10 * GIB, block_size=16, max_model_len=1000, max_num_batched_tokens=8192)
+    assert p3.blocks_per_request == ((1000 + 15) // 16 + 1,) == (64,)
+
+
+def test_a_full_attention_model_is_todays_single_group():
+    spec = KVSpec("gqa", 80, 64, 8, 128, kv_dtype="fp8", skip_layers=(0, 79), model_dtype="bf16")
+    (group,) = kv_cache_groups(spec, all_full(range(80)), 16)
+    assert group.layers == tuple(range(80)) and group.block_bytes == spec.bytes_per_block(16)
+    assert KVGroup(None, (0,), 1).kind == "full_attention" and KVGroup(4, (0,), 1).kind == "sliding_window"
+
+
+@pytest.mark.parametrize("windows, says", [
+    ([None] * 3, "3 layer windows for 4 layers"),
+    ([None, 0, None, None], "layer 1's sliding window must be a positive integer, got 0"),
+    ([None, 2.5, None, None], "layer 1's sliding window must be a positive integer, got 2.5"),
+])
+def test_bad_windows_are_named(windows, says):
+    with pytest.raises(HybridError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        kv_cache_groups(KVSpec("gqa", 4, 4, 4, 8), windows, 16)
+
+
+def test_hybrid_layers_of_different_pages_are_refused():
+    # a skip layer keeps bf16 beside fp8 sliding layers: vLLM would scale block sizes per group
+    spec = KVSpec("gqa", 4, 4, 4, 8, kv_dtype="fp8", skip_layers=(3,), model_dtype="bf16")
+    with pytest.raises(HybridError, match="pages of 1,024, 2,048 B"):
+        kv_cache_groups(spec, [64, 64, 64, None], 16)
+    assert hybrid.check_windows([None, 5], 2) == (None, 5)
+
+
+def test_a_configs_sliding_layers_become_its_layer_windows():
+    from kvjax.config.hf import from_hf_config
+
+    # Qwen2 with use_sliding_window: layers from max_window_layers on slide (transformers' rule)
+    cfg = from_hf_config({"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
+                          "max_position_embeddings": 4096, "use_sliding_window": True, "sliding_window": 512,
+                          "max_window_layers": 4})
+    assert cfg.layer_windows == (None, None, None, None, 512, 512)
+    groups = kv_cache_groups(cfg.kv_spec(), cfg.layer_windows, 16)
+    # 4 full + 2 sliding: group size 2; full (first seen) in cdiv(4, 2) = 2 groups, layers[i::2]
+    assert [(g.window, g.layers) for g in groups] == [(None, (0, 2)), (None, (1, 3)), (512, (4, 5))]
