@@ -1,0 +1,79 @@
+"""kvjax.accounting.hybrid beside vLLM 0.33's own functions, on the layer patterns of the tests.
+
+    pip download vllm==0.33.0 --no-deps && unzip it into SRC; install its pure-Python imports
+    (cbor2, pyzmq, aiohttp, openai, openai-harmony, pybase64, cachetools, msgspec, cloudpickle,
+    py-cpuinfo, xgrammar, fastapi, partial-json-parser, llguidance) into DEPS; then
+    PYTHONPATH=SRC:DEPS python -m kvjax.experiments.vllm_hybrid_reference
+
+vLLM's side: `kv_cache_planning`'s grouping (`_get_kv_cache_groups_uniform_spec`, `_uniform_type`,
+`_uniform_page_size` after `unify_kv_cache_spec_page_size`), `_get_kv_cache_bytes_per_block` for a
+layer-outer layout, num_blocks = budget // bytes per block, and
+`kv_cache_utils.get_max_concurrency_for_kv_cache_config`. Prints one line per pattern and exits 1 if
+any figure differs. Needs torch (vLLM's specs carry a torch dtype); nothing here runs in the suite.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+from kvjax.accounting.hybrid import plan_groups
+from kvjax.core.kv_cache_interface import KVSpec
+
+GIB = 2**30
+# (name, windows, kv heads, head dim, budget bytes, max_model_len, max_num_batched_tokens, batches in flight)
+CASES = [
+    ("5:1 (Gemma-3-27B's shape)", [None if (i + 1) % 6 == 0 else 1024 for i in range(62)], 16, 128, 60 * GIB, 8192,
+     2048, 1),
+    ("all full, 62 layers", [None] * 62, 16, 128, 60 * GIB, 8192, 2048, 1),
+    ("all one window (Mistral-7B-v0.1's)", [4096] * 32, 8, 128, 10 * GIB, 32768, 8192, 1),
+    ("the same, 2 batches in flight", [4096] * 32, 8, 128, 10 * GIB, 32768, 8192, 2),
+    ("the same, max_model_len 1000", [4096] * 32, 8, 128, 10 * GIB, 1000, 8192, 1),
+    ("12 sliding + 13 full", [128] * 12 + [None] * 13, 8, 64, GIB, 4096, 2048, 1),
+    ("alternating 12:12 (gpt-oss-20b's)", [128 if i % 2 == 0 else None for i in range(24)], 8, 64, GIB, 4096, 2048, 1),
+    ("4 full then 2 sliding (Qwen2's max_window_layers)", [None] * 4 + [512] * 2, 2, 64, GIB, 4096, 2048, 1),
+]
+
+
+def vllm_figures(windows, kv_heads, head, budget, max_len, batched, batches):
+    import torch
+    from vllm.v1.core import kv_cache_planning as kp
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+    specs = {}
+    for i, w in enumerate(windows):
+        kw = dict(block_size=16, num_kv_heads=kv_heads, head_size=head, dtype=torch.bfloat16)
+        specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(**kw) if w is None else \
+            SlidingWindowSpec(**kw, sliding_window=w)
+    if kp.is_kv_cache_spec_uniform(specs):
+        groups = kp._get_kv_cache_groups_uniform_spec(specs)
+    elif uniform := kp.UniformTypeKVCacheSpecs.from_specs(specs):
+        groups = kp._get_kv_cache_groups_uniform_type(uniform)
+    else:
+        groups = kp._get_kv_cache_groups_uniform_page_size(kp.unify_kv_cache_spec_page_size(specs))
+    per_block = kp._get_kv_cache_bytes_per_block(groups, types.SimpleNamespace(is_block_outermost=False))
+    config = KVCacheConfig(num_blocks=budget // per_block, kv_cache_tensors=[], kv_cache_groups=groups)
+    vllm_config = types.SimpleNamespace(max_in_flight_tokens=batches * batched,
+                                        model_config=types.SimpleNamespace(max_model_len=max_len),
+                                        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1))
+    layers = [tuple(int(n.split(".")[2]) for n in g.layer_names) for g in groups]
+    return layers, per_block, budget // per_block, get_max_concurrency_for_kv_cache_config(vllm_config, config)
+
+
+def main() -> int:
+    differ = 0
+    for name, windows, kv_heads, head, budget, max_len, batched, batches in CASES:
+        ours = plan_groups(KVSpec("gqa", len(windows), kv_heads, kv_heads, head, kv_dtype="bf16"), windows, budget,
+                           block_size=16, max_model_len=max_len, max_num_batched_tokens=batched,
+                           max_concurrent_batches=batches)
+        mine = ([g.layers for g in ours.groups], ours.bytes_per_block, ours.num_blocks, ours.max_concurrency)
+        theirs = vllm_figures(windows, kv_heads, head, budget, max_len, batched, batches)
+        same = mine == theirs
+        differ += not same
+        print(f"{'same' if same else 'DIFFERENT':9} {name}: {len(mine[0])} groups, {mine[1]:,} B per block, "
+              f"{mine[2]:,} blocks, concurrency {mine[3]:.4f}" + ("" if same else f"; vLLM: {theirs[1:]}"))
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
