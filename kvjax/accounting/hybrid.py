@@ -74,6 +74,7 @@ class GroupPlan:
     num_blocks: int  # block 0, the null block, among them
     blocks_per_request: tuple[int, ...]  # per group
     max_model_len: int
+    in_flight_tokens: int  # max_concurrent_batches × max_num_batched_tokens
 
     @property
     def max_concurrency(self) -> float:
@@ -138,4 +139,5 @@ def plan_groups(spec: KVSpec, windows: Sequence[int | None], budget_bytes: int, 
     per_block = max(g.block_bytes for g in groups)
     in_flight = max_concurrent_batches * max_num_batched_tokens
     return GroupPlan(groups, block_size, per_block, budget_bytes // per_block,
-                     tuple(g.blocks_per_request(block_size, max_model_len, in_flight) for g in groups), max_model_len)
+                     tuple(g.blocks_per_request(block_size, max_model_len, in_flight) for g in groups), max_model_len,
+                     in_flight)

@@ -9,15 +9,20 @@ bytes per token, block and request, the budget (ceil(device memory × gpu_memory
 minus weights, activations and CUDA graphs, or --kv-cache-memory-bytes), blocks and
 concurrency, and the host tier of --kv-offloading-size. It prints one row per quantity
 (`format_plan`, which `kvjax report` prints too), or with --json one object; --plot draws
-concurrency against context for bf16 and fp8 KV. Flags the chosen model source or budget would
-ignore are refused. Nothing here imports JAX, so the command starts at once.
+concurrency against context for bf16 and fp8 KV. A model with sliding-window layers (a preset's or
+a config.json's) also gets vLLM's hybrid KV cache beside its fallback that caches every layer as
+full attention (kvjax.accounting.hybrid: the groups, bytes per block, blocks, blocks per request,
+KV cache size in tokens, max concurrency). Flags the chosen model source or budget would ignore
+are refused. Nothing here imports JAX, so the command starts at once.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any, Sequence
 
 from kvjax.accounting import budget as bud
+from kvjax.accounting import hybrid
 from kvjax.commands.common import check_plot_file, human_int_arg, kv_cache_dtype_arg
 from kvjax.config.hf import from_hf_config
 from kvjax.config.presets import PRESETS, preset
@@ -64,11 +69,18 @@ def add_parser(sub) -> None:
                      help="host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
                           "as vLLM; 0 = no host tier")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
+    hyb = p.add_argument_group("hybrid KV cache (models with sliding-window layers)")
+    hyb.add_argument("--max-num-batched-tokens", type=human_int_arg(1), metavar="N",
+                     help="tokens per step, which a sliding window's blocks also hold while in flight (default "
+                          f"{DEFAULT_BATCHED_TOKENS}: vLLM's API server on an 80-160 GiB GPU)")
+    hyb.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                     help="vLLM's default: two batches in flight (--no-async-scheduling: one)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE", help="plot max concurrency vs context for bf16 and fp8 "
                                                   "(.png, .svg or .pdf)")
 
 
+DEFAULT_BATCHED_TOKENS = 8192
 _SHAPE_FLAGS = ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim")
 _MLA_ONLY, _NOT_MLA = ("--kv-lora-rank", "--qk-rope-head-dim"), ("--kv-heads", "--head-dim")
 
@@ -107,12 +119,14 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     _check_plan_flags(args)
     kv_dtype = args.kv_cache_dtype or g.get("kv_dtype", "auto")
     params = None
+    windows: tuple = ()
     if args.preset or (g and not model_flags):
         config = preset(args.preset or g["preset"])
         spec, params, title = config.kv_spec(kv_dtype), config.num_params, config.title or config.name
+        windows = config.layer_windows
     elif args.hf_config:
-        spec = from_hf_config(args.hf_config).kv_spec(kv_dtype)
-        title = spec.name
+        config = from_hf_config(args.hf_config)
+        spec, title, windows = config.kv_spec(kv_dtype), config.kv_spec(kv_dtype).name, config.layer_windows
     elif args.kind:
         spec, title = _manual_spec(args, "bf16" if kv_dtype == "auto" else kv_dtype), f"custom {args.kind.upper()}"
     else:
@@ -149,7 +163,12 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     # The kv dtype is shown as it was asked for (fp8 stays fp8, as vLLM prints its --kv-cache-dtype); the spec holds
     # the format's own name.
     label = None if kv_dtype == "auto" else kv_dtype
-    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, kw=dict(
+    windows = windows if any(w is not None for w in windows) else ()
+    for flag in ("--max-num-batched-tokens", "--async-scheduling"):
+        if not windows and getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise UsageError(f"{flag} sizes a sliding window's blocks; {title} has no sliding-window layers, so it "
+                             "would be ignored")
+    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows, kw=dict(
         context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
         block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
         total_bytes=None if device is None else bud.gib(device, "--device-memory-gib"),
@@ -184,8 +203,11 @@ def run(args) -> int:
     warnings = inputs["warnings"] + list(result.warnings)
     if args.plot:
         _plot_concurrency(inputs, args.plot)
+    groups = _hybrid(result, inputs["windows"], args) if inputs["windows"] else None
     if args.json:
         out = result.to_json()
+        if groups:
+            out["hybrid"] = {name: _group_json(gp) for name, gp in zip(("hybrid", "all_full"), groups)}
         out["model"] = inputs["title"]
         out["warnings"] = warnings
         if inputs["kv_label"]:
@@ -193,6 +215,8 @@ def run(args) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(result, inputs["title"], warnings, inputs["kv_label"]))
+        if groups:
+            print("\n" + format_hybrid(*groups))
     return 0
 
 
@@ -232,6 +256,52 @@ def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str
     lines = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows]
     lines += [f"warning: {x}" for x in warnings]
     return "\n".join(lines)
+
+
+def _hybrid(pl: bud.Plan, windows, args) -> tuple[hybrid.GroupPlan, hybrid.GroupPlan] | None:
+    """vLLM's hybrid KV cache groups and their all-full fallback on the plan's budget (None without one)."""
+    if pl.budget_bytes is None:
+        return None
+    kw = dict(block_size=pl.block_size, max_model_len=pl.context,
+              max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
+              max_concurrent_batches=1 if args.async_scheduling is False else 2)
+    try:
+        return (hybrid.plan_groups(pl.spec, windows, pl.budget_bytes, **kw),
+                hybrid.plan_groups(pl.spec, hybrid.all_full(windows), pl.budget_bytes, **kw))
+    except hybrid.HybridError as e:
+        raise UsageError(str(e)) from None
+
+
+def _group_names(gp: hybrid.GroupPlan) -> str:
+    """"6 × sliding_window 1024 (9, 9, 9, 9, 8, 8 layers) + 1 × full_attention (10)"."""
+    kinds: dict[str, list[int]] = {}
+    for g in gp.groups:
+        kinds.setdefault(g.kind + ("" if g.window is None else f" {g.window}"), []).append(len(g.layers))
+    return " + ".join(f"{len(n)} × {k} ({', '.join(map(str, n))} layers)" for k, n in kinds.items())
+
+
+def format_hybrid(hyb: hybrid.GroupPlan, full: hybrid.GroupPlan) -> str:
+    """The hybrid KV cache beside vLLM's fallback that caches every layer as full attention."""
+    in_flight = f"in flight: {hyb.in_flight_tokens:,} tokens"
+    rows = [("", "hybrid KV cache", "every layer full (--disable-hybrid-kv-cache-manager)"),
+            ("KV cache groups", _group_names(hyb), _group_names(full)),
+            ("bytes / block", f"{hyb.bytes_per_block:,} B", f"{full.bytes_per_block:,} B"),
+            ("blocks", f"{hyb.num_blocks:,}", f"{full.num_blocks:,}"),
+            ("blocks / request", f"{sum(hyb.blocks_per_request):,} ({in_flight})", f"{sum(full.blocks_per_request):,}"),
+            ("KV cache size", f"{hyb.kv_cache_tokens:,} tokens", f"{full.kv_cache_tokens:,} tokens"),
+            ("max concurrency", f"{hyb.max_concurrency:,.2f}x", f"{full.max_concurrency:,.2f}x"),
+            ("block-pool concurrency", f"{hyb.admitted:,}", f"{full.admitted:,}")]
+    w = [max(len(r[i]) for r in rows) for i in range(2)]
+    return "\n".join(f"{a:<{w[0]}}  {b:<{w[1]}}  {c}".rstrip() for a, b, c in rows)
+
+
+def _group_json(gp: hybrid.GroupPlan) -> dict[str, Any]:
+    return {"groups": [{"type": g.kind, "sliding_window": g.window, "layers": list(g.layers),
+                        "block_bytes": g.block_bytes} for g in gp.groups],
+            "bytes_per_block": gp.bytes_per_block, "num_blocks": gp.num_blocks,
+            "blocks_per_request": list(gp.blocks_per_request), "in_flight_tokens": gp.in_flight_tokens,
+            "kv_cache_tokens": gp.kv_cache_tokens, "max_concurrency": gp.max_concurrency,
+            "block_pool_concurrency": gp.admitted}
 
 
 def _host_rows(pl: bud.Plan) -> list[tuple[str, str, str]]:

@@ -117,3 +117,57 @@ def test_a_configs_sliding_layers_become_its_layer_windows():
     groups = kv_cache_groups(cfg.kv_spec(), cfg.layer_windows, 16)
     # 4 full + 2 sliding: group size 2; full (first seen) in cdiv(4, 2) = 2 groups, layers[i::2]
     assert [(g.window, g.layers) for g in groups] == [(None, (0, 2)), (None, (1, 3)), (512, (4, 5))]
+
+
+MISTRAL = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+           "sliding_window": 4096, "vocab_size": 32000, "torch_dtype": "bfloat16"}
+QWEN2_SW = {"model_type": "qwen2", "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "intermediate_size": 2048, "vocab_size": 1000, "max_position_embeddings": 8192,
+            "use_sliding_window": True, "sliding_window": 512, "max_window_layers": 4, "torch_dtype": "bfloat16"}
+MEM = ["--device-memory-gib", "80", "--weights-gib", "13.5", "--block-size", "16"]
+
+
+def _plan(tmp_path, cfg, *args):
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "kvjax.commands.main", "plan", "--hf-config", str(path), *args],
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_plan_shows_the_hybrid_pool_beside_the_all_full_fallback(tmp_path):
+    import json
+
+    code, out, err = _plan(tmp_path, MISTRAL, "--max-model-len", "32768", *MEM, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    hyb, full = got["hybrid"]["hybrid"], got["hybrid"]["all_full"]
+    # one group either way (every layer has the window), so the pool is the plan's own
+    assert hyb["num_blocks"] == full["num_blocks"] == got["num_blocks"] == got["budget_bytes"] // (32 * 8 * 16 * 256 * 2)
+    # async scheduling (vLLM's default): 2 × 8192 tokens in flight: cdiv(4095 + 16384, 16) + 1
+    assert hyb["in_flight_tokens"] == 16384 and hyb["blocks_per_request"] == [1281]
+    assert full["blocks_per_request"] == [got["blocks_per_request"]] == [2048]
+    assert hyb["max_concurrency"] == got["num_blocks"] / 1281 and full["max_concurrency"] == got["num_blocks"] / 2048
+    assert hyb["kv_cache_tokens"] == int(got["num_blocks"] / 1281 * 32768)
+    code, out, err = _plan(tmp_path, MISTRAL, "--max-model-len", "32768", *MEM, "--json", "--no-async-scheduling",
+                           "--max-num-batched-tokens", "2048")
+    assert json.loads(out)["hybrid"]["hybrid"]["blocks_per_request"] == [(4095 + 2048 + 15) // 16 + 1]
+    # three groups of two layers (4 full + 2 sliding): a block is two layers' pages, not six
+    code, out, err = _plan(tmp_path, QWEN2_SW, "--max-model-len", "8192", *MEM)
+    assert code == 0, err
+    page = 2 * 16 * 128 * 2 * 2  # kv heads × Z × (K + V dims of 128) × bf16
+    assert "2 × full_attention (2, 2 layers) + 1 × sliding_window 512 (2 layers)" in out
+    row = next(line for line in out.splitlines() if line.startswith("bytes / block "))
+    assert row.split()[3:] == [f"{2 * page:,}", "B", f"{6 * page:,}", "B"]
+    assert "1 × full_attention (6 layers)" in out
+
+
+def test_plan_refuses_hybrid_flags_for_a_model_without_windows(tmp_path):
+    code, out, err = _plan(tmp_path, {**MISTRAL, "sliding_window": None}, *MEM, "--max-num-batched-tokens", "4096")
+    assert code == 2 and err.count("\n") == 1
+    assert "--max-num-batched-tokens sizes a sliding window's blocks" in err and "no sliding-window layers" in err
