@@ -27,6 +27,9 @@ from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, Pag
 _OTHER_DECODERS = {
     "gemma": "Gemma's RMSNorm scales by (1 + weight) and its embeddings by sqrt(hidden_size)",
     "phi3": "Phi-3 checkpoints store fused qkv_proj and gate_up_proj weights",
+    "gemma2": "Gemma 2's soft-capped attention and logits, (1 + weight) RMSNorms and extra norms",
+    "gemma3_text": "Gemma 3's q/k norms, local and global RoPE bases, (1 + weight) RMSNorms and extra norms",
+    "gpt_oss": "gpt-oss's attention sinks and mixture-of-experts MLPs",
 }
 
 

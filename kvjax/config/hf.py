@@ -2,7 +2,8 @@
 
 `from_hf_config` reads a config.json the way transformers' config classes do (their defaults
 for absent fields) for every model type whose KV cache kvjax can size: the Llama family (llama,
-mistral, qwen2, qwen3, gemma, phi3 and the MoE variants qwen2_moe, qwen3_moe, mixtral; GQA from
+mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3 and the MoE variants qwen2_moe, qwen3_moe,
+mixtral, gpt_oss; GQA from
 MQA to MHA) and the MLA family (deepseek_v2, deepseek_v3, kimi_k2; multi-head latent attention,
 arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`.
 
@@ -124,9 +125,10 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: s
     if not isinstance(path_or_dict, Mapping):  # the checkpoint folder's name
         path = os.path.abspath(os.fspath(path_or_dict))
         name = os.path.basename(path if os.path.isdir(path) else os.path.dirname(path))
-    gemma = model_type == "gemma"
-    if not isinstance(cfg.get("hidden_act", ""), str):
-        raise ModelConfigError(f"config field 'hidden_act' must be a string, got {_show(cfg['hidden_act'])}")
+    gemma = model_type in ("gemma", "gemma2", "gemma3_text")
+    act_key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"  # Gemma 2/3 name it so
+    if not isinstance(cfg.get(act_key, ""), str):
+        raise ModelConfigError(f"config field {act_key!r} must be a string, got {_show(cfg[act_key])}")
     common = dict(
         model_type=model_type, vocab_size=_int(cfg, "vocab_size", None), hidden_size=_int(cfg, "hidden_size"),
         intermediate_size=_int(cfg, "intermediate_size", None),
@@ -135,7 +137,7 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: s
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096 if model_type == "deepseek_v3" else 2048),
         rms_norm_eps=_number(cfg, "rms_norm_eps", ModelConfigError, default=1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default
-        hidden_act=cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu"),
+        hidden_act=cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu"),
         dtype=dtype or _dtype(cfg),
         name=name)
     try:
@@ -155,14 +157,14 @@ def _dtype(cfg: Mapping[str, Any]) -> str:
 
 def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
     model_type, layers = common["model_type"], common["num_layers"]
-    head_dim = _int(cfg, "head_dim", None)
+    head_dim = _int(cfg, "head_dim", _HEAD_DIM.get(model_type))
     if head_dim is None:
         hidden, heads = common["hidden_size"], common["num_heads"]
         if hidden % heads:
             raise ModelConfigError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
                                    "the config needs an explicit head_dim")
         head_dim = hidden // heads
-    bias = bool(cfg.get("attention_bias", False))
+    bias = bool(cfg.get("attention_bias", model_type == "gpt_oss"))
     qkv_bias, o_bias = (True, False) if model_type in ("qwen2", "qwen2_moe") else (bias, bias)
     window, sliding = None, ()
     if model_type in ("mistral", "mixtral", "phi3") and cfg.get("sliding_window") is not None:
@@ -170,12 +172,16 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
     elif model_type.startswith(("qwen2", "qwen3")) and cfg.get("use_sliding_window"):
         window = _int(cfg, "sliding_window", 4096)
         first_sliding = _int(cfg, "max_window_layers", 28, lo=0)
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= first_sliding
-                                           else "full_attention" for i in range(layers)]
-        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-            raise ModelConfigError(f"config field 'layer_types' must be a list of strings, got {_show(types)}")
-        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if model_type == "mixtral":
+        sliding = _sliding_layers(cfg, layers, lambda i: i >= first_sliding)
+    elif model_type in _LAYER_PATTERNS and (cfg.get("sliding_window", 0) is not None):
+        if cfg.get("use_bidirectional_attention"):
+            raise ModelConfigError(f"{model_type} config: use_bidirectional_attention makes it an encoder "
+                                   "(transformers halves its window), not a causal decoder")
+        default_window, period_key, default_period = _LAYER_PATTERNS[model_type]
+        window = _int(cfg, "sliding_window", default_window)
+        period = _int(cfg, period_key, default_period) if period_key else default_period
+        sliding = _sliding_layers(cfg, layers, lambda i: bool((i + 1) % period))
+    if model_type in ("mixtral", "gpt_oss"):
         moe = tuple(range(layers))
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         # transformers: a sparse block where the layer is not in mlp_only_layers and (i + 1) % step == 0.
@@ -191,6 +197,26 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         sliding_window=window if sliding else None, sliding_layers=sliding)
 
 
+# transformers' layer_types defaults where a config gives none: layer i slides when (i + 1) % period;
+# (default window, the config key of the period, its default)
+_LAYER_PATTERNS = {"gemma2": (4096, None, 2), "gemma3_text": (4096, "sliding_window_pattern", 6),
+                   "gpt_oss": (128, None, 2)}
+_HEAD_DIM = {"gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}  # transformers' defaults (not hidden / heads)
+
+
+def _sliding_layers(cfg: Mapping[str, Any], layers: int, slides) -> tuple[int, ...]:
+    """The sliding layers: config's layer_types ("sliding_attention" / "full_attention" per layer), else
+    the model type's rule slides(i)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(i for i in range(layers) if slides(i))
+    if not isinstance(types, list) or len(types) != layers or \
+            not all(t in ("sliding_attention", "full_attention") for t in types):
+        raise ModelConfigError(f"config field 'layer_types' must list 'sliding_attention' or 'full_attention' for "
+                               f"each of the {layers} layers, got {_show(types)}")
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
 def _mla(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
     model_type, layers = common["model_type"], common["num_layers"]
     if model_type == "deepseek_v2":
@@ -199,7 +225,7 @@ def _mla(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         layout = "interleaved" if cfg.get("rope_interleave", True) else "half"
     # transformers builds a MoE block for every layer index >= first_k_dense_replace.
     first_dense = _int(cfg, "first_k_dense_replace", 0 if model_type == "deepseek_v2" else 3, lo=0)
-    bias = bool(cfg.get("attention_bias", False))
+    bias = bool(cfg.get("attention_bias", model_type == "gpt_oss"))
     mlp_bias = bool(cfg.get("mlp_bias", False)) if model_type == "deepseek_v2" else False
     return ModelConfig(
         **common, rope=rope_from_hf(cfg, layout=layout), qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias,

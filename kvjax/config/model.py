@@ -26,7 +26,8 @@ import dataclasses
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
 from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int
 
-GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3")
+GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3", "gemma2",
+             "gemma3_text", "gpt_oss")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 MODEL_TYPES = GQA_TYPES + MLA_TYPES
 DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; each is also a kv dtype alias (kvjax.quant.kv_formats)

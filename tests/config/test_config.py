@@ -275,3 +275,51 @@ def test_plan_and_tables_do_not_import_jax():
             "print(sorted(m for m in ('jax', 'flax', 'numpy', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Sliding layers as transformers' own config classes mark them (layer_types), for the model types whose
+# pattern is a rule: Gemma 2 and gpt-oss alternate, Gemma 3 slides 5 layers in every 6.
+SLIDING_CONFIGS = [
+    ("Gemma2Config", {"model_type": "gemma2", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                      "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    ("Gemma3TextConfig", {"model_type": "gemma3_text", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                          "num_hidden_layers": 14, "num_attention_heads": 4, "num_key_value_heads": 1,
+                          "head_dim": 128, "sliding_window": 512}),
+    ("Gemma3TextConfig", {"model_type": "gemma3_text", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                          "num_hidden_layers": 9, "num_attention_heads": 4, "num_key_value_heads": 1,
+                          "sliding_window_pattern": 3}),
+    ("Gemma3TextConfig", {"model_type": "gemma3_text", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1,
+                          "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
+    ("GptOssConfig", {"model_type": "gpt_oss", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 256,
+                      "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 2}),
+]
+
+
+@pytest.mark.parametrize("cls, cfg", SLIDING_CONFIGS, ids=[f"{c}-{i}" for i, (c, _) in enumerate(SLIDING_CONFIGS)])
+def test_sliding_layers_match_transformers_layer_types(cls, cfg):
+    import transformers
+
+    ref = getattr(transformers, cls)(**cfg)
+    got = from_hf_config(cfg)
+    assert got.sliding_layers == tuple(i for i, t in enumerate(ref.layer_types) if t == "sliding_attention")
+    assert got.sliding_window == ref.sliding_window and got.head_dim == ref.head_dim
+    assert got.num_kv_heads == ref.num_key_value_heads
+    assert got.layer_windows == tuple(ref.sliding_window if t == "sliding_attention" else None
+                                      for t in ref.layer_types)
+
+
+def test_sliding_configs_parse_but_do_not_build():
+    from kvjax.models import UnsupportedModelError, build_model
+
+    gemma3 = from_hf_config({**SLIDING_CONFIGS[1][1], "sliding_window": None})  # no window: every layer full
+    assert gemma3.sliding_layers == () and gemma3.layer_windows == (None,) * 14
+    with pytest.raises(UnsupportedModelError, match="q/k norms, local and global RoPE bases"):
+        build_model(gemma3)
+    with pytest.raises(ModelConfigError, match="use_bidirectional_attention makes it an encoder"):
+        from_hf_config({**SLIDING_CONFIGS[1][1], "use_bidirectional_attention": True})
+    with pytest.raises(ModelConfigError, match="'layer_types' must list 'sliding_attention' or 'full_attention' for "
+                                               "each of the 4 layers"):
+        from_hf_config({**SLIDING_CONFIGS[3][1], "layer_types": ["full_attention", "chunked_attention"] * 2})
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        build_model(from_hf_config(SLIDING_CONFIGS[4][1]))
