@@ -1,23 +1,29 @@
 """kvjax.accounting.hybrid beside vLLM 0.33's own functions, on the layer patterns of the tests.
 
-    pip download vllm==0.33.0 --no-deps && unzip it into SRC; install its pure-Python imports
-    (cbor2, pyzmq, aiohttp, openai, openai-harmony, pybase64, cachetools, msgspec, cloudpickle,
-    py-cpuinfo, xgrammar, fastapi, partial-json-parser, llguidance) into DEPS; then
-    PYTHONPATH=SRC:DEPS python -m kvjax.experiments.vllm_hybrid_reference
+    pip download vllm==0.33.0 --no-deps && unzip the wheel into SRC
+    pip install --target DEPS cbor2 pyzmq aiohttp openai openai-harmony pybase64 cachetools msgspec \
+        cloudpickle py-cpuinfo xgrammar fastapi partial-json-parser llguidance   # vLLM's pure-Python imports
+    python -m kvjax.experiments.vllm_hybrid_reference --vllm-src SRC --deps DEPS
 
-vLLM's side: `kv_cache_planning`'s grouping (`_get_kv_cache_groups_uniform_spec`, `_uniform_type`,
-`_uniform_page_size` after `unify_kv_cache_spec_page_size`), `_get_kv_cache_bytes_per_block` for a
-layer-outer layout, num_blocks = budget // bytes per block, and
-`kv_cache_utils.get_max_concurrency_for_kv_cache_config`. Prints one line per pattern and exits 1 if
-any figure differs. Needs torch (vLLM's specs carry a torch dtype); nothing here runs in the suite.
+vLLM is read from its unzipped wheel, as kvjax reads vLLM's rules everywhere (it is not a kvjax
+dependency and is not installed). torch comes from the test extra (vLLM's specs carry a torch
+dtype). vLLM's side: `kv_cache_planning`'s grouping (`_get_kv_cache_groups_uniform_spec`,
+`_uniform_type`, `_uniform_page_size` after `unify_kv_cache_spec_page_size`),
+`_get_kv_cache_bytes_per_block` for a layer-outer layout, num_blocks = budget // bytes per block,
+and `kv_cache_utils.get_max_concurrency_for_kv_cache_config`. Prints one line per pattern and exits
+1 if any figure differs; nothing here runs in the suite.
 """
 from __future__ import annotations
 
+import argparse
+import importlib
+import os
 import sys
 import types
 
 from kvjax.accounting.hybrid import plan_groups
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.experiments import require
 
 GIB = 2**30
 # (name, windows, kv heads, head dim, budget bytes, max_model_len, max_num_batched_tokens, batches in flight)
@@ -34,11 +40,17 @@ CASES = [
 ]
 
 
+def _vllm():
+    """vLLM's modules from the folders on sys.path (main puts --vllm-src and --deps there)."""
+    names = ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils", "vllm.v1.kv_cache_interface")
+    return tuple(importlib.import_module(name) for name in names)
+
+
 def vllm_figures(windows, kv_heads, head, budget, max_len, batched, batches):
-    import torch
-    from vllm.v1.core import kv_cache_planning as kp
-    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    torch = require("torch", "test", "vllm_hybrid_reference")
+    kp, utils, interface = _vllm()
+    FullAttentionSpec, KVCacheConfig, SlidingWindowSpec = (interface.FullAttentionSpec, interface.KVCacheConfig,
+                                                           interface.SlidingWindowSpec)
 
     specs = {}
     for i, w in enumerate(windows):
@@ -57,10 +69,21 @@ def vllm_figures(windows, kv_heads, head, budget, max_len, batched, batches):
                                         model_config=types.SimpleNamespace(max_model_len=max_len),
                                         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1))
     layers = [tuple(int(n.split(".")[2]) for n in g.layer_names) for g in groups]
-    return layers, per_block, budget // per_block, get_max_concurrency_for_kv_cache_config(vllm_config, config)
+    return layers, per_block, budget // per_block, utils.get_max_concurrency_for_kv_cache_config(vllm_config, config)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm_hybrid_reference", description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-src", required=True, help="vLLM 0.33's unzipped wheel (the folder holding vllm/)")
+    ap.add_argument("--deps", help="a folder of vLLM's pure-Python imports (pip install --target)")
+    args = ap.parse_args(argv)
+    if not os.path.isdir(os.path.join(args.vllm_src, "vllm")):
+        ap.error(f"--vllm-src {args.vllm_src!r} holds no vllm/ folder")
+    sys.path[:0] = [args.vllm_src] + ([args.deps] if args.deps else [])
+    try:
+        _vllm()
+    except ImportError as e:
+        ap.error(f"vLLM's source does not import: {e} (install its pure-Python imports into --deps)")
     differ = 0
     for name, windows, kv_heads, head, budget, max_len, batched, batches in CASES:
         ours = plan_groups(KVSpec("gqa", len(windows), kv_heads, kv_heads, head, kv_dtype="bf16"), windows, budget,

@@ -3,7 +3,7 @@ hand from vLLM's rules (kv_cache_planning._get_kv_cache_groups_uniform_page_size
 get_kv_cache_config_from_groups, SlidingWindowSpec.max_admission_blocks_per_request,
 kv_cache_utils.get_max_concurrency_for_kv_cache_config). vLLM's own functions give the same groups,
 bytes per block, blocks and concurrency on these patterns: experiments/vllm_hybrid_reference.py, run
-with vLLM 0.33's source on the path (8 of 8 the same)."""
+on vLLM 0.33's unzipped wheel (8 of 8 the same)."""
 import pytest
 
 from kvjax.accounting import hybrid
