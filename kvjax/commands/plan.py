@@ -126,7 +126,8 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         windows = config.layer_windows
     elif args.hf_config:
         config = from_hf_config(args.hf_config)
-        spec, title, windows = config.kv_spec(kv_dtype), config.kv_spec(kv_dtype).name, config.layer_windows
+        spec, windows = config.kv_spec(kv_dtype), config.layer_windows
+        title = spec.name
     elif args.kind:
         spec, title = _manual_spec(args, "bf16" if kv_dtype == "auto" else kv_dtype), f"custom {args.kind.upper()}"
     else:

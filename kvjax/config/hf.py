@@ -3,9 +3,8 @@
 `from_hf_config` reads a config.json the way transformers' config classes do (their defaults
 for absent fields) for every model type whose KV cache kvjax can size: the Llama family (llama,
 mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3 and the MoE variants qwen2_moe, qwen3_moe,
-mixtral, gpt_oss; GQA from
-MQA to MHA) and the MLA family (deepseek_v2, deepseek_v3, kimi_k2; multi-head latent attention,
-arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`.
+mixtral, gpt_oss; GQA from MQA to MHA) and the MLA family (deepseek_v2, deepseek_v3, kimi_k2;
+multi-head latent attention, arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`.
 
 What the Flax decoder does not implement is parsed and recorded, never dropped; a field that
 cannot be read (wrong type, out of range, missing) raises `ModelConfigError` naming it. Plain
@@ -225,7 +224,7 @@ def _mla(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         layout = "interleaved" if cfg.get("rope_interleave", True) else "half"
     # transformers builds a MoE block for every layer index >= first_k_dense_replace.
     first_dense = _int(cfg, "first_k_dense_replace", 0 if model_type == "deepseek_v2" else 3, lo=0)
-    bias = bool(cfg.get("attention_bias", model_type == "gpt_oss"))
+    bias = bool(cfg.get("attention_bias", False))
     mlp_bias = bool(cfg.get("mlp_bias", False)) if model_type == "deepseek_v2" else False
     return ModelConfig(
         **common, rope=rope_from_hf(cfg, layout=layout), qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias,

@@ -6,9 +6,8 @@ and asks the block pool (`kvjax/core/block_pool.py`, which owns the blocks) for 
 block that becomes full), `free` (a request's blocks back to the pool). Hashes live on the
 request, so they survive preemption, as on vLLM's Request. A request's blocks are hashed as its
 tokens arrive (`add_request`, `append_tokens`, the batched `append_token_step`: `_append`, with
-kv_cache_utils' request block hasher), so
-the table keeps only the tokens of each unfilled last block; a block is cached when the
-allocation that schedules its last token runs.
+kv_cache_utils' request block hasher), so the table keeps only the tokens of each unfilled last
+block; a block is cached when the allocation that schedules its last token runs.
 
 The decode step's two batched calls, `append_token_step` and `allocate_step`, are a fixed
 number of vector operations for any number of requests: no loop over requests or blocks, so
@@ -123,7 +122,7 @@ def _append(state: KVCacheManager, rows, tokens, n, max_new: int | None = None) 
         pos = jnp.where(idx < n[:, None], fill[:, None] + idx, 2 * z + width)
         filled = jnp.concatenate([old_tail, jnp.zeros((b, z + width), jnp.int32)], axis=1)
         filled = filled.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")  # the tail, then the new tokens
-        tail = hashing.blocks_of(filled, full, z)
+        tail = jax.vmap(lambda row, k: jax.lax.dynamic_slice(row, (k * z,), (z,)))(filled, full)  # block `full`
     t = t.replace(tail=tail if every else t.tail.at[rows].set(tail),
                   num_tokens=num_tokens + n if every else t.num_tokens.at[rows].add(n))
     if state.prefix_caching:

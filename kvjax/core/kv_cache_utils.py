@@ -124,12 +124,6 @@ def block_hash_jnp(parent, block_tokens, has_extra, extra) -> jax.Array:
     return block_hash_finish(block_token_state(block_tokens), parent, has_extra, extra, z)
 
 
-def blocks_of(filled, k, z: int):
-    """Block k[b] (Z tokens) of each row b of `filled` (i32[B, T + 2Z]: a row's tail, then the
-    tokens handed to the call)."""
-    return jax.vmap(lambda row, kk: jax.lax.dynamic_slice(row, (kk * z,), (z,)))(filled, k)
-
-
 def extend_request_hashes(t, rows, filled, max_new: int | None = None):
     """The request block hasher (vLLM's `get_request_block_hasher`) over the KV cache manager's
     request table t (kvjax.core.kv_cache_manager.Requests): hash the blocks of request slots

@@ -22,8 +22,9 @@ defaults to 2048; without chunked prefill, to at least max_model_len).
 
 Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request keeps
 one row of the step's batch (B = max_num_seqs rows) from admission until it finishes or is
-preempted (the scheduler assigns it, `StepPlan.rows`); empty rows are padding. The contiguous cache (`kv_layout="contiguous"`, the baseline
-paging is measured against) stores row r's K/V in its row r, so one set of steps serves both.
+preempted (the scheduler assigns it, `StepPlan.rows`); empty rows are padding. The contiguous
+cache (`kv_layout="contiguous"`, the baseline paging is measured against) stores row r's K/V in
+its row r, so one set of steps serves both.
 
 Two compiled device calls serve every plan (kvjax.engine.steps: the ragged step for any plan
 with prefill tokens, the decode loop for `steps_per_call` decode steps in one call), their
@@ -363,8 +364,8 @@ class Engine:
         rows = plan.rows.tolist()
         tokens, computed = np.zeros(b, np.int32), np.zeros(b, np.int32)
         tokens[rows], computed[rows] = plan.token_ids, plan.seq_lens - 1
-        decode_rows, sampling_rows, num_logprobs = sched.decode_rows(plan, by_row=True), self._sampling_rows(plan, rows), \
-            self._plan_logprobs(plan)
+        decode_rows, sampling_rows = sched.decode_rows(plan, by_row=True), self._sampling_rows(plan, rows)
+        num_logprobs = self._plan_logprobs(plan)
 
         def run(pool):
             # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).

@@ -312,7 +312,7 @@ class Scheduler(SchedulerUpdates):
             if nx:
                 step.loads += self.tier.plan_loads(
                     host_hashes, nx, np.asarray(self.state.reqs.block_table[req.slot])[int(nh):int(nh) + nx])
-                req.host_next = connector.first_offer(int(nh), nx, req.host_next)
+            req.host_next = connector.first_offer(int(nh), nx, req.host_next)
             self.waiting.remove(req)
             self.running.append(req)
             req.row = heapq.heappop(self.free_rows)
