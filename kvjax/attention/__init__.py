@@ -14,6 +14,10 @@ arrays, so that anything stored beside the pages (quantization scales) reaches t
 implementation without changing the attention modules. A contiguous cache layer
 (`ContiguousKV` / `ContiguousLatent`, the baseline paging is measured against) is read in
 place by the reference forms whatever the implementation, since the kernels read pages.
+
+A sliding-window, attention-sink or soft-capped layer (Mistral, Gemma 2/3, gpt-oss) passes
+`window`, `sinks` and `softcap` (kvjax.attention.reference's module docstring says what each
+does); every MHA/GQA/MQA form of every implementation takes them, the latent (MLA) forms not.
 """
 from __future__ import annotations
 
@@ -33,18 +37,20 @@ from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, La
 
 @dataclasses.dataclass(frozen=True)
 class AttentionImpl:
-    ragged: Callable  # (q, k_pages, v_pages, md, *, scale, k_scale, v_scale)
-    decode: Callable  # (q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale, v_scale)
+    ragged: Callable  # (q, k_pages, v_pages, md, *, scale, k_scale, v_scale, window, sinks, softcap)
+    decode: Callable  # (q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale, v_scale, window, sinks,
+    #                    softcap)
     mla_ragged: Callable  # (q_latent, q_rope, latent_pages, md, *, scale, latent_scale)
     mla_decode: Callable  # (q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale)
 
 
-def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None):
+def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None,
+                   window=None, sinks=None, softcap=None):
     from kvjax.attention.pallas_decode import paged_decode
 
     _static_scale_only(k_scale)
     return paged_decode(q, k_pages, v_pages, block_tables, context_lens, scale=scale, k_scale=k_scale,
-                        v_scale=v_scale)
+                        v_scale=v_scale, window=window, sinks=sinks, softcap=softcap)
 
 
 def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale=None):
@@ -88,17 +94,21 @@ def get_impl(name: str) -> AttentionImpl:
 
 
 def paged_attention(q: jax.Array, pages: KVPages | ContiguousKV, md: BatchMetadata, *, scale: float,
-                    impl: str = "reference") -> jax.Array:
-    """q: [T, N, H]; pages.k, pages.v: [P, Z, K, H] (or contiguous rows [B, S, K, H]) → [T, N, H]."""
+                    impl: str = "reference", window: int | None = None, sinks: jax.Array | None = None,
+                    softcap: float | None = None) -> jax.Array:
+    """q: [T, N, H]; pages.k, pages.v: [P, Z, K, H] (or contiguous rows [B, S, K, H]) → [T, N, H].
+    window: a static int W >= 1 (a query at p sees keys p - W < s <= p) or None; sinks: f32[N]
+    or None; softcap: a static c > 0 (scores → c · tanh(scores / c)) or None."""
     fns = get_impl(impl)
+    variant = dict(window=window, sinks=sinks, softcap=softcap)
     if isinstance(pages, ContiguousKV):
         if md.decode:
-            return ref.contiguous_decode_reference(q, pages.k, pages.v, md.context_lens, scale=scale)
-        return ref.contiguous_attention_reference(q, pages.k, pages.v, md, scale=scale)
+            return ref.contiguous_decode_reference(q, pages.k, pages.v, md.context_lens, scale=scale, **variant)
+        return ref.contiguous_attention_reference(q, pages.k, pages.v, md, scale=scale, **variant)
     scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
     if md.decode:
-        return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale, **scales)
-    return fns.ragged(q, pages.k, pages.v, md, scale=scale, **scales)
+        return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale, **scales, **variant)
+    return fns.ragged(q, pages.k, pages.v, md, scale=scale, **scales, **variant)
 
 
 def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPages | ContiguousLatent,

@@ -28,6 +28,16 @@ Numerics:
   replaced by the null block before they index anything, logits past its length are masked,
   and their V rows are zeroed, so NaN or inf garbage stays out (0 × NaN would not).
 - A context length of 0 (a padding sequence) gives a zero output, not NaN.
+
+Sliding windows, sinks and soft-capping (kvjax.attention.reference's variants; GQA only, not MLA):
+- window W: the decode query at position len - 1 sees positions len - W .. len - 1. The splits
+  tile the pages from the one holding position len - W (`split_pages`), so pages wholly before
+  the window are never read — the null block vLLM's SlidingWindowManager leaves there, or
+  pages not yet freed — and a step costs O(W) per sequence, not O(context); the tiles are sized
+  for the pages a window touches (`window_pages`). Positions before len - W in the first page
+  are masked like those past len.
+- softcap c: c · tanh(logits / c) on the f32 logits after both scales, before the mask.
+- sinks f32[N]: added once, in the split merge's denominator (`merge_splits`), never per split.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.attention.reference import check_variant
 from kvjax.attention.reference import paged_decode_reference  # noqa: F401  the kernel's plain jnp twin
 from kvjax.attention.tiles import DecodeTiles, default_tiles
 from kvjax.core.block_pool import NULL_BLOCK
@@ -62,18 +73,30 @@ def dot_f32(a, b, *, contract_b: int, precision):
                            preferred_element_type=jnp.float32)
 
 
-def split_pages(tables_ref, length, block_size, pages_per_block):
-    """This split's page range: (first logical page, valid pages in the split, steps)."""
-    pages_per_split = tables_ref.shape[0]
-    first_page = pl.program_id(2) * pages_per_split
-    n_pages = jnp.clip(pl.cdiv(length, block_size) - first_page, 0, pages_per_split)
+def window_pages(window: int, block_size: int) -> int:
+    """The most pages W consecutive positions touch: cdiv(W - 1, Z) + 1."""
+    return cdiv(window - 1, block_size) + 1
+
+
+def split_pages(split, length, *, block_size: int, pages_per_block: int, pages_per_split: int, max_blocks: int,
+                window: int | None = None):
+    """Split `split`'s pages of a sequence of `length` tokens: (first logical page, valid pages, steps).
+
+    The splits tile the sequence's pages in view from the first: page 0, or with a window W the
+    page of position length - W, the first the query sees; no split reaches a page before it.
+    Plain jnp on scalars, so the kernel (split = pl.program_id(2)) and a test share it.
+    """
+    start = 0 if window is None else lax.div(jnp.maximum(length - window, 0), block_size)
+    first_page = start + split * pages_per_split
+    end = jnp.minimum(pl.cdiv(length, block_size), max_blocks)  # a length past M × Z reads no further
+    n_pages = jnp.clip(end - first_page, 0, pages_per_split)
     return first_page, n_pages, pl.cdiv(n_pages, pages_per_block)
 
 
 def step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block):
-    """Physical pages and token validity of one step of pages_per_block pages."""
+    """Physical pages and token positions of one step of pages_per_block pages."""
     local = step * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-    pages = tables_ref[pl.ds(step * pages_per_block, pages_per_block)]  # i32[pages_per_block]
+    pages = tables_ref[pl.ds(first_page + step * pages_per_block, pages_per_block)]  # i32[pages_per_block]
     # Entries past the sequence's last page may be garbage: never let one address memory.
     pages = jnp.where(local < n_pages, pages, NULL_BLOCK)
     block_k = pages_per_block * block_size
@@ -104,7 +127,7 @@ def write_partial(o_ref, lse_ref, o, m, l, out_scale):
 
 def _gqa_kernel(
     lens_ref,  # i32[1]: this sequence's context length
-    tables_ref,  # i32[pages_per_split]: this split's slice of the block table
+    tables_ref,  # i32[M + pages_per_block - 1]: this sequence's block table, null-padded
     q_ref,  # [block_h, H]: this kv head's query rows (group padded with zeros)
     k_ref,  # [P, Z, H]: this kv head's K pages
     v_ref,  # [P, Z, H]: this kv head's V pages
@@ -112,13 +135,16 @@ def _gqa_kernel(
     v_scale_ref,  # f32[1]: V dequant scale of this kv head
     o_ref,  # f32[block_h, H]: this split's normalized output
     lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
-    *, sm_scale: float, pages_per_block: int, compute_dtype, precision,
+    *, sm_scale: float, pages_per_block: int, pages_per_split: int, max_blocks: int, window: int | None,
+    softcap: float | None, compute_dtype, precision,
 ):
     block_h, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     block_k = pages_per_block * block_size
     length = lens_ref[0]
-    first_page, n_pages, n_steps = split_pages(tables_ref, length, block_size, pages_per_block)
+    first_page, n_pages, n_steps = split_pages(pl.program_id(2), length, block_size=block_size,
+                                               pages_per_block=pages_per_block, pages_per_split=pages_per_split,
+                                               max_blocks=max_blocks, window=window)
 
     q = q_ref[...].astype(compute_dtype)  # [block_h, H]
     logit_scale = sm_scale * k_scale_ref[0]  # K's dequant scale folds into the logits exactly
@@ -126,10 +152,14 @@ def _gqa_kernel(
     def body(step, carry):
         pages, pos = step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block)
         valid = pos < length  # bool[block_k]
+        if window is not None:  # the first page in view may start before the window
+            valid = valid & (pos >= length - window)
         k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
         v = v_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
         v = jnp.where(valid[:, None], v, 0)  # garbage slots must not meet a zero weight
         logits = dot_f32(q, k, contract_b=1, precision=precision) * logit_scale  # f32[block_h, block_k]
+        if softcap is not None:  # Gemma 2: after the scales, before the mask
+            logits = softcap * jnp.tanh(logits / softcap)
         return online_softmax_step(carry, logits, valid, v, compute_dtype, precision)
 
     init = (jnp.zeros((block_h, head_dim), jnp.float32), jnp.full((block_h,), MASK_VALUE, jnp.float32),
@@ -152,20 +182,25 @@ def dot_precision(compute_dtype):
     return lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
 
 
-def split_block_tables(block_tables, num_splits: int, pages_per_block: int):
-    """i32[B, M] → i32[B, splits, pages_per_split], padded with the null block."""
-    batch, max_blocks = block_tables.shape
-    pages_per_split = cdiv(cdiv(max_blocks, num_splits), pages_per_block) * pages_per_block
-    pad = num_splits * pages_per_split - max_blocks
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=NULL_BLOCK)
-    return tables.reshape(batch, num_splits, pages_per_split)
+def split_block_tables(block_tables, num_splits: int, pages_per_block: int, pages_in_view: int | None = None):
+    """i32[B, M] → (i32[B, M + pages_per_block - 1] padded with the null block, pages_per_split).
+
+    pages_in_view: the most pages one query sees (None: M; a window: `window_pages`), which the
+    splits share, each pages_per_split (a multiple of pages_per_block) of them. A step reads
+    pages_per_block entries from a page below M, hence the padding.
+    """
+    max_blocks = block_tables.shape[1]
+    view = max_blocks if pages_in_view is None else min(pages_in_view, max_blocks)
+    pages_per_split = cdiv(cdiv(view, num_splits), pages_per_block) * pages_per_block
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block - 1)), constant_values=NULL_BLOCK)
+    return tables, pages_per_split
 
 
-def split_inputs(pages_per_split: int) -> list:
+def split_inputs(table_width: int) -> list:
     """in_specs of a split-K decode kernel's per-sequence inputs, for its (sequence, head block,
-    split) program: the context length and the split's row of the block table."""
+    split) program: the context length and the sequence's padded block table."""
     return [pl.BlockSpec((1,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0))]
+            pl.BlockSpec((None, table_width), lambda b, h, s: (b, 0))]
 
 
 def split_outputs(batch: int, head_blocks: int, num_splits: int, block_h: int, width: int) -> dict:
@@ -178,50 +213,66 @@ def split_outputs(batch: int, head_blocks: int, num_splits: int, block_h: int, w
                            jax.ShapeDtypeStruct((batch, head_blocks, num_splits, block_h), jnp.float32)])
 
 
-def merge_splits(o, lse, axis: int):
+def merge_splits(o, lse, axis: int, sinks=None):
     """Combine per-split normalized outputs o [..., splits, block_h, width] and logsumexps
-    lse [..., splits, block_h].
+    lse [..., splits, block_h]; sinks: None or f32 logits broadcasting against lse with the
+    split axis of size 1 (−inf: no sink).
 
-    out = Σ_s exp(lse_s − max) o_s / Σ_s exp(lse_s − max). Splits that saw no token carry
-    lse = −inf and weigh 0; if no split saw a token (context length 0) the output is 0.
+    out = Σ_s exp(lse_s − max) o_s / (Σ_s exp(lse_s − max) + exp(sink − max)), max over the
+    splits' lse and the sink: the sink joins the denominator once. Splits that saw no token
+    carry lse = −inf and weigh 0; if no split saw a token (context length 0) the output is 0.
     """
     m = lse.max(axis=axis, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # all −inf: avoid −inf − (−inf) = NaN
     w = jnp.exp(lse - m)  # [..., splits, block_h]
     denom = w.sum(axis=axis)
+    if sinks is not None:
+        denom = denom + jnp.squeeze(jnp.exp(sinks - m), axis)
     out = (w[..., None] * o).sum(axis=axis)
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, *, scale, tiles, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "tiles", "interpret"))
+def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks, *, scale, window, softcap,
+                  tiles, interpret):
     batch, num_heads, head_dim = q.shape  # [B, N, H]
     _, block_size, num_kv_heads, _ = k_pages.shape  # [P, Z, K, H]
     group = num_heads // num_kv_heads
     block_h = tiles.block_h
     q4 = q.reshape(batch, num_kv_heads, group, head_dim)  # query head n = kv head × G + g
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))  # [B, K, block_h, H]
-    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, splits, pages_per_split]
-    num_splits, pages_per_split = tables.shape[1:]
+    view = None if window is None else window_pages(window, block_size)
+    tables, pages_per_split = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block, view)
+    num_splits = tiles.num_splits
     compute_dtype = compute_dtype_for(q.dtype, k_pages.dtype)
     kernel = functools.partial(_gqa_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
-                               compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
+                               pages_per_split=pages_per_split, max_blocks=block_tables.shape[1], window=window,
+                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
+    variant = ("" if window is None else f"_w{window}") + ("" if softcap is None else "_cap")
     page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
     head_scalar_spec = pl.BlockSpec((1,), lambda b, h, s: (h,))
     o, lse = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[
-            *split_inputs(pages_per_split),
+            *split_inputs(tables.shape[1]),
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
             page_spec, page_spec, head_scalar_spec, head_scalar_spec,
         ],
         **split_outputs(batch, num_kv_heads, num_splits, block_h, head_dim),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}",
+        name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}{variant}",
     )(context_lens.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scale, v_scale)
-    out = o[:, :, 0] if num_splits == 1 else merge_splits(o, lse, axis=2)  # f32[B, K, block_h, H]
+    if sinks is not None:  # [N] → [K, 1, block_h] (padded rows: no sink), once per query head
+        sinks = jnp.pad(sinks.reshape(num_kv_heads, 1, group), ((0, 0), (0, 0), (0, block_h - group)),
+                        constant_values=-jnp.inf)
+    if num_splits == 1 and sinks is None:
+        out = o[:, :, 0]  # f32[B, K, block_h, H]
+    else:
+        out = merge_splits(o, lse, axis=2, sinks=sinks)
     return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
@@ -262,6 +313,7 @@ def check_dtypes(q_dtype, page_dtype, q_name: str, page_name: str) -> None:
 
 
 def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: float, k_scale=None, v_scale=None,
+                 window: int | None = None, sinks=None, softcap: float | None = None,
                  tiles: DecodeTiles | None = None, interpret: bool | None = None) -> jax.Array:
     """Decode attention of one query token per sequence over a paged K/V cache (Pallas kernel).
 
@@ -269,8 +321,9 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     float8_e4m3fn, float8_e5m2); block_tables i32[B, M] (entries past a sequence's last page
     are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives a zero output);
     scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
-    scalar or per-kv-head f32[K] dequant scales; tiles: None → `default_tiles` for this shape;
-    interpret: None → True on CPU. Returns [B, N, H] in q's dtype.
+    scalar or per-kv-head f32[K] dequant scales; window (int >= 1), sinks (f32[N]), softcap
+    (> 0): the layer's variants (module docstring), None for off; tiles: None → `default_tiles`
+    for the pages in view; interpret: None → True on CPU. Returns [B, N, H] in q's dtype.
     Shapes and dtypes are checked here, outside jit; bad ones raise ValueError.
     """
     if len(q.shape) != 3:
@@ -293,10 +346,13 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     check_tables(batch, block_tables, context_lens)
     k_scale = check_scale("k_scale", k_scale, num_kv_heads, "per kv head")
     v_scale = check_scale("v_scale", v_scale, num_kv_heads, "per kv head")
+    window, sinks, softcap = check_variant(num_heads, window, sinks, softcap)
     group = num_heads // num_kv_heads
     if tiles is None:
+        view = block_tables.shape[1] if window is None else min(block_tables.shape[1], window_pages(window, block_size))
         tiles = default_tiles(batch=batch, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                              block_size=block_size, max_blocks=block_tables.shape[1])
+                              block_size=block_size, max_blocks=view)
     tiles.check(block_size=block_size, rows=group)
-    return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale,
-                         scale=float(scale), tiles=tiles, interpret=resolve_interpret(interpret))
+    return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks,
+                         scale=float(scale), window=window, softcap=softcap, tiles=tiles,
+                         interpret=resolve_interpret(interpret))

@@ -46,21 +46,23 @@ from kvjax.math_utils import cdiv, is_power_of_two
 
 def _mla_kernel(
     lens_ref,  # i32[1]: this sequence's context length
-    tables_ref,  # i32[pages_per_split]: this split's slice of the block table
+    tables_ref,  # i32[M + pages_per_block - 1]: this sequence's block table, null-padded
     q_latent_ref,  # [block_h, kv_lora_rank]: this head tile's absorbed queries (padded heads are zero)
     q_rope_ref,  # [block_h, rope]: this head tile's rope queries
     latent_ref,  # [P, Z, C]: latent pages, C = kv_lora_rank + rope
     scale_ref,  # f32[C]: per-channel dequant scale
     o_ref,  # f32[block_h, kv_lora_rank]: this split's normalized output
     lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
-    *, sm_scale: float, pages_per_block: int, compute_dtype, precision,
+    *, sm_scale: float, pages_per_block: int, pages_per_split: int, max_blocks: int, compute_dtype, precision,
 ):
     block_h, rank = q_latent_ref.shape
     rope_dim = q_rope_ref.shape[1]
     block_size = latent_ref.shape[1]
     block_k = pages_per_block * block_size
     length = lens_ref[0]
-    first_page, n_pages, n_steps = split_pages(tables_ref, length, block_size, pages_per_block)
+    first_page, n_pages, n_steps = split_pages(pl.program_id(2), length, block_size=block_size,
+                                               pages_per_block=pages_per_block, pages_per_split=pages_per_split,
+                                               max_blocks=max_blocks)
 
     latent_scale = scale_ref[pl.ds(0, rank)]  # f32[kv_lora_rank]
     rope_scale = scale_ref[pl.ds(rank, rope_dim)]  # f32[rope]
@@ -95,16 +97,17 @@ def _mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens
     pad = ((0, 0), (0, head_blocks * block_h - num_heads), (0, 0))
     q_latent_p = jnp.pad(q_latent, pad)  # [B, N', kv_lora_rank], N' = head_blocks × block_h
     q_rope_p = jnp.pad(q_rope, pad)  # [B, N', rope]
-    tables = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)  # [B, splits, pages_per_split]
-    num_splits, pages_per_split = tables.shape[1:]
+    tables, pages_per_split = split_block_tables(block_tables, tiles.num_splits, tiles.pages_per_block)
+    num_splits = tiles.num_splits
     compute_dtype = compute_dtype_for(q_latent.dtype, latent_pages.dtype)
     kernel = functools.partial(_mla_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
+                               pages_per_split=pages_per_split, max_blocks=block_tables.shape[1],
                                compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
     o, lse = pl.pallas_call(
         kernel,
         grid=(batch, head_blocks, num_splits),
         in_specs=[
-            *split_inputs(pages_per_split),
+            *split_inputs(tables.shape[1]),
             pl.BlockSpec((None, block_h, rank), lambda b, n, s: (b, n, 0)),  # q_latent
             pl.BlockSpec((None, block_h, rope_dim), lambda b, n, s: (b, n, 0)),  # q_rope
             pl.BlockSpec((num_pages, block_size, channels), lambda b, n, s: (0, 0, 0)),  # latent pages

@@ -32,13 +32,29 @@ Masked positions include the null block 0 and table entries past a sequence's en
 values may be anything (even NaN), so their scores are replaced by -inf and their values by
 zero before use: a zero softmax weight times a NaN value would otherwise still be NaN. A query
 with no visible key (padding) gets a zero output.
+
+Three per-layer variants of MHA/GQA/MQA attention (not MLA), keywords of every form here:
+- `window` W (Mistral, Gemma 2/3, gpt-oss sliding layers): a query at position p sees the keys
+  at p - W < s <= p, transformers' `sliding_window_overlay` (`kv_idx > q_idx - sliding_window`)
+  on the causal mask, vLLM's flash-attn window (W - 1, 0). vLLM's SlidingWindowManager puts the
+  null block in place of blocks wholly before the window; those positions are masked like any
+  other, so their pages' contents never matter.
+- `sinks` f32[N] (gpt-oss): one learned logit per query head joins the softmax's denominator,
+  softmax over [scores..., sink] with the sink column dropped (transformers' gpt_oss
+  `eager_attention_forward`, whose max also runs over the sink); a query that sees no key gets 0.
+- `softcap` c (Gemma 2's attn_logit_softcapping): scores become c · tanh(scores / c) after the
+  softmax scale and before the mask, as in transformers' gemma2 `eager_attention_forward`.
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
+from kvjax.errors import KvjaxError, check_int
 from kvjax.worker.paged_cache import gather_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST  # f32 reference: no TF32 / bf16 passes on GPU
@@ -62,20 +78,56 @@ def gather_dequant(pages: jax.Array, scale: jax.Array | None, block_tables: jax.
     return x * scale  # MLA [.., C]: per-channel f32[C] or a scalar
 
 
-def _masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
-    """softmax over the last axis of f32 scores where visible; rows with no visible key → 0."""
+def check_variant(num_heads: int, window=None, sinks=None, softcap=None):
+    """The validated (window, sinks, softcap) of a layer for N = num_heads query heads: window a
+    static int >= 1 or None; sinks f32[N] or None (returned as f32); softcap a static finite
+    number > 0 or None (returned as a float). Bad values raise KvjaxError naming them."""
+    if window is not None:
+        window = check_int(window, "window (the sliding window, in tokens)", lo=1)
+    if sinks is not None:
+        shape = tuple(jnp.shape(sinks))
+        if shape != (num_heads,):
+            raise KvjaxError(f"sinks must be f32[N={num_heads}] (one logit per query head), got shape {shape}")
+        if not jnp.issubdtype(jnp.result_type(sinks), jnp.floating):
+            raise KvjaxError(f"sinks must be floating point, got dtype {jnp.result_type(sinks)}")
+        sinks = jnp.asarray(sinks, jnp.float32)
+    if softcap is not None:
+        if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or \
+                not (math.isfinite(softcap) and softcap > 0):
+            raise KvjaxError(f"softcap must be a static finite number > 0, got {softcap!r}")
+        softcap = float(softcap)
+    return window, sinks, softcap
+
+
+def _scaled(raw: jax.Array, scale: float, softcap: float | None) -> jax.Array:
+    """f32 scores: raw dot products × scale, then Gemma 2's cap c · tanh(x / c) when softcap is c."""
+    scores = raw * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    return scores
+
+
+def _masked_softmax(scores: jax.Array, visible: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """softmax over the last axis of f32 scores where visible; rows with no visible key → 0.
+    sinks (broadcasting against scores[..., :1]): an extra logit per row in the denominator only."""
     scores = jnp.where(visible, scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:  # gpt-oss takes the max over the scores and the sink together
+        peak = jnp.maximum(peak, sinks)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # rows with no visible key
     weights = jnp.where(visible, jnp.exp(scores - peak), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:  # the sink's column, dropped after the softmax, is only in the denominator
+        total = total + jnp.exp(sinks - peak)
     return weights / jnp.where(total > 0, total, 1.0)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+            sinks: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Masked softmax attention in f32, each query row with its own keys.
 
-    q: [B, N, Hk]; k: [B, S, K, Hk]; v: [B, S, K, Hv]; mask: bool[B, S] → f32[B, N, Hv].
+    q: [B, N, Hk]; k: [B, S, K, Hk]; v: [B, S, K, Hv]; mask: bool[B, S]; sinks: f32[N] or None
+    → f32[B, N, Hv].
     Query head n uses kv head n // G (G = N // K), as `repeat_kv` in transformers does.
 
     Both products read K and V in their stored [S, K, H] order: every key is scored against
@@ -95,17 +147,20 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: fl
     v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
     pairs = jnp.einsum("rskh,rnh->rskn", k.astype(jnp.float32), q.astype(jnp.float32), precision=HIGHEST)
     pairs = pairs.reshape(rows, seq, kv_heads, kv_heads, group)  # [B, S, K, K', G]: query head K' × G + g
-    scores = jnp.diagonal(pairs, axis1=2, axis2=3).transpose(0, 3, 2, 1) * scale  # f32[B, K, G, S]
-    weights = _masked_softmax(scores, mask[:, None, None, :]).reshape(rows, heads, seq)
+    scores = _scaled(jnp.diagonal(pairs, axis1=2, axis2=3).transpose(0, 3, 2, 1), scale, softcap)  # f32[B, K, G, S]
+    sinks = None if sinks is None else sinks.reshape(1, kv_heads, group, 1)
+    weights = _masked_softmax(scores, mask[:, None, None, :], sinks).reshape(rows, heads, seq)
     out = jnp.einsum("rns,rskh->rnkh", weights, v, precision=HIGHEST)  # f32[B, N, K, Hv]
     out = out.reshape(rows, kv_heads, group, kv_heads, v.shape[-1])  # [B, K', G, K, Hv]
     return jnp.diagonal(out, axis1=1, axis2=3).transpose(0, 3, 1, 2).reshape(rows, heads, v.shape[-1])
 
 
-def _attend_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+def _attend_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                   sinks: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Masked softmax attention of each sequence's block of queries over its own keys, in f32.
 
-    q: [B, Q, N, Hk]; k: [B, S, K, Hk]; v: [B, S, K, Hv]; mask: bool[B, Q, S] → f32[B, Q, N, Hv].
+    q: [B, Q, N, Hk]; k: [B, S, K, Hk]; v: [B, S, K, Hv]; mask: bool[B, Q, S]; sinks: f32[N] or
+    None → f32[B, Q, N, Hv].
     The ragged form lays a step's tokens out this way (`_query_blocks`): work and memory
     B × Q × S × N instead of every token scoring every sequence's positions (T × B × S × N).
     Each kv head's G query heads and Q queries form one [Q·G, Hk] matrix, so both products are
@@ -119,23 +174,29 @@ def _attend_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)  # see `_attend`
     q = q.astype(jnp.float32).reshape(b, nq, kv_heads, group, q.shape[-1]).transpose(0, 2, 1, 3, 4)
     q = q.reshape(b, kv_heads, nq * group, -1)  # [B, K, Q·G, Hk]
-    scores = jnp.matmul(q, k.astype(jnp.float32).transpose(0, 2, 3, 1), precision=HIGHEST) * scale  # [B, K, Q·G, S]
-    weights = _masked_softmax(scores.reshape(b, kv_heads, nq, group, -1), mask[:, None, :, None, :])
+    scores = _scaled(jnp.matmul(q, k.astype(jnp.float32).transpose(0, 2, 3, 1), precision=HIGHEST), scale,
+                     softcap)  # f32[B, K, Q·G, S]
+    sinks = None if sinks is None else sinks.reshape(1, kv_heads, 1, group, 1)
+    weights = _masked_softmax(scores.reshape(b, kv_heads, nq, group, -1), mask[:, None, :, None, :], sinks)
     out = jnp.matmul(weights.reshape(b, kv_heads, nq * group, -1), v.transpose(0, 2, 1, 3),
                      precision=HIGHEST)  # f32[B, K, Q·G, Hv]
     return out.reshape(b, kv_heads, nq, group, -1).transpose(0, 2, 1, 3, 4).reshape(b, nq, heads, -1)
 
 
-def _query_blocks(md: BatchMetadata, num_positions: int) -> tuple[jax.Array, jax.Array]:
+def _query_blocks(md: BatchMetadata, num_positions: int, window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The step's tokens by sequence: (token i32[B, Q], the index in T of sequence b's j-th new
-    token (clipped), mask bool[B, Q, S]: that token sees positions ≤ its own that b has cached)."""
+    token (clipped), mask bool[B, Q, S]: that token sees positions ≤ its own that b has cached,
+    and with a window W only those > its own - W)."""
     t, q = md.num_tokens, md.max_query_len
     token = md.query_start[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [B, Q]
     clipped = jnp.minimum(token, t - 1)
     own = (token < t) & (md.seq_ids[clipped] == jnp.arange(md.num_seqs, dtype=jnp.int32)[:, None]) & \
         md.valid[clipped]  # bool[B, Q]
     s = jnp.arange(num_positions, dtype=jnp.int32)
-    mask = own[..., None] & (s <= md.positions[clipped][..., None]) & (s < md.context_lens[:, None, None])
+    pos = md.positions[clipped][..., None]  # i32[B, Q, 1]
+    mask = own[..., None] & (s <= pos) & (s < md.context_lens[:, None, None])
+    if window is not None:
+        mask = mask & (s > pos - window)
     return clipped, mask
 
 
@@ -146,10 +207,11 @@ def _to_tokens(out: jax.Array, md: BatchMetadata) -> jax.Array:
     return jnp.where(md.valid.reshape(-1, *[1] * (flat.ndim - 1)), flat, 0.0)
 
 
-def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, md: BatchMetadata, scale: float) -> jax.Array:
+def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, md: BatchMetadata, scale: float, window: int | None = None,
+            sinks: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Ragged causal attention: q [T, N, Hk]; k [B, S, K, Hk], v [B, S, K, Hv] per sequence → f32[T, N, Hv]."""
-    token, mask = _query_blocks(md, k.shape[1])
-    return _to_tokens(_attend_blocks(q[token], k, v, mask, scale), md)
+    token, mask = _query_blocks(md, k.shape[1], window)
+    return _to_tokens(_attend_blocks(q[token], k, v, mask, scale, sinks, softcap), md)
 
 
 def _check(name: str, array: jax.Array, ndim: int, what: str) -> None:
@@ -177,61 +239,78 @@ def _check_latent(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Arra
                          f"the latent page width {latent_pages.shape[-1]}")
 
 
-def _decode_mask(context_lens: jax.Array, num_positions: int) -> jax.Array:
-    """bool[B, S]: a decode query sees every cached position of its sequence."""
-    return jnp.arange(num_positions, dtype=jnp.int32)[None, :] < context_lens[:, None]
+def _decode_mask(context_lens: jax.Array, num_positions: int, window: int | None = None) -> jax.Array:
+    """bool[B, S]: a decode query (at position context_lens[b] - 1) sees every cached position of
+    its sequence, or with a window W the last W of them."""
+    s = jnp.arange(num_positions, dtype=jnp.int32)[None, :]
+    mask = s < context_lens[:, None]
+    if window is not None:
+        mask = mask & (s >= context_lens[:, None] - window)
+    return mask
 
 
 # --------------------------------------------------------------------------------------------
 # MHA / GQA / MQA
 # --------------------------------------------------------------------------------------------
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: BatchMetadata,
-                              *, scale: float, k_scale=None, v_scale=None) -> jax.Array:
+                              *, scale: float, k_scale=None, v_scale=None, window: int | None = None,
+                              sinks=None, softcap: float | None = None) -> jax.Array:
     """Ragged causal attention of a flat token batch over the paged cache.
 
     q: [T, N, H]; k_pages, v_pages: [P, Z, K, H] (this step's K/V already written) → [T, N, H]
     in q's dtype. Gathers every sequence once ([B, S, K, H]) and each sequence's queries into a
     [B, Q] block (Q = md.max_query_len), so a token scores only its own sequence's positions:
-    memory B × Q × N × S (a reference, not a kernel).
+    memory B × Q × N × S (a reference, not a kernel). window, sinks f32[N], softcap: the
+    module docstring's variants (None: off); a windowed token sees by its own position.
     """
     _check("q", q, 3, "[T, N, H]")
     _check_pages(q, k_pages, v_pages)
+    window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
     k = gather_dequant(k_pages, k_scale, md.block_tables)  # f32[B, S, K, H]
     v = gather_dequant(v_pages, v_scale, md.block_tables)
-    return _ragged(q, k, v, md, scale).astype(q.dtype)
+    return _ragged(q, k, v, md, scale, window, sinks, softcap).astype(q.dtype)
 
 
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                           context_lens: jax.Array, *, scale: float, k_scale=None, v_scale=None) -> jax.Array:
-    """One query per sequence over its whole cached context.
+                           context_lens: jax.Array, *, scale: float, k_scale=None, v_scale=None,
+                           window: int | None = None, sinks=None, softcap: float | None = None) -> jax.Array:
+    """One query per sequence, at position context_lens[b] - 1, over its cached context (with a
+    window W its last W positions).
 
     q: [B, N, H]; k_pages, v_pages: [P, Z, K, H]; block_tables: i32[B, M];
-    context_lens: i32[B] → [B, N, H] in q's dtype.
+    context_lens: i32[B]; sinks: f32[N] or None → [B, N, H] in q's dtype.
     """
     _check("q", q, 3, "[B, N, H]")
     _check_pages(q, k_pages, v_pages)
     _check("block_tables", block_tables, 2, "[B, M]")
+    window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
     k = gather_dequant(k_pages, k_scale, block_tables)  # f32[B, S, K, H]
     v = gather_dequant(v_pages, v_scale, block_tables)
-    return _attend(q, k, v, _decode_mask(context_lens, k.shape[1]), scale).astype(q.dtype)
+    mask = _decode_mask(context_lens, k.shape[1], window)
+    return _attend(q, k, v, mask, scale, sinks, softcap).astype(q.dtype)
 
 
 def contiguous_attention_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, md: BatchMetadata,
-                                   *, scale: float) -> jax.Array:
+                                   *, scale: float, window: int | None = None, sinks=None,
+                                   softcap: float | None = None) -> jax.Array:
     """Ragged causal attention over a contiguous cache. q: [T, N, H]; k_rows, v_rows: [B, S, K, H]
-    (row b is sequence b of md) → [T, N, H]."""
+    (row b is sequence b of md); sinks: f32[N] or None → [T, N, H]."""
     _check("q", q, 3, "[T, N, H]")
     _check_pages(q, k_rows, v_rows)
-    return _ragged(q, k_rows, v_rows, md, scale).astype(q.dtype)
+    window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
+    return _ragged(q, k_rows, v_rows, md, scale, window, sinks, softcap).astype(q.dtype)
 
 
 def contiguous_decode_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, context_lens: jax.Array,
-                                *, scale: float) -> jax.Array:
+                                *, scale: float, window: int | None = None, sinks=None,
+                                softcap: float | None = None) -> jax.Array:
     """One query per row over a contiguous cache read in place. q: [B, N, H]; k_rows, v_rows:
-    [B, S, K, H]; context_lens: i32[B] → [B, N, H]."""
+    [B, S, K, H]; context_lens: i32[B]; sinks: f32[N] or None → [B, N, H]."""
     _check("q", q, 3, "[B, N, H]")
     _check_pages(q, k_rows, v_rows)
-    return _attend(q, k_rows, v_rows, _decode_mask(context_lens, k_rows.shape[1]), scale).astype(q.dtype)
+    window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
+    mask = _decode_mask(context_lens, k_rows.shape[1], window)
+    return _attend(q, k_rows, v_rows, mask, scale, sinks, softcap).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------

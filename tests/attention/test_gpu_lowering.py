@@ -59,6 +59,29 @@ def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
 
 
 @pytest.mark.parametrize("kv", ["bf16", "e4m3"])
+@pytest.mark.parametrize("window,softcap,splits", [(1, None, 1), (17, 30.0, 4), (200, 50.0, 2), (None, 20.0, 3)])
+def test_windowed_gqa_kernel_lowers_for_cuda(kv, window, softcap, splits):
+    """Sliding windows (a start page read from the context length), tanh soft-capping and sinks
+    (merged outside the kernel) are accepted by the Triton lowering too."""
+    batch, kv_heads, group, head_dim, block_size, blocks, max_blocks = 3, 2, 4, 128, 16, 40, 12
+    tiles = dataclasses.replace(default_tiles(batch=batch, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                              block_size=block_size, max_blocks=max_blocks), num_splits=splits)
+    page = S((blocks, block_size, kv_heads, head_dim), FP8[kv])
+    scale = None if kv == "bf16" else S((kv_heads,), jnp.float32)
+
+    def fn(q, k, v, tables, lens, k_scale, v_scale, sinks):
+        return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                            window=window, sinks=sinks, softcap=softcap, tiles=tiles, interpret=False)
+
+    module = lower_for_cuda(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                            S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scale, scale,
+                            S((kv_heads * group,), jnp.float32))
+    variant = ("" if window is None else f"_w{window}") + ("" if softcap is None else "_cap")
+    assert triton_kernels(module) == [f"kvjax_paged_decode_h{tiles.block_h}_p{tiles.pages_per_block}_s{splits}"
+                                      f"{variant}"]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
 @pytest.mark.parametrize("block_size,splits", [(16, 1), (64, 4)])
 def test_mla_kernel_lowers_for_cuda(kv, block_size, splits):
     batch, heads, rank, rope, blocks, max_blocks = 2, 16, 512, 64, 24, 8
