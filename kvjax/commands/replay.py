@@ -53,9 +53,15 @@ def draw(replay: Replay) -> str:
              row("block", ids),
              row("ref", [int(p.ref_cnt[b]) or "." for b in ids]),
              row("hash", ["#" if p.has_hash[b] else "." for b in ids])]
-    for n in names:
-        where = {b: j for j, b in enumerate(manager.request_blocks(s, replay.slots[n]))}
-        lines.append(row(n, [where.get(b, ".") for b in ids]))
+    groups = s.reqs.num_groups if replay.grouped else 1
+    for g in range(groups):
+        if replay.grouped:
+            window = s.windows[g]
+            lines.append(f"group {g}: " + ("full attention" if window is None else f"sliding window {window}")
+                         + " (request rows: each block's logical index in this group's table)")
+        for n in names:
+            where = {b: j for j, b in enumerate(manager.request_blocks(s, replay.slots[n], g)) if b}
+            lines.append(row(n, [where.get(b, ".") for b in ids]))
     lines.append("free queue (head -> tail): " + (" ".join(map(str, block_pool.free_queue(p))) or "empty"))
     if replay.host is not None:
         lists = " | ".join(f"{k}: {(' '.join(map(str, v)) or '-') if isinstance(v, list) else v}"

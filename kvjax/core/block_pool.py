@@ -72,6 +72,7 @@ class BlockPool:
     has_hash: jax.Array  # bool[P] block is in the prefix cache (full, hashed, not yet evicted)
     cached_at: jax.Array  # i32[P] cache_clock when hashed; picks among equal hashes (oldest wins)
     cache_clock: jax.Array  # i32[] count of blocks ever cached (insertion order of vLLM's dict)
+    cached_group: jax.Array  # i32[P] the KV cache group the hash was cached for (vLLM's BlockHashWithGroupId)
 
 
 def init(num_blocks: int) -> BlockPool:
@@ -84,7 +85,7 @@ def init(num_blocks: int) -> BlockPool:
     return BlockPool(num_blocks=p, ref_cnt=jnp.zeros(p, jnp.int32), queue_pos=jnp.asarray(pos),
                      num_free=jnp.asarray(p - 1, jnp.int32), block_hash=jnp.zeros((p, 2), jnp.uint32),
                      has_hash=jnp.zeros(p, bool), cached_at=jnp.full(p, _NEVER, jnp.int32),
-                     cache_clock=jnp.zeros((), jnp.int32))
+                     cache_clock=jnp.zeros((), jnp.int32), cached_group=jnp.zeros(p, jnp.int32))
 
 
 def _evict(pool: BlockPool, mask) -> BlockPool:
@@ -138,6 +139,107 @@ def take(pool: BlockPool, counts):
     return pool, order, (jnp.cumsum(counts) - counts).astype(jnp.int32)
 
 
+def _last_below(depth, t, height):
+    """For each query q: the largest s <= t[q] with depth[s] < height[q] (depth: i32[S], depth[0] = 0
+    and every height >= 1, so there is one): binary lifting over a sparse table of range minima,
+    log2(S) gathers per query instead of a scan."""
+    levels = max(1, (depth.shape[0] - 1).bit_length())
+    table = [depth]  # table[k][s] = min(depth[max(0, s - 2**k + 1) .. s])
+    for k in range(1, levels):
+        prev = table[-1]
+        table.append(jnp.minimum(prev, prev[jnp.maximum(jnp.arange(depth.shape[0]) - 2 ** (k - 1), 0)]))
+    pos = t
+    for k in reversed(range(levels)):  # jump back over runs that are all >= height
+        pos = jnp.where(table[k][pos] >= height, jnp.maximum(pos - 2 ** k, 0), pos)
+    return pos
+
+
+def _releases(pool: BlockPool, blocks, live):
+    """Rounds of releases (blocks i32[B, G, A], live bool[B, G, A], in round order; a block held
+    by several rounds' tables is released by each). -> (ref_cnt after them all i32[P], bool[B*G*A]
+    the release that returns its block to the queue: its last, when nothing holds it after,
+    bool[B*G*A] the block holds a hash)."""
+    p = pool.num_blocks
+    flat, lv = blocks.reshape(-1), live.reshape(-1)
+    e = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    at = jnp.where(lv, flat, p)
+    ref = pool.ref_cnt - jnp.zeros(p, jnp.int32).at[at].add(1, mode="drop")
+    last = jnp.full(p, -1, jnp.int32).at[at].max(e, mode="drop")  # each block's last release
+    back = lv & (last.at[at].get(mode="fill", fill_value=-1) == e) & (ref.at[at].get(mode="fill", fill_value=1) == 0)
+    return ref, back, pool.has_hash.at[at].get(mode="fill", fill_value=False)
+
+
+@jax.jit
+def returned(pool: BlockPool, blocks, live):
+    """How many blocks each round of `free_and_take`'s releases returns to the queue. -> i32[B]."""
+    return _releases(pool, blocks, live)[1].reshape(blocks.shape[0], -1).sum(axis=1, dtype=jnp.int32)
+
+
+@jax.jit
+def free_and_take(pool: BlockPool, blocks, live, counts):
+    """Rounds b = 0..B-1 in order, each one request's allocation as vLLM runs it: release, group by
+    group, the live entries of blocks[b, g] from the last to the first (one free_blocks call per
+    group: the blocks a sliding window skipped), then pop counts[b] blocks from the HEAD
+    (get_new_blocks). A block released in one round and popped in a later one is reused, LIFO, as
+    in vLLM; a block several rounds release returns to the queue at the last. blocks: i32[B, G, A]
+    (distinct within a round where live), live: bool[B, G, A], counts: i32[B] >= 0; the caller has
+    checked each round's pop against the queue as it stands then. -> (pool, order i32[P], starts
+    i32[B]) as `take`: round b's k-th block is order[starts[b] + k].
+
+    The queue's head as a stack, so no loop over rounds: a round pushes its blocks bound for the
+    head (u[b]) and pops counts[b]; pops take the stack first, then the old queue followed by the
+    blocks appended at the tail (the "rest", in order). With cu, cn the running sums of u and
+    counts, the rest has lost max(0, running max of cn - cu) blocks after each round (the
+    reflection of the walk cu - cn at 0), and the stack depth is cu - cn plus that. The block at
+    height h popped in round t was pushed in the last round i <= t before which the depth was
+    below h (`_last_below`)."""
+    p, (rounds, groups, width) = pool.num_blocks, blocks.shape
+    flat = blocks.reshape(-1)
+    ref, back, hashed = _releases(pool, blocks, live)
+    front, tail = back & ~hashed, back & hashed
+    # To the head: pushed round by round, group by group, in table order (each call prepends its
+    # list, whose first entry is the table's last). To the tail: appended in release order.
+    push_rank = jnp.cumsum(front) - 1
+    rev = lambda x: x.reshape(rounds, groups, width)[:, :, ::-1].reshape(-1)  # noqa: E731
+    tail_rank = rev(jnp.cumsum(rev(tail)) - 1)
+    u = front.reshape(rounds, -1).sum(1, dtype=jnp.int32)
+    cu, cn = jnp.cumsum(u), jnp.cumsum(counts)
+    lost = jnp.maximum(jax.lax.cummax(cn - cu), 0)  # blocks the rest has lost after each round
+    zero = jnp.zeros(1, jnp.int32)
+    depth = jnp.concatenate([zero, cu - cn + lost])  # depth[b] = stack depth before round b
+    lost = jnp.concatenate([zero, lost])
+    items = jnp.zeros(p, jnp.int32).at[jnp.where(front, push_rank, p)].set(flat, mode="drop")
+    first_item = cu - u  # round i's first push in `items`
+    num_free = pool.num_free
+    listed = pool.queue_pos < NOT_LISTED
+    rest = jnp.zeros(p, jnp.int32).at[jnp.where(listed, pool.queue_pos, p)].set(jnp.arange(p, dtype=jnp.int32),
+                                                                               mode="drop")
+    rest = rest.at[jnp.where(tail, num_free + tail_rank, p)].set(flat, mode="drop")
+    rest_len = num_free + tail.sum(dtype=jnp.int32)
+
+    def pushed(t, height):  # the block at stack height `height` in round t (before round t's pops)
+        i = _last_below(depth, t, height)
+        return items[jnp.clip(first_item[jnp.minimum(i, rounds - 1)] + height - depth[i] - 1, 0, p - 1)]
+
+    x = jnp.arange(p, dtype=jnp.int32)  # pop slots
+    total = cn[-1]
+    t = jnp.minimum(jnp.searchsorted(cn, x, side="right"), rounds - 1).astype(jnp.int32)
+    k = x - (cn[t] - counts[t])
+    top = depth[t] + u[t]
+    from_stack = k < top - depth[t + 1]
+    order = jnp.where(from_stack, pushed(t, top - k), rest[jnp.clip(lost[t] + k - (top - depth[t + 1]), 0, p - 1)])
+    order = jnp.where(x < total, order, 0)
+    popped = jnp.zeros(p, bool).at[jnp.where(x < total, order, p)].set(True, mode="drop")
+    # The queue after the last round: the stack (top first), then what is left of the rest.
+    end, gone = depth[rounds], lost[rounds]
+    pos = jnp.full(p, NOT_LISTED, jnp.int32)
+    pos = pos.at[jnp.where((x >= gone) & (x < rest_len), rest, p)].set(end + x - gone, mode="drop")
+    pos = pos.at[jnp.where(x < end, pushed(jnp.full(p, rounds, jnp.int32), x + 1), p)].set(end - 1 - x, mode="drop")
+    pool = _evict(pool, popped)
+    return pool.replace(ref_cnt=jnp.where(popped, 1, ref), queue_pos=pos,
+                        num_free=rest_len + u.sum() - total), order, (cn - counts).astype(jnp.int32)
+
+
 @jax.jit
 def touch(pool: BlockPool, blocks, mask):
     """ref_cnt += 1 for every blocks[k] with mask[k] (i32[A], bool[A]; a block may repeat);
@@ -153,8 +255,14 @@ def touch(pool: BlockPool, blocks, mask):
 def release(pool: BlockPool, blocks, count):
     """Release blocks[count-1], ..., blocks[0] (reverse order; a request's table: distinct
     blocks) per the module docstring. blocks: i32[A]."""
+    return release_masked(pool, blocks, jnp.arange(blocks.shape[0]) < count)
+
+
+@jax.jit
+def release_masked(pool: BlockPool, blocks, live):
+    """One vLLM `free_blocks` call on the live entries of blocks (i32[A], distinct where live,
+    bool[A]), from the last to the first: `release` on any run of a table, not just its head."""
     p = pool.num_blocks
-    live = jnp.arange(blocks.shape[0]) < count
     at = jnp.where(live, blocks, p)
     ref = pool.ref_cnt.at[at].add(-1, mode="drop")
     back = live & (ref.at[at].get(mode="fill", fill_value=1) == 0)  # bool[A]: returns to the queue
@@ -171,21 +279,24 @@ def release(pool: BlockPool, blocks, count):
 
 
 @jax.jit
-def cache(pool: BlockPool, blocks, hashes, mask, rank):
-    """Give blocks[k] the hash hashes[k] where mask[k] (vLLM cache_full_blocks). blocks: i32[A]
-    distinct where masked; hashes: u32[A, 2]; rank: i32[A] the order in which the masked blocks
-    are cached, 0..count-1 (the caller knows it without a cumulative sum over A)."""
+def cache(pool: BlockPool, blocks, hashes, mask, rank, group=0):
+    """Give blocks[k] the hash hashes[k] where mask[k] (vLLM cache_full_blocks), cached for KV
+    cache group group[k] (i32[A] or one for all). blocks: i32[A] distinct where masked; hashes:
+    u32[A, 2]; rank: i32[A] the order in which the masked blocks are cached, 0..count-1 (the
+    caller knows it without a cumulative sum over A)."""
     at = jnp.where(mask, blocks, pool.num_blocks)
     return pool.replace(block_hash=pool.block_hash.at[at].set(hashes, mode="drop"),
                         has_hash=pool.has_hash.at[at].set(True, mode="drop"),
                         cached_at=pool.cached_at.at[at].set(pool.cache_clock + rank, mode="drop"),
-                        cache_clock=pool.cache_clock + mask.sum(dtype=jnp.int32))
+                        cache_clock=pool.cache_clock + mask.sum(dtype=jnp.int32),
+                        cached_group=pool.cached_group.at[at].set(group, mode="drop"))
 
 
 @jax.jit
-def lookup(pool: BlockPool, hashes):
-    """The oldest cached block holding each hash. hashes: u32[A, 2]. -> (blocks i32[A], found bool[A])."""
-    match = (pool.has_hash[None, :]  # bool[A, P]: block p holds hash a
+def lookup(pool: BlockPool, hashes, group=0):
+    """The oldest block cached for KV cache group `group` holding each hash (vLLM keys its cache
+    by hash and group). hashes: u32[A, 2]. -> (blocks i32[A], found bool[A])."""
+    match = (pool.has_hash[None, :] & (pool.cached_group[None, :] == group)  # bool[A, P]: block p holds hash a
              & (pool.block_hash[None, :, 0] == hashes[:, None, 0])
              & (pool.block_hash[None, :, 1] == hashes[:, None, 1]))
     block = jnp.argmin(jnp.where(match, pool.cached_at[None, :], _NEVER), axis=1)

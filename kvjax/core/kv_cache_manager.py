@@ -15,26 +15,33 @@ they run inside the engine's device decode loop as a handful of kernels. `alloca
 the one-request statement of vLLM's rule; `allocate_step` equals calling it for each request
 in order up to the first refusal (tests/core/test_kv_cache_manager.py checks that).
 
-Every operation is `state -> state` (plus an `ok` flag where it can fail) and is jitted with
-the sizes static; a failure returns the state unchanged.
+KV cache groups (vLLM's hybrid KV cache manager): one block table per group, named by its
+window (`KVCacheManager.windows`, None = full attention; the rules are in
+kvjax/core/single_type_kv_cache_manager.py), all drawing on the one pool. An allocation first
+frees the blocks its sliding groups no longer see, then takes each group's new blocks in group
+order; a hit is agreed across the groups; `free` releases group by group. With full attention
+only there is one group, and every figure is what it was before groups existed.
 
-Axes: the kvjax package docstring's legend; here B is the requests of one batched call and T
-the token ids a call is handed.
+Every operation is `state -> state` (plus an `ok` flag where it can fail) and is jitted with
+the sizes static; a failure returns the state unchanged, except that an allocation's freeing of
+a window's skipped blocks stands (vLLM frees them before it checks for room: they are dead
+either way).
+
+Axes: the kvjax package docstring's legend; B: the requests of one batched call; T: token ids.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_utils as hashing
+from kvjax.core import request_table
+from kvjax.core import single_type_kv_cache_manager as groups
 from kvjax.core.block_pool import BlockPool
-from kvjax.errors import KvjaxError, check_int, require
+from kvjax.core.request_table import Requests, slot_of, tokens_ok
 from kvjax.math_utils import cdiv
 
 
@@ -44,97 +51,31 @@ class PoolRefusedError(RuntimeError):
 
 
 @struct.dataclass
-class Requests:
-    """The request table: one row per request slot."""
-
-    block_size: int = struct.field(pytree_node=False)  # Z tokens per block
-    max_requests: int = struct.field(pytree_node=False)  # R request slots
-    max_blocks_per_request: int = struct.field(pytree_node=False)  # M; a request holds <= M*Z tokens
-    active: jax.Array  # bool[R] slot holds a request
-    tail: jax.Array  # i32[R, Z] the tokens of each request's unfilled last block (num_tokens % Z), 0-padded
-    num_tokens: jax.Array  # i32[R]
-    has_salt: jax.Array  # bool[R] first block's hash mixes in a cache salt
-    salt: jax.Array  # u32[R, 2] the salt key (hashing.salt_key)
-    req_hash: jax.Array  # u32[R, M, 2] chained hash of each FULL block of the request's tokens
-    num_hashed: jax.Array  # i32[R] = num_tokens // Z when caching is on, else 0
-    block_table: jax.Array  # i32[R, M] physical block of each logical block; 0 (null) = unused
-    num_held: jax.Array  # i32[R] leading table entries in use
-    num_computed: jax.Array  # i32[R] tokens computed or scheduled (vLLM's num_computed_tokens)
-    num_cached: jax.Array  # i32[R] leading blocks already cached for this request
-
-
-@struct.dataclass
 class KVCacheManager:
     """The allocator's whole state: the block pool and the request table."""
 
     prefix_caching: bool = struct.field(pytree_node=False)  # off: no hashes, no hits
+    windows: tuple = struct.field(pytree_node=False)  # each group's window, None = full attention
     pool: BlockPool
     reqs: Requests
 
 
-def init(num_blocks: int, block_size: int, max_requests: int,
-         max_blocks_per_request: int | None = None, prefix_caching: bool = True) -> KVCacheManager:
-    """A fresh pool (every usable block free, in id order) and an empty request table.
+def init(num_blocks: int, block_size: int, max_requests: int, max_blocks_per_request: int | None = None,
+         prefix_caching: bool = True, windows: tuple = (None,)) -> KVCacheManager:
+    """A fresh pool (every usable block free, in id order) and an empty request table with one
+    block table per KV cache group (windows: each group's sliding window, None = full attention).
     max_blocks_per_request defaults to num_blocks - 1 (no request can hold more)."""
+    windows = groups.check_windows(windows)
     pool = block_pool.init(num_blocks)
-    return KVCacheManager(prefix_caching=bool(prefix_caching), pool=pool,
-                          reqs=request_table(block_size, max_requests,
+    return KVCacheManager(prefix_caching=bool(prefix_caching), windows=windows, pool=pool,
+                          reqs=request_table.empty(block_size, max_requests,
                                              num_blocks - 1 if max_blocks_per_request is None
-                                             else max_blocks_per_request))
-
-
-def request_table(block_size: int, max_requests: int, max_blocks_per_request: int) -> Requests:
-    """An empty request table of R slots."""
-    z = check_int(block_size, "block_size", 1, None)
-    r = check_int(max_requests, "max_requests", 1, None)
-    m = check_int(max_blocks_per_request, "max_blocks_per_request", 1, None)
-    if m * z >= 2**31:
-        raise KvjaxError(f"max_blocks_per_request * block_size = {m * z} overflows int32 token positions")
-    i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
-    return Requests(block_size=z, max_requests=r, max_blocks_per_request=m, active=jnp.zeros(r, bool),
-                    tail=i32((r, z)), num_tokens=i32(r), has_salt=jnp.zeros(r, bool),
-                    salt=jnp.zeros((r, 2), jnp.uint32), req_hash=jnp.zeros((r, m, 2), jnp.uint32),
-                    num_hashed=i32(r), block_table=i32((r, m)), num_held=i32(r), num_computed=i32(r), num_cached=i32(r))
-
-
-def _slot(t: Requests, req):
-    """(valid, clipped slot) for a request slot index."""
-    return (req >= 0) & (req < t.max_requests), jnp.clip(req, 0, t.max_requests - 1)
+                                             else max_blocks_per_request, len(windows)))
 
 
 def _append(state: KVCacheManager, rows, tokens, n, max_new: int | None = None) -> KVCacheManager:
-    """Append tokens[b, :n[b]] (i32[B, T]) after the tokens of request slots rows (i32[B],
-    distinct; None: every slot, in order), then hash the blocks they fill; each row keeps its
-    unfilled block (`tail`). A request's tokens are its owner's, the scheduler's Request: a full
-    block lives on here as its hash."""
-    t = state.reqs
-    z, (b, width) = t.block_size, tokens.shape
-    every = rows is None  # the decode step: elementwise over the table, no gather or scatter of rows
-    rows = jnp.arange(t.max_requests) if every else rows
-    old_tail, num_tokens = (t.tail, t.num_tokens) if every else (t.tail[rows], t.num_tokens[rows])
-    fill = num_tokens % z  # i32[B] tokens already in each row's tail
-    full = (fill + n) // z  # i32[B] blocks the row fills
-    if width == 1:  # one token a row: written into the tail, which is hashed and emptied if it fills
-        filled = jnp.where((jnp.arange(z) == fill[:, None]) & (n > 0)[:, None], tokens, old_tail)
-        tail = jnp.where((full > 0)[:, None], 0, filled)
-    else:
-        idx = jnp.arange(width)  # past the end: dropped
-        pos = jnp.where(idx < n[:, None], fill[:, None] + idx, 2 * z + width)
-        filled = jnp.concatenate([old_tail, jnp.zeros((b, z + width), jnp.int32)], axis=1)
-        filled = filled.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")  # the tail, then the new tokens
-        tail = jax.vmap(lambda row, k: jax.lax.dynamic_slice(row, (k * z,), (z,)))(filled, full)  # block `full`
-    t = t.replace(tail=tail if every else t.tail.at[rows].set(tail),
-                  num_tokens=num_tokens + n if every else t.num_tokens.at[rows].add(n))
-    if state.prefix_caching:
-        t = hashing.extend_request_hashes(t, rows, filled, max_new)
-    return state.replace(reqs=t)
-
-
-def _tokens_ok(t: Requests, r, tokens, n):
-    """n tokens (of tokens i32[T]) fit in slot r's row and are valid ids (>= 0)."""
-    idx = jnp.arange(tokens.shape[0])
-    room = t.max_blocks_per_request * t.block_size - t.num_tokens[r]
-    return (n >= 0) & (n <= tokens.shape[0]) & (n <= room) & ~((idx < n) & (tokens < 0)).any()
+    """request_table.append on the manager's table."""
+    return state.replace(reqs=request_table.append(state.reqs, rows, tokens, n, state.prefix_caching, max_new))
 
 
 @jax.jit
@@ -144,8 +85,8 @@ def add_request(state: KVCacheManager, req, tokens, num_tokens, has_salt=False, 
     hash when has_salt. Allocates nothing. Fails if the slot is taken, the prompt is empty
     or longer than M*Z tokens, or a token id is negative. -> (state, ok)."""
     t = state.reqs
-    valid, r = _slot(t, req)
-    ok = valid & ~t.active[r] & (num_tokens >= 1) & _tokens_ok(t, r, tokens, num_tokens)
+    valid, r = slot_of(t, req)
+    ok = valid & ~t.active[r] & (num_tokens >= 1) & tokens_ok(t, r, tokens, num_tokens)
     salt = jnp.zeros(2, jnp.uint32) if salt is None else jnp.asarray(salt, jnp.uint32)
 
     def do(s):
@@ -161,8 +102,8 @@ def add_request(state: KVCacheManager, req, tokens, num_tokens, has_salt=False, 
 def append_tokens(state: KVCacheManager, req, tokens, n):
     """Append tokens[:n] (i32[T]) to active request req (sampled or user tokens) and hash
     blocks they fill. Allocates nothing. -> (state, ok)."""
-    valid, r = _slot(state.reqs, req)
-    ok = valid & state.reqs.active[r] & _tokens_ok(state.reqs, r, tokens, n)
+    valid, r = slot_of(state.reqs, req)
+    ok = valid & state.reqs.active[r] & tokens_ok(state.reqs, r, tokens, n)
     do = lambda s: _append(s, r[None], tokens[None], jnp.asarray(n, jnp.int32)[None])  # noqa: E731
     return jax.lax.cond(ok, do, lambda s: s, state), ok
 
@@ -179,112 +120,199 @@ def append_token_step(state: KVCacheManager, tokens, mask):
 
 @jax.jit
 def get_computed_blocks(state: KVCacheManager, req):
-    """vLLM's get_computed_blocks: the longest run of the request's leading full blocks
-    whose hashes are cached, capped at (num_tokens - 1) // Z blocks so the last prompt token
-    is always recomputed (its logits are needed). No hits with caching off. A pure query.
-    -> (hit_blocks i32[M] 0-padded, num_hits i32[])."""
+    """vLLM's get_computed_blocks: the prefix-cache hit the groups agree on, capped at
+    (num_tokens - 1) // Z blocks so the last prompt token is always recomputed (its logits are
+    needed). With full attention only, the longest run of the request's leading full blocks whose
+    hashes are cached; a sliding group's hit has nulls before the blocks its window needs
+    (kvjax/core/single_type_kv_cache_manager.py). No hits with caching off. A pure query.
+    -> (hit_blocks i32[G, M] 0-padded, num_hits i32[] blocks, the same for every group)."""
     t = state.reqs
-    m = t.max_blocks_per_request
+    g, m = t.num_groups, t.max_blocks_per_request
     if not state.prefix_caching:
-        return jnp.zeros(m, jnp.int32), jnp.int32(0)
-    valid, r = _slot(t, req)
-    block, found = block_pool.lookup(state.pool, t.req_hash[r])
+        return jnp.zeros((g, m), jnp.int32), jnp.int32(0)
+    valid, r = slot_of(t, req)
+    looked = [block_pool.lookup(state.pool, t.req_hash[r], group) for group in range(g)]
+    block, found = jnp.stack([b for b, _ in looked]), jnp.stack([f for _, f in looked])  # [G, M]
     max_hits = jnp.where(valid, jnp.minimum(t.num_hashed[r], hashing.max_cached_blocks(t.num_tokens[r], t.block_size)),
                          0)
-    run = jnp.cumprod(found & (jnp.arange(m) < max_hits)).astype(bool)
-    return jnp.where(run, block, 0).astype(jnp.int32), run.sum().astype(jnp.int32)
+    length, start = groups.hit_length(state.windows, found, max_hits, t.block_size)
+    j = jnp.arange(m)
+    slides = jnp.asarray([w is not None for w in state.windows])[:, None]
+    keep = (j < length) & (~slides | (j >= start))
+    return jnp.where(keep, block, 0).astype(jnp.int32), length
+
+
+def _group_need(state: KVCacheManager, reqs, num_new, num_hits=0):
+    """i32[B, G]: each group's share of `blocks_needed`."""
+    t = state.reqs
+    r = jnp.clip(reqs, 0, t.max_requests - 1)
+    total = t.num_computed[r] + num_hits * t.block_size + num_new
+    return jnp.maximum(cdiv(total, t.block_size)[..., None] - t.num_held[r] - jnp.asarray(num_hits)[..., None], 0)
 
 
 def blocks_needed(state: KVCacheManager, reqs, num_new, num_hits=0):
     """New blocks request slots reqs must take to hold num_new more tokens after their computed
-    ones (and num_hits prefix-hit blocks on a first allocation): cdiv(computed + hits × Z + new,
-    Z) − held − hits, at least 0 (vLLM `KVCacheManager.allocate_slots`' num_blocks_to_allocate).
-    The one statement of the rule: `allocate_slots`, `allocate_step` and `step_fits` use it."""
-    t = state.reqs
-    r = jnp.clip(reqs, 0, t.max_requests - 1)
-    total = t.num_computed[r] + num_hits * t.block_size + num_new
-    return jnp.maximum(cdiv(total, t.block_size) - t.num_held[r] - num_hits, 0)
+    ones (and num_hits prefix-hit blocks on a first allocation): per group cdiv(computed + hits ×
+    Z + new, Z) − held − hits, at least 0, summed over the groups (vLLM's
+    get_num_blocks_to_allocate; a group's held entries include its window's nulls, so freeing
+    them changes nothing here). The one statement of the rule: `allocate_slots`, `allocate_step`
+    and `step_fits` use it."""
+    return _group_need(state, reqs, num_new, num_hits).sum(axis=-1)
 
 
 def _can_grow(state: KVCacheManager, reqs, num_new, num_hits=0):
     """The per-request conditions of allocate_slots, apart from free blocks. bool like reqs."""
     t = state.reqs
-    valid, r = _slot(t, reqs)
+    valid, r = slot_of(t, reqs)
     total = t.num_computed[r] + num_hits * t.block_size + num_new
     return (valid & t.active[r] & (num_new >= 0) & (total <= t.num_tokens[r])
             & (cdiv(total, t.block_size) <= t.max_blocks_per_request))
 
 
-def _grant(state: KVCacheManager, reqs, num_new, ok) -> KVCacheManager:
+def _skipped(state: KVCacheManager, reqs, attempt):
+    """The window's skipped entries of request slots reqs where attempt (bool[B]): (live
+    bool[B, G, M], the new num_skipped i32[B, G]); nothing without a sliding group."""
+    t = state.reqs
+    r = jnp.clip(reqs, 0, t.max_requests - 1)
+    live, end = groups.removal(state.windows, t.num_skipped[r], t.num_held[r], t.num_computed[r], t.block_size,
+                               t.max_blocks_per_request)
+    return live & attempt[:, None, None], jnp.where(attempt[:, None], end, t.num_skipped[r])
+
+
+def _grant(state: KVCacheManager, reqs, num_new, ok, skipped=None) -> KVCacheManager:
     """Give each request reqs[b] with ok[b] (distinct slots) room for num_new[b] more tokens:
-    new blocks from the pool's head in request order, then cache every block that became full."""
+    first free the window's skipped entries (skipped: (live, new num_skipped) from `_skipped`,
+    None when there are none), then new blocks from the pool's head in request order, group by
+    group, then cache every block that became full."""
     t, z, m = state.reqs, state.reqs.block_size, state.reqs.max_blocks_per_request
     r = jnp.clip(reqs, 0, t.max_requests - 1)
-    held, total = t.num_held[r], t.num_computed[r] + num_new
-    need = jnp.where(ok, blocks_needed(state, reqs, num_new), 0)
+    held, total = t.num_held[r], t.num_computed[r] + num_new  # i32[B, G], i32[B]
+    need = jnp.where(ok[:, None], _group_need(state, reqs, num_new), 0)  # i32[B, G]
+    offset = jnp.cumsum(need, axis=1) - need  # a group's first block among its request's new ones
     at = jnp.where(ok, r, t.max_requests)  # refused rows scatter out of range
-    j = jnp.arange(m)[None, :]
+    j = jnp.arange(m)
 
-    def take(s):  # the new blocks go to table positions held .. held + need - 1
-        pool, order, starts = block_pool.take(s.pool, need)
-        fresh = (j >= held[:, None]) & (j < (held + need)[:, None])
-        rows = jnp.where(fresh, order[jnp.clip(starts[:, None] + j - held[:, None], 0, pool.num_blocks - 1)],
-                         s.reqs.block_table[r])  # i32[B, M]
-        return s.replace(pool=pool, reqs=s.reqs.replace(block_table=s.reqs.block_table.at[at].set(rows, mode="drop")))
+    def place(s, order, starts, table):  # the new blocks go to table positions held .. held + need - 1
+        fresh = (j >= held[..., None]) & (j < (held + need)[..., None])
+        pick = starts[:, None, None] + offset[..., None] + j - held[..., None]
+        return jnp.where(fresh, order[jnp.clip(pick, 0, s.pool.num_blocks - 1)], table)  # i32[B, G, M]
 
-    # Most decode steps take no block and fill none (one in Z does): skip those parts then.
-    state = jax.lax.cond(need.any(), take, lambda s: s, state)
+    if skipped is None:
+        def take(s):
+            pool, order, starts = block_pool.take(s.pool, need.sum(axis=1))
+            rows = place(s, order, starts, s.reqs.block_table[r])
+            return s.replace(pool=pool, reqs=s.reqs.replace(block_table=s.reqs.block_table.at[at].set(rows, mode="drop")))
+
+        # Most decode steps take no block and fill none (one in Z does): skip those parts then.
+        state = jax.lax.cond(need.any(), take, lambda s: s, state)
+    else:  # frees and takes interleave request by request, as vLLM's allocations run
+        live, skip = skipped
+        moved = live.any(axis=(1, 2)) | need.any(axis=1)
+        to = jnp.where(moved, r, t.max_requests)
+        pool, order, starts = block_pool.free_and_take(state.pool, t.block_table[r], live, need.sum(axis=1))
+        rows = place(state, order, starts, jnp.where(live, 0, t.block_table[r]))
+        state = state.replace(pool=pool, reqs=t.replace(block_table=t.block_table.at[to].set(rows, mode="drop"),
+                                                        num_skipped=t.num_skipped.at[to].set(skip, mode="drop")))
     t = state.reqs.replace(num_held=state.reqs.num_held.at[at].set(held + need, mode="drop"),
                            num_computed=state.reqs.num_computed.at[at].set(total, mode="drop"))
     if not state.prefix_caching:
         return state.replace(reqs=t)
-    # vLLM cache_full_blocks: blocks num_cached .. full - 1, never past the held ones
-    full = jnp.minimum(jnp.minimum(total // z, t.num_hashed[r]), held + need)
+    # vLLM cache_full_blocks: blocks num_cached .. full - 1, never past the held ones, skipping nulls
+    full = jnp.minimum(jnp.minimum(total // z, t.num_hashed[r])[:, None], held + need)  # i32[B, G]
     cached = t.num_cached[r]
-    count = jnp.where(ok, jnp.maximum(full - cached, 0), 0)  # each row's run of newly full blocks
+    count = jnp.where(ok[:, None], jnp.maximum(full - cached, 0), 0)  # each row's run of newly full blocks
 
     def cache(pool):
-        newly = ok[:, None] & (j >= cached[:, None]) & (j < full[:, None])  # bool[B, M]
-        rank = (jnp.cumsum(count) - count)[:, None] + j - cached[:, None]  # caching order: rows, then blocks
-        return block_pool.cache(pool, t.block_table[r].reshape(-1), t.req_hash[r].reshape(-1, 2),
-                                newly.reshape(-1), rank.reshape(-1).astype(jnp.int32))
+        table = t.block_table[r]  # i32[B, G, M]
+        caching = jnp.asarray(groups.caches(state.windows, z))[None, :, None]
+        newly = ok[:, None, None] & (j >= cached[..., None]) & (j < full[..., None]) & (table != 0) & caching
+        before = (jnp.cumsum(count.reshape(-1)) - count.reshape(-1)).reshape(count.shape)
+        rank = before[..., None] + j - cached[..., None]  # caching order: rows, then groups, then blocks
+        group = jnp.broadcast_to(jnp.arange(t.num_groups)[None, :, None], table.shape)
+        hashes = jnp.broadcast_to(t.req_hash[r][:, None], table.shape + (2,))
+        return block_pool.cache(pool, table.reshape(-1), hashes.reshape(-1, 2), newly.reshape(-1),
+                                rank.reshape(-1).astype(jnp.int32), group.reshape(-1))
 
     pool = jax.lax.cond(count.any(), cache, lambda p: p, state.pool)
     return state.replace(pool=pool, reqs=t.replace(num_cached=t.num_cached.at[at].max(full, mode="drop")))
 
 
+def _remove_skipped(state: KVCacheManager, req) -> KVCacheManager:
+    t = state.reqs
+    valid, r = slot_of(t, req)
+    if groups.sliding_window(state.windows) is None:
+        return state
+    live, skip = _skipped(state, r[None], (valid & t.active[r])[None])
+    pool = block_pool.free_and_take(state.pool, t.block_table[r][None], live, jnp.zeros(1, jnp.int32))[0]
+    return state.replace(pool=pool, reqs=t.replace(block_table=t.block_table.at[r].set(
+        jnp.where(live[0], 0, t.block_table[r])), num_skipped=t.num_skipped.at[r].set(skip[0])))
+
+
+@jax.jit
+def remove_skipped_blocks(state: KVCacheManager, req) -> KVCacheManager:
+    """vLLM's remove_skipped_blocks: free the blocks request req's sliding windows no longer see
+    (its computed tokens decide), last first, and put the null block in their place. Every
+    allocation starts with it; nothing to do without a sliding group or for a free slot."""
+    return _remove_skipped(state, req)
+
+
 @jax.jit
 def allocate_slots(state: KVCacheManager, req, num_new_tokens, hit_blocks=None, num_hits=0):
     """vLLM's allocate_slots: make room for num_new_tokens more tokens of request req after
-    its computed ones, taking hit_blocks[:num_hits] (from get_computed_blocks; only on the
-    first allocation) as already computed. Needs cdiv(computed + hits*Z + new, Z) - held -
-    num_hits new blocks, plus one free slot per ref_cnt-0 hit. All or nothing: on failure no
-    block is touched, popped or evicted. Advances num_computed and caches every block that
-    became full. -> (state, ok)."""
-    t, z, m = state.reqs, state.reqs.block_size, state.reqs.max_blocks_per_request
-    hits = jnp.zeros(m, jnp.int32) if hit_blocks is None else hit_blocks
-    _, r = _slot(t, req)
-    is_hit = jnp.arange(m) < num_hits
+    its computed ones, taking hit_blocks[:, :num_hits] (i32[G, M] from get_computed_blocks; only
+    on the first allocation) as already computed. First frees the blocks a sliding window
+    skipped (kept even when the rest is refused, as in vLLM). Needs, summed over the groups,
+    cdiv(computed + hits*Z + new, Z) - held - num_hits new blocks, plus one free slot per
+    ref_cnt-0 hit. All or nothing: on failure no other block is touched, popped or evicted.
+    Advances num_computed and caches every block that became full. A sliding group takes only
+    the hit blocks its window still sees (nulls before them). -> (state, ok)."""
+    t, z, m, g = state.reqs, state.reqs.block_size, state.reqs.max_blocks_per_request, state.reqs.num_groups
+    hits = jnp.zeros((g, m), jnp.int32) if hit_blocks is None else hit_blocks
+    valid, r = slot_of(t, req)
+    state = _remove_skipped(state, req)  # before anything is checked, as vLLM
+    t = state.reqs
+    skip = groups.skipped_blocks(state.windows, num_hits * z, z)  # i32[G] hit entries the window no longer sees
+    is_hit = (jnp.arange(m) >= skip[:, None]) & (jnp.arange(m) < num_hits) & (hits != 0)  # bool[G, M]
     # A hit block nobody holds sits in the free queue: touching it takes it out, so it uses
     # free capacity exactly like a new block.
     evictable = (is_hit & (state.pool.ref_cnt[hits] == 0)).sum()
-    first_alloc = (t.num_held[r] == 0) & (t.num_computed[r] == 0)
+    first_alloc = (t.num_held[r] == 0).all() & (t.num_computed[r] == 0)
     ok = (_can_grow(state, req, num_new_tokens, num_hits) & (num_hits >= 0) & (num_hits <= m)
           & ((num_hits == 0) | (first_alloc & state.prefix_caching))
           & (blocks_needed(state, req, num_new_tokens, num_hits) + evictable <= state.pool.num_free))
 
-    def take_hits(s):  # a first allocation: the hits head the table, touched, computed and cached
+    def take_hits(s):  # a first allocation: the hits head the tables, touched, computed and cached
         q = s.reqs
-        return s.replace(pool=block_pool.touch(s.pool, hits, is_hit), reqs=q.replace(
+        return s.replace(pool=block_pool.touch(s.pool, hits.reshape(-1), is_hit.reshape(-1)), reqs=q.replace(
             block_table=q.block_table.at[r].set(jnp.where(is_hit, hits, q.block_table[r])),
-            num_held=q.num_held.at[r].set(num_hits), num_computed=q.num_computed.at[r].set(num_hits * z),
-            num_cached=q.num_cached.at[r].max(num_hits)))
+            num_held=q.num_held.at[r].set(num_hits), num_skipped=q.num_skipped.at[r].set(jnp.minimum(skip, num_hits)),
+            num_computed=q.num_computed.at[r].set(num_hits * z), num_cached=q.num_cached.at[r].max(num_hits)))
 
     def do(s):
         s = jax.lax.cond(num_hits > 0, take_hits, lambda s: s, s)
         return _grant(s, r[None], jnp.asarray(num_new_tokens, jnp.int32)[None], jnp.ones(1, bool))
 
     return jax.lax.cond(ok, do, lambda s: s, state), ok
+
+
+def _step_rows(state: KVCacheManager, reqs, num_new):
+    """allocate_step's rows: (present, can, need i32[B], skipped or None, returned i32[B]): the
+    rows named, those whose own conditions hold (a repeated slot fails at its second place),
+    their new blocks, the window's skipped entries of every row that can be attempted, and the
+    blocks each row's freeing returns to the queue."""
+    present, r = reqs >= 0, state.reqs.max_requests
+    b = jnp.arange(reqs.shape[0])
+    at = jnp.where(present, reqs, r)  # out of range (not -1, which indexes from the end): dropped
+    first = jnp.full(r, reqs.shape[0]).at[at].min(b, mode="drop")  # each slot's first place in the batch
+    repeated = present & (first.at[at].get(mode="fill", fill_value=-1) != b)
+    can = _can_grow(state, reqs, num_new) & ~repeated
+    need = jnp.where(can, blocks_needed(state, reqs, num_new), 0)
+    if groups.sliding_window(state.windows) is None:
+        return present, can, need, None, jnp.zeros_like(need)
+    valid, rr = slot_of(state.reqs, reqs)
+    skipped = _skipped(state, reqs, present & valid & state.reqs.active[rr] & ~repeated)
+    returned = block_pool.returned(state.pool, state.reqs.block_table[rr], skipped[0])
+    return present, can, need, skipped, returned
 
 
 @jax.jit
@@ -294,9 +322,11 @@ def step_fits(state: KVCacheManager, reqs, num_new):
     reqs: i32[B] request slots, -1 = none; num_new: i32[B] tokens each. -> (blocks needed
     i32[B], fits bool[]). The host scheduler asks this before allocating its running requests,
     and the device decode loop (kvjax.engine.core) before each of its steps, so both decide by the
-    same rule; when it fits, `allocate_step` must succeed for every request."""
-    need = jnp.where(reqs >= 0, blocks_needed(state, reqs, num_new), 0).astype(jnp.int32)
-    return need, need.sum() <= state.pool.num_free
+    same rule; when it fits, `allocate_step` must succeed for every request. With a sliding
+    group, each request's freed blocks count from its own place in the order on."""
+    present, _, _, _, returned = _step_rows(state, reqs, num_new)
+    need = jnp.where(present, blocks_needed(state, reqs, num_new), 0).astype(jnp.int32)
+    return need, (jnp.cumsum(need) <= state.pool.num_free + jnp.cumsum(returned)).all()
 
 
 @jax.jit
@@ -304,34 +334,41 @@ def allocate_step(state: KVCacheManager, reqs, num_new):
     """Batched allocate_slots without hits (the scheduler's running requests; a decode step).
 
     reqs: i32[B] request slots served in this order, -1 = skip; num_new: i32[B] tokens each.
-    Equals allocate_slots for each request in order up to the first refusal; the requests
-    after it are not attempted (the scheduler preempts, then resumes from the refused one,
-    as vLLM's does). A slot listed twice is refused at its second place. -> (state, ok bool[B])."""
-    present, r = reqs >= 0, state.reqs.max_requests
-    b = jnp.arange(reqs.shape[0])
-    at = jnp.where(present, reqs, r)  # out of range (not -1, which indexes from the end): dropped
-    first = jnp.full(r, reqs.shape[0]).at[at].min(b, mode="drop")  # each slot's first place in the batch
-    repeated = present & (first.at[at].get(mode="fill", fill_value=-1) != b)
-    can = _can_grow(state, reqs, num_new) & ~repeated
-    need = jnp.where(can, blocks_needed(state, reqs, num_new), 0)
-    can &= jnp.cumsum(need) <= state.pool.num_free  # every request before it was granted its blocks
-    ok = can & (jnp.cumsum(present & ~can) == 0)  # nothing after the first refusal
-    return _grant(state, reqs, num_new, ok), ok
+    Equals allocate_slots for each request in order up to the first refusal (that request's
+    window frees its skipped blocks, as allocate_slots does); the requests after it are not
+    attempted (the scheduler preempts, then resumes from the refused one, as vLLM's does). A
+    slot listed twice is refused at its second place, freeing nothing. -> (state, ok bool[B])."""
+    present, can, need, skipped, returned = _step_rows(state, reqs, num_new)
+    can &= jnp.cumsum(need) <= state.pool.num_free + jnp.cumsum(returned)  # with what earlier rows freed
+    refused = present & ~can
+    ok = can & (jnp.cumsum(refused) == 0)  # nothing after the first refusal
+    if skipped is not None:
+        tried = (jnp.cumsum(refused) - refused) == 0  # up to the first refusal, which frees too
+        skipped = (skipped[0] & tried[:, None, None], skipped[1])
+    return _grant(state, reqs, num_new, ok, skipped), ok
 
 
 @jax.jit
 def free(state: KVCacheManager, req):
-    """vLLM's kv_cache_manager.free: release all the request's blocks (reverse order) and
-    reset its block table, computed and cached counts. Its tokens and block hashes stay, so
-    a preempted request can later hit its own cached prefix. -> (state, ok)."""
-    valid, r = _slot(state.reqs, req)
+    """vLLM's kv_cache_manager.free: release all the request's blocks, group by group, each
+    group's last block first, and reset its block tables, computed and cached counts. Its tokens
+    and block hashes stay, so a preempted request can later hit its own cached prefix.
+    -> (state, ok)."""
+    valid, r = slot_of(state.reqs, req)
     ok = valid & state.reqs.active[r]
 
     def do(s):
         q = s.reqs
-        return s.replace(pool=block_pool.release(s.pool, q.block_table[r], q.num_held[r]), reqs=q.replace(
+        j = jnp.arange(q.max_blocks_per_request)
+        live = (j >= q.num_skipped[r][:, None]) & (j < q.num_held[r][:, None])  # bool[G, M]
+        if q.num_groups == 1:
+            pool = block_pool.release_masked(s.pool, q.block_table[r, 0], live[0])
+        else:
+            pool = block_pool.free_and_take(s.pool, q.block_table[r][None], live[None], jnp.zeros(1, jnp.int32))[0]
+        return s.replace(pool=pool, reqs=q.replace(
             block_table=q.block_table.at[r].set(0), num_held=q.num_held.at[r].set(0),
-            num_computed=q.num_computed.at[r].set(0), num_cached=q.num_cached.at[r].set(0)))
+            num_skipped=q.num_skipped.at[r].set(0), num_computed=q.num_computed.at[r].set(0),
+            num_cached=q.num_cached.at[r].set(0)))
 
     return jax.lax.cond(ok, do, lambda s: s, state), ok
 
@@ -340,8 +377,8 @@ def free(state: KVCacheManager, req):
 def remove_request(state: KVCacheManager, req):
     """Forget a finished request (after `free`): clear its slot. Fails if it holds blocks.
     -> (state, ok)."""
-    valid, r = _slot(state.reqs, req)
-    ok = valid & state.reqs.active[r] & (state.reqs.num_held[r] == 0)
+    valid, r = slot_of(state.reqs, req)
+    ok = valid & state.reqs.active[r] & (state.reqs.num_held[r] == 0).all()
 
     def do(s):
         q = s.reqs
@@ -359,29 +396,5 @@ def reset_prefix_cache(state: KVCacheManager):
     return state.replace(pool=pool), ok
 
 
-# ----------------------------------------------------------------------------- host views
-def request_blocks(state: KVCacheManager, req: int) -> list[int]:
-    """The request's block table (host side)."""
-    t = state.reqs
-    return [int(b) for b in np.asarray(t.block_table[req])[: int(t.num_held[req])]]
-
-
-def check_invariants(state: KVCacheManager) -> None:
-    """The pool's invariants plus the tables': raise AssertionError naming the likely cause."""
-    s = jax.device_get(state)
-    block_pool.check_invariants(s.pool)
-    t, p = s.reqs, s.pool.num_blocks
-    counts = np.zeros(p, np.int64)
-    where: dict[int, set[int]] = {}
-    for r in range(t.max_requests):
-        for j, b in enumerate(t.block_table[r, : t.num_held[r]]):
-            require(b != block_pool.NULL_BLOCK, f"request slot {r} maps logical block {j} to the null block")
-            counts[b] += 1
-            where.setdefault(int(b), set()).add(j)
-    require((counts == s.pool.ref_cnt).all(),
-            f"ref_cnt != table occurrences at blocks {np.nonzero(counts != s.pool.ref_cnt)[0]}: "
-            "a touch or release was skipped")
-    for b, js in where.items():
-        require(counts[b] == 1 or (s.pool.has_hash[b] and len(js) == 1),
-                f"block {b} is in {counts[b]} tables at positions {sorted(js)} but is not a "
-                "cached prefix block: two requests got the same new block")
+request_blocks = request_table.request_blocks  # the host views, kept beside the table they read
+check_invariants = request_table.check_invariants

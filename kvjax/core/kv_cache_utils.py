@@ -126,7 +126,7 @@ def block_hash_jnp(parent, block_tokens, has_extra, extra) -> jax.Array:
 
 def extend_request_hashes(t, rows, filled, max_new: int | None = None):
     """The request block hasher (vLLM's `get_request_block_hasher`) over the KV cache manager's
-    request table t (kvjax.core.kv_cache_manager.Requests): hash the blocks of request slots
+    request table t (kvjax.core.request_table.Requests): hash the blocks of request slots
     rows (i32[B], distinct) that became full since the last call, chained on each row's
     previous hash. A row's blocks are hashed as soon as they fill, so its k-th new block holds
     the tokens filled[b, k*Z:(k+1)*Z] (its old tail, then the tokens handed to the call).

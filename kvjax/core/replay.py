@@ -39,10 +39,18 @@ written), host_in_use, and host: the tier's lists, LRU end first, resident block
 slot ids, ghost hashes as 16 hex digits (lane 0 then lane 1 of the block hash): {"lru":
 [...]} or {"t1": [...], "t2": [...], "b1": [...], "b2": [...], "p": ARC's target size of T1}.
 
+KV cache groups (vLLM's hybrid KV cache manager, kvjax/core/single_type_kv_cache_manager.py):
+`init` may carry "groups": [{"type": "full_attention"}, {"type": "sliding_window",
+"sliding_window": W}, ...] (in that order; all share block_size; one window size at most;
+no host tier). Every op's hit_blocks, new_blocks and blocks are then one list per group, in
+that order, a window's freed blocks as the null block 0; hit_tokens is the hit the groups
+agreed on. An `append` first frees the blocks its windows no longer see, and those stay freed
+if the allocation is refused (vLLM's order). A trace without "groups" prints what it always did.
+
 Bad input (malformed or non-UTF-8 lines, JSON nested deeper than 32 levels, unknown op or
 key, unknown request, double free, a token that is not a non-negative int32, a pool over
 65,536 blocks or 2**20 tokens per request, a host tier over 4,096 blocks, an unknown
-host_policy, a host tier without prefix caching) stops the replay with a ReplayError naming
+host_policy, a host tier without prefix caching, a malformed group) stops the replay with a ReplayError naming
 the line number.
 """
 
@@ -57,18 +65,18 @@ import numpy as np
 
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
+from kvjax.core import request_table
 from kvjax.core import kv_cache_utils as hashing
-from kvjax.errors import KvjaxError, is_int, loads
+from kvjax.core.replay_input import (MAX_BLOCKS, MAX_HOST_BLOCKS, MAX_REQUEST_TOKENS, ReplayError, bounded_lines,
+                                     encodable, groups_field, int_field, parse_json, req_field, tokens_field, utf8)
+
+__all__ = ["Replay", "ReplayError", "bounded_lines", "host_lists", "iter_trace"]
 from kvjax.kv_offload import connector
 from kvjax.kv_offload import manager as host_cache
 
 OPS = ("init", "add", "append", "free", "reset_prefix_cache")
-_KEYS = {"init": {"num_blocks", "block_size", "prefix_caching", "host_blocks", "host_policy"},
+_KEYS = {"init": {"num_blocks", "block_size", "prefix_caching", "host_blocks", "host_policy", "groups"},
          "add": {"req", "tokens", "salt"}, "append": {"req", "tokens"}, "free": {"req"}, "reset_prefix_cache": set()}
-
-
-class ReplayError(KvjaxError):
-    """Bad trace input; `kvjax replay` prints it with the file and line number."""
 
 
 class Replay:
@@ -76,11 +84,16 @@ class Replay:
     (the pool is functional, so "unchanged" is simply not taking the new state)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 max_requests: int = 8, host_blocks: int = 0, host_policy: str = "lru"):
+                 max_requests: int = 8, host_blocks: int = 0, host_policy: str = "lru",
+                 windows: tuple | None = None):
         if host_blocks and not prefix_caching:
             raise ReplayError(f"host_blocks={host_blocks} needs prefix_caching true "
                               "(host blocks are named by their hashes)")
-        self.state = manager.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching)
+        if host_blocks and windows is not None:
+            raise ReplayError("host_blocks with groups: the host tier serves one group (full attention) only")
+        self.grouped = windows is not None  # a trace with "groups": every table is a list per group
+        self.state = manager.init(num_blocks, block_size, max_requests, prefix_caching=prefix_caching,
+                                  windows=(None,) if windows is None else windows)
         self.slots: dict[str, int] = {}
         self.host_next: dict[str, int] = {}  # per request: the next block to offer the host tier
         self.host = host_cache.init(host_blocks, host_policy) if host_blocks else None  # the offload tier's index
@@ -105,7 +118,7 @@ class Replay:
     def _grow(self) -> None:
         """Double the request slots (a new static size, so one more compile); the pool is kept."""
         old = self.state.reqs
-        new = manager.request_table(old.block_size, 2 * old.max_requests, old.max_blocks_per_request)
+        new = request_table.empty(old.block_size, 2 * old.max_requests, old.max_blocks_per_request, old.num_groups)
         rows = [n.at[: o.shape[0]].set(o) for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
         self.state = self.state.replace(reqs=jax.tree.unflatten(jax.tree.structure(new), rows))
 
@@ -134,6 +147,11 @@ class Replay:
         s, ok2 = manager.allocate_slots(s, slot, len(tokens) - nh * z, hits, nh)
         if not (bool(ok) and bool(ok2)):
             return self.view("add", name, False)
+        if self.grouped:
+            self.state, self.slots[name] = s, slot
+            tables = self._tables(s, slot)
+            return self.view("add", name, True, [list(map(int, h[:nh])) for h in np.asarray(hits)],
+                             [t[nh:] for t in tables], hit_tokens=nh * z)
         blocks = manager.request_blocks(s, slot)
         host, loaded = self._load(host, hashes, nx, blocks[nh:nh + nx])
         host, stored, self.host_next[name] = self._store(host, s, slot, connector.first_offer(nh, nx))
@@ -144,14 +162,19 @@ class Replay:
         slot = self._slot(name)
         if int(self.state.reqs.num_tokens[slot]) + len(tokens) > self.capacity_tokens:
             return self.view("append", name, False)  # longer than the pool: a failed append
-        held = int(self.state.reqs.num_held[slot])
+        # A window's skipped blocks are freed first and stay freed if the allocation is refused (vLLM's order).
+        self.state = manager.remove_skipped_blocks(self.state, slot)
+        held = [int(h) for h in np.asarray(self.state.reqs.num_held[slot])]
         s, ok = manager.append_tokens(self.state, slot, self._pad(tokens), len(tokens))
         s, ok2 = manager.allocate_slots(s, slot, len(tokens))
         if not (bool(ok) and bool(ok2)):
             return self.view("append", name, False)
+        if self.grouped:
+            self.state = s
+            return self.view("append", name, True, None, [t[h:] for t, h in zip(self._tables(s, slot), held)])
         self.host, stored, self.host_next[name] = self._store(self.host, s, slot, self.host_next[name])
         self.state = s
-        return self.view("append", name, True, [], manager.request_blocks(s, slot)[held:], stored=stored)
+        return self.view("append", name, True, [], manager.request_blocks(s, slot)[held[0]:], stored=stored)
 
     def free(self, name: str) -> dict:
         slot = self._slot(name)
@@ -160,7 +183,8 @@ class Replay:
         if not (bool(ok) and bool(ok2)):
             raise manager.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
         self.state = s
-        del self.slots[name], self.host_next[name]
+        del self.slots[name]
+        self.host_next.pop(name, None)
         return self.view("free", name, True)
 
     def reset_prefix_cache(self) -> dict:
@@ -195,17 +219,29 @@ class Replay:
         return host, [[blocks[j], x] for j, x in stored], end
 
     # ------------------------------------------------------------------ views
+    @staticmethod
+    def _tables(s: manager.KVCacheManager, slot: int) -> list[list[int]]:
+        return [manager.request_blocks(s, slot, g) for g in range(s.reqs.num_groups)]
+
     def view(self, op: str, name: str | None, ok: bool, hits=(), new=(), host_hits=0, loaded=(),
-             stored=()) -> dict:
+             stored=(), hit_tokens=None) -> dict:
         s = jax.device_get(self.state)
         p, z = s.pool, s.reqs.block_size
         slot = self.slots.get(name) if name is not None else None
         num_free = int(p.num_free)
+        if self.grouped:  # one list per group, the null block as 0
+            none = [[] for _ in range(s.reqs.num_groups)]
+            hits, new = hits or none, new or none
+            blocks = self._tables(s, slot) if slot is not None else none
+            hit_tokens = hit_tokens or 0
+        else:
+            hits, new = [int(b) for b in hits], [int(b) for b in new]
+            blocks = manager.request_blocks(s, slot) if slot is not None else []
         out = {
             "op": op, "req": name, "ok": ok,
-            "hit_blocks": [int(b) for b in hits], "hit_tokens": len(hits) * z,
-            "new_blocks": [int(b) for b in new],
-            "blocks": manager.request_blocks(s, slot) if slot is not None else [],
+            "hit_blocks": hits, "hit_tokens": len(hits) * z if hit_tokens is None else hit_tokens,
+            "new_blocks": new,
+            "blocks": blocks,
             "free_queue": block_pool.free_queue(p), "num_free": num_free,
             "ref_cnt": {str(b): int(c) for b, c in enumerate(p.ref_cnt) if c},
             "cached": [int(b) for b in np.nonzero(p.has_hash)[0]],
@@ -225,7 +261,7 @@ class Replay:
             "ref_cnt": [int(c) for c in p.ref_cnt],
             "block_hash": {int(b): (int(p.block_hash[b, 0]), int(p.block_hash[b, 1]))
                            for b in np.nonzero(p.has_hash)[0]},
-            "requests": {n: {"blocks": manager.request_blocks(s, r),
+            "requests": {n: {"blocks": self._tables(s, r) if self.grouped else manager.request_blocks(s, r),
                              "num_computed": int(t.num_computed[r]),
                              "num_tokens": int(t.num_tokens[r])}
                          for n, r in self.slots.items()},
@@ -246,73 +282,20 @@ def host_lists(index: host_cache.HostIndex) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------- trace input
-MAX_BLOCKS = 2**16  # replay is for reading pools, not for sizing them: small limits keep its tables small
-MAX_REQUEST_TOKENS = 2**20
-MAX_HOST_BLOCKS = 2**12  # the host index compares every hash with every slot: O(A × E) per op
-
-
-def _int(v, what: str, lo: int, hi: int) -> int:
-    if not is_int(v) or v < lo:
-        raise ReplayError(f"{what} must be an int >= {lo}, got {json.dumps(v)}")
-    if v > hi:
-        raise ReplayError(f"{what} must be at most {hi:,}, got {v:,}")
-    return v
-
-
-def _utf8(line: bytes) -> str:
-    try:
-        return line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ReplayError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _json(line: str):
-    """One op's JSON (errors.loads: nesting limit, finite numbers), as a ReplayError."""
-    try:
-        return loads(line)
-    except KvjaxError as e:
-        raise ReplayError(str(e)) from None
-
-
-def _tokens(op: dict) -> list[int]:
-    toks = op.get("tokens")
-    if not isinstance(toks, list) or not toks:
-        raise ReplayError(f"'tokens' must be a non-empty list of ints, got {json.dumps(toks)}")
-    for i, t in enumerate(toks):
-        if not is_int(t) or not 0 <= t < 2**31:
-            raise ReplayError(f"token {i} is {json.dumps(t)}: tokens must be ints in [0, 2**31)")
-    return toks
-
-
-def _req(op: dict) -> str:
-    name = op.get("req")
-    if not isinstance(name, str):
-        raise ReplayError(f"'req' must be a string, got {json.dumps(name)}")
-    return name
-
-
 def _init(op: dict) -> Replay:
     pc = op.get("prefix_caching", True)
     if not isinstance(pc, bool):
         raise ReplayError(f"prefix_caching must be true or false, got {json.dumps(pc)}")
-    num_blocks = _int(op.get("num_blocks"), "num_blocks", 2, MAX_BLOCKS)
-    block_size = _int(op.get("block_size"), "block_size", 1, MAX_REQUEST_TOKENS)
+    num_blocks = int_field(op.get("num_blocks"), "num_blocks", 2, MAX_BLOCKS)
+    block_size = int_field(op.get("block_size"), "block_size", 1, MAX_REQUEST_TOKENS)
     if (num_blocks - 1) * block_size > MAX_REQUEST_TOKENS:
         raise ReplayError(f"(num_blocks - 1) × block_size = {(num_blocks - 1) * block_size:,} tokens: "
                           f"replay keeps every request's tokens, at most {MAX_REQUEST_TOKENS:,} each")
-    host_blocks = _int(op.get("host_blocks", 0), "host_blocks", 0, MAX_HOST_BLOCKS)
+    host_blocks = int_field(op.get("host_blocks", 0), "host_blocks", 0, MAX_HOST_BLOCKS)
     policy = op.get("host_policy", "lru")
     host_cache.check_policy(policy, ReplayError, "host_policy")
-    return Replay(num_blocks, block_size, pc, host_blocks=host_blocks, host_policy=policy)
+    windows = groups_field(op["groups"]) if "groups" in op else None
+    return Replay(num_blocks, block_size, pc, host_blocks=host_blocks, host_policy=policy, windows=windows)
 
 
 def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
@@ -325,8 +308,8 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
             continue
         try:
             if isinstance(line, bytes):
-                line = _utf8(line)
-            op = _json(line)
+                line = utf8(line)
+            op = parse_json(line)
             if not isinstance(op, dict):
                 raise ReplayError(f"expected a JSON object, got {json.dumps(op)[:40]}")
             kind = op.get("op")
@@ -344,7 +327,7 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
             elif kind == "reset_prefix_cache":
                 out = replay.reset_prefix_cache()
             else:
-                name = _req(op)
+                name = req_field(op)
                 if kind != "add" and name not in replay.slots:
                     if name in freed_on:
                         raise ReplayError(f"double free or use after free of request {name!r} "
@@ -354,32 +337,16 @@ def iter_trace(lines: Iterable[str]) -> Iterator[tuple[dict, Replay]]:
                     salt = op.get("salt")
                     if salt is not None and not isinstance(salt, str):
                         raise ReplayError(f"'salt' must be a string, got {json.dumps(salt)}")
-                    if salt is not None and not _encodable(salt):
+                    if salt is not None and not encodable(salt):
                         raise ReplayError("'salt' holds a lone UTF-16 surrogate (it has no UTF-8 bytes to hash)")
-                    out = replay.add(name, _tokens(op), salt)
+                    out = replay.add(name, tokens_field(op), salt)
                     if out["ok"]:
                         freed_on.pop(name, None)
                 elif kind == "append":
-                    out = replay.append(name, _tokens(op))
+                    out = replay.append(name, tokens_field(op))
                 else:
                     out = replay.free(name)
                     freed_on[name] = lineno
         except ReplayError as e:
             raise ReplayError(f"line {lineno}: {e}") from None
         yield out, replay
-
-
-MAX_LINE_BYTES = 1 << 20  # no op comes near 1 MiB; stdin (or a huge file) is read a bounded line at a time
-
-
-def bounded_lines(f) -> Iterator[bytes]:
-    """f's lines, refusing one longer than MAX_LINE_BYTES instead of reading it to its end."""
-    lineno = 0
-    while True:
-        line = f.readline(MAX_LINE_BYTES + 1)
-        lineno += 1
-        if not line:
-            return
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            raise ReplayError(f"line {lineno}: longer than {MAX_LINE_BYTES // 2**20} MiB")
-        yield line

@@ -90,7 +90,7 @@ def decode_loop(model, params, pool: manager.KVCacheManager, cache, rows: Decode
 
     def body(c: _LoopCarry) -> _LoopCarry:
         used = c.used.at[c.step].set(usable - c.pool.pool.num_free)
-        tables = jnp.where(active[:, None], c.pool.reqs.block_table[slot, :width], 0)  # i32[B, M]
+        tables = jnp.where(active[:, None], c.pool.reqs.block_table[slot, 0, :width], 0)  # i32[B, M]
         md = decode_metadata(tables, c.computed, active, c.pool.reqs.block_size)
         logits, cache = forward(model, params, c.tokens, md, c.cache)  # f32[B, V]
         sampled = sampling.sample(logits, c.sampling, c.computed + 1, num_logprobs)

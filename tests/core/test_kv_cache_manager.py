@@ -90,10 +90,10 @@ def test_free_keeps_tokens_and_hashes_for_a_preempted_request():
     s = pool.init(8, Z, 1)
     s, _ = add(s, 0, list(range(9)))  # blocks 1, 2, 3; 1 and 2 cached
     s, ok = pool.free(s, 0)
-    assert bool(ok) and int(s.reqs.num_held[0]) == 0 and int(s.reqs.num_computed[0]) == 0
+    assert bool(ok) and int(s.reqs.num_held[0, 0]) == 0 and int(s.reqs.num_computed[0]) == 0
     assert int(s.reqs.num_tokens[0]) == 9 and int(s.reqs.num_hashed[0]) == 2
     hits, nh = pool.get_computed_blocks(s, 0)  # re-admission hits its own prefix
-    assert int(nh) == 2 and list(np.asarray(hits))[:2] == [1, 2]
+    assert int(nh) == 2 and list(np.asarray(hits)[0])[:2] == [1, 2]
     s2, ok = pool.remove_request(s, 0)
     assert bool(ok) and not bool(s2.reqs.active[0])
 

@@ -311,7 +311,7 @@ class Scheduler(SchedulerUpdates):
                 return
             if nx:
                 step.loads += self.tier.plan_loads(
-                    host_hashes, nx, np.asarray(self.state.reqs.block_table[req.slot])[int(nh):int(nh) + nx])
+                    host_hashes, nx, np.asarray(self.state.reqs.block_table[req.slot, 0])[int(nh):int(nh) + nx])
             req.host_next = connector.first_offer(int(nh), nx, req.host_next)
             self.waiting.remove(req)
             self.running.append(req)
@@ -350,7 +350,7 @@ class Scheduler(SchedulerUpdates):
         reqs = [self.requests[r] for r in step.scheduled]
         nums = np.array([step.scheduled[r.req_id] for r in reqs], np.int32)
         slots = np.array([r.slot for r in reqs], np.int32)
-        tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
+        tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots, 0] if reqs else \
             np.zeros((0, self.max_blocks), np.int32)
         seq_lens = np.array([step.starts[r.req_id] for r in reqs], np.int32) + nums  # in the cache after the step
         token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)

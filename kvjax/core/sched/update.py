@@ -135,7 +135,7 @@ class SchedulerUpdates:
         self.state = state
         steps, z = sampled.shape[0], self.config.block_size
         if self.tier is not None:
-            tables = np.asarray(state.reqs.block_table)[plan.slots]
+            tables = np.asarray(state.reqs.block_table)[plan.slots, 0]
             self._store([self.requests[r] for r in plan.req_ids], tables, (plan.seq_lens - 1 + steps) // z)
         return self._adopt(plan, sampled, np.ones(plan.num_requests, bool), finish)
 
