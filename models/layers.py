@@ -1,4 +1,4 @@
-"""The decoder both model families share: RMSNorm, SwiGLU MLP, pre-norm block, causal LM head.
+"""The decoder the model families share: RMSNorm, gated MLP, pre-norm block, causal LM head.
 
 Structure and parameter names follow transformers' `LlamaForCausalLM` / `DeepseekV3ForCausalLM`
 (`model.layers.{i}.self_attn…`, `input_layernorm`, `post_attention_layernorm`, `mlp.{gate,up,
@@ -7,11 +7,14 @@ is HF `model.layers.{i}`, a Dense `kernel` is the transposed HF `weight`.
 
 The paged cache is an argument and a result of every call, never module state: a decoder
 step is `(tokens, metadata, cache) -> (logits, cache)`, a pure function that jit can donate
-the cache to. The attention module is the only part that differs between the families; a
-subclass of `CausalLM` names it in `attention_cls`.
+the cache to. What differs between the families is named by class attributes of `CausalLM`:
+the attention module (`attention_cls`), the block (`layer_cls`), the norm (`norm_cls`) and
+whether embeddings are scaled by sqrt(hidden_size) (`scale_embeddings`, Gemma). Each layer's
+attention knows its index, so it reads its own sliding window and RoPE from the config.
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -23,18 +26,22 @@ from kvjax.config.model import ModelConfig, ModelConfigError
 from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, PagedCache
 
 # Model types whose config kvjax parses (to size their KV cache) but whose decoder differs
-# from the Llama / DeepSeek one built here, with what differs.
+# from the ones built here, with what differs.
 _OTHER_DECODERS = {
     "gemma": "Gemma's RMSNorm scales by (1 + weight) and its embeddings by sqrt(hidden_size)",
     "phi3": "Phi-3 checkpoints store fused qkv_proj and gate_up_proj weights",
-    "gemma2": "Gemma 2's soft-capped attention and logits, (1 + weight) RMSNorms and extra norms",
-    "gemma3_text": "Gemma 3's q/k norms, local and global RoPE bases, (1 + weight) RMSNorms and extra norms",
     "gpt_oss": "gpt-oss's attention sinks and mixture-of-experts MLPs",
 }
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # built by models.gemma
+
+# The MLP's gate activation by config name: silu (SwiGLU; Llama, Qwen, Mistral, DeepSeek) and
+# gelu_pytorch_tanh (GeGLU with torch's tanh approximation; Gemma 2 / 3).
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True)}
+_FAMILY_ACT = {"silu": "silu / SwiGLU", "gelu_pytorch_tanh": "gelu_pytorch_tanh / GeGLU"}
 
 
 class UnsupportedModelError(ModelConfigError):
-    """A checkpoint feature kvjax's models do not implement (MoE layers, sliding windows, ...)."""
+    """A checkpoint feature kvjax's models do not implement (MoE layers, fused weights, ...)."""
 
 
 def check_supported(config: ModelConfig) -> None:
@@ -48,21 +55,34 @@ def check_supported(config: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"{who}: layer {config.moe_layers[0]} is a mixture-of-experts layer "
             f"(MoE layers {list(config.moe_layers)}); kvjax's decoder implements dense MLPs only")
-    if config.sliding_layers:
-        raise UnsupportedModelError(
-            f"{who}: sliding-window attention (window {config.sliding_window}) on "
-            f"layer {config.sliding_layers[0]} is not implemented; kvjax attends to the full context")
     if config.model_type in _OTHER_DECODERS:
         raise UnsupportedModelError(f"{who}: model_type {config.model_type!r} is not implemented "
                                     f"({_OTHER_DECODERS[config.model_type]})")
-    if config.hidden_act != "silu":
-        raise UnsupportedModelError(f"{who}: hidden_act {config.hidden_act!r} is not supported (only silu / SwiGLU)")
-    if config.rope.unsupported:
-        raise UnsupportedModelError(f"{who}: {config.rope.unsupported}")
+    if config.model_type in GEMMA_TYPES and config.sliding_window is None:
+        # transformers' layer_types still marks sliding layers (Gemma 3: with the local RoPE base),
+        # and its mask builder raises without a window: there is no model to match.
+        raise UnsupportedModelError(f"{who}: a {config.model_type} config with sliding_window null; its sliding "
+                                    "layers need a window (transformers refuses it too)")
+    if config.model_type == "gemma3_text" and config.attn_logit_softcap is not None:
+        raise UnsupportedModelError(
+            f"{who}: attn_logit_softcapping {config.attn_logit_softcap} on a gemma3_text model: transformers' "
+            "Gemma3Attention and vLLM's both ignore it, so kvjax refuses rather than pick a meaning")
+    wanted = "gelu_pytorch_tanh" if config.model_type in GEMMA_TYPES else "silu"
+    if config.hidden_act != wanted:
+        raise UnsupportedModelError(f"{who}: hidden_act {config.hidden_act!r} is not supported "
+                                    f"(only {_FAMILY_ACT[wanted]})")
+    for rope in (config.rope, config.rope_local):
+        if rope is not None and rope.unsupported:
+            raise UnsupportedModelError(f"{who}: {rope.unsupported}")
     missing = [f for f in ("vocab_size", "intermediate_size") if getattr(config, f) is None]
     if missing:
         raise UnsupportedModelError(f"{who}: the config gives no {' and '.join(missing)}, which building "
                                     "the model needs")
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """Gemma's tanh soft-capping: cap · tanh(x / cap), smooth and within (-cap, cap)."""
+    return cap * jnp.tanh(x / cap)
 
 
 def dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.Dense:
@@ -77,6 +97,7 @@ class Attention(nn.Module):
 
     config: ModelConfig
     attn_impl: str = "reference"
+    layer: int = 0  # this layer's index: its sliding window and RoPE (ModelConfig.layer_windows, layer_rope)
     layouts: ClassVar[tuple[type, ...]] = ()
 
     def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages | LayerRows
@@ -109,20 +130,23 @@ class MLP(nn.Module):
         c = self.config
         gate = dense(c, c.intermediate_size, c.mlp_bias, "gate_proj")(x)
         up = dense(c, c.intermediate_size, c.mlp_bias, "up_proj")(x)
-        return dense(c, c.hidden_size, c.mlp_bias, "down_proj")(nn.silu(gate) * up)
+        return dense(c, c.hidden_size, c.mlp_bias, "down_proj")(ACTIVATIONS[c.hidden_act](gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
     config: ModelConfig
     attention_cls: type
     attn_impl: str
+    layer: int
 
     @nn.compact
     def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages | LayerRows
                  ) -> tuple[jax.Array, LayerPages | LayerRows]:
         c = self.config
         h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)  # [T, D]
-        h, pages = self.attention_cls(c, self.attn_impl, name="self_attn")(h, md, pages)
+        h, pages = self.attention_cls(c, self.attn_impl, self.layer, name="self_attn")(h, md, pages)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
         return x + MLP(c, name="mlp")(h), pages
@@ -134,6 +158,9 @@ class CausalLM(nn.Module):
     config: ModelConfig
     attn_impl: str = "reference"
     attention_cls: ClassVar[type]
+    layer_cls: ClassVar[type] = DecoderLayer
+    norm_cls: ClassVar[type] = RMSNorm  # the final norm
+    scale_embeddings: ClassVar[bool] = False  # Gemma: embeddings × sqrt(hidden_size)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, md: BatchMetadata, cache: PagedCache | ContiguousCache,
@@ -148,15 +175,21 @@ class CausalLM(nn.Module):
         dtype = jnp.dtype(c.dtype)
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, name="embed_tokens")
         x = embed(tokens)  # [T, D]
+        if self.scale_embeddings:
+            # transformers rounds the normalizer to the embedding dtype first (bf16: sqrt(3072) = 55.5)
+            x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
         layers = []
         for i in range(c.num_layers):
-            x, pages = DecoderLayer(c, self.attention_cls, self.attn_impl, name=f"layers_{i}")(x, md, cache.layers[i])
+            x, pages = self.layer_cls(c, self.attention_cls, self.attn_impl, i, name=f"layers_{i}")(
+                x, md, cache.layers[i])
             layers.append(pages)
-        x = RMSNorm(c.rms_norm_eps, c.dtype, name="norm")(x)
+        x = self.norm_cls(c.rms_norm_eps, c.dtype, name="norm")(x)
         if logits_indices is not None:
             x = x[logits_indices]  # [B, D]
         if c.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = dense(c, c.vocab_size, False, "lm_head")(x)
+        if c.final_logit_softcap is not None:
+            logits = softcap(logits, c.final_logit_softcap)  # in the model dtype, as transformers
         return logits.astype(jnp.float32), cache.replace(layers=tuple(layers))

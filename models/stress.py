@@ -37,9 +37,14 @@ def inflate_k_channels(config: ModelConfig, params, channels=(0, 5), factor: flo
             continue
         h, group = config.head_dim, config.num_heads // config.num_kv_heads
         cols = rope_pairs(channels, h, config.rope.layout)
-        if config.qk_norm:  # Qwen3 normalizes each head after the projection: scale the norm weights
-            attn["k_norm"]["weight"][cols] *= factor
-            attn["q_norm"]["weight"][cols] /= factor
+        if config.qk_norm:  # Qwen3 / Gemma 3 normalize each head after the projection: scale the norm weights
+            k_norm, q_norm = attn["k_norm"]["weight"], attn["q_norm"]["weight"]
+            if config.model_type == "gemma3_text":  # its norm multiplies by 1 + weight
+                k_norm[cols] = (1 + k_norm[cols]) * factor - 1
+                q_norm[cols] = (1 + q_norm[cols]) / factor - 1
+            else:
+                k_norm[cols] *= factor
+                q_norm[cols] /= factor
             continue
         for kv_head in range(config.num_kv_heads):
             attn["k_proj"]["kernel"][:, [kv_head * h + c for c in cols]] *= factor

@@ -48,10 +48,41 @@ def _config(name: str):
     if name == "deepseek-v2":  # complex-pair rope, yarn
         return (tf.DeepseekV2Config(**BASE, **MLA, q_lora_rank=None, rope_parameters=YARN,
                                     max_position_embeddings=128), tf.DeepseekV2ForCausalLM)
-    raise KeyError(name)
+    return _sliding_config(name)
 
 
 CASES = ("llama-mha", "llama-gqa", "llama-mqa", "qwen2", "qwen3", "deepseek-v3", "deepseek-v3-noq", "deepseek-v2")
+
+# Models mixing sliding-window and full attention, with windows of a few tokens so that a test's
+# sequences run several windows long. SLIDE: 3 layers, so a full layer sits between sliding ones.
+SLIDE = {**BASE, "num_hidden_layers": 3, "num_key_value_heads": 2}
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+
+
+def _sliding_config(name: str):
+    if name == "mistral-window":  # every layer slides
+        return tf.MistralConfig(**SLIDE, sliding_window=6), tf.MistralForCausalLM
+    if name == "qwen2-window":  # layers >= max_window_layers slide: 1 and 2
+        return (tf.Qwen2Config(**SLIDE, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+                tf.Qwen2ForCausalLM)
+    if name == "qwen3-window":  # layer 2 slides; q/k norms, head_dim 16 ≠ hidden / heads
+        return (tf.Qwen3Config(**SLIDE, head_dim=16, use_sliding_window=True, sliding_window=7, max_window_layers=2),
+                tf.Qwen3ForCausalLM)
+    if name == "gemma2":  # layers 0 and 2 slide; soft-caps small enough to bend the scores and logits
+        return (tf.Gemma2Config(**SLIDE, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0), tf.Gemma2ForCausalLM)
+    if name == "gemma3":  # 5 sliding to 1 full (layer 5), then sliding again; local and global RoPE
+        return (tf.Gemma3TextConfig(**{**SLIDE, "num_hidden_layers": 7}, head_dim=16, sliding_window=5,
+                                    query_pre_attn_scalar=24, rope_parameters=GEMMA3_ROPE), tf.Gemma3ForCausalLM)
+    if name == "gemma3-capped":  # 4 layers (pattern 2: 0 and 2 slide), a final soft-cap
+        return (tf.Gemma3TextConfig(**{**SLIDE, "num_hidden_layers": 4}, head_dim=16, sliding_window=4,
+                                    sliding_window_pattern=2, final_logit_softcapping=3.0,
+                                    rope_parameters=GEMMA3_ROPE), tf.Gemma3ForCausalLM)
+    raise KeyError(name)
+
+
+SLIDING_CASES = ("mistral-window", "qwen2-window", "qwen3-window", "gemma2", "gemma3", "gemma3-capped")
 
 
 def make_hf_model(name: str, seed: int = 0):

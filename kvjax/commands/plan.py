@@ -260,8 +260,9 @@ def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str
 
 
 def _hybrid(pl: bud.Plan, windows, args) -> tuple[hybrid.GroupPlan, hybrid.GroupPlan] | None:
-    """vLLM's hybrid KV cache groups and their all-full fallback on the plan's budget (None without one)."""
-    if pl.budget_bytes is None:
+    """vLLM's hybrid KV cache groups and their all-full fallback on the plan's budget (None without one,
+    or when the weights leave none: the plan's warning says so)."""
+    if pl.budget_bytes is None or pl.budget_bytes <= 0:
         return None
     kw = dict(block_size=pl.block_size, max_model_len=pl.context,
               max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,

@@ -189,11 +189,59 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         moe = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
     else:
         moe = ()
+    extra = {}
+    if model_type == "gemma3_text":
+        rope, extra["rope_local"] = _gemma3_ropes(cfg)
+    else:
+        rope = rope_from_hf(cfg, layout="half")
+    if model_type in _GEMMA_SCALARS:
+        attn_cap, final_cap = _GEMMA_SCALARS[model_type]
+        extra.update(query_pre_attn_scalar=_number(cfg, "query_pre_attn_scalar", ModelConfigError, default=256.0),
+                     attn_logit_softcap=_nullable(cfg, "attn_logit_softcapping", attn_cap),
+                     final_logit_softcap=_nullable(cfg, "final_logit_softcapping", final_cap))
     return ModelConfig(
-        **common, head_dim=head_dim, rope=rope_from_hf(cfg, layout="half"), qkv_bias=qkv_bias, o_bias=o_bias,
+        **common, head_dim=head_dim, rope=rope, qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), moe_layers=moe,
-        sliding_window=window if sliding else None, sliding_layers=sliding)
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), moe_layers=moe,
+        sliding_window=window if sliding else None, sliding_layers=sliding, **extra)
+
+
+# transformers' defaults of Gemma's soft-caps where a config does not name them: (attention, final logits);
+# an explicit null turns a cap off.
+_GEMMA_SCALARS = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}
+
+
+def _nullable(cfg: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    """A positive number field where null means off: absent takes `default`, null gives None."""
+    return _number(cfg, key, ModelConfigError) if key in cfg else default
+
+
+def _gemma3_ropes(cfg: Mapping[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(full layers' rope, sliding layers' rope) as transformers 5's Gemma3TextConfig reads them
+    (`convert_rope_params_to_dict`): rope_parameters keyed by layer type, else, in older configs,
+    rope_theta (default 1e6) and rope_scaling for the full layers and rope_local_base_freq (default
+    1e4, always unscaled) for the sliding ones."""
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, Mapping) or set(params) - {"full_attention", "sliding_attention"}:
+        raise RopeError("gemma3_text rope_parameters must be keyed by layer type ('full_attention', "
+                        f"'sliding_attention'), got {_show(params)}")
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise RopeError(f"rope_scaling must be an object, got {_show(scaling)}")
+    ropes = []
+    for kind, theta_key, default_theta in (("full_attention", "rope_theta", 1e6),
+                                           ("sliding_attention", "rope_local_base_freq", 1e4)):
+        layer = params.get(kind)
+        if layer is not None and not isinstance(layer, Mapping):
+            raise RopeError(f"rope_parameters[{kind!r}] must be an object, got {_show(layer)}")
+        layer = dict(layer or {"rope_type": "default"})
+        if kind == "full_attention" and scaling:
+            layer.update(scaling)
+        if layer.get("rope_theta") is None:
+            layer["rope_theta"] = _number(cfg, theta_key, RopeError, default=default_theta)
+        ropes.append(rope_from_hf({"rope_parameters": layer, "partial_rotary_factor": cfg.get("partial_rotary_factor"),
+                                   "max_position_embeddings": cfg.get("max_position_embeddings")}))
+    return ropes[0], ropes[1]
 
 
 # transformers' layer_types defaults where a config gives none: layer i slides when (i + 1) % period;

@@ -6,8 +6,8 @@ parameter count behind the weight estimates of `kvjax plan` / `kvjax tables`, an
 decoder that `models.build_model` builds. It is built from a Hugging Face config.json by
 kvjax.config.hf, or taken by name from kvjax.config.presets.
 
-- What the Flax decoder does not implement (MoE layers, sliding windows, gemma's norm, phi3's
-  fused weights, other rope types) is recorded, never dropped: the KV arithmetic does not need
+- What the Flax decoder does not implement (MoE layers, Gemma 1, phi3's fused weights, other
+  rope types) is recorded, never dropped: the KV arithmetic does not need
   it, and `models.layers.check_supported` refuses it by name when a model is built. What cannot
   even be described (a non-positive size, heads not divisible, an unknown dtype or model_type)
   raises `ModelConfigError` here.
@@ -22,6 +22,7 @@ so `kvjax plan` and `kvjax tables` start instantly.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
 from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int
@@ -117,18 +118,22 @@ class ModelConfig:
     qkv_bias: bool = False  # GQA: q/k/v projections; MLA: q_a_proj and kv_a_proj_with_mqa
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before RoPE
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    # Gemma 2 / 3 (None: the Llama behaviour)
+    query_pre_attn_scalar: float | None = None  # softmax scale query_pre_attn_scalar^-0.5 (None: head_dim^-0.5)
+    attn_logit_softcap: float | None = None  # scaled scores → c·tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # logits → c·tanh(logits / c)
+    rope_local: RopeConfig | None = None  # the sliding layers' rotary parameters (Gemma 3); None: `rope`
     # MLA
     q_lora_rank: int | None = None  # None: a single q_proj
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    # Features kvjax's models refuse, recorded so the refusal can name them.
-    moe_layers: tuple[int, ...] = ()
-    sliding_window: int | None = None
+    moe_layers: tuple[int, ...] = ()  # recorded so that models.layers.check_supported can refuse them by name
+    sliding_window: int | None = None  # W of the sliding layers: a query at q sees keys q - W < k <= q
     sliding_layers: tuple[int, ...] = ()
     dtype: str = "float32"  # params and activations
     name: str = ""  # a preset's key or the checkpoint folder's name
@@ -152,6 +157,11 @@ class ModelConfig:
             value = getattr(self, field)
             if value is not None and not (is_int(value) and value > 0):
                 raise ModelConfigError(f"{field} must be a positive integer or None, got {value!r}")
+        for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ModelConfigError(f"{field} must be a finite positive number or None, got {value!r}")
         if not self.is_mla and self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_kv_heads {self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.dtype not in DTYPES:
@@ -179,6 +189,18 @@ class ModelConfig:
         sliding = set(self.sliding_layers)
         return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
 
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rotary parameters of one layer: `rope_local` on a sliding layer when the model has one
+        (Gemma 3's rope_local_base_freq), else `rope`."""
+        if self.rope_local is not None and layer in self.sliding_layers:
+            return self.rope_local
+        return self.rope
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma 2 / 3: RMSNorms after attention and around the MLP besides the two pre-norms."""
+        return self.model_type in ("gemma2", "gemma3_text")
+
     def kv_spec(self, kv_dtype: str | None = None, skip_layers: tuple[int, ...] = ()) -> KVSpec:
         """The KV layout this model caches (kv_dtype None or "auto": the model dtype, as vLLM's
         kv_cache_dtype="auto")."""
@@ -196,8 +218,9 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameters of the whole model: `published_params` when set, else counted from the shapes
-        of a dense decoder (embedding, attention incl. MLA projections and norms, SwiGLU MLP, the
-        layer and final RMSNorms, lm_head unless tied), as transformers' `num_parameters()`."""
+        of a dense decoder (embedding, attention incl. MLA projections and norms, gated MLP, the
+        layer RMSNorms (four a layer in Gemma 2 / 3) and the final one, lm_head unless tied), as
+        transformers' `num_parameters()`."""
         if self.published_params is not None:
             return self.published_params
         who = self.name or self.model_type
@@ -221,6 +244,6 @@ class ModelConfig:
             attn = d * qkv + self.qkv_bias * qkv  # q_proj, k_proj, v_proj
             attn += n * h * d + self.o_bias * d + self.qk_norm * 2 * h  # o_proj, q_norm and k_norm
         mlp = 3 * d * i + self.mlp_bias * (2 * i + d)
-        layer = attn + mlp + 2 * d  # + input_layernorm, post_attention_layernorm
+        layer = attn + mlp + (4 if self.sandwich_norms else 2) * d  # + input_layernorm, post_attention_layernorm
         embed = self.vocab_size * d
         return embed + self.num_layers * layer + d + (0 if self.tie_word_embeddings else embed)

@@ -1,11 +1,16 @@
 """The preset registry: `PRESETS` by name, and `preset(name)`.
 
-Tiny configs for tests (GQA, MHA, MQA and MLA), and the published configs of SPEC Tables 1-2
-(Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables: each a
-`kvjax.config.model.ModelConfig`. Plain Python, no JAX.
+Tiny configs for tests (GQA, MHA, MQA and MLA), the published configs of SPEC Tables 1-2
+(Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables, and models with
+sliding-window layers for the hybrid KV cache (Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1): each a
+`kvjax.config.model.ModelConfig`. The hybrid ones are their config.json files (`HF_CONFIGS`) read
+by `kvjax.config.hf.from_hf_config`, so a preset and the real file parse the same. Plain Python, no JAX.
 """
 from __future__ import annotations
 
+from typing import Any
+
+from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfig, ModelConfigError, RopeConfig
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -51,6 +56,87 @@ PRESETS: dict[str, ModelConfig] = {
                         mscale_all_dim=1.0),
         moe_layers=tuple(range(3, 61)), name="deepseek-v3", title="DeepSeek-V3", published_params=671_000_000_000),
 }
+
+
+# ---- models with sliding-window layers: their config.json files, parsed ---------------------------
+# Each dict is the published config.json's model fields (token ids, initializer_range, use_cache,
+# transformers_version, quantization_config and the like left out). `OMITTED_DEFAULTS` are the
+# fields a file leaves out, as transformers' config class fills them in when it loads the file (its
+# __init__ defaults), written in so that the parser sees what transformers sees.
+_GEMMA3_27B_TEXT = {  # text_config of https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json
+    "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+    "torch_dtype": "bfloat16"}  # the file's top-level torch_dtype (the text_config names none)
+_GEMMA3_270M = {  # https://huggingface.co/google/gemma-3-270m/blob/main/config.json
+    "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+    "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "hidden_activation": "gelu_pytorch_tanh",
+    "attention_bias": False, "query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": None, "sliding_window": 512, "_sliding_window_pattern": 6,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3, "use_bidirectional_attention": False,
+    "torch_dtype": "bfloat16"}
+# https://huggingface.co/google/gemma-2-9b/blob/main/config.json. Its torch_dtype is not copied (no
+# stored copy of the base checkpoint's file was found; gemma-2-9b-it's says bfloat16): the parser's
+# default, bfloat16, is what vLLM serves it in either way (vllm/config/model.py _resolve_auto_dtype
+# downcasts a float32 checkpoint to bfloat16).
+_GEMMA2_9B = {
+    "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336,
+    "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "query_pre_attn_scalar": 256,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rope_theta": 10000.0,
+    "sliding_window": 4096, "sliding_window_size": 4096}
+# https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json; the file names no torch_dtype
+# (the MoE weights are MXFP4, the rest bfloat16, the parser's default).
+_GPT_OSS_20B = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "hidden_act": "silu", "attention_bias": True,
+    "num_local_experts": 32, "experts_per_token": 4, "num_experts_per_tok": 4, "swiglu_limit": 7.0,
+    "initial_context_length": 4096, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "tie_word_embeddings": False}
+# https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: gpt-oss-20b's but for these
+_GPT_OSS_120B = {**_GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+                 "layer_types": ["sliding_attention", "full_attention"] * 18}
+_MISTRAL_7B = {  # https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json
+    "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "hidden_act": "silu", "rope_theta": 10000.0,
+    "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+OMITTED_DEFAULTS: dict[str, dict[str, Any]] = {
+    # transformers' Gemma3TextConfig: 262,208 embeddings, 128K positions, rope_theta 1e6 for the full
+    # layers (scaled by the file's rope_scaling) and rope_local_base_freq 1e4 for the sliding ones, 5
+    # sliding layers in every 6, tied embeddings, no soft-caps.
+    "gemma-3-27b": {"vocab_size": 262208, "max_position_embeddings": 131072, "rms_norm_eps": 1e-06,
+                    "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "gemma-3-270m": {"tie_word_embeddings": True},  # Gemma3TextConfig's default
+    "gemma-2-9b": {"tie_word_embeddings": True},  # Gemma2Config's default
+    "gpt-oss-20b": {}, "gpt-oss-120b": {}, "mistral-7b-v0.1": {},
+}
+_PUBLISHED = {"gemma-3-27b": _GEMMA3_27B_TEXT, "gemma-3-270m": _GEMMA3_270M, "gemma-2-9b": _GEMMA2_9B,
+              "gpt-oss-20b": _GPT_OSS_20B, "gpt-oss-120b": _GPT_OSS_120B, "mistral-7b-v0.1": _MISTRAL_7B}
+# The config.json each hybrid preset is parsed from: the file's fields over transformers' defaults.
+HF_CONFIGS: dict[str, dict[str, Any]] = {name: {**OMITTED_DEFAULTS[name], **cfg} for name, cfg in _PUBLISHED.items()}
+_TITLES = {"gemma-3-27b": "Gemma-3-27B", "gemma-3-270m": "Gemma-3-270M", "gemma-2-9b": "Gemma-2-9B",
+           "gpt-oss-20b": "gpt-oss-20b", "gpt-oss-120b": "gpt-oss-120b", "mistral-7b-v0.1": "Mistral-7B-v0.1"}
+# Every gpt-oss layer is MoE, which num_params does not count: the total parameter counts of OpenAI's
+# model cards, https://huggingface.co/openai/gpt-oss-20b ("21B parameters with 3.6B active") and
+# https://huggingface.co/openai/gpt-oss-120b ("117B parameters with 5.1B active"); arXiv:2508.10925,
+# Table 1, gives 20.91B and 116.83B. The weights budget counts them at --weight-dtype (bf16 by
+# default), which is more than the MXFP4 checkpoints' 12.8 / 60.8 GiB (--weights-gib for those).
+_PUBLISHED_PARAMS = {"gpt-oss-20b": 21_000_000_000, "gpt-oss-120b": 117_000_000_000}
+
+PRESETS.update({name: from_hf_config(cfg).replace(name=name, title=_TITLES[name],
+                                                  published_params=_PUBLISHED_PARAMS.get(name))
+                for name, cfg in HF_CONFIGS.items()})
 
 
 def preset(name: str) -> ModelConfig:

@@ -2,8 +2,9 @@
 hand from vLLM's rules (kv_cache_planning._get_kv_cache_groups_uniform_page_size,
 get_kv_cache_config_from_groups, SlidingWindowSpec.max_admission_blocks_per_request,
 kv_cache_utils.get_max_concurrency_for_kv_cache_config). vLLM's own functions give the same groups,
-bytes per block, blocks and concurrency on these patterns: experiments/vllm_hybrid_reference.py, run
-on vLLM 0.33's unzipped wheel (8 of 8 the same)."""
+bytes per block, blocks and concurrency on these patterns and on the presets with sliding-window layers
+(Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1 at 8K, 32K and 128K on an H200's budget):
+experiments/vllm_hybrid_reference.py, run on vLLM 0.33's unzipped wheel (22 of 22 the same)."""
 import pytest
 
 from kvjax.accounting import hybrid
@@ -171,3 +172,55 @@ def test_plan_refuses_hybrid_flags_for_a_model_without_windows(tmp_path):
     code, out, err = _plan(tmp_path, {**MISTRAL, "sliding_window": None}, *MEM, "--max-num-batched-tokens", "4096")
     assert code == 2 and err.count("\n") == 1
     assert "--max-num-batched-tokens sizes a sliding window's blocks" in err and "no sliding-window layers" in err
+
+
+def _plan_preset(name, *args):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "kvjax.commands.main", "plan", "--preset", name, *args],
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+H200 = ["--device-memory-gib", "141", "--max-model-len", "32768"]
+
+
+def test_plan_of_the_gemma_3_27b_preset_groups_as_vllm():
+    import json
+
+    code, out, err = _plan_preset("gemma-3-27b", *H200, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    hyb, full = got["hybrid"]["hybrid"], got["hybrid"]["all_full"]
+    page = 64 * 16 * (128 + 128) * 2  # Z (kvjax plan's default block) × kv heads × (K + V dims) × bf16
+    sliding = [i for i in range(62) if (i + 1) % 6]
+    assert [g["layers"] for g in hyb["groups"]] == [sliding[i::6] for i in range(6)] + [list(range(5, 62, 6))]
+    assert hyb["bytes_per_block"] == 10 * page and full["bytes_per_block"] == 62 * page
+    assert hyb["num_blocks"] == got["budget_bytes"] // (10 * page)
+    # two batches of 8192 tokens in flight: sliding cdiv(1023 + 16384, 64) + 1 = 273, full cdiv(32768, 64) = 512
+    assert hyb["blocks_per_request"] == [273] * 6 + [512] and full["blocks_per_request"] == [512]
+    assert hyb["max_concurrency"] == hyb["num_blocks"] / (6 * 273 + 512)
+
+
+@pytest.mark.parametrize("name, groups", [
+    ("gemma-3-270m", "5 × sliding_window 512 (3, 3, 3, 3, 3 layers) + 1 × full_attention (3 layers)"),
+    ("gemma-2-9b", "1 × sliding_window 4096 (21 layers) + 1 × full_attention (21 layers)"),
+    ("gpt-oss-20b", "1 × sliding_window 128 (12 layers) + 1 × full_attention (12 layers)"),
+    ("mistral-7b-v0.1", "1 × sliding_window 4096 (32 layers)"),
+])
+def test_plan_prints_the_hybrid_section_of_each_preset(name, groups):
+    from kvjax.config.presets import preset
+
+    code, out, err = _plan_preset(name, *H200)
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("KV cache groups"))
+    # the hybrid groups, then the fallback's one group of every layer
+    assert groups in row and row.rstrip().endswith(f"1 × full_attention ({preset(name).num_layers} layers)")
+
+
+def test_plan_of_gpt_oss_120b_needs_its_checkpoint_size_on_one_h200():
+    # its 117B parameters in bf16 exceed the card; the MXFP4 checkpoint is 60.8 GiB
+    code, out, err = _plan_preset("gpt-oss-120b", *H200, "--weights-gib", "60.8")
+    assert code == 0, err
+    assert "1 × sliding_window 128 (18 layers) + 1 × full_attention (18 layers)" in out

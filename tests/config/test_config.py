@@ -36,7 +36,8 @@ def test_dense_presets_are_counted_not_looked_up():
 
 def test_preset_registry():
     assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "llama-2-7b", "llama-3-8b",
-                                "llama-3-70b", "smollm2-135m", "deepseek-v3"]
+                                "llama-3-70b", "smollm2-135m", "deepseek-v3", "gemma-3-27b", "gemma-3-270m",
+                                "gemma-2-9b", "gpt-oss-20b", "gpt-oss-120b", "mistral-7b-v0.1"]
     assert preset("Llama-3-8B") is preset("llama-3-8b")
     assert [preset(n).title for n in PUBLISHED_PARAMS] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B", "DeepSeek-V3"]
     with pytest.raises(ModelConfigError, match="unknown model preset 'llama-9'; choose one of tiny, "):
@@ -309,12 +310,12 @@ def test_sliding_layers_match_transformers_layer_types(cls, cfg):
                                       for t in ref.layer_types)
 
 
-def test_sliding_configs_parse_but_do_not_build():
+def test_sliding_configs_parse_and_what_does_not_build():
     from kvjax.models import UnsupportedModelError, build_model
 
     gemma3 = from_hf_config({**SLIDING_CONFIGS[1][1], "sliding_window": None})  # no window: every layer full
     assert gemma3.sliding_layers == () and gemma3.layer_windows == (None,) * 14
-    with pytest.raises(UnsupportedModelError, match="q/k norms, local and global RoPE bases"):
+    with pytest.raises(UnsupportedModelError, match="sliding_window null"):  # transformers' own mask refuses it
         build_model(gemma3)
     with pytest.raises(ModelConfigError, match="use_bidirectional_attention makes it an encoder"):
         from_hf_config({**SLIDING_CONFIGS[1][1], "use_bidirectional_attention": True})

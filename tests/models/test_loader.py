@@ -134,12 +134,11 @@ def test_moe_layers_are_refused_by_index():
     build_model(from_hf_config(_deepseek_config(first_k_dense_replace=4)))  # all dense: fine
 
 
-def test_sliding_window_and_unknown_configs_are_refused():
+def test_sliding_window_builds_and_unknown_configs_are_refused():
     mistral = dict(model_type="mistral", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, sliding_window=4096)
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention .window 4096. on layer 0"):
-        build_model(from_hf_config(mistral))
-    build_model(from_hf_config({**mistral, "sliding_window": None}))
+    assert build_model(from_hf_config(mistral)).config.layer_windows == (4096, 4096)  # every Mistral layer slides
+    assert build_model(from_hf_config({**mistral, "sliding_window": None})).config.layer_windows == (None, None)
     with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
         from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ModelConfigError, match="missing the field 'hidden_size'"):

@@ -1,0 +1,119 @@
+"""The engine's greedy tokens equal transformers' greedy `generate` on models with sliding-window layers.
+
+The tiny random-init checkpoints of tests/hf_fixtures.py's SLIDING_CASES (Mistral, Qwen2 and Qwen3
+with use_sliding_window, Gemma 2, Gemma 3; windows of 4 to 7 tokens), saved with save_pretrained
+and loaded with kvjax's loader, fp32. Half of the prompts share a 16-token prefix (four blocks of
+4, longer than every window), and each request runs to 30 to 52 tokens, over 4 windows. The
+engine generates them under the schedules of tests/engine/test_engine_hf.py: prefix caching on
+(the shared prefix hits) and off, 1 and 8 decode steps per call, a pool so small that requests
+are preempted and recomputed, and token budgets that split prompts over several steps.
+
+Near-ties are handled as there: the comparison of a prompt stops before the first step whose
+top-2 margin in transformers is below MARGIN, and at least 90% of the tokens must be compared.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_fixtures import SLIDING_CASES, make_hf_model, save_hf_model
+
+from kvjax.config.engine import EngineConfig
+from kvjax.engine.core import Engine
+from kvjax.engine.sampling import SamplingParams
+from kvjax.models import build_model
+from kvjax.models.loader import load_checkpoint
+
+Z = 4
+MAX_NEW = 24
+MARGIN = 1e-4
+SHARED = 16  # the shared prefix: 4 blocks, over twice the widest window
+LENGTHS = (6, 3, 9, 12, 11, 4)  # each prompt's own tokens; odd prompts start with the shared prefix
+FAST = ("gemma2",)  # the case the not-slow suite runs (its default schedule only): window, soft-caps, prefix hits
+
+
+def _prompts():
+    rng = np.random.RandomState(1)
+    shared = [int(t) for t in rng.randint(0, 128, size=SHARED)]
+    return [(shared if i % 2 else []) + [int(t) for t in rng.randint(0, 128, size=n)] for i, n in enumerate(LENGTHS)]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
+                                        for n in SLIDING_CASES])
+def case(request, tmp_path_factory):
+    hf = make_hf_model(request.param)
+    folder = save_hf_model(hf, str(tmp_path_factory.getbasetemp() / "engine-sliding" / request.param))
+    config, params = load_checkpoint(folder, dtype="float32")
+    windows = [w for w in config.layer_windows if w]
+    assert windows and all(len(p) + MAX_NEW >= 4 * max(windows) for p in PROMPTS), "sequences must outrun the window"
+    assert SHARED > max(windows)
+    want = [hf_greedy(hf, p) for p in PROMPTS]
+    assert sum(n for _, n in want) >= 0.9 * MAX_NEW * len(PROMPTS), "too many near-ties to compare"
+    return config, params, want
+
+
+def hf_greedy(hf, prompt):
+    """(tokens, comparable length): transformers' greedy continuation and how many of its tokens
+    come before the first near-tie (test_engine_hf.hf_greedy, for MAX_NEW tokens)."""
+    hf.generation_config.eos_token_id = None  # random weights: never stop early
+    hf.generation_config.pad_token_id = 0
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    margins = [float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.scores]
+    near = [i for i, m in enumerate(margins) if m < MARGIN]
+    return tokens, (near[0] if near else MAX_NEW)
+
+
+def run(case, attn_impl="reference", **kw):
+    config, params, _ = case
+    cfg = EngineConfig(**{"num_blocks": 64, "block_size": Z, "max_num_seqs": 4, "max_model_len": 56, **kw})
+    return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+
+
+def check(case, result):
+    _, _, want = case
+    for i, (res, (tokens, n)) in enumerate(zip(result.results, want)):
+        assert res.error is None, res.error
+        assert res.output[:n] == tokens[:n], f"prompt {i} ({len(PROMPTS[i])} tokens)"
+
+
+@pytest.mark.parametrize("prefix_caching, k", [(True, 8), pytest.param(True, 1, marks=pytest.mark.slow),
+                                              pytest.param(False, 8, marks=pytest.mark.slow)])
+def test_matches_transformers(case, prefix_caching, k):
+    result = run(case, prefix_caching=prefix_caching, steps_per_call=k)
+    check(case, result)
+    hits = result.summary.prefix_hit_tokens
+    assert hits >= SHARED if prefix_caching else hits == 0  # the shared prefix, longer than the window, hits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 8])
+def test_matches_transformers_with_preemption(case, k):
+    result = run(case, num_blocks=24, steps_per_call=k)  # 23 usable blocks for 4 rows of up to 13
+    assert result.summary.preemptions > 0
+    check(case, result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [8, 5])
+def test_matches_transformers_with_chunked_prefill(case, budget):
+    """Prompts split over several steps, a prefix hit followed by a chunked rest, and preemption."""
+    result = run(case, num_blocks=24, max_num_batched_tokens=budget)
+    assert result.summary.preemptions > 0 and result.summary.prefix_hit_tokens > 0
+    check(case, result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"], indirect=True)
+def test_matches_transformers_with_pallas_decode(case):
+    """The Pallas decode kernel (interpret mode on CPU) with each layer's window and Gemma 2's soft-cap."""
+    result = run(case, attn_impl="pallas", num_blocks=24, steps_per_call=8)
+    assert result.summary.preemptions > 0
+    check(case, result)
