@@ -167,8 +167,8 @@ class CausalLM(nn.Module):
                  logits_indices: jax.Array | None = None) -> tuple[jax.Array, PagedCache | ContiguousCache]:
         c = self.config
         check_supported(c)
-        if len(cache.layers) != c.num_layers:
-            raise ValueError(f"cache has {len(cache.layers)} layers, the model {c.num_layers}")
+        if cache.num_layers != c.num_layers:
+            raise ValueError(f"cache has {cache.num_layers} layers, the model {c.num_layers}")
         if tokens.shape != md.positions.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and metadata positions "
                              f"{tuple(md.positions.shape)} must both be [T]")
@@ -178,11 +178,11 @@ class CausalLM(nn.Module):
         if self.scale_embeddings:
             # transformers rounds the normalizer to the embedding dtype first (bf16: sqrt(3072) = 55.5)
             x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
-        layers = []
-        for i in range(c.num_layers):
-            x, pages = self.layer_cls(c, self.attention_cls, self.attn_impl, i, name=f"layers_{i}")(
-                x, md, cache.layers[i])
-            layers.append(pages)
+        layers = list(cache.layers)
+        for i in range(c.num_layers):  # with KV cache groups: its group's block tables, the tensor it shares
+            j = cache.slot_of(i)
+            x, layers[j] = self.layer_cls(c, self.attention_cls, self.attn_impl, i, name=f"layers_{i}")(
+                x, md.for_layer(i), layers[j])
         x = self.norm_cls(c.rms_norm_eps, c.dtype, name="norm")(x)
         if logits_indices is not None:
             x = x[logits_indices]  # [B, D]

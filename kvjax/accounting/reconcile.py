@@ -59,7 +59,7 @@ def _allocate(sized: SizingReport) -> dict:
     """Pages (with int8's per-slot scale pages), then static scales and counters, then the block
     tables, each measured as the increase of bytes in use on every device."""
     devices, mesh = sized.devices, sized.mesh
-    make = shd.cache_maker(sized.layout, sized.num_blocks, sized.block_size)
+    make = shd.cache_maker(sized.layout, sized.num_blocks, sized.block_size, layer_slots=sized.layer_slots)
     shapes = jax.eval_shape(make)
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes, mesh))
@@ -75,14 +75,15 @@ def _allocate(sized: SizingReport) -> dict:
             made[i] = a
     cache = jax.tree_util.tree_unflatten(treedef, made)
     width = cdiv(sized.max_model_len, sized.block_size)
-    tables = jax.device_put(jnp.zeros((sized.max_num_seqs, width), jnp.int32),
-                            NamedSharding(mesh, P()))  # i32[B, M]
+    num_groups = 1 if sized.groups is None else len(sized.groups.groups)  # one table per KV cache group
+    tables = jax.device_put(jnp.zeros((sized.max_num_seqs, num_groups, width), jnp.int32),
+                            NamedSharding(mesh, P()))  # i32[B, G, M]
     jax.block_until_ready(tables)
     snaps.append(mem.snapshot(devices))
     return {"cache": cache, "tables": tables, "snapshots": snaps,
             "page_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["pages"]],
             "static_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["static"]],
-            "table_bytes": sized.max_num_seqs * width * 4}
+            "table_bytes": sized.max_num_seqs * num_groups * width * 4}
 
 
 def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> Reconciliation:
@@ -97,8 +98,10 @@ def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> 
     if baseline is None:
         baseline = [b - w for b, w in zip(before_kv, sized.weights_per_device)]
     platform, rank_spec, z = sized.platform, sized.layout.rank_spec, sized.block_size
-    analytic = {"weights": sized.weights_analytic, "kv pages": sized.num_blocks * rank_spec.bytes_per_block(z),
-                "scales + counters": mem.cache_static_bytes(rank_spec), "block tables": alloc["table_bytes"]}
+    analytic = {"weights": sized.weights_analytic, "kv pages": sized.num_blocks * (
+                    rank_spec.bytes_per_block(z) if sized.groups is None else sized.groups.bytes_per_block),
+                "scales + counters": mem.cache_static_bytes(
+                    rank_spec, None if sized.groups is None else max(sized.layer_slots) + 1), "block tables": alloc["table_bytes"]}
     arrays = {"weights": list(sized.weight_arrays), "kv pages": alloc["page_arrays"],
               "scales + counters": alloc["static_arrays"], "block tables": [alloc["table_bytes"]]}
     act_analytic = sized.profile.analytic

@@ -237,10 +237,27 @@ class SizingReport:
     weight_arrays: tuple[int, ...]  # bytes of each parameter on one device
     profile: Profile
     plan: bud.Plan  # budget.plan of layout.rank_spec
+    groups: Any = None  # kvjax.accounting.hybrid.GroupPlan for a model with sliding windows, else None
 
     @property
     def num_blocks(self) -> int:
-        return self.plan.num_blocks
+        """The pool's blocks: the budget over the hybrid groups' bytes per block when there are groups."""
+        return self.plan.num_blocks if self.groups is None else self.groups.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.plan.bytes_per_block if self.groups is None else self.groups.bytes_per_block
+
+    @property
+    def layer_slots(self) -> tuple:
+        """Each layer's page tensor with groups (its place in its group), else ()."""
+        if self.groups is None:
+            return ()
+        slots = [0] * self.spec.num_layers
+        for g in self.groups.groups:
+            for j, layer in enumerate(g.layers):
+                slots[layer] = j
+        return tuple(slots)
 
     @property
     def weights_bytes(self) -> int:
@@ -280,7 +297,7 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
                      max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                      max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                      mesh: Mesh | None = None, weights_bytes: int | Sequence[int] | None = None,
-                     step: ProfileStep | None = None) -> SizingReport:
+                     step: ProfileStep | None = None, windows: Sequence[int | None] | None = None) -> SizingReport:
     """Profile `model` with `params` (already on the mesh's devices) and size its KV cache.
 
     model: a models.build_model decoder (its `.config` gives vocab and max_position_embeddings);
@@ -290,6 +307,9 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
     weights_bytes: what loading the weights took on each device (an int: on every device), as
     vLLM measures it; None: the params' resident bytes. step: a ProfileStep compiled before the
     weights were loaded (compile_profile), else one is compiled here.
+    windows: each layer's sliding window (None: full attention) for vLLM's hybrid KV cache: the
+    budget then buys blocks of the groups' bytes per block (kvjax.accounting.hybrid), which the
+    engine's grouped pool holds; None or no window: every layer full, as before.
     Raises NoUsableBlockError when the budget leaves no block besides the null block.
     """
     _check_positive(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
@@ -327,9 +347,18 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
     # The budget of one device for the layout one rank holds: its weights are already per rank.
     plan = bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total,
                     util=util, weights_bytes=max(weights), activations_bytes=profile.activations)
-    if plan.num_blocks < 2:
+    groups = None
+    if windows is not None and any(w is not None for w in windows):
+        from kvjax.accounting import hybrid
+
+        if mesh.shape[shd.AXIS] > 1:
+            raise SizingError("tensor parallelism with KV cache groups is not implemented (a model with sliding "
+                              "windows): size it with every layer full")
+        groups = hybrid.plan_groups(layout.rank_spec, windows, max(plan.budget_bytes or 0, 0), block_size=block_size,
+                                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+    if (plan.num_blocks if groups is None else groups.num_blocks) < 2:
         raise NoUsableBlockError(plan)
     leaves = jax.tree_util.tree_leaves(params)
     arrays = tuple(shd.shard_nbytes(x, x.sharding) for x in leaves)
     return SizingReport(spec, layout, mesh, block_size, max_num_batched_tokens, max_num_seqs, max_model_len,
-                        total, total_from_device, tuple(weights), sum(arrays), arrays, profile, plan)
+                        total, total_from_device, tuple(weights), sum(arrays), arrays, profile, plan, groups)

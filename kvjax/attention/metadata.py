@@ -56,6 +56,18 @@ class BatchMetadata:
     query_start: jax.Array  # i32[B]
     max_query_len: int = struct.field(pytree_node=False, default=1)  # Q
     decode: bool = struct.field(pytree_node=False, default=False)
+    # KV cache groups (kvjax.core.single_type_kv_cache_manager): every group's block tables and
+    # slots, and each layer's group; () = one group, whose tables are block_tables / slot_mapping.
+    group_tables: jax.Array | None = None  # i32[G, B, M]; a sliding group's skipped entries are null
+    group_slots: jax.Array | None = None  # i32[G, T]
+    layer_groups: tuple = struct.field(pytree_node=False, default=())
+
+    def for_layer(self, layer: int) -> "BatchMetadata":
+        """The step as layer `layer` sees it: its KV cache group's block tables and slots."""
+        if not self.layer_groups:
+            return self
+        g = self.layer_groups[layer]
+        return self.replace(block_tables=self.group_tables[g], slot_mapping=self.group_slots[g])
 
     @property
     def num_tokens(self) -> int:  # T (static)
@@ -75,11 +87,33 @@ def slot_of(block, position, block_size: int):
     return block * block_size + position % block_size
 
 
-def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
-                   block_tables: Sequence[Sequence[int]], *, block_size: int, max_tokens: int,
-                   max_seqs: int, max_blocks_per_seq: int, decode: bool = False,
-                   rows: Sequence[int] | None = None, max_query_len: int | None = None) -> BatchMetadata:
-    """Host-side metadata for one step (numpy, validated).
+def build_metadata(num_computed: Sequence[int], num_new: Sequence[int], block_tables, *, block_size: int,
+                   max_tokens: int, max_seqs: int, max_blocks_per_seq: int, decode: bool = False,
+                   rows: Sequence[int] | None = None, max_query_len: int | None = None,
+                   windows: Sequence[int | None] | None = None, layer_groups: tuple = ()) -> BatchMetadata:
+    """Host-side metadata for one step (numpy, validated); see `_build`. With KV cache groups
+    (windows: each group's sliding window, None = full attention; layer_groups: each layer's group),
+    block_tables[i] is sequence i's table in every group, and a sliding group's table may hold the
+    null block where its window no longer reaches (before the first query's window)."""
+    if windows is None:
+        return _build(num_computed, num_new, block_tables, None, block_size=block_size, max_tokens=max_tokens,
+                      max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq, decode=decode, rows=rows,
+                      max_query_len=max_query_len)
+    if len(block_tables) != len(num_new) or any(len(t) != len(windows) for t in block_tables):
+        raise MetadataError(f"block_tables must give each of the {len(num_new)} sequences one table per group "
+                            f"({len(windows)} groups)")
+    mds = [_build(num_computed, num_new, [t[g] for t in block_tables], w, block_size=block_size,
+                  max_tokens=max_tokens, max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq, decode=decode,
+                  rows=rows, max_query_len=max_query_len) for g, w in enumerate(windows)]
+    return mds[0].replace(group_tables=jnp.stack([m.block_tables for m in mds]),
+                          group_slots=jnp.stack([m.slot_mapping for m in mds]), layer_groups=tuple(layer_groups))
+
+
+def _build(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Sequence[Sequence[int]],
+           window: int | None, *, block_size: int, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
+           decode: bool = False, rows: Sequence[int] | None = None,
+           max_query_len: int | None = None) -> BatchMetadata:
+    """One group's host-side metadata (window: its sliding window, None = full attention).
 
     Sequence i already has num_computed[i] tokens in the cache and schedules num_new[i] more,
     at positions num_computed[i] .. num_computed[i] + num_new[i] - 1; block_tables[i] lists its
@@ -133,9 +167,11 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
         if len(table) < needed:
             raise MetadataError(f"sequence {i}: {end} tokens need {needed} blocks of {block_size}, "
                                 f"its block table has {len(table)}")
-        if NULL_BLOCK in table[:needed]:
+        seen = 0 if window is None else max(0, done - window + 1) // block_size  # the window's first block
+        if NULL_BLOCK in table[seen:needed]:
             raise MetadataError(f"sequence {i}: block table {list(table[:needed])} uses the null block "
-                                f"{NULL_BLOCK}, which never holds KV")
+                                f"{NULL_BLOCK}, which never holds KV" + (f", at or after block {seen}, "
+                                f"which its window of {window} still sees" if seen else ""))
         width = min(len(table), max_blocks_per_seq)
         tables[row, :width] = table[:width]
         pos = np.arange(done, end, dtype=np.int32)
@@ -153,13 +189,19 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int],
 
 
 def decode_metadata(block_tables: jax.Array, num_computed: jax.Array, active: jax.Array,
-                    block_size: int) -> BatchMetadata:
+                    block_size: int, layer_groups: tuple = ()) -> BatchMetadata:
     """Jittable metadata for a decode step: sequence b's one new token is token b.
 
-    block_tables: i32[B, M] (must already hold the block for position num_computed[b]);
-    num_computed: i32[B] tokens already cached; active: bool[B]. Inactive rows become padding.
-    Built from device arrays so a generator can run decode steps inside `lax.scan`.
+    block_tables: i32[B, M] (must already hold the block for position num_computed[b]), or
+    i32[B, G, M] with KV cache groups (layer_groups: each layer's group); num_computed: i32[B]
+    tokens already cached; active: bool[B]. Inactive rows become padding. Built from device
+    arrays so a generator can run decode steps inside `lax.scan`.
     """
+    if block_tables.ndim == 3:
+        mds = [decode_metadata(block_tables[:, g], num_computed, active, block_size)
+               for g in range(block_tables.shape[1])]
+        return mds[0].replace(group_tables=jnp.stack([m.block_tables for m in mds]),
+                              group_slots=jnp.stack([m.slot_mapping for m in mds]), layer_groups=tuple(layer_groups))
     batch = block_tables.shape[0]
     rows = jnp.arange(batch, dtype=jnp.int32)
     positions = jnp.where(active, num_computed, 0).astype(jnp.int32)  # i32[B]

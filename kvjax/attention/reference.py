@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
+from kvjax.math_utils import cdiv
 from kvjax.errors import KvjaxError, check_int
 from kvjax.worker.paged_cache import gather_pages
 
@@ -284,9 +285,17 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _check_pages(q, k_pages, v_pages)
     _check("block_tables", block_tables, 2, "[B, M]")
     window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
-    k = gather_dequant(k_pages, k_scale, block_tables)  # f32[B, S, K, H]
-    v = gather_dequant(v_pages, v_scale, block_tables)
-    mask = _decode_mask(context_lens, k.shape[1], window)
+    z, width = k_pages.shape[1], block_tables.shape[1]
+    span = width if window is None else min(width, cdiv(window - 1, z) + 1)  # the pages a window can touch
+    # With a window only those pages are gathered (the same O(W) work per sequence as the kernel):
+    # from the block holding position len - W, shifted left to stay inside the table.
+    first = jnp.clip(jnp.maximum(context_lens - (window or 0), 0) // z, 0, width - span) if span < width else \
+        jnp.zeros_like(context_lens)
+    tables = block_tables if span == width else \
+        jnp.take_along_axis(block_tables, first[:, None] + jnp.arange(span)[None, :], axis=1)  # i32[B, span]
+    k = gather_dequant(k_pages, k_scale, tables)  # f32[B, S, K, H]
+    v = gather_dequant(v_pages, v_scale, tables)
+    mask = _decode_mask(context_lens - first * z, k.shape[1], window)  # positions relative to the first page
     return _attend(q, k, v, mask, scale, sinks, softcap).astype(q.dtype)
 
 

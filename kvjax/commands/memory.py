@@ -224,7 +224,8 @@ def measure(args, phases: Phases | None = None) -> dict:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, mesh=setup.mesh,
-            weights_bytes=[b - a for a, b in zip(start, loaded)], step=step)
+            weights_bytes=[b - a for a, b in zip(start, loaded)], step=step,
+            windows=setup.config.layer_windows if args.tensor_parallel_size == 1 else None)
     except sizing.NoUsableBlockError as e:  # the library's message, in the command's flags
         p, non_kv = e.plan, e.plan.weights_bytes + e.plan.activations_bytes
         raise UsageError(f"the budget leaves {p.num_blocks} blocks of {p.bytes_per_block:,} B (requested "
@@ -246,6 +247,10 @@ def measure(args, phases: Phases | None = None) -> dict:
         "total_source": "--device-memory-gib" if args.device_memory_gib is not None else
         "device bytes_limit: the JAX allocator's pool, XLA_CLIENT_MEM_FRACTION × memory",
         "plan": plan.to_json(), "num_blocks": sized.num_blocks, "device_stats": devices[0].memory_stats(),
+        "hybrid": None if sized.groups is None else {
+            "groups": [{"window": g.window, "layers": list(g.layers)} for g in sized.groups.groups],
+            "bytes_per_block": sized.groups.bytes_per_block, "num_blocks": sized.groups.num_blocks,
+            "blocks_per_request": list(sized.groups.blocks_per_request)},
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_ENV},
         "kv_measured_over_analytic": check.kv_measured_over_analytic, "devices_agree": check.devices_agree,
         "rows": rows0, "per_device": [d.to_json() for d in check.per_device],
@@ -265,10 +270,18 @@ def render(r: dict) -> str:
         f"budget: total {h(r['total_bytes'])} ({r['total_source']}) × util {p['util']:g} = requested "
         f"{p['requested_bytes']:,} B − non-KV {r['non_kv_bytes']:,} B (weights {p['weights_bytes']:,} + "
         f"activations {p['activations_bytes']:,}) = {p['budget_bytes']:,} B for KV",
-        f"blocks: {p['budget_bytes']:,} // {p['bytes_per_block']:,} B per block = {r['num_blocks']:,} "
+        ("every layer full (the fallback the engine does not run): " if r.get("hybrid") else "blocks: ")
+        + f"{p['budget_bytes']:,} // {p['bytes_per_block']:,} B per block = {p['num_blocks']:,} "
         f"({p['usable_blocks']:,} usable, {p['token_slots']:,} token slots); {p['concurrency_blocks']} concurrent "
         f"requests of {r['max_model_len']} tokens",
     ]
+    if r.get("hybrid"):
+        hy = r["hybrid"]
+        kinds = ", ".join("full" if g["window"] is None else f"sliding {g['window']}" for g in hy["groups"])
+        lines.append(f"hybrid KV cache (vLLM's, as the engine runs it): {len(hy['groups'])} groups ({kinds}) of "
+                     f"{len(hy['groups'][0]['layers'])} layers sharing page tensors: {p['budget_bytes']:,} // "
+                     f"{hy['bytes_per_block']:,} B per block = {hy['num_blocks']:,} blocks; per request "
+                     f"{' + '.join(map(str, hy['blocks_per_request']))} blocks at {r['max_model_len']} tokens")
     if r["tp"] > 1:
         lines.append(f"tensor parallel: {r['kv_heads_per_rank']} kv head(s) per rank"
                      + (f", each kv head on {r['kv_head_replicas']} ranks" if r["kv_head_replicas"] > 1 else "")
@@ -283,6 +296,7 @@ def render(r: dict) -> str:
         diff = "n/a" if row["diff"] is None else f"{row['diff']:+,}"
         lines.append(f"{row['name']:<18} {row['analytic']:>16,} {measured:>16} {ratio:>10} {diff:>10}  {row['note']}")
     lines += ["", "analytic: weights = params × dtype bytes per device; kv pages = num_blocks × bytes_per_block "
+                  "(hybrid: the groups' bytes per block, kvjax.accounting.hybrid) "
                   "(kvjax.core.kv_cache_interface, per rank); activation peak = XLA memory_analysis of the profiled step (temp + "
                   "unaliased outputs + its inputs)"]
     for w in p["warnings"]:

@@ -54,6 +54,8 @@ class EngineConfig:
     kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
     tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.worker.sharding)
+    hybrid_kv_cache: bool = True  # a model with sliding windows: one block table per KV cache group, a window's
+    # blocks freed as it moves (vLLM's hybrid KV cache manager); False: every layer kept as full attention
 
     def __post_init__(self):
         # Every value bounded where it is given: beyond these, XLA would be asked for the impossible
@@ -66,7 +68,7 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, 1, INT32_MAX, EngineError)
-        for name in ("chunked_prefill", "prefix_caching"):
+        for name in ("chunked_prefill", "prefix_caching", "hybrid_kv_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_blocks < 2:
@@ -91,3 +93,26 @@ class EngineConfig:
         if tp > 1 and (value or self.kv_layout != "paged"):
             raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
                               "tier copies whole pages of one device)")
+
+
+def kv_cache_groups(model_config, kv_spec, config: EngineConfig) -> tuple[tuple, tuple, tuple]:
+    """(each KV cache group's window, each layer's group, each layer's page tensor): vLLM's
+    grouping (kvjax.accounting.hybrid) for a model with sliding windows on the paged layout, the
+    j-th layer of every group sharing page tensor j; else one full-attention group and () twice
+    (the window, if any, is then the attention mask alone)."""
+    windows = tuple(getattr(model_config, "layer_windows", ()) or ())
+    if not any(w is not None for w in windows) or not config.hybrid_kv_cache or config.kv_layout != "paged":
+        return (None,), (), ()
+    for what, value in (("a host offload tier", config.kv_offload_blocks),
+                        ("tensor parallelism", config.tensor_parallel_size > 1)):
+        if value:
+            raise EngineError(f"{what} with KV cache groups is not implemented: this model has sliding windows; "
+                              "pass hybrid_kv_cache=False (vLLM's disable_hybrid_kv_cache_manager) to keep one group")
+    from kvjax.accounting import hybrid
+
+    groups = hybrid.kv_cache_groups(kv_spec, windows, config.block_size)
+    layer_groups, layer_slots = [0] * len(windows), [0] * len(windows)
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            layer_groups[layer], layer_slots[layer] = g, j
+    return tuple(g.window for g in groups), tuple(layer_groups), tuple(layer_slots)

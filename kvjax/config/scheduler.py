@@ -29,6 +29,27 @@ def check_host_tier(num_host_blocks: int, prefix_caching: bool, error: type = Kv
                     "by their hashes)")
 
 
+def request_blocks(windows: tuple, block_size: int, max_num_batched_tokens: int, num_tokens: int) -> int:
+    """The most blocks a request of num_tokens holds at once, summed over the KV cache groups:
+    cdiv(num_tokens, Z) in a full group; in a sliding one at most its window's blocks plus one
+    step's chunk (freed at the next step)."""
+    full = cdiv(num_tokens, block_size)
+    return sum(full if w is None else min(full, cdiv(w - 1 + max_num_batched_tokens, block_size) + 1)
+               for w in windows)
+
+
+def pool_limits(windows: tuple, block_size: int, max_num_batched_tokens: int, usable_blocks: int,
+                max_model_len: int):
+    """(n -> `request_blocks` of n tokens, the longest request usable_blocks can hold, at most
+    max_model_len and at least 1), by bisection: request_blocks grows with n."""
+    blocks_for = functools.partial(request_blocks, windows, block_size, max_num_batched_tokens)
+    lo, hi = 1, max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if blocks_for(mid) <= usable_blocks else (lo, mid - 1)
+    return blocks_for, lo
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     num_blocks: int  # pool size P, including the null block
@@ -42,6 +63,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
     num_host_blocks: int = 0  # E host offload tier slots (kvjax.kv_offload.manager); 0 = no tier
     host_policy: str = "lru"  # the tier's eviction policy: "lru" or "arc"
+    windows: tuple = (None,)  # each KV cache group's sliding window (None: full attention), one block table each
 
     def __post_init__(self):
         check_policy(self.policy)
@@ -49,11 +71,13 @@ class SchedulerConfig:
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise KvjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if cdiv(self.max_model_len, self.block_size) > self.num_blocks - 1:
+        if self.blocks_per_request > self.num_blocks - 1:
             # Otherwise a lone request could preempt itself forever.
             raise KvjaxError(f"a max_model_len={self.max_model_len} request needs "
-                             f"{cdiv(self.max_model_len, self.block_size)} blocks but the pool "
+                             f"{self.blocks_per_request} blocks but the pool "
                              f"has only {self.num_blocks - 1} usable")
+        if len(self.windows) > 1 and self.num_host_blocks:
+            raise KvjaxError("a host offload tier serves one KV cache group (full attention) only")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # vLLM's rule too: otherwise a long prompt could never be admitted whole.
             raise KvjaxError(f"without chunked prefill, max_num_batched_tokens={self.max_num_batched_tokens} "
@@ -63,6 +87,11 @@ class SchedulerConfig:
         check_host_tier(self.num_host_blocks, self.prefix_caching)
         if self.max_requests is not None and self.max_requests < self.max_num_seqs:
             raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
+
+    @property
+    def blocks_per_request(self) -> int:
+        """`request_blocks` of a max_model_len request."""
+        return request_blocks(self.windows, self.block_size, self.max_num_batched_tokens, self.max_model_len)
 
     @property
     def num_slots(self) -> int:
@@ -92,7 +121,8 @@ def _state_bytes(config: SchedulerConfig) -> int:
 
     z = config.block_size
     shapes = jax.eval_shape(lambda: manager.init(config.num_blocks, z, config.num_slots,
-                                                 cdiv(config.max_model_len, z), config.prefix_caching))
+                                                 cdiv(config.max_model_len, z), config.prefix_caching,
+                                                 config.windows))
     host = jax.eval_shape(lambda: host_cache.init(config.num_host_blocks, config.host_policy)) \
         if config.num_host_blocks else ()
     return mem.tree_bytes((shapes, host))

@@ -69,7 +69,8 @@ def check_engine_args(kwargs: dict, *, dtype, seed, block_size, gpu_memory_utili
                       max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, scheduling_policy,
                       attention_backend, tensor_parallel_size, kv_offloading_size, kv_transfer_config, max_logprobs,
                       generation_config, chat_template, use_tqdm_on_load, scales, kv_layout, steps_per_call,
-                      kv_skip_dtype, total_memory_bytes) -> tuple[str | None, str, str | None]:
+                      kv_skip_dtype, total_memory_bytes, disable_hybrid_kv_cache_manager=False
+                      ) -> tuple[str | None, str, str | None]:
     """LLM(...)'s arguments, before a model is loaded: kwargs (the vLLM arguments kvjax does not
     name) against `_NOT_HERE`, then every named one's type and range; the engine's own rules run
     on a probe config. → (kv dtype, attention backend, model dtype): the dtypes None for "auto",
@@ -90,7 +91,7 @@ def check_engine_args(kwargs: dict, *, dtype, seed, block_size, gpu_memory_utili
                      attention_backend=attention_backend, kv_skip_dtype=kv_skip_dtype, chat_template=chat_template),
                 dict(gpu_memory_utilization=gpu_memory_utilization, kv_offloading_size=kv_offloading_size),
                 dict(num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                     total_memory_bytes=total_memory_bytes), use_tqdm_on_load, scales)
+                     total_memory_bytes=total_memory_bytes), use_tqdm_on_load, scales, disable_hybrid_kv_cache_manager)
     given = [n for n, v in (("num_gpu_blocks_override", num_gpu_blocks_override),
                             ("kv_cache_memory_bytes", kv_cache_memory_bytes),
                             ("gpu_memory_utilization", gpu_memory_utilization)) if v is not None]
@@ -122,10 +123,11 @@ def _refuse_unknown(kwargs: dict) -> None:
             raise LLMError(f"LLM({name}={value!r}): {reason}")
 
 
-def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales) -> None:
+def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales,
+                disable_hybrid_kv_cache_manager=False) -> None:
     """The LLM arguments the engine's config does not check: strings (None where optional),
     real numbers (gpu_memory_utilization in (0, 1], kv_offloading_size in GiB >= 0), byte and block
-    counts, a real bool, and scales (a file name or KVScales)."""
+    counts, real bools, and scales (a file name or KVScales)."""
     optional = {"attention_backend", "kv_skip_dtype", "chat_template"}
     for name, value in texts.items():
         if not (isinstance(value, str) or (value is None and name in optional)):
@@ -142,8 +144,10 @@ def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales
     for name, value in counts.items():
         if value is not None:
             check_int(value, name, 2 if name == "num_gpu_blocks_override" else 1, 2**62, LLMError)
-    if not isinstance(use_tqdm_on_load, bool):
-        raise LLMError(f"use_tqdm_on_load must be True or False, got {use_tqdm_on_load!r:.60}")
+    for name, flag in (("use_tqdm_on_load", use_tqdm_on_load),
+                       ("disable_hybrid_kv_cache_manager", disable_hybrid_kv_cache_manager)):
+        if not isinstance(flag, bool):
+            raise LLMError(f"{name} must be True or False, got {flag!r:.60}")
     if scales is not None and not isinstance(scales, (str, quant.KVScales)):
         raise LLMError(f"scales must be a scales file or kvjax.quant.formats.KVScales, got {type(scales).__name__}")
 

@@ -56,8 +56,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata
-from kvjax.config.engine import EngineConfig, EngineError, model_len, step_budget
-from kvjax.config.scheduler import SchedulerConfig
+from kvjax.config.engine import EngineConfig, EngineError, kv_cache_groups, model_len, step_budget
+from kvjax.config.scheduler import SchedulerConfig, pool_limits
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.scheduler import Scheduler, SchedulerError
@@ -113,16 +113,21 @@ class Engine:
         self.max_model_len = model_len(config.max_model_len, positions)  # what a request may reach
         self.usable_blocks = config.num_blocks - 1
         z = config.block_size
-        self.limits = processor.Limits(self.vocab_size, self.max_model_len, z, self.usable_blocks, config.max_logprobs,
-                                       tokenizer is not None)
+        self.kv_groups, self.layer_groups, self.layer_slots = kv_cache_groups(model_config, kv_spec, config)
         # The scheduler's table width: the longest request the pool could ever hold.
-        sched_len = min(self.max_model_len, self.usable_blocks * z)
+        blocks_for, sched_len = None, min(self.max_model_len, self.usable_blocks * z)  # one group: cdiv(n, Z)
+        if self.kv_groups != (None,):  # over the groups, with the chunk before the pool caps it (an upper bound)
+            chunk = step_budget(config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill,
+                                self.max_model_len)
+            blocks_for, sched_len = pool_limits(self.kv_groups, z, chunk, self.usable_blocks, self.max_model_len)
+        self.limits = processor.Limits(self.vocab_size, self.max_model_len, z, self.usable_blocks, config.max_logprobs,
+                                       tokenizer is not None, blocks_for)
         budget = step_budget(config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill, sched_len)
         self.scheduler_config = SchedulerConfig(
             num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
             policy=config.policy, chunked_prefill=config.chunked_prefill,
-            num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy)
+            num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy, windows=self.kv_groups)
         tp = config.tensor_parallel_size
         self.mesh = None if tp == 1 else mesh if mesh is not None else shd.make_mesh(tp)
         self._check_fits(kv_spec, sched_len, scales, sized_by)
@@ -146,7 +151,7 @@ class Engine:
         cfg, z = self.config, self.config.block_size
         if cfg.kv_layout == "contiguous":
             return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, cdiv(sched_len, z) * z)
-        return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales)
+        return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales, self.layer_slots)
 
     def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales, sized_by: str) -> None:
         """Refuse, before allocating any of it, an engine whose KV pages alone, or whose KV cache,
@@ -338,9 +343,12 @@ class Engine:
         rows = plan.rows.tolist()
         width = _table_width(plan, int(plan.seq_lens.max()), z)
         tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
-        md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled, list(plan.block_tables),
+        grouped = plan.group_tables is not None
+        md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled,
+                            list(plan.group_tables if grouped else plan.block_tables),
                             block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
-                            rows=rows, max_query_len=pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket))
+                            rows=rows, max_query_len=pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket),
+                            windows=self.kv_groups if grouped else None, layer_groups=self.layer_groups)
         tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
         positions = np.zeros(cfg.max_num_seqs, np.int32)
         positions[rows] = plan.seq_lens  # the index each sampled token takes
@@ -371,7 +379,7 @@ class Engine:
             # NumPy arguments: jit transfers them in its C++ fast path (jnp.asarray costs ~0.1 ms each).
             pool, self.cache, out, steps, used, finish, refusal = device.decode_loop(
                 self.model, self.params, pool, self.cache, decode_rows, tokens, computed, sampling_rows,
-                np.int32(max_steps), num_steps=k, width=width, num_logprobs=num_logprobs)
+                np.int32(max_steps), num_steps=k, width=width, num_logprobs=num_logprobs, layer_groups=self.layer_groups)
             out, steps, used, finish, refusal = jax.device_get((out, steps, used, finish, refusal))  # one transfer
             device.raise_refusal(plan, rows, refusal)
             return pool, out.tokens[:steps][:, rows], finish[rows], (out, int(steps), used)

@@ -24,7 +24,8 @@ bytes, as vLLM) or `gpu_memory_utilization` sizes it the way vLLM does (kvjax.ac
 one prefill, then (ceil(total × util) − weights − activations) // bytes per block, total = the
 device's memory, or `total_memory_bytes` on a CPU); with none, a GPU uses vLLM's default
 utilization 0.92 and a CPU gets enough blocks for max_num_seqs requests of max_model_len
-tokens (nothing is ever preempted).
+tokens (nothing is ever preempted). A model with sliding windows is sized by its KV cache
+groups' bytes per block, unless disable_hybrid_kv_cache_manager.
 
 This is the API layer: it imports `models/` (lazily), which the core modules never do.
 """
@@ -67,7 +68,7 @@ class LLM:
                  max_logprobs: int = 20, generation_config: str = "auto", chat_template: str | None = None,
                  use_tqdm_on_load: bool = True,
                  scales=None, kv_layout: str = "paged", steps_per_call: int = 1, kv_skip_dtype: str | None = None,
-                 total_memory_bytes: int | None = None, **kwargs):
+                 total_memory_bytes: int | None = None, disable_hybrid_kv_cache_manager: bool = False, **kwargs):
         """model: a built-in name, a checkpoint folder, `preset:NAME`, or a models.hub.LoadedModel.
         vLLM's arguments as in vLLM (module docstring), with kvjax's defaults where vLLM's follow
         the GPU (max_num_seqs 8). kv_cache_dtype: "auto" (the model dtype), fp8 = fp8_e4m3, fp8_e5m2,
@@ -98,7 +99,7 @@ class LLM:
             kv_offloading_size=kv_offloading_size, kv_transfer_config=kv_transfer_config, max_logprobs=max_logprobs,
             generation_config=generation_config, chat_template=chat_template, use_tqdm_on_load=use_tqdm_on_load,
             scales=scales, kv_layout=kv_layout, steps_per_call=steps_per_call, kv_skip_dtype=kv_skip_dtype,
-            total_memory_bytes=total_memory_bytes)
+            total_memory_bytes=total_memory_bytes, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
         tp = tensor_parallel_size
         if isinstance(model, LoadedModel):
             if model_dtype is not None and model_dtype != model.config.dtype:
@@ -123,6 +124,9 @@ class LLM:
         self.block_size = block_size
         self.tensor_parallel_size = tp
         self._engine_model = self._place(tp, attn_impl)
+        w = loaded.config.layer_windows  # sized as the engine groups them (config.engine.kv_cache_groups)
+        self._windows = w if disable_hybrid_kv_cache_manager is False and tp == 1 and kv_offloading_size is None \
+            and kv_layout == "paged" and any(w) else None
         num_blocks, why = num_gpu_blocks_override, ""
         if num_blocks is None:
             num_blocks, why = self._size(gpu_memory_utilization, kv_cache_memory_bytes, total_memory_bytes,
@@ -135,7 +139,7 @@ class LLM:
             prefix_caching=enable_prefix_caching, steps_per_call=steps_per_call, seed=seed, policy=scheduling_policy,
             kv_layout=kv_layout, kv_offload_blocks=host_blocks,
             kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size), max_logprobs=max_logprobs,
-            tensor_parallel_size=tp)
+            tensor_parallel_size=tp, hybrid_kv_cache=disable_hybrid_kv_cache_manager is False)
         module, params, mesh = self._engine_model
         self.engine = Engine(module, params, self.kv_spec, self.engine_config, scales=scales,
                              eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer, mesh=mesh, sized_by=why)
@@ -173,6 +177,9 @@ class LLM:
         if kv_bytes is not None:  # an integer >= 1 (_check_args)
             # per device, as vLLM: one rank's share of a block
             per_block = self.kv_spec.per_rank(self.tensor_parallel_size).bytes_per_block(self.block_size)
+            if self._windows is not None:  # the groups' bytes per block
+                from kvjax.accounting.hybrid import kv_cache_groups
+                per_block = max(g.block_bytes for g in kv_cache_groups(self.kv_spec, self._windows, self.block_size))
             if kv_bytes // per_block < 1:
                 raise LLMError(f"kv_cache_memory_bytes={kv_bytes:,} holds no block of {per_block:,} bytes")
             return 1 + kv_bytes // per_block, ""  # vLLM: the budget's blocks, block 0 among them as the null block
@@ -190,7 +197,7 @@ class LLM:
                                   util=DEFAULT_UTIL if util is None else util, total_bytes=total_bytes,
                                   block_size=self.block_size,
                                   max_num_batched_tokens=min(budget, max_num_seqs * self.max_model_len),
-                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, windows=self._windows)
         if report.num_blocks < 2:
             raise LLMError(f"gpu_memory_utilization={util} leaves {report.plan.budget_bytes:,} bytes for KV after "
                            f"{report.weights_bytes:,} of weights and {report.activations_bytes:,} of activations: "

@@ -5,7 +5,7 @@ others, and where a stop string ends one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvjax.engine.sampling import SamplingParams
 from kvjax.math_utils import cdiv
@@ -21,6 +21,7 @@ class Limits:
     usable_blocks: int  # the pool's blocks, the null block not counted
     max_logprobs: int  # -1: no limit
     has_tokenizer: bool  # stop strings need one
+    blocks_for: Callable[[int], int] | None = None  # blocks a request of n tokens holds at most; None: cdiv(n, Z)
 
 
 def check_request(prompt: Sequence[int], params: SamplingParams, limits: Limits) -> tuple[str | None, int]:
@@ -39,7 +40,7 @@ def check_request(prompt: Sequence[int], params: SamplingParams, limits: Limits)
                 "including at least one generated token"), 0
     room = limits.max_model_len - n
     new = room if params.max_tokens is None else min(params.max_tokens, room)
-    need = cdiv(n + new, z)
+    need = cdiv(n + new, z) if limits.blocks_for is None else limits.blocks_for(n + new)
     if need > limits.usable_blocks:
         return (f"needs {need} blocks of {z} tokens ({n} prompt + {new} new), but the pool has only "
                 f"{limits.usable_blocks} usable blocks"), 0

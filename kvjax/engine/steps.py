@@ -72,14 +72,17 @@ class _LoopCarry:
     go_on: jax.Array  # bool[]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "num_steps", "width", "num_logprobs"), donate_argnames="cache")
+@functools.partial(jax.jit, static_argnames=("model", "num_steps", "width", "num_logprobs", "layer_groups"),
+                   donate_argnames="cache")
 def decode_loop(model, params, pool: manager.KVCacheManager, cache, rows: DecodeRows, tokens, computed,
-                 sampling_rows: sampling.SamplingRows, max_steps, *, num_steps: int, width: int, num_logprobs: int):
+                 sampling_rows: sampling.SamplingRows, max_steps, *, num_steps: int, width: int, num_logprobs: int,
+                 layer_groups: tuple = ()):
     """Up to max_steps (<= num_steps) decode steps of the same requests, in one call: after each,
     the decode transition (kvjax.core.sched.transition), the host loop's rule, with the next
     step's allocation. Per row (B): rows the requests (slots -1 = empty row); tokens i32 each
     row's last token (its KV is computed now); computed i32 tokens already cached;
-    sampling_rows the rows' sampling parameters. The pool already holds the first step's
+    sampling_rows the rows' sampling parameters; layer_groups: each layer's KV cache group (() for
+    one group). The pool already holds the first step's
     allocation (the host's `schedule`). → (pool, cache, sampled [num_steps, B], steps run, blocks
     in use per step i32[num_steps], finish i32[B], refusal): refusal = (rows whose token the pool
     refused bool[B], rows whose allocation it refused although `step_fits` said it fit bool[B],
@@ -90,8 +93,9 @@ def decode_loop(model, params, pool: manager.KVCacheManager, cache, rows: Decode
 
     def body(c: _LoopCarry) -> _LoopCarry:
         used = c.used.at[c.step].set(usable - c.pool.pool.num_free)
-        tables = jnp.where(active[:, None], c.pool.reqs.block_table[slot, 0, :width], 0)  # i32[B, M]
-        md = decode_metadata(tables, c.computed, active, c.pool.reqs.block_size)
+        tables = c.pool.reqs.block_table[slot, :, :width] if layer_groups else c.pool.reqs.block_table[slot, 0, :width]
+        tables = jnp.where(active.reshape((-1,) + (1,) * (tables.ndim - 1)), tables, 0)  # i32[B, M] or [B, G, M]
+        md = decode_metadata(tables, c.computed, active, c.pool.reqs.block_size, layer_groups)
         logits, cache = forward(model, params, c.tokens, md, c.cache)  # f32[B, V]
         sampled = sampling.sample(logits, c.sampling, c.computed + 1, num_logprobs)
         new = jnp.where(active, sampled.tokens, 0)

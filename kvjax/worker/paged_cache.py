@@ -102,26 +102,48 @@ LayerRows = ContiguousKV | ContiguousLatent
 
 @struct.dataclass
 class PagedCache:
-    """All layers' pages. `layers[i]` is layer i's KVPages (or LatentPages for MLA)."""
+    """All layers' pages. `layers[i]` is layer i's KVPages (or LatentPages for MLA), or, with KV
+    cache groups, the i-th of the page tensors the groups share (vLLM's hybrid layout: a block
+    belongs to one group at a time, so the j-th layer of every group writes tensor j; layer i's is
+    `layers[layer_slots[i]]`, `slot_of(i)`)."""
 
     layers: tuple[LayerPages, ...]
     block_size: int = struct.field(pytree_node=False)  # Z
+    layer_slots: tuple = struct.field(pytree_node=False, default=())  # each layer's tensor; () = its own
+
+    def slot_of(self, layer: int) -> int:
+        """The index in `layers` of layer `layer`'s pages."""
+        return self.layer_slots[layer] if self.layer_slots else layer
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_slots) if self.layer_slots else len(self.layers)
 
     @classmethod
     def create(cls, spec: KVSpec, num_blocks: int, block_size: int,
-               scales: quant.KVScales | None = None) -> "PagedCache":
+               scales: quant.KVScales | None = None, layer_slots: tuple = ()) -> "PagedCache":
         """Zeroed pages for `spec`: num_blocks blocks (block 0 the null block) of block_size slots.
 
         fp8 layers take their static scales from `scales` (per layer: K and V f32[K], or the
-        MLA latent's f32[C]); without it they get vLLM's default, 1.0 everywhere.
+        MLA latent's f32[C]); without it they get vLLM's default, 1.0 everywhere. layer_slots:
+        with KV cache groups, each layer's tensor (its place in its group); the layers sharing a
+        tensor must share its format, so per-layer kv dtypes and calibrated scales are refused.
         """
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             check_int(value, name, 1, None, CacheError)
         if num_blocks < 2:
             raise CacheError(f"num_blocks {num_blocks} leaves no usable block: block 0 is the null block")
         _check_scales(spec, scales)
+        if layer_slots:
+            layer_slots = tuple(int(j) for j in layer_slots)
+            if len(layer_slots) != spec.num_layers or sorted(set(layer_slots)) != list(range(max(layer_slots) + 1)):
+                raise CacheError(f"layer_slots {layer_slots} must give each of the {spec.num_layers} layers one of "
+                                 "the tensors 0, 1, ..., each used")
+            if scales is not None or len({spec.layer_dtype(i).name for i in range(spec.num_layers)}) > 1:
+                raise CacheError("KV cache groups share page tensors between layers: per-layer kv dtypes "
+                                 "(kv_cache_dtype_skip_layers) and calibrated per-layer scales cannot be shared")
         layers = []
-        for i in range(spec.num_layers):
+        for i in range(max(layer_slots) + 1 if layer_slots else spec.num_layers):
             kv = spec.layer_dtype(i)
             if not kv.storage:
                 raise CacheError(f"kv dtype {kv.name!r} (layer {i}) is accounted for by "
@@ -138,7 +160,7 @@ class PagedCache:
                 layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                                       _layer_scale(kv, shape, scales, "k", i),
                                       _layer_scale(kv, shape, scales, "v", i), zero, kv.name))
-        return cls(tuple(layers), block_size)
+        return cls(tuple(layers), block_size, layer_slots)
 
     @property
     def num_blocks(self) -> int:
@@ -170,6 +192,13 @@ class ContiguousCache:
     """All layers' rows: `layers[i]` is layer i's ContiguousKV (or ContiguousLatent for MLA)."""
 
     layers: tuple[LayerRows, ...]
+
+    def slot_of(self, layer: int) -> int:
+        return layer
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     @classmethod
     def create(cls, spec: KVSpec, num_rows: int, max_len: int) -> "ContiguousCache":

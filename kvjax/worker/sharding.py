@@ -225,12 +225,12 @@ def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
                                                    layer) for layer in cache.layers))
 
 
-def cache_maker(layout: TPLayout, num_blocks: int, block_size: int, scales=None):
+def cache_maker(layout: TPLayout, num_blocks: int, block_size: int, scales=None, layer_slots: tuple = ()):
     """A function of no arguments that creates the zeroed paged cache of `layout.cache_spec` (to
     jit into its shards, or to eval_shape). `scales`: the model's fp8 KVScales (per original kv
-    head; repeated here)."""
+    head; repeated here); layer_slots: with KV cache groups, each layer's shared page tensor."""
     spec, scales = layout.cache_spec, replicate_scales(scales, layout)
-    return lambda: PagedCache.create(spec, num_blocks, block_size, scales)
+    return lambda: PagedCache.create(spec, num_blocks, block_size, scales, layer_slots)
 
 
 def create_cache(layout: TPLayout, num_blocks: int, block_size: int, mesh: Mesh, scales=None) -> PagedCache:

@@ -154,3 +154,30 @@ def test_progress_bar_on_a_terminal_and_never_with_no_progress(checkpoints, caps
     assert "memory:" in err and "phases" in err and "profile one step" in err
     rc, out, err = _memory(capsys, "--model", checkpoints["gqa"], *SMALL, "--json", "--no-progress")
     assert rc == 0 and json.loads(out)["num_blocks"] > 0 and err == ""
+
+
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "sliding_window": 20,
+          "sliding_window_pattern": 6, "query_pre_attn_scalar": 16, "torch_dtype": "float32"}
+
+
+def test_hybrid_model_reconciles_to_the_byte(tmp_path, capsys):
+    """A Gemma 3 shape (5 sliding : 1 full, 7 layers): the pool is sized as vLLM's hybrid KV cache
+    (7 groups of one layer, a block = one layer's page), its page tensors shared by the groups,
+    and every row analytic == measured."""
+    params = init_params(build_model(from_hf_config(GEMMA3)), jax.random.key(1))
+    save_checkpoint(tmp_path, GEMMA3, params)
+    rc, out, err = _memory(capsys, "--model", str(tmp_path), *SMALL, "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    _check_exact(report)
+    hy, plan = report["hybrid"], report["plan"]
+    assert [g["window"] for g in hy["groups"]] == [20] * 6 + [None] and all(len(g["layers"]) == 1 for g in hy["groups"])
+    page = 2 * 16 * 2 * 16 * 4  # K and V × 16 slots × 2 kv heads × 16 dims × 4 B: one layer
+    assert hy["bytes_per_block"] == page and plan["bytes_per_block"] == 7 * page
+    assert report["num_blocks"] == hy["num_blocks"] == plan["budget_bytes"] // page
+    assert report["rows"][1]["analytic"] == report["num_blocks"] * page
+    assert report["rows"][3]["analytic"] == 4 * 7 * (128 // 16) * 4  # i32[max_num_seqs, G, cdiv(len, Z)]
+    # per request: a full group cdiv(128, 16) = 8; a sliding one cdiv(min(19 + 64, 128), 16) + 1 = 7
+    assert hy["blocks_per_request"] == [7] * 6 + [8]

@@ -96,7 +96,22 @@ def test_matches_transformers(case, prefix_caching, k):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 8])
 def test_matches_transformers_with_preemption(case, k):
-    result = run(case, num_blocks=24, steps_per_call=k)  # 23 usable blocks for 4 rows of up to 13
+    # 23 usable blocks for 4 rows of up to 13, every layer kept as full attention
+    result = run(case, num_blocks=24, steps_per_call=k, hybrid_kv_cache=False)
+    assert result.summary.preemptions > 0
+    check(case, result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 8])
+def test_matches_transformers_with_preemption_on_groups(case, k):
+    """The grouped allocator preempting: the smallest pool the scheduler accepts (one request's
+    most blocks, over all groups, plus the null block) for 4 rows, with 8-token chunks."""
+    config, params, _ = case
+    probe = Engine(build_model(config), params, config.kv_spec(), EngineConfig(
+        num_blocks=64, block_size=Z, max_num_seqs=4, max_model_len=56, max_num_batched_tokens=8))
+    result = run(case, num_blocks=probe.scheduler_config.blocks_per_request + 1, steps_per_call=k,
+                 max_num_batched_tokens=8)
     assert result.summary.preemptions > 0
     check(case, result)
 
@@ -105,8 +120,11 @@ def test_matches_transformers_with_preemption(case, k):
 @pytest.mark.parametrize("budget", [8, 5])
 def test_matches_transformers_with_chunked_prefill(case, budget):
     """Prompts split over several steps, a prefix hit followed by a chunked rest, and preemption."""
-    result = run(case, num_blocks=24, max_num_batched_tokens=budget)
+    result = run(case, num_blocks=24, max_num_batched_tokens=budget, hybrid_kv_cache=False)
     assert result.summary.preemptions > 0 and result.summary.prefix_hit_tokens > 0
+    check(case, result)
+    result = run(case, max_num_batched_tokens=budget)  # the grouped allocator, chunked, with prefix hits
+    assert result.summary.prefix_hit_tokens > 0
     check(case, result)
 
 
@@ -117,3 +135,22 @@ def test_matches_transformers_with_pallas_decode(case):
     result = run(case, attn_impl="pallas", num_blocks=24, steps_per_call=8)
     assert result.summary.preemptions > 0
     check(case, result)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_grouped_allocator_frees_what_the_window_left(case, k):
+    """On the grouped allocator (one block table per KV cache group, vLLM's hybrid KV cache
+    manager, the default) the windows' blocks are freed as they move: the same tokens as with
+    every layer kept as full attention, and fewer layer pages held at the peak. A block of the
+    grouped pool holds one page per layer of a group (vLLM's bytes per block), a block of the
+    all-full pool one per layer of the model."""
+    from kvjax.accounting import hybrid
+
+    config, _, want = case
+    groups = hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows, Z)
+    assert any(g.window is not None for g in groups)
+    grouped, full = run(case, steps_per_call=k), run(case, steps_per_call=k, hybrid_kv_cache=False)
+    check(case, grouped)
+    assert [r.output for r in grouped.results] == [r.output for r in full.results]
+    per_block = max(len(g.layers) for g in groups)
+    assert grouped.summary.peak_blocks_used * per_block < full.summary.peak_blocks_used * config.num_layers

@@ -30,6 +30,8 @@ class StepPlan:
     num_preemptions: np.ndarray  # i32[B] times each request was preempted before
     loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # i32[loads, 2] (host slot,
     # device block): host tier hits to copy in before the step runs, then `Scheduler.loads_done`
+    group_tables: np.ndarray | None = None  # i32[B, G, M] with sliding windows: every group's tables (group 0's
+    # are block_tables; a sliding group's skipped entries are null); None with one full-attention group
 
     @property
     def num_requests(self) -> int:

@@ -113,7 +113,7 @@ class Scheduler(SchedulerUpdates):
         # Committed to the device, as every pool function's output is: otherwise a function first
         # called on the fresh state compiles once more when it later sees a committed one.
         self.state = jax.device_put(manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,
-                                                 config.prefix_caching), self.placement)
+                                                 config.prefix_caching, config.windows), self.placement)
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -350,8 +350,9 @@ class Scheduler(SchedulerUpdates):
         reqs = [self.requests[r] for r in step.scheduled]
         nums = np.array([step.scheduled[r.req_id] for r in reqs], np.int32)
         slots = np.array([r.slot for r in reqs], np.int32)
-        tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots, 0] if reqs else \
-            np.zeros((0, self.max_blocks), np.int32)
+        groups = len(self.config.windows)
+        tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
+            np.zeros((0, groups, self.max_blocks), np.int32)
         seq_lens = np.array([step.starts[r.req_id] for r in reqs], np.int32) + nums  # in the cache after the step
         token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
         stop_ids = np.full((len(reqs), pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
@@ -360,7 +361,7 @@ class Scheduler(SchedulerUpdates):
         return StepPlan(
             req_ids=tuple(r.req_id for r in reqs), slots=slots, rows=np.array([r.row for r in reqs], np.int32),
             num_scheduled=nums, token_ids=token_ids,
-            block_tables=tables, seq_lens=seq_lens,
+            block_tables=tables[:, 0], group_tables=None if self.config.windows == (None,) else tables, seq_lens=seq_lens,
             sample=np.array([e == r.num_tokens for r, e in zip(reqs, seq_lens)], bool),
             preempted=tuple(step.preempted),
             remaining=np.array([r.max_new_tokens - len(r.output) for r in reqs], np.int32).reshape(-1),
