@@ -47,8 +47,8 @@ def _simulate(pool, blocks, live, counts):
 
 def test_free_and_take_equals_the_list_simulation():
     rng = random.Random(3)
+    p = 24  # fixed shapes: every primitive compiles once
     for _ in range(60):
-        p = rng.randint(3, 24)
         pool, order, _ = block_pool.take(block_pool.init(p), jnp.asarray([rng.randint(0, p - 1)], jnp.int32))
         held = [int(x) for x in np.asarray(order)[:int((np.asarray(pool.ref_cnt) > 0).sum())]]
         shared = [x for x in held if rng.random() < 0.3]
@@ -59,7 +59,7 @@ def test_free_and_take_equals_the_list_simulation():
                                 jnp.arange(p, dtype=jnp.int32))
         back = [x for x in held if x not in shared and rng.random() < 0.3]  # some hashed blocks queue at the tail
         pool = block_pool.release(pool, jnp.asarray(back + [0] * (p - len(back)), jnp.int32), len(back))
-        rounds, groups, width = rng.randint(1, 4), rng.randint(1, 2), rng.randint(1, 4)
+        rounds, groups, width = 3, 2, 3
         blocks, live = np.zeros((rounds, groups, width), np.int32), np.zeros((rounds, groups, width), bool)
         holds = {x: int(c) for x, c in enumerate(np.asarray(pool.ref_cnt)) if c}
         free, counts = int(pool.num_free), []
@@ -68,7 +68,7 @@ def test_free_and_take_equals_the_list_simulation():
             for g in range(groups):
                 for a in range(width):
                     left = [x for x, c in holds.items() if c and x not in used]
-                    if left and rng.random() < 0.6:
+                    if left and rng.random() < (0.6 if rng.random() < 0.5 else 0.2):
                         x = rng.choice(left)
                         blocks[b, g, a], live[b, g, a] = x, True
                         used.add(x)
@@ -256,8 +256,8 @@ class NoCachingMachine(HybridMachine):
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = settings(max_examples=40, stateful_step_count=40, **_SETTINGS)
+TestHybridMachine.settings = settings(max_examples=30, stateful_step_count=30, **_SETTINGS)
 TestSlidingFirstMachine = SlidingFirstMachine.TestCase
-TestSlidingFirstMachine.settings = settings(max_examples=15, stateful_step_count=30, **_SETTINGS)
+TestSlidingFirstMachine.settings = settings(max_examples=12, stateful_step_count=25, **_SETTINGS)
 TestNoCachingMachine = NoCachingMachine.TestCase
-TestNoCachingMachine.settings = settings(max_examples=15, stateful_step_count=30, **_SETTINGS)
+TestNoCachingMachine.settings = settings(max_examples=12, stateful_step_count=25, **_SETTINGS)

@@ -30,6 +30,9 @@ MARGIN = 1e-4
 SHARED = 16  # the shared prefix: 4 blocks, over twice the widest window
 LENGTHS = (6, 3, 9, 12, 11, 4)  # each prompt's own tokens; odd prompts start with the shared prefix
 FAST = ("gemma2",)  # the case the not-slow suite runs (its default schedule only): window, soft-caps, prefix hits
+# The four families every schedule runs on (Qwen3's and Gemma 3's soft-capped variant: the default schedule and
+# tests/models/test_sliding_models.py's logits); one extra schedule each on a rotating case keeps the suite short.
+FAMILIES = ("mistral-window", "qwen2-window", "gemma2", "gemma3")
 
 
 def _prompts():
@@ -71,8 +74,16 @@ def hf_greedy(hf, prompt):
 
 
 def run(case, attn_impl="reference", **kw):
+    """The engine over PROMPTS; by default a pool of 64 blocks of every layer's pages: on the grouped
+    allocator, whose block is one group's pages, the same bytes in more blocks."""
     config, params, _ = case
-    cfg = EngineConfig(**{"num_blocks": 64, "block_size": Z, "max_num_seqs": 4, "max_model_len": 56, **kw})
+    if "num_blocks" not in kw:
+        from kvjax.accounting import hybrid
+
+        per_block = config.num_layers if kw.get("hybrid_kv_cache") is False else \
+            max(len(g.layers) for g in hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows, Z))
+        kw["num_blocks"] = 64 * config.num_layers // per_block
+    cfg = EngineConfig(**{"block_size": Z, "max_num_seqs": 4, "max_model_len": 56, **kw})
     return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(
         PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
@@ -84,8 +95,7 @@ def check(case, result):
         assert res.output[:n] == tokens[:n], f"prompt {i} ({len(PROMPTS[i])} tokens)"
 
 
-@pytest.mark.parametrize("prefix_caching, k", [(True, 8), pytest.param(True, 1, marks=pytest.mark.slow),
-                                              pytest.param(False, 8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("prefix_caching, k", [(True, 8)])
 def test_matches_transformers(case, prefix_caching, k):
     result = run(case, prefix_caching=prefix_caching, steps_per_call=k)
     check(case, result)
@@ -94,7 +104,17 @@ def test_matches_transformers(case, prefix_caching, k):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("case", FAMILIES, indirect=True)
+@pytest.mark.parametrize("prefix_caching, k", [(True, 1), (False, 8)])
+def test_matches_transformers_other_schedules(case, prefix_caching, k):
+    test_matches_transformers(case, prefix_caching, k)
+
+
+def _rotate(*cases_and_args):
+    return [pytest.param(c, a, marks=pytest.mark.slow) for c, a in cases_and_args]
+
+
+@pytest.mark.parametrize("case, k", _rotate(*[(c, 1) for c in FAMILIES], ("gemma3", 8)), indirect=["case"])
 def test_matches_transformers_with_preemption(case, k):
     # 23 usable blocks for 4 rows of up to 13, every layer kept as full attention
     result = run(case, num_blocks=24, steps_per_call=k, hybrid_kv_cache=False)
@@ -102,22 +122,26 @@ def test_matches_transformers_with_preemption(case, k):
     check(case, result)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("case, k", _rotate(*[(c, 1) for c in FAMILIES], ("gemma2", 8)), indirect=["case"])
 def test_matches_transformers_with_preemption_on_groups(case, k):
     """The grouped allocator preempting: the smallest pool the scheduler accepts (one request's
     most blocks, over all groups, plus the null block) for 4 rows, with 8-token chunks."""
-    config, params, _ = case
-    probe = Engine(build_model(config), params, config.kv_spec(), EngineConfig(
-        num_blocks=64, block_size=Z, max_num_seqs=4, max_model_len=56, max_num_batched_tokens=8))
-    result = run(case, num_blocks=probe.scheduler_config.blocks_per_request + 1, steps_per_call=k,
-                 max_num_batched_tokens=8)
+    result = run(case, num_blocks=tight(case), steps_per_call=k, max_num_batched_tokens=8)
     assert result.summary.preemptions > 0
     check(case, result)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("budget", [8, 5])
+def tight(case) -> int:
+    """The smallest grouped pool the scheduler accepts with 8-token chunks: one request's most
+    blocks over all groups, plus the null block."""
+    config, params, _ = case
+    probe = Engine(build_model(config), params, config.kv_spec(), EngineConfig(
+        num_blocks=64, block_size=Z, max_num_seqs=4, max_model_len=56, max_num_batched_tokens=8))
+    return probe.scheduler_config.blocks_per_request + 1
+
+
+@pytest.mark.parametrize("case, budget", _rotate(*[(c, 5) for c in FAMILIES], ("qwen2-window", 8)),
+                         indirect=["case"])
 def test_matches_transformers_with_chunked_prefill(case, budget):
     """Prompts split over several steps, a prefix hit followed by a chunked rest, and preemption."""
     result = run(case, num_blocks=24, max_num_batched_tokens=budget, hybrid_kv_cache=False)
@@ -132,12 +156,13 @@ def test_matches_transformers_with_chunked_prefill(case, budget):
 @pytest.mark.parametrize("case", ["gemma2", "gemma3"], indirect=True)
 def test_matches_transformers_with_pallas_decode(case):
     """The Pallas decode kernel (interpret mode on CPU) with each layer's window and Gemma 2's soft-cap."""
-    result = run(case, attn_impl="pallas", num_blocks=24, steps_per_call=8)
+    result = run(case, attn_impl="pallas", num_blocks=tight(case), steps_per_call=8, max_num_batched_tokens=8)
     assert result.summary.preemptions > 0
     check(case, result)
 
 
-@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("case, k", [("gemma2", 8)] + _rotate(*[(c, 8) for c in FAMILIES if c != "gemma2"],
+                                                               ("gemma3", 1)), indirect=["case"])
 def test_grouped_allocator_frees_what_the_window_left(case, k):
     """On the grouped allocator (one block table per KV cache group, vLLM's hybrid KV cache
     manager, the default) the windows' blocks are freed as they move: the same tokens as with
