@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.config.model import ModelConfig
-from kvjax.models.layers import MLP, CausalLM
+from kvjax.models.layers import MLP, CausalLM, rms_normalized
 from kvjax.models.llama import GQAAttention
 from kvjax.worker.paged_cache import LayerPages, LayerRows
 
@@ -44,9 +44,7 @@ class GemmaRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] → [..., D]
         weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), jnp.dtype(self.dtype))
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 class GemmaAttention(GQAAttention):

@@ -108,6 +108,12 @@ class Attention(nn.Module):
         return self.attend(x, md, pages)
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in f32 (both norms' shared step). [..., D] → f32[..., D]."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) × weight, normalized in f32 and cast back before the weight (as transformers)."""
 
@@ -117,9 +123,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] → [..., D]
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return weight * normed.astype(x.dtype)
+        return weight * rms_normalized(x, self.eps).astype(x.dtype)
 
 
 class MLP(nn.Module):

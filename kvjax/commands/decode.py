@@ -6,14 +6,12 @@
 
 It runs `kvjax.LLM(...).generate` and prints what came back. Engine flags are vLLM's engine
 args (--kv-cache-dtype, --block-size, --num-gpu-blocks-override, --gpu-memory-utilization,
---kv-cache-memory-bytes, --[no-]enable-prefix-caching, --[no-]enable-chunked-prefill,
---max-num-seqs, --max-model-len, --max-num-batched-tokens, --scheduling-policy,
---attention-backend, --kv-offloading-size, --kv-transfer-config, --seed, --dtype,
---max-logprobs); sampling flags are SamplingParams' fields with vLLM's defaults (temperature
-1.0: pass --greedy or --temperature 0 for argmax).
+--kv-cache-memory-bytes, --[no-]enable-prefix-caching, --[no-]enable-chunked-prefill, --max-num-seqs,
+--max-model-len, --max-num-batched-tokens, --scheduling-policy, --attention-backend, --kv-offloading-size,
+--kv-transfer-config, --disable-hybrid-kv-cache-manager, --seed, --dtype, --max-logprobs); sampling flags
+are SamplingParams' fields with vLLM's defaults (temperature 1.0: --greedy or --temperature 0 for argmax).
 
-Prompts: `--prompts FILE` (one per line, or `.jsonl` requests) or `--synthetic N` random
-prompts; kvjax/commands/prompts.py says how they become requests.
+Prompts: `--prompts FILE` (lines, or `.jsonl` requests) or `--synthetic N` (kvjax/commands/prompts.py).
 
 Stopping: a request ends at --max-tokens, at the model's max length, when it samples the
 model's EOS (config.json / generation_config.json `eos_token_id`; --ignore-eos generates past
@@ -49,6 +47,7 @@ import sys
 from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
                                    progress_enabled)
 from kvjax.commands.prompts import build_requests, read_prompts, refused_output, sampling_params
+from kvjax.accounting.hybrid import kv_cache_groups
 from kvjax.config.scheduler import check_host_tier
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, UsageError, float_arg, int_arg, json_type, loads
 from kvjax.math_utils import cdiv
@@ -95,6 +94,8 @@ def add_parser(sub) -> None:
     cache.add_argument("--kv-transfer-config", metavar="JSON",
                        help='the host tier\'s connector settings, e.g. \'{"kv_connector_extra_config": '
                             '{"eviction_policy": "arc"}}\' (default lru)')
+    cache.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", help="a model with sliding "
+                       "windows keeps every layer full (default: vLLM's hybrid KV cache, a block table per group)")
     cache.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="split long prompts over steps (default on; off: the step budget covers the longest "
                             "prompt)")
@@ -196,7 +197,10 @@ def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
     if num_blocks is None and args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
         limit = args.max_model_len or loaded.config.max_position_embeddings
         longest = min(max((len(r["tokens"]) + r["max_tokens"] for r in requests), default=1), limit)
-        num_blocks = 1 + args.max_num_seqs * cdiv(longest, z)
+        c = loaded.config  # on the hybrid KV cache a request takes its blocks in every group
+        groups = 1 if args.disable_hybrid_kv_cache_manager or not any(c.layer_windows) else len(
+            kv_cache_groups(c.kv_spec(), c.layer_windows, z))
+        num_blocks = 1 + args.max_num_seqs * groups * cdiv(longest, z)
     return LLM(loaded, kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
                scales=scales, block_size=z,
                num_gpu_blocks_override=num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -207,7 +211,8 @@ def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
                enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
                attention_backend=args.attention_backend, seed=args.seed, max_logprobs=args.max_logprobs,
                kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=transfer,
-               steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size)
+               steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size,
+               disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
 
 
 def _generate(llm, runnable: list, args, show: bool):
