@@ -256,8 +256,8 @@ class NoCachingMachine(HybridMachine):
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = settings(max_examples=30, stateful_step_count=30, **_SETTINGS)
+TestHybridMachine.settings = settings(max_examples=25, stateful_step_count=30, **_SETTINGS)
 TestSlidingFirstMachine = SlidingFirstMachine.TestCase
-TestSlidingFirstMachine.settings = settings(max_examples=12, stateful_step_count=25, **_SETTINGS)
+TestSlidingFirstMachine.settings = settings(max_examples=10, stateful_step_count=25, **_SETTINGS)
 TestNoCachingMachine = NoCachingMachine.TestCase
-TestNoCachingMachine.settings = settings(max_examples=12, stateful_step_count=25, **_SETTINGS)
+TestNoCachingMachine.settings = settings(max_examples=10, stateful_step_count=25, **_SETTINGS)
