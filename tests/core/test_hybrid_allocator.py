@@ -159,8 +159,8 @@ def _same(a, b):
     return all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("prefix_caching, windows", [(True, (None, 5)), (False, (None, 5)), (False, (4,)),
-                                                     (True, (6, None, 6))])
+@pytest.mark.parametrize("prefix_caching, windows", [(True, (6, None, 6)), (False, (4,)),
+                                                     pytest.param(False, (None, 5), marks=pytest.mark.slow)])
 def test_allocate_step_with_windows_equals_one_at_a_time(prefix_caching, windows):
     """Requests of different lengths (two sharing a prefix) decode until the pool runs out: each
     step frees blocks the windows left and takes new ones; the batched step must leave exactly the
@@ -256,7 +256,7 @@ class NoCachingMachine(HybridMachine):
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = settings(max_examples=25, stateful_step_count=30, **_SETTINGS)
+TestHybridMachine.settings = settings(max_examples=20, stateful_step_count=30, **_SETTINGS)
 TestSlidingFirstMachine = SlidingFirstMachine.TestCase
 TestSlidingFirstMachine.settings = settings(max_examples=10, stateful_step_count=25, **_SETTINGS)
 TestNoCachingMachine = NoCachingMachine.TestCase

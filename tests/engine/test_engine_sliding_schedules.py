@@ -14,7 +14,7 @@ def case(request, tmp_path_factory):
     return make_case(request.param, tmp_path_factory)
 
 
-@pytest.mark.parametrize("case, k", _rotate(("qwen2-window", 1), ("gemma3", 8)), indirect=["case"])
+@pytest.mark.parametrize("case, k", _rotate(("qwen2-window", 1)), indirect=["case"])
 def test_matches_transformers_with_preemption(case, k):
     # 23 usable blocks for 4 rows of up to 13, every layer kept as full attention
     result = run(case, num_blocks=24, steps_per_call=k, hybrid_kv_cache=False)
@@ -22,7 +22,7 @@ def test_matches_transformers_with_preemption(case, k):
     check(case, result)
 
 
-@pytest.mark.parametrize("case, k", _rotate(("mistral-window", 1), ("gemma3", 1), ("gemma2", 8)), indirect=["case"])
+@pytest.mark.parametrize("case, k", _rotate(("mistral-window", 1), ("gemma3", 8)), indirect=["case"])
 def test_matches_transformers_with_preemption_on_groups(case, k):
     """The grouped allocator preempting: the smallest pool the scheduler accepts (one request's
     most blocks, over all groups, plus the null block) for 4 rows, with 8-token chunks."""
@@ -31,7 +31,7 @@ def test_matches_transformers_with_preemption_on_groups(case, k):
     check(case, result)
 
 
-@pytest.mark.parametrize("case, budget", _rotate(("gemma3", 5), ("mistral-window", 8)), indirect=["case"])
+@pytest.mark.parametrize("case, budget", _rotate(("gemma3", 5)), indirect=["case"])
 def test_matches_transformers_with_chunked_prefill(case, budget):
     """Prompts split over several steps, a prefix hit followed by a chunked rest, and preemption."""
     result = run(case, num_blocks=24, max_num_batched_tokens=budget, hybrid_kv_cache=False)
