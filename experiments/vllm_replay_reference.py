@@ -22,6 +22,7 @@ printing the trace and both states.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -36,18 +37,16 @@ def _vllm(src: str, deps: str | None):
     for p in ([deps] if deps else []) + [src]:
         sys.path.insert(0, p)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    import torch
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return dict(torch=torch, SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
-                hasher=get_request_block_hasher, Full=FullAttentionSpec, Config=KVCacheConfig,
-                Group=KVCacheGroupSpec, Sliding=SlidingWindowSpec, Request=Request)
+    # Imported by name from the wheel's folder on sys.path: vLLM is a reference here, not a dependency.
+    mod = importlib.import_module
+    utils, interface = mod("vllm.v1.core.kv_cache_utils"), mod("vllm.v1.kv_cache_interface")
+    sha256 = mod("vllm.utils.hashing").sha256
+    utils.init_none_hash(sha256)
+    return dict(torch=mod("torch"), SamplingParams=mod("vllm.sampling_params").SamplingParams, sha256=sha256,
+                KVCacheManager=mod("vllm.v1.core.kv_cache_manager").KVCacheManager,
+                hasher=utils.get_request_block_hasher, Full=interface.FullAttentionSpec,
+                Config=interface.KVCacheConfig, Group=interface.KVCacheGroupSpec,
+                Sliding=interface.SlidingWindowSpec, Request=mod("vllm.v1.request").Request)
 
 
 class VllmReplay:
