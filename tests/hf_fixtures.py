@@ -107,3 +107,18 @@ def hf_logits(model, tokens) -> np.ndarray:
     """f32[S, V] logits of one sequence from transformers (no cache)."""
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(tokens)[None], dtype=torch.long)).logits[0].float().numpy()
+
+
+def hf_greedy(hf, prompt, max_new: int, margin: float):
+    """(tokens, comparable length): transformers' greedy continuation of max_new tokens and how many
+    of them come before the first near-tie (a step whose top-2 logit margin is below margin)."""
+    hf.generation_config.eos_token_id = None  # random weights: never stop early
+    hf.generation_config.pad_token_id = 0
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    margins = [float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.scores]
+    near = [i for i, m in enumerate(margins) if m < margin]
+    return tokens, (near[0] if near else max_new)

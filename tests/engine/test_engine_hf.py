@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from hf_fixtures import make_hf_model, save_hf_model
+from hf_fixtures import hf_greedy, make_hf_model, save_hf_model
 
 from kvjax.config.engine import EngineConfig
 from kvjax.engine.core import Engine
@@ -42,21 +41,6 @@ def _prompts():
 PROMPTS = _prompts()
 
 
-def hf_greedy(hf, prompt):
-    """(tokens, comparable length): transformers' greedy continuation and how many of its tokens
-    come before the first near-tie."""
-    hf.generation_config.eos_token_id = None  # random weights: never stop early
-    hf.generation_config.pad_token_id = 0
-    ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                          do_sample=False, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    margins = [float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.scores]
-    near = [i for i, m in enumerate(margins) if m < MARGIN]
-    return tokens, (near[0] if near else MAX_NEW)
-
-
 @pytest.fixture(scope="module", params=["llama-gqa", "deepseek-v3"])
 def case(request, tmp_path_factory):
     hf = make_hf_model(request.param)
@@ -64,7 +48,7 @@ def case(request, tmp_path_factory):
     # name, so the two files share compiled steps (the model config, part of the jit key, holds the name).
     folder = save_hf_model(hf, str(tmp_path_factory.getbasetemp() / "engine-hf" / request.param))
     config, params = load_checkpoint(folder, dtype="float32")
-    want = [hf_greedy(hf, p) for p in PROMPTS]
+    want = [hf_greedy(hf, p, MAX_NEW, MARGIN) for p in PROMPTS]
     assert sum(n for _, n in want) >= 0.9 * MAX_NEW * len(PROMPTS), "too many near-ties to compare"
     return config, params, want
 

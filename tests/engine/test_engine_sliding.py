@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from hf_fixtures import make_hf_model, save_hf_model
+from hf_fixtures import hf_greedy, make_hf_model, save_hf_model
 
 from kvjax.config.engine import EngineConfig
 from kvjax.engine.core import Engine
@@ -63,24 +62,9 @@ def make_case(name, tmp_path_factory):
     windows = [w for w in config.layer_windows if w]
     assert windows and all(len(p) + MAX_NEW >= 4 * max(windows) for p in PROMPTS), "sequences must outrun the window"
     assert SHARED > max(windows)
-    want = [hf_greedy(hf, p) for p in PROMPTS]
+    want = [hf_greedy(hf, p, MAX_NEW, MARGIN) for p in PROMPTS]
     assert sum(n for _, n in want) >= 0.9 * MAX_NEW * len(PROMPTS), "too many near-ties to compare"
     return config, params, want
-
-
-def hf_greedy(hf, prompt):
-    """(tokens, comparable length): transformers' greedy continuation and how many of its tokens
-    come before the first near-tie (test_engine_hf.hf_greedy, for MAX_NEW tokens)."""
-    hf.generation_config.eos_token_id = None  # random weights: never stop early
-    hf.generation_config.pad_token_id = 0
-    ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                          do_sample=False, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    margins = [float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.scores]
-    near = [i for i, m in enumerate(margins) if m < MARGIN]
-    return tokens, (near[0] if near else MAX_NEW)
 
 
 def run(case, attn_impl="reference", **kw):
