@@ -61,6 +61,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-chunk", type=int_arg(1), help="prefill chunk of the long windows (1024)")
     ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16 "
                                                        "(fp8_e4m3 unit)")
+    ap.add_argument("--variants", nargs="+", help="score only these variants (bf16, the baseline, always; "
+                                                  "default: all)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT}/)")
     add_progress_flag(ap)
 
@@ -75,21 +77,26 @@ def add_parser(sub) -> None:
 def evaluate_kwargs(args) -> dict:
     """evaluate()'s keyword arguments: what the user gave, the suite's defaults for the rest."""
     from kvjax.data import CALIB, HELDOUT
-    from kvjax.evaluation.accuracy import FULL_SUITE
+    from kvjax.evaluation.accuracy import FULL_SUITE, variants
 
     suite = args.suite if args.suite != "auto" else ("basic" if args.model in SMALL_MODELS else "full")
     defaults = dict(FULL_SUITE) if suite == "full" else dict(data=(HELDOUT,), seq_len=256, max_windows=32)
     given = dict(data=args.data, seq_len=args.seq_len, max_windows=args.max_windows, calib_windows=args.calib_windows,
                  outlier_map=args.outlier_map, sensitivity_windows=args.sensitivity_windows,
                  sensitivity_variant=args.sensitivity_variant, skip_counts=args.skip_counts,
-                 long_windows=args.long_windows, long_chunk=args.long_chunk, long_variants=args.long_variants)
+                 long_windows=args.long_windows, long_chunk=args.long_chunk, long_variants=args.long_variants,
+                 only=args.variants)
     kw = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     if args.outlier_factor is not None and not args.outlier_channels:
         raise UsageError("--outlier-factor applies with --outlier-channels (it would be ignored)")
     for path in kw["data"]:
         check_input_file(path, "--data")
     check_input_file(args.calib or CALIB, "--calib")
-    for name in ("skip_counts", "long_variants"):
+    names = [v["name"] for v in variants(2) if "skip" not in v]
+    for name in args.variants or ():
+        if name not in names:
+            raise UsageError(f"--variants: unknown variant {name!r}; choose from {', '.join(repr(n) for n in names)}")
+    for name in ("skip_counts", "long_variants", "only"):
         if name in kw:
             kw[name] = tuple(kw[name])
     return dict(kw, calib=args.calib or CALIB, prompts=args.prompts, decode_tokens=args.decode_tokens,

@@ -124,7 +124,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
              outlier_map: bool = False, sensitivity_windows: int = 0, sensitivity_variant: str = "fp8_e4m3 unit",
              skip_counts: tuple[int, ...] = (1, 3), long_windows: int = 0, long_len: int | None = None,
              long_chunk: int = 512, long_variants: tuple[str, ...] = ("fp8_e4m3 unit",),
-             progress: Callable[[str], None] | None = None) -> dict:
+             only: tuple[str, ...] | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Run every variant on `model` (anything models.hub.load_model takes, or a LoadedModel)
     with held-out text `data` (a path, or several: windows are split between them) and
     calibration text `calib`; returns the results as a JSON-safe dict.
@@ -135,6 +135,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     skip_counts (its k most sensitive layers in bf16). long_windows > 0: also score that many
     windows of long_len tokens (default the model's context, at most 8,192) with bf16 and
     long_variants, prefilled long_chunk tokens at a time, for KL by context position.
+    only: the variants to score (bf16, the baseline, always comes first; a skip variant is named
+    by its base, e.g. "fp8_e4m3 unit" keeps "fp8_e4m3 unit skip 3"); None scores them all.
     progress(message) is called as each phase starts (the library never prints).
     """
     from kvjax.models.hub import LoadedModel, load_model
@@ -151,7 +153,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     model_name = loaded.name
     config = loaded.config
     known = {v["name"]: v for v in variants(config.num_layers)}
-    for name in (sensitivity_variant, *long_variants):
+    for name in (sensitivity_variant, *long_variants, *(only or ())):
         if name not in known:
             raise KvjaxError(f"unknown variant {name!r}; choose one of {', '.join(known)}")
     if seq_len > config.max_position_embeddings:
@@ -203,6 +205,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     # one pool with a row per prompt, long enough for prompt and continuation: nothing is preempted.
     t = time.time()
     vlist = variants(config.num_layers, skip_sets)
+    if only is not None:
+        vlist = [v for v in vlist if v["name"] == "bf16" or v["name"].split(" skip ")[0] in only]
     say(f"calibration; scoring {len(eval_windows)} windows of {seq_len} with {len(vlist)} variants")
     llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
                            kv_cache_dtype_skip_layers=v.get("skip", ()),

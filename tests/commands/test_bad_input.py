@@ -325,6 +325,7 @@ CASES = [
     ("accuracy --out ok.txt", "--out"),
     ("accuracy --data missing.txt", "missing.txt"),
     ("accuracy --seq-len -5", "--seq-len"),
+    ("accuracy --variants fp9", "'fp9'"),
     ("accuracy --max-windows 1e9", "--max-windows"),
     # memory
     ("memory --model small-gqa --device-memory-gib inf", "--device-memory-gib"),

@@ -157,10 +157,12 @@ def test_json_on_calibrate_and_accuracy(tmp_path):
     got = json.loads(out)
     assert got["scales"] == json.loads((tmp_path / "s.json").read_text()) and got["windows"] == 2
     code, out, err = kvjax("accuracy", "--model", "small-gqa", "--max-windows", "2", "--seq-len", "64",
-                           "--prompts", "1", "--decode-tokens", "2", "--out", tmp_path / "acc", "--json")
+                           "--prompts", "1", "--decode-tokens", "2", "--variants", "fp8_e4m3 unit", "--out",
+                           tmp_path / "acc", "--json")
     assert code == 0, err
     got = json.loads(out)
-    assert got["results"][0]["variant"] == "bf16" and os.path.exists(got["outputs"]["json"])
+    assert [r["variant"] for r in got["results"]] == ["bf16", "fp8_e4m3 unit"]  # the baseline and what was asked
+    assert os.path.exists(got["outputs"]["json"])
 
 
 def test_tables_json_order_and_values():

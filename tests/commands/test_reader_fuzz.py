@@ -608,7 +608,7 @@ def host_traces(draw):
     return lines
 
 
-@fuzz(150)
+@fuzz(60)
 @given(host_traces())
 @pytest.mark.slow
 def test_iter_trace_host_tier(ops):
@@ -707,7 +707,7 @@ def test_the_tokenizer_encodes_or_refuses_any_text(text):
         assert any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
-@fuzz(40)
+@fuzz(15)
 @given(num_blocks=st.integers(2, 2**31), block_size=st.sampled_from([1, 16, 64]),
        max_num_seqs=st.integers(1, 2**16), max_model_len=st.integers(1, 2**20))
 def test_scheduler_sizes_are_checked_before_allocation(num_blocks, block_size, max_num_seqs, max_model_len):

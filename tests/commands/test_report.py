@@ -1,24 +1,34 @@
 """`kvjax report` end to end, in its quick form (the accuracy and memory sections have their own tests),
-and its real-model section on SmolLM2-135M (the GGUF fetched once into $KVJAX_CACHE, as in test_gguf)."""
+and its real-model section on SmolLM2-135M (the GGUF fetched once into $KVJAX_CACHE, as in test_gguf).
+
+.ci/run makes the whole quick report first (the README's main job, in a venv with no extras) and
+names its folder in KVJAX_QUICK_REPORT: these tests then check that report instead of making the
+same one again. Without it they run `kvjax report --quick` themselves, on the sections they check."""
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 
-def _quick_report(out, skip: str) -> str:
-    """`kvjax report --quick --skip SKIP --out OUT` in a fresh process; REPORT.md's text."""
-    p = subprocess.run([sys.executable, "-m", "kvjax.commands.main", "report", "--quick", "--skip", skip, "--out", str(out)],
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr
-    return (out / "REPORT.md").read_text()
+def _quick_report(out, skip: str) -> tuple[pathlib.Path, str]:
+    """The quick report's folder and REPORT.md's text: CI's (KVJAX_QUICK_REPORT), or else
+    `kvjax report --quick --skip SKIP --out OUT` in a fresh process."""
+    made = os.environ.get("KVJAX_QUICK_REPORT")
+    if made:
+        out = pathlib.Path(made)
+    else:
+        p = subprocess.run([sys.executable, "-m", "kvjax.commands.main", "report", "--quick", "--skip", skip,
+                            "--out", str(out)], capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr
+    return out, (out / "REPORT.md").read_text()
 
 
 @pytest.mark.slow
 def test_quick_report_writes_markdown_plots_and_json(tmp_path):
-    out = tmp_path / "rep"
-    text = _quick_report(out, "accuracy,memory,smollm")
+    out, text = _quick_report(tmp_path / "rep", "accuracy,memory,smollm")
     assert "Table 1" in text and "Simulator group C" in text and "concurrency 0" in text
     assert "## 2. Decoding" in text and "| preemptions |" in text and "| quantity | value |\n|---|---|\n" in text
     for png in ("concurrency_vs_context.png", "blocks_in_use.png"):
@@ -43,8 +53,7 @@ def test_report_rejects_unknown_sections(tmp_path):
 
 @pytest.mark.slow
 def test_quick_report_real_model_section(tmp_path):
-    out = tmp_path / "rep"
-    text = _quick_report(out, "decode,accuracy,memory")
+    out, text = _quick_report(tmp_path / "rep", "decode,accuracy,memory")
     assert "## 5. A real pretrained LLM: SmolLM2-135M-Instruct" in text and "### Chat decoding" in text
     assert "| question | answer |" in text
     data = json.loads((out / "report.json").read_text())["smollm"]

@@ -322,7 +322,7 @@ def test_each_calls_summary_counts_that_call_only():
     assert runs[0] == runs[1] and runs[0][4] > 0 and runs[0][0] == 6
 
 
-@pytest.mark.parametrize("tp", [2, 4])  # 4 > the model's 2 kv heads: each head held by 2 ranks
+@pytest.mark.parametrize("tp", [4])  # 4 > the model's 2 kv heads: each head held by 2 ranks (tests/worker/test_tp.py: tp 2)
 def test_tensor_parallel_size_decodes_the_same_tokens(tp):
     prompts = [SYSTEM + "def add(a, b):", "import os\n"]
     sp = SamplingParams(max_tokens=6, **GREEDY)
