@@ -205,12 +205,12 @@ def rounded_bytes(nbytes: list[int], unit: int = ALLOCATOR_ALIGNMENT) -> int:
 def cache_static_bytes(spec, num_tensors: int | None = None) -> int:
     """Analytic bytes of the paged cache's arrays that have no per-slot axis, on one rank of
     layout `spec` (kvjax.worker.paged_cache): static fp8 scales (f32 per kv head for K and for V, or f32 per
-    latent channel for MLA) and one i32 non-finite counter per layer, or per page tensor when KV
-    cache groups share num_tensors of them."""
+    latent channel for MLA), nvfp4's per-tensor scales (f32 per kv head for K and for V), and one i32
+    non-finite counter per layer, or per page tensor when KV cache groups share num_tensors of them."""
     total = 0
     for i in range(spec.num_layers if num_tensors is None else num_tensors):
-        name = spec.layer_dtype(i).name
-        if name in FP8_FORMATS:
+        kv = spec.layer_dtype(i)
+        if kv.name in FP8_FORMATS or kv.scale == "per_block":
             total += 4 * (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads)
         total += 4  # i32 counter
     return total

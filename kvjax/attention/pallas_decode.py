@@ -19,6 +19,10 @@ Numerics:
   program, it is applied where it is exact and cheap: to the f32 logits (K) and to the f32
   output (V), so the fp8 → bf16 cast that feeds the tensor cores is exact (every e4m3 and e5m2
   value is a bf16 value). A per-tensor scale is the same number for every head.
+- nvfp4 pages (uint8 [P, Z, K, H/2 + H/16], kvjax.quant.nvfp4) are unpacked in the kernel, each
+  E2M1 value times its e4m3 block scale; the per-tensor scale folds into the logits and the
+  output as fp8's does. An E2M1 value (2 significant bits) times an e4m3 scale (4) is exact in
+  bf16 and f16, so the dots run in q's dtype as for fp8.
 - Dots run in q's dtype when every page value is exact in it (bf16/f16 q with same-dtype or
   fp8 pages), else in f32 with Precision.HIGHEST (Triton's default f32 dot is TF32); both
   accumulate in f32. Probabilities are cast to the dot dtype for the P·V product, as
@@ -55,13 +59,16 @@ from kvjax.attention.reference import paged_decode_reference  # noqa: F401  the 
 from kvjax.attention.tiles import DecodeTiles, default_tiles
 from kvjax.core.block_pool import NULL_BLOCK
 from kvjax.math_utils import cdiv, is_power_of_two
+from kvjax.quant import nvfp4
 from kvjax.quant.kv_formats import kv_formats
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: MASK - MASK is 0, not NaN
-# From kvjax.quant.kv_formats's table: the kernels read unscaled pages and pages with a static
-# scale (fp8), not per-token scales (int8_per_token_head); q comes in an unscaled (model) dtype.
+# From kvjax.quant.kv_formats's table: the kernels read unscaled pages, pages with a static
+# scale (fp8) and nvfp4's packed uint8 pages, not per-token scales (int8_per_token_head); q comes
+# in an unscaled (model) dtype.
 FP8_DTYPES = tuple(f.dtype for f in kv_formats("static"))  # float8_e4m3fn, float8_e5m2
-PAGE_DTYPES = tuple(f.dtype for f in kv_formats("none", "static"))
+NVFP4_DTYPE = jnp.dtype(jnp.uint8)
+PAGE_DTYPES = tuple(f.dtype for f in kv_formats("none", "static", "per_block"))
 Q_DTYPES = tuple(f.dtype for f in kv_formats("none"))  # float32, bfloat16, float16
 
 
@@ -136,7 +143,7 @@ def _gqa_kernel(
     o_ref,  # f32[block_h, H]: this split's normalized output
     lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
     *, sm_scale: float, pages_per_block: int, pages_per_split: int, max_blocks: int, window: int | None,
-    softcap: float | None, compute_dtype, precision,
+    softcap: float | None, compute_dtype, precision, packed: bool,
 ):
     block_h, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -147,6 +154,10 @@ def _gqa_kernel(
                                                max_blocks=max_blocks, window=window)
 
     q = q_ref[...].astype(compute_dtype)  # [block_h, H]
+
+    def load(ref, pages):  # a step's pages as [block_k, H] in the dot dtype (nvfp4: unpacked, block-scaled)
+        rows = ref[pages].reshape(block_k, ref.shape[-1])
+        return (nvfp4.dequantize(rows, 1.0) if packed else rows).astype(compute_dtype)
     logit_scale = sm_scale * k_scale_ref[0]  # K's dequant scale folds into the logits exactly
 
     def body(step, carry):
@@ -154,8 +165,8 @@ def _gqa_kernel(
         valid = pos < length  # bool[block_k]
         if window is not None:  # the first page in view may start before the window
             valid = valid & (pos >= length - window)
-        k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
-        v = v_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
+        k = load(k_ref, pages)  # [block_k, H]
+        v = load(v_ref, pages)  # [block_k, H]
         v = jnp.where(valid[:, None], v, 0)  # garbage slots must not meet a zero weight
         logits = dot_f32(q, k, contract_b=1, precision=precision) * logit_scale  # f32[block_h, block_k]
         if softcap is not None:  # Gemma 2: after the scales, before the mask
@@ -173,7 +184,7 @@ def _gqa_kernel(
 def compute_dtype_for(q_dtype, page_dtype):
     """The dot input dtype: q's when every page value is exact in it, else f32 (see module doc)."""
     q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
-    if q_dtype != jnp.float32 and (page_dtype == q_dtype or page_dtype in FP8_DTYPES):
+    if q_dtype != jnp.float32 and (page_dtype == q_dtype or page_dtype in FP8_DTYPES or page_dtype == NVFP4_DTYPE):
         return q_dtype
     return jnp.dtype(jnp.float32)
 
@@ -249,9 +260,10 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
     compute_dtype = compute_dtype_for(q.dtype, k_pages.dtype)
     kernel = functools.partial(_gqa_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
                                pages_per_split=pages_per_split, max_blocks=block_tables.shape[1], window=window,
-                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
+                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype),
+                               packed=k_pages.dtype == NVFP4_DTYPE)
     variant = ("" if window is None else f"_w{window}") + ("" if softcap is None else "_cap")
-    page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
+    page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, k_pages.shape[3]), lambda b, h, s: (0, 0, h, 0))
     head_scalar_spec = pl.BlockSpec((1,), lambda b, h, s: (h,))
     o, lse = pl.pallas_call(
         kernel,
@@ -318,8 +330,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     """Decode attention of one query token per sequence over a paged K/V cache (Pallas kernel).
 
     q [B, N, H] (f32, bf16, f16; unscaled); k_pages, v_pages [P, Z, K, H] (f32, bf16, f16,
-    float8_e4m3fn, float8_e5m2); block_tables i32[B, M] (entries past a sequence's last page
-    are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives a zero output);
+    float8_e4m3fn, float8_e5m2; nvfp4: uint8 [P, Z, K, H/2 + H/16]); block_tables i32[B, M]
+    (entries past a sequence's last page are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives a zero output);
     scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
     scalar or per-kv-head f32[K] dequant scales; window (int >= 1), sinks (f32[N]), softcap
     (> 0): the layer's variants (module docstring), None for off; tiles: None → `default_tiles`
@@ -335,7 +347,11 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
                          f" {tuple(k_pages.shape)} {k_pages.dtype}")
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, page_head_dim = k_pages.shape
-    if page_head_dim != head_dim:
+    if k_pages.dtype == NVFP4_DTYPE:  # nvfp4's packed heads
+        if head_dim % nvfp4.GROUP or page_head_dim != nvfp4.packed_width(head_dim):
+            raise ValueError(f"nvfp4 pages hold H/2 + H/16 bytes per head (H a multiple of {nvfp4.GROUP}); "
+                             f"q's head dim {head_dim} does not fit the pages' {page_head_dim}")
+    elif page_head_dim != head_dim:
         raise ValueError(f"head dim of q ({head_dim}) must equal that of the pages ({page_head_dim})")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads N={num_heads} must be a multiple of kv heads K={num_kv_heads}")

@@ -18,7 +18,7 @@ against the cached latent [c_kv, k_rope] directly, and the output stays in laten
 [.., N, kv_lora_rank] for the caller to map through W_UV. That is MQA with one kv head whose
 key is the whole latent and whose value is its c_kv part, which is how it is computed here.
 
-Quantized pages (fp8, int8) are dequantized right after the gather, as x = stored × scale, with
+Quantized pages (fp8, int8, nvfp4) are dequantized right after the gather, as x = stored × scale, with
 the scales the cache keeps beside them (kvjax.worker.paged_cache, kvjax.quant.formats): a static scale per kv head
 f32[K] (or one per latent channel f32[C] for MLA; a scalar is a per-tensor scale), or a scale
 per token per head gathered from scale pages f32[P, Z, K] (f32[P, Z] for MLA).
@@ -54,8 +54,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.math_utils import cdiv
 from kvjax.errors import KvjaxError, check_int
+from kvjax.math_utils import cdiv
+from kvjax.quant import nvfp4
 from kvjax.worker.paged_cache import gather_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST  # f32 reference: no TF32 / bf16 passes on GPU
@@ -67,7 +68,10 @@ def gather_dequant(pages: jax.Array, scale: jax.Array | None, block_tables: jax.
     scale: None (unquantized), a static scale that broadcasts over the page's last axis after
     one more axis (f32[K] for [.., K, H] pages; f32[C] or a scalar for MLA [.., C] pages), or
     per-token scale pages [P, Z, ...] with one axis fewer than the pages (int8_per_token_head).
+    uint8 pages are nvfp4's (kvjax.quant.nvfp4), with their per-tensor scale f32[K].
     """
+    if pages.dtype == jnp.uint8:  # nvfp4 [.., K, H/2 + H/16]: packed values, block scales, a per-head scale
+        return nvfp4.dequantize(gather_pages(pages, block_tables), jnp.broadcast_to(scale, (pages.shape[2],))[:, None])
     x = gather_pages(pages, block_tables).astype(jnp.float32)
     if scale is None:
         return x
@@ -227,8 +231,11 @@ def _check_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
     heads, kv_heads = q.shape[-2], k_pages.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{kv_heads} kv heads do not divide {heads} query heads")
-    if q.shape[-1] != k_pages.shape[-1]:
-        raise ValueError(f"query head dim {q.shape[-1]} differs from the pages' {k_pages.shape[-1]}")
+    packed = k_pages.dtype == jnp.uint8  # nvfp4: H / 2 + H / 16 bytes per head
+    width = nvfp4.packed_width(q.shape[-1]) if packed and q.shape[-1] % nvfp4.GROUP == 0 else q.shape[-1]
+    if width != k_pages.shape[-1]:
+        raise ValueError(f"query head dim {q.shape[-1]} does not fit the pages' last axis {k_pages.shape[-1]}"
+                         f"{' (nvfp4: H/2 + H/16 bytes)' if packed else ''}")
 
 
 def _check_latent(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array) -> None:

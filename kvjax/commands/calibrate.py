@@ -21,7 +21,10 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     add_model_flags(p)
     p.add_argument("--data", required=True, help="calibration text file")
-    p.add_argument("--mode", choices=["per_tensor", "per_head"], default="per_tensor")
+    p.add_argument("--mode", choices=["per_tensor", "per_head", "dynamic"], default="per_tensor",
+                   help="per_tensor: amax / format max per layer; per_head: per kv head; dynamic: vLLM's "
+                        "calc_kv_scales, max |k| / 200 and max |v| / 100 per layer (use --max-windows for its "
+                        "first batch)")
     p.add_argument("--format", choices=list(FP8_FORMATS), default="fp8_e4m3")
     p.add_argument("--seq-len", type=int_arg(1), default=256, help="tokens per calibration window (256)")
     p.add_argument("--max-windows", type=int_arg(1), default=32, help="windows at most (32)")

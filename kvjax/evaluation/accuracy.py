@@ -7,10 +7,14 @@ only the cache's dtype and scales change:
     bf16                            the baseline (vLLM's kv_cache_dtype auto for a bf16 model)
     fp32                            a control: wider than the baseline, so its distance is rounding only
     fp8_e4m3 unit                   vLLM's default `--kv-cache-dtype fp8`: every scale 1.0
+    fp8_e4m3 dynamic                vLLM's `--calculate-kv-scales` (until 0.19): max |k| / 200, max |v| / 100
+                                    per layer over the first batch, here the first scored windows
     fp8_e4m3 per_tensor             one calibrated scale per layer for K and for V (amax / 448)
     fp8_e4m3 per_head               one calibrated scale per layer per kv head
     fp8_e5m2 unit                   the wider-range, coarser format at scale 1.0
     int8_per_token_head             a scale per token per head, computed at write time
+    fp8_per_token_head              the same in e4m3 (vLLM 0.33's per-token-head kernel)
+    nvfp4                           E2M1 values with an e4m3 scale per 16, per-tensor scale 1.0 (kvjax.quant.nvfp4)
     fp8_e4m3 per_tensor skip 0,L-1  the first and last layers kept in bf16 (the model dtype in vLLM)
 
 Metrics per variant: perplexity per token, mean KL(bf16 ‖ variant) of the next-token
@@ -70,10 +74,13 @@ def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None
         dict(name="bf16", kv_dtype="bf16"),
         dict(name="fp32", kv_dtype="fp32"),
         dict(name="fp8_e4m3 unit", kv_dtype="fp8_e4m3", mode="unit"),
+        dict(name="fp8_e4m3 dynamic", kv_dtype="fp8_e4m3", mode="dynamic"),
         dict(name="fp8_e4m3 per_tensor", kv_dtype="fp8_e4m3", mode="per_tensor"),
         dict(name="fp8_e4m3 per_head", kv_dtype="fp8_e4m3", mode="per_head"),
         dict(name="fp8_e5m2 unit", kv_dtype="fp8_e5m2", mode="unit"),
         dict(name="int8_per_token_head", kv_dtype="int8_per_token_head"),
+        dict(name="fp8_per_token_head", kv_dtype="fp8_per_token_head"),
+        dict(name="nvfp4", kv_dtype="nvfp4"),
     ]
     if skip_sets is None:
         skip_sets = {"fp8_e4m3 per_tensor": [(0, num_layers - 1)]}
@@ -178,8 +185,9 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
         mode = v.get("mode", "unit")
         if mode == "unit":
             return None
-        if (v["kv_dtype"], mode) not in calibrated:
-            calibrated[v["kv_dtype"], mode] = calibrate(config, loaded.module, loaded.params, calib_windows,
+        if (v["kv_dtype"], mode) not in calibrated:  # dynamic: vLLM's first batch, the first scored one
+            data = eval_windows[:max(1, 2048 // seq_len)] if mode == "dynamic" else calib_windows
+            calibrated[v["kv_dtype"], mode] = calibrate(config, loaded.module, loaded.params, data,
                                                         v["kv_dtype"], mode)
         return calibrated[v["kv_dtype"], mode]
 

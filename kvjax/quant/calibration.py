@@ -40,7 +40,7 @@ def cache_amax(caches) -> tuple[list, list]:
 def calibrate(config, model, params, token_windows, fmt: str, mode: str, block_size: int = 16) -> quant.KVScales:
     """Scales for `model` (a decoder built from `config`, a kvjax.config.model.ModelConfig) from
     prefilling token_windows i32[W, S] (batches of 16) in bf16. fmt: fp8_e4m3 | fp8_e5m2;
-    mode: per_tensor | per_head."""
+    mode: per_tensor | per_head | dynamic (vLLM's calc_kv_scales on a first batch of these windows)."""
     spec = config.kv_spec("bf16")
     stats = []
     for i in range(0, len(token_windows), 16):

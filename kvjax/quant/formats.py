@@ -10,10 +10,12 @@ Formats (max finite magnitude; the table is kvjax.quant.kv_formats's, `FORMATS` 
     fp8_e4m3  float8_e4m3fn   448     (no inf; a bare cast of 470 or inf gives NaN)
     fp8_e5m2  float8_e5m2     57344   (a bare cast of ≥ 61440 gives inf)
     int8      int8            127     (int8_per_token_head: scale per token per kv head,
-                                       computed at write time, symmetric, round to nearest)
+                                       computed at write time, symmetric, half away from zero)
+    fp8_e4m3  float8_e4m3fn   448     (fp8_per_token_head: the same, cast to e4m3)
 
 Scale modes for fp8: `unit` (1.0), `per_tensor` (one K and one V scale per layer),
-`per_head` (one per layer per kv head). Scales are always stored per kv head (a per-tensor
+`per_head` (one per layer per kv head), `dynamic` (vLLM's calc_kv_scales: per layer max |k| / 200
+and max |v| / 100 over the first batch, whatever the format). Scales are always stored per kv head (a per-tensor
 scale is broadcast) so the attention paths take one shape: f32[K] for K and V pages; for an
 MLA latent page [.., C] one f32[C] per-channel vector holding the latent scale on the first
 kv_lora_rank channels and the rope-key scale on the rest.
@@ -36,7 +38,12 @@ from kvjax.quant.kv_formats import FP8_FORMATS, KVFormat, kv_formats
 
 # The quantized formats with a page format (kvjax.quant.kv_formats's table: storage dtype, max, scale kind).
 FORMATS: dict[str, KVFormat] = {f.name: f for f in kv_formats("static", "per_token")}
-SCALE_MODES = ("unit", "per_tensor", "per_head")
+SCALE_MODES = ("unit", "per_tensor", "per_head", "dynamic")
+# vLLM's dynamic scales (`--calculate-kv-scales`, Attention.calc_kv_scales, deprecated in vLLM 0.19 and
+# gone from 0.33): on the first batch, k_scale = max |k| / K_SCALE_CONSTANT and v_scale = max |v| /
+# V_SCALE_CONSTANT per layer, with vllm/envs.py's defaults. Not amax / 448: a K value of 200 × the
+# scale lands at 200, leaving headroom up to 448 for later batches (V: 100).
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
 
 
 def saturating_cast(x, fmt: KVFormat):
@@ -77,11 +84,21 @@ def scale_from_amax(amax, fmt: KVFormat):
 
 
 def quantize_per_token_head(x, fmt: KVFormat = FORMATS["int8_per_token_head"]):
-    """Symmetric per-vector quantization: x [.., H] → (q [.., H], scale f32[..]), scale = amax/max."""
+    """Symmetric per-vector quantization: x [.., H] → (q [.., H], scale f32[..]), as vLLM 0.33's
+    `_reshape_cache_per_token_head` (triton_reshape_and_cache_flash.py) computes it:
+
+        scale = max(amax / max, 1e-6);  y = x × (1 / scale)
+        int8: round half away from zero, clamp to [-128, 127];  fp8: clamp to ±448, cast (nearest even)
+
+    amax ignores non-finite values (they are counted by the cache; NaN stays NaN in fp8, 0 in int8)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0.0)), axis=-1)
-    scale = scale_from_amax(amax, fmt)
-    return quantize(x, scale[..., None], fmt), scale
+    scale = jnp.maximum(amax / jnp.float32(fmt.max), jnp.float32(1e-6))
+    y = x * (1.0 / scale)[..., None]
+    if fmt.integer:
+        y = jnp.trunc(jnp.clip(jnp.where(y >= 0, y + 0.5, y - 0.5), -fmt.max - 1, fmt.max))
+        return jnp.nan_to_num(y, nan=0.0).astype(fmt.dtype), scale
+    return jnp.clip(y, -fmt.max, fmt.max).astype(fmt.dtype), scale
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,14 +201,19 @@ def scales_from_amax(amax_k, amax_v, fmt: KVFormat, mode: str, mla_rank: int | N
     per_tensor takes the max over heads and broadcasts it back to every head; unit ignores the
     statistics (vLLM's default). MLA has one "head", so per_tensor and per_head both give two
     scales per layer, one for the latent channels [:mla_rank] and one for the rope key [mla_rank:].
+    dynamic: per layer amax / K_SCALE_CONSTANT for K and amax / V_SCALE_CONSTANT for V over all
+    heads (MLA: one latent scale, amax over every channel / K_SCALE_CONSTANT); an amax of 0 gives 1.0.
     """
     if mode not in SCALE_MODES:
         raise KvjaxError(f"unknown scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
 
-    def make(amax):
+    def make(amax, constant):
         amax = np.asarray(amax, np.float32)
         if mode == "unit":
             return np.ones_like(amax)
+        if mode == "dynamic":
+            top = np.float32(amax.max())
+            return np.full_like(amax, top / np.float32(constant) if top > 0 else 1.0)
         if mla_rank is not None:
             amax = np.concatenate([np.full(mla_rank, amax[:mla_rank].max()),
                                    np.full(amax.size - mla_rank, amax[mla_rank:].max())]).astype(np.float32)
@@ -199,5 +221,6 @@ def scales_from_amax(amax_k, amax_v, fmt: KVFormat, mode: str, mla_rank: int | N
             amax = np.full_like(amax, amax.max())
         return np.asarray(scale_from_amax(amax, fmt))
 
-    return KVScales(fmt.name, mode, tuple(make(a) for a in amax_k), tuple(make(a) for a in amax_v),
+    return KVScales(fmt.name, mode, tuple(make(a, K_SCALE_CONSTANT) for a in amax_k),
+                    tuple(make(a, V_SCALE_CONSTANT) for a in amax_v),
                     tuple(np.asarray(a, np.float32) for a in amax_k), tuple(np.asarray(a, np.float32) for a in amax_v))

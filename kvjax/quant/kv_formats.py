@@ -11,12 +11,15 @@ such format, everything the rest of kvjax needs to know about it:
     fp8_e4m3             fp8                 float8_e4m3fn   448      static      8
     fp8_e5m2                                 float8_e5m2     57344    static      8
     int8_per_token_head                      int8            127      per_token   8    f32 per vector
+    fp8_per_token_head                       float8_e4m3fn   448      per_token   8    f32 per vector
     nvfp4                                    (no page)       6        per_block   4    fp8 per 16 values
 
 Scale kinds: `none`, stored as is; `static`, one dequantization scale per layer per kv head (or
 per MLA latent channel) kept beside the pages, vLLM's k_scale / v_scale (kvjax.quant.formats);
 `per_token`, a scale written with every token for each kv head (scale pages [P, Z, K]);
-`per_block`, one scale per `group` elements inside a vector (nvfp4, accounted for only).
+`per_block`, one scale per `group` elements inside a vector, stored in the vector's own bytes, and a
+static per-tensor scale per layer per kv head beside the pages (nvfp4: kvjax.quant.nvfp4's packed
+layout, pages of uint8 [P, Z, K, H/2 + H/16]).
 
 `kv_format(name)` is the one lookup: any alias, any case, → the format, whose `name` is the
 normalised name a `KVSpec` carries. Plain Python with no JAX or NumPy at import, so that
@@ -97,7 +100,8 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("fp8_e4m3", ("fp8",), "float8_e4m3fn", 448.0, "static", 8),  # no inf: a bare cast of 470 gives NaN
     KVFormat("fp8_e5m2", (), "float8_e5m2", 57344.0, "static", 8),  # a bare cast of >= 61440 gives inf
     KVFormat("int8_per_token_head", (), "int8", 127.0, "per_token", 8, vector_scale_bytes=4),
-    KVFormat("nvfp4", (), "", 6.0, "per_block", 4, group=16, group_scale_bytes=1),
+    KVFormat("fp8_per_token_head", (), "float8_e4m3fn", 448.0, "per_token", 8, vector_scale_bytes=4),
+    KVFormat("nvfp4", (), "uint8", 6.0, "per_block", 4, group=16, group_scale_bytes=1),
 )}
 KV_DTYPES = tuple(KV_FORMATS) + ("fp8",)  # the names error messages offer (vLLM's fp8 among them)
 _BY_NAME = {alias: f for f in KV_FORMATS.values() for alias in (f.name, *f.aliases)}

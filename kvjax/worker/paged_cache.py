@@ -24,7 +24,9 @@ writing through `slot_mapping`, attention kernels reading through `block_table`)
 Quantized layers (kvjax.quant.formats) store x / scale in the narrow dtype and keep the scales beside
 the pages, in this pytree: fp8 layers a static f32[K] per kv head for K and for V (a
 per-tensor scale is broadcast; MLA: f32[C] per latent channel), int8_per_token_head layers
-scale pages f32[P, Z, K] (MLA: f32[P, Z]) written with every token. Quantizing writes saturate
+scale pages f32[P, Z, K] (MLA: f32[P, Z]) written with every token, nvfp4 layers uint8 pages
+[P, Z, K, H/2 + H/16] of packed E2M1 values and their e4m3 block scales (kvjax.quant.nvfp4) with a
+per-tensor f32[K] beside them. Quantizing writes saturate
 and count non-finite inputs in each layer's `nonfinite` counter, so a NaN or inf reaching a
 quantized cache is reported rather than silently transformed (NaN is kept, visible; ±inf
 saturates to ±max). Unquantized pages store NaN and inf as they are and count nothing.
@@ -50,6 +52,7 @@ from flax import struct
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError, check_int
 from kvjax.quant import formats as quant
+from kvjax.quant import nvfp4
 from kvjax.quant.kv_formats import KVFormat, kv_format
 
 
@@ -145,18 +148,23 @@ class PagedCache:
         layers = []
         for i in range(max(layer_slots) + 1 if layer_slots else spec.num_layers):
             kv = spec.layer_dtype(i)
-            if not kv.storage:
-                raise CacheError(f"kv dtype {kv.name!r} (layer {i}) is accounted for by "
-                                 "kvjax.core.kv_cache_interface but has no page format here (it needs "
-                                 "per-16-element fp8 scales)")
             dtype = kv.dtype
+            width = spec.head_dim
+            if kv.scale == "per_block":  # nvfp4: packed values and their block scales
+                if spec.kind == "mla":
+                    raise CacheError(f"kv dtype {kv.name!r} (layer {i}) packs K/V heads; an MLA latent page has "
+                                     "no nvfp4 layout here (vLLM's is nvfp4_ds_mla)")
+                if spec.head_dim % nvfp4.GROUP:
+                    raise CacheError(f"kv dtype {kv.name!r} needs a head dim that is a multiple of {nvfp4.GROUP}, "
+                                     f"got {spec.head_dim}")
+                width = nvfp4.packed_width(spec.head_dim)
             zero = jnp.zeros((), jnp.int32)  # one buffer per layer: the jitted step donates each
             if spec.kind == "mla":
                 shape = (num_blocks, block_size, spec.head_dim)
                 layers.append(LatentPages(jnp.zeros(shape, dtype), _layer_scale(kv, shape, scales, "k", i), zero,
                                           kv.name))
             else:
-                shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+                shape = (num_blocks, block_size, spec.num_kv_heads, width)
                 layers.append(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                                       _layer_scale(kv, shape, scales, "k", i),
                                       _layer_scale(kv, shape, scales, "v", i), zero, kv.name))
@@ -232,6 +240,8 @@ def _layer_scale(kv: KVFormat, shape: tuple[int, ...], scales: quant.KVScales | 
     """The scale array stored beside one layer's K (or V, or MLA latent) pages."""
     if kv.scale == "per_token":  # int8_per_token_head
         return jnp.ones(shape[:-1], jnp.float32)  # [P, Z, K] or [P, Z], written with each token
+    if kv.scale == "per_block":  # nvfp4: its per-tensor scale, broadcast per kv head (vLLM's default 1.0)
+        return jnp.ones((shape[-2],), jnp.float32)
     if kv.scale != "static":  # fp8 has one static scale per kv head
         return None  # fp32 / bf16 / fp16: stored as is
     width = shape[-2] if len(shape) == 4 else shape[-1]  # K heads, or C latent channels
@@ -301,6 +311,8 @@ def _encode(page: jax.Array, scale: jax.Array | None, values: jax.Array, slot_ma
         q, token_scale = quant.quantize_per_token_head(values, fmt)
         return scatter_slots(page, q, slot_mapping), scatter_slots(scale, token_scale, slot_mapping), bad
     static = scale[:, None] if page.ndim == 4 else scale  # per head [K, 1], or per channel [C]
+    if fmt.scale == "per_block":  # nvfp4: the kept scale decodes, its inverse encodes
+        return scatter_slots(page, nvfp4.quantize(values, 1.0 / static), slot_mapping), scale, bad
     return scatter_slots(page, quant.quantize(values, static, fmt), slot_mapping), scale, bad
 
 

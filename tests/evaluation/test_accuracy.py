@@ -1,7 +1,7 @@
 """The fp8-vs-bf16 accuracy evaluation (kvjax.evaluation.accuracy) on a tiny random model: orderings that
 must hold, and the full suite's pieces checked against numbers worked out here.
 
-- fp32 KV is closer to bf16 than any 8-bit variant (its distance is bf16 rounding only).
+- fp32 KV is closer to bf16 than any quantized variant (its distance is bf16 rounding only).
 - With K channels inflated far beyond e4m3's 448 (models.stress: the model's function is
   unchanged), vLLM's unit scale saturates them and is measurably worse than a calibrated
   per-tensor scale.
@@ -67,16 +67,17 @@ def tiny_checkpoint(tmp_path_factory):
     return root
 
 
-def _run(root, outliers):  # a LoadedModel with inflated channels, a folder name without
+def _run(root, outliers, only=None):  # a LoadedModel with inflated channels, a folder name without
     model = load_model(str(root / "model")) if outliers else str(root / "model")
     return accuracy.evaluate(model, str(root / "data.txt"), str(root / "calib.txt"), seq_len=64,
                              max_windows=4, prompts=2, prompt_len=16, decode_tokens=6,
-                             outlier_channels=outliers, outlier_factor=2000.0)
+                             outlier_channels=outliers, outlier_factor=2000.0, only=only)
 
 
 @pytest.mark.slow
 def test_fp32_closer_to_bf16_than_any_8bit_variant(tiny_checkpoint):
     res = {r["variant"]: r for r in _run(tiny_checkpoint, outliers=False)["results"]}
+    assert list(res) == [v["name"] for v in accuracy.variants(3)]  # every variant, the default skip one last
     assert res["bf16"]["kl_vs_bf16"] == 0 and res["bf16"]["top1_agreement"] == 1
     fp32 = res["fp32"]["kl_vs_bf16"]
     for name, r in res.items():
@@ -86,8 +87,9 @@ def test_fp32_closer_to_bf16_than_any_8bit_variant(tiny_checkpoint):
 
 @pytest.mark.slow
 def test_outliers_beyond_448_break_unit_scale_not_calibrated(tiny_checkpoint, tmp_path):
-    res = _run(tiny_checkpoint, outliers=True)
+    res = _run(tiny_checkpoint, outliers=True, only=("fp8_e4m3 unit", "fp8_e4m3 per_tensor"))
     by = {r["variant"]: r for r in res["results"]}
+    assert list(by) == ["bf16", "fp8_e4m3 unit", "fp8_e4m3 per_tensor", "fp8_e4m3 per_tensor skip 0,2"]
     unit, calibrated = by["fp8_e4m3 unit"], by["fp8_e4m3 per_tensor"]
     assert unit["kl_vs_bf16"] > 10 * calibrated["kl_vs_bf16"], (unit, calibrated)
     assert unit["top1_agreement"] < calibrated["top1_agreement"]
@@ -176,7 +178,8 @@ def full_suite(tiny_checkpoint):
     return accuracy.evaluate(str(root / HOT), [str(root / "data.txt"), str(root / "prose.txt")],
                              str(root / "calib.txt"), seq_len=64, max_windows=4, calib_windows=2, prompts=2,
                              prompt_len=16, decode_tokens=4, outlier_map=True, sensitivity_windows=2,
-                             skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640)
+                             skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640,
+                             only=("fp32", "fp8_e4m3 unit"))  # and the skip variants of fp8_e4m3 unit
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from kvjax.core.kv_cache_interface import SpecError
 from kvjax.quant.kv_formats import FP8_FORMATS, KV_DTYPES, KV_FORMATS, SCALE_KINDS, kv_format, kv_formats
 
 
-@pytest.mark.parametrize("name", [n for n, f in KV_FORMATS.items() if f.storage])
+@pytest.mark.parametrize("name", [n for n, f in KV_FORMATS.items() if f.scale != "per_block"])
 def test_table_matches_the_storage_dtype(name):
     """max, bits and integer-ness written in the table are the storage dtype's own."""
     f = KV_FORMATS[name]
@@ -33,8 +33,8 @@ def test_every_alias_names_one_format_and_the_lookup_normalises():
 
 def test_scale_kinds_and_what_pages_store():
     assert FP8_FORMATS == ("fp8_e4m3", "fp8_e5m2")
-    assert [f.name for f in kv_formats("per_token")] == ["int8_per_token_head"]
+    assert [f.name for f in kv_formats("per_token")] == ["int8_per_token_head", "fp8_per_token_head"]
     assert [f.name for f in kv_formats("none")] == ["fp32", "bf16", "fp16"]
-    assert kv_format("nvfp4").storage == "" and kv_format("nvfp4").vector_bytes(16) == 8 + 1
-    with pytest.raises(SpecError, match="no page format"):
-        kv_format("nvfp4").dtype
+    # nvfp4 packs two E2M1 values (max 6) per uint8 byte and one e4m3 scale byte per 16 values
+    nv = kv_format("nvfp4")
+    assert nv.dtype == jnp.uint8 and nv.bits == 4 and nv.max == 6.0 and nv.vector_bytes(16) == 8 + 1

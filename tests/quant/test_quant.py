@@ -15,7 +15,8 @@ E4M3, E5M2, INT8 = quant.FORMATS["fp8_e4m3"], quant.FORMATS["fp8_e5m2"], quant.F
 
 def test_format_maxima_are_the_published_ones():
     assert E4M3.max == 448.0 and E5M2.max == 57344.0 and INT8.max == 127.0
-    assert kv_format("fp8") is E4M3 and set(quant.FORMATS) == {"fp8_e4m3", "fp8_e5m2", "int8_per_token_head"}
+    assert kv_format("fp8") is E4M3
+    assert set(quant.FORMATS) == {"fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"}
 
 
 @pytest.mark.parametrize("fmt, np_dtype", [(E4M3, ml_dtypes.float8_e4m3fn), (E5M2, ml_dtypes.float8_e5m2)])
@@ -77,6 +78,20 @@ def test_calibration_amax_on_a_known_tensor():
     np.testing.assert_allclose(e5.k[0], [8.96 / 57344, 4.48 / 57344], rtol=1e-6)
 
 
+def test_dynamic_scales_are_vllms_calc_kv_scales():
+    # vLLM's Attention.calc_kv_scales (until 0.19): k_scale = max |k| / 200, v_scale = max |v| / 100, one
+    # per layer over every head, whatever the fp8 format; an all-zero layer keeps 1.0
+    amax_k, amax_v = np.array([8.96, 4.48], np.float32), np.array([0.5, 3.0], np.float32)
+    for fmt in (E4M3, E5M2):
+        s = quant.scales_from_amax([amax_k, np.zeros(2)], [amax_v, amax_v], fmt, "dynamic")
+        np.testing.assert_allclose(s.k[0], [8.96 / 200, 8.96 / 200], rtol=1e-6)
+        np.testing.assert_allclose(s.v[0], [3.0 / 100, 3.0 / 100], rtol=1e-6)
+        np.testing.assert_array_equal(s.k[1], [1.0, 1.0])
+        assert s.mode == "dynamic" and s.format == fmt.name
+    mla = quant.scales_from_amax([np.array([1.0, 4.0, 2.0], np.float32)], [], E4M3, "dynamic", mla_rank=2)
+    np.testing.assert_allclose(mla.k[0], [0.02, 0.02, 0.02], rtol=1e-6)  # one latent scale: 4 / 200
+
+
 def test_mla_scales_split_latent_and_rope():
     amax = np.array([1.0, 4.48, 2.0, 0.896, 0.1], np.float32)  # 3 latent channels, 2 rope
     s = quant.scales_from_amax([amax], [], E4M3, "per_tensor", mla_rank=3)
@@ -87,17 +102,42 @@ def test_zero_amax_gets_unit_scale():
     np.testing.assert_allclose(np.asarray(quant.scale_from_amax(jnp.array([0.0, 4.48]), E4M3)), [1.0, 0.01], rtol=1e-6)
 
 
-def test_int8_per_token_head_round_trip():
+def _vllm_per_token_head(x, qmax, integer, scale=None):
+    """vLLM 0.33's _reshape_cache_per_token_head in NumPy f32: scale = max(amax / qmax, 1e-6), y = x × (1 / scale);
+    int8 rounds half away from zero (then truncates) into [-128, 127], fp8 clamps to ±448 and casts. `scale`:
+    use these scales instead (XLA, like Triton, may divide by a constant through its reciprocal: an ulp apart)."""
+    if scale is None:
+        scale = np.maximum(np.abs(x).max(axis=-1) / np.float32(qmax), np.float32(1e-6)).astype(np.float32)
+    y = (x * (np.float32(1) / scale)[..., None]).astype(np.float32)
+    if integer:
+        return np.trunc(np.clip(np.where(y >= 0, y + 0.5, y - 0.5), -128, 127)).astype(np.int8), scale
+    return np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "fp8_per_token_head"])
+def test_per_token_head_equals_vllms_kernel(name):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((5, 3, 16)).astype(np.float32) * 7
-    q, scale = quant.quantize_per_token_head(jnp.asarray(x))
-    assert q.dtype == jnp.int8 and scale.shape == (5, 3)
-    want_scale = np.abs(x).max(axis=-1) / 127.0
-    np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=1e-6)
-    want_q = np.clip(np.rint(x / want_scale[..., None]), -127, 127)
-    np.testing.assert_array_equal(np.asarray(q), want_q)
+    x[0, 0] = 0.0  # an all-zero vector: scale 1e-6, zeros stored
+    fmt = quant.FORMATS[name]
+    q, scale = quant.quantize_per_token_head(jnp.asarray(x), fmt)
+    assert q.dtype == fmt.dtype and scale.shape == (5, 3)
+    _, want_scale = _vllm_per_token_head(x, fmt.max, fmt.integer)
+    np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=2e-7, atol=0)  # amax / max, to an ulp
+    want_q, _ = _vllm_per_token_head(x, fmt.max, fmt.integer, np.asarray(scale))
+    np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want_q.astype(np.float32))
+    assert np.asarray(scale)[0, 0] == np.float32(1e-6) and not np.asarray(q)[0, 0].astype(np.float32).any()
     back = np.asarray(quant.dequantize(q, scale[..., None]))
-    assert np.all(np.abs(back - x) <= want_scale[..., None] / 2 + 1e-6)
+    bound = want_scale[..., None] / 2 if fmt.integer else np.abs(x) * 2.0**-4 + want_scale[..., None] * 2.0**-9
+    assert np.all(np.abs(back - x) <= bound + 1e-6)
+
+
+def test_int8_rounds_half_away_from_zero():
+    # amax 127 → scale exactly 1: y = x, and the ties go away from zero (not to even as np.rint would)
+    x = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, -126.5, 3.0]], np.float32)
+    q, scale = quant.quantize_per_token_head(jnp.asarray(x), quant.FORMATS["int8_per_token_head"])
+    assert float(scale[0]) == 1.0
+    assert np.asarray(q).tolist() == [[127, 1, 2, 3, -1, -3, -127, 3]]
 
 
 def test_quantize_runs_under_jit():

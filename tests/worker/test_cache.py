@@ -51,8 +51,10 @@ def test_cache_refuses_bad_sizes():
         PagedCache.create(spec, 1, 4)
     with pytest.raises(CacheError, match="block_size must be a positive integer, got 0"):
         PagedCache.create(spec, 4, 0)
-    with pytest.raises(CacheError, match="'nvfp4'"):
-        PagedCache.create(spec.replace(kv_dtype="nvfp4"), 4, 4)
+    with pytest.raises(CacheError, match="'nvfp4' needs a head dim that is a multiple of 16, got 24"):
+        PagedCache.create(KVSpec("gqa", 2, 8, 2, 24, kv_dtype="nvfp4"), 4, 4)
+    with pytest.raises(CacheError, match="nvfp4_ds_mla"):
+        PagedCache.create(KVSpec.mla(1, 2, kv_lora_rank=32, qk_rope_head_dim=16, kv_dtype="nvfp4"), 4, 4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,13 +34,13 @@ def numpy_attention(q, k, v, positions, scale):
     return out
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"])
 def test_attention_over_quantized_cache_equals_f32_over_dequantized(kv_dtype):
     rng = np.random.default_rng(0)
     spec = KVSpec("gqa", 1, 4, 2, 8, kv_dtype=kv_dtype)
     amax_k, amax_v = np.array([3.0, 12.0], np.float32), np.array([0.5, 2.0], np.float32)
     scales = None
-    if kv_dtype != "int8_per_token_head":
+    if not kv_dtype.endswith("per_token_head"):
         fmt = quant.FORMATS[kv_dtype]
         scales = quant.scales_from_amax([amax_k], [amax_v], fmt, "per_head")
     cache = PagedCache.create(spec, 5, 4, scales)
@@ -57,11 +57,15 @@ def test_attention_over_quantized_cache_equals_f32_over_dequantized(kv_dtype):
     slots = np.asarray(md.slot_mapping)[:seq]
     stored_k = np.asarray(pages.k).reshape(-1, 2, 8)[slots].astype(np.float32)
     stored_v = np.asarray(pages.v).reshape(-1, 2, 8)[slots].astype(np.float32)
-    if kv_dtype == "int8_per_token_head":
+    if kv_dtype.endswith("per_token_head"):  # vLLM 0.33's kernel: scale = amax / max, y = x × (1 / scale)
+        qmax = 127 if kv_dtype.startswith("int8") else 448
         sk = np.asarray(pages.k_scale).reshape(-1, 2)[slots]
         sv = np.asarray(pages.v_scale).reshape(-1, 2)[slots]
-        np.testing.assert_allclose(sk, np.abs(k).max(-1) / 127, rtol=1e-6)  # scale per token per head
-        np.testing.assert_array_equal(stored_k, np.clip(np.rint(k / sk[..., None]), -127, 127))
+        np.testing.assert_allclose(sk, np.abs(k).max(-1) / qmax, rtol=1e-6)  # scale per token per head
+        y = k * (1 / sk[..., None])
+        want = (np.trunc(np.where(y >= 0, y + 0.5, y - 0.5)) if qmax == 127
+                else y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+        np.testing.assert_array_equal(stored_k, want)
         deq_k, deq_v = stored_k * sk[..., None], stored_v * sv[..., None]
     else:
         sk, sv = np.asarray(scales.k[0]), np.asarray(scales.v[0])
@@ -145,3 +149,38 @@ def test_quantized_write_runs_jitted_and_donated():
     assert isinstance(pages, KVPages) and pages.k.dtype == jnp.float8_e5m2
     assert isinstance(PagedCache.create(KVSpec.mla(1, 2, kv_lora_rank=8, qk_rope_head_dim=4,
                                                    kv_dtype="int8_per_token_head"), 3, 2).layers[0], LatentPages)
+
+
+def test_nvfp4_pages_hold_vllms_packed_bytes_and_attention_reads_them():
+    """A write stores each token's K/V heads as nvfp4.quantize packs them (checked bit for bit
+    against NumPy in tests/quant/test_nvfp4.py) with the per-tensor scale's inverse as the
+    encoding multiplier; prefill attention over those pages equals NumPy attention over the bytes
+    decoded by tests/nvfp4_numpy.py, times the per-tensor scale."""
+    from nvfp4_numpy import decode as decode_numpy
+
+    from kvjax.quant import nvfp4
+
+    rng = np.random.default_rng(2)
+    spec = KVSpec("gqa", 1, 4, 2, 32, kv_dtype="nvfp4")
+    cache = PagedCache.create(spec, 5, 4)
+    pages = cache.layers[0].replace(k_scale=jnp.asarray([0.5, 2.0]), v_scale=jnp.asarray([1.0, 0.25]))
+    seq = 11
+    k = rng.standard_normal((seq, 2, 32)).astype(np.float32) * np.array([1.0, 6.0])[None, :, None]
+    v = rng.standard_normal((seq, 2, 32)).astype(np.float32)
+    k[3, 1, 5] = np.nan  # counted, and it spoils its block only
+    q = rng.standard_normal((seq, 4, 32)).astype(np.float32)
+    md = build_metadata([0], [seq], [[3, 1, 4]], block_size=4, max_tokens=12, max_seqs=1, max_blocks_per_seq=3)
+    pad = lambda x: jnp.asarray(np.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1)))  # noqa: E731
+    pages = write_kv(pages, pad(k), pad(v), md.slot_mapping)
+    assert pages.k.dtype == jnp.uint8 and pages.k.shape == (5, 4, 2, 16 + 2) and int(pages.nonfinite) == 1
+    slots = np.asarray(md.slot_mapping)[:seq]
+    stored_k = np.asarray(pages.k).reshape(-1, 2, 18)[slots]
+    stored_v = np.asarray(pages.v).reshape(-1, 2, 18)[slots]
+    np.testing.assert_array_equal(stored_k, np.asarray(nvfp4.quantize(jnp.asarray(k), jnp.asarray([[2.0], [0.5]]))))
+    k[3, 1] = 0.0  # attention below reads a token without the spoilt block
+    pages = write_kv(pages, pad(k), pad(v), md.slot_mapping)
+    stored_k = np.asarray(pages.k).reshape(-1, 2, 18)[slots]
+    out = np.asarray(paged_attention(pad(q), pages, md, scale=0.3))[:seq]
+    deq_k = decode_numpy(stored_k) * np.array([0.5, 2.0])[None, :, None]
+    deq_v = decode_numpy(stored_v) * np.array([1.0, 0.25])[None, :, None]
+    np.testing.assert_allclose(out, numpy_attention(q, deq_k, deq_v, np.arange(seq), 0.3), atol=2e-5, rtol=1e-5)
