@@ -67,9 +67,12 @@ FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=64, calib_wind
                   sensitivity_variant="fp8_e4m3 unit", skip_counts=(1, 3), outlier_map=True)
 
 
-def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None = None) -> list[dict]:
+def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None = None,
+             nvfp4: bool = True) -> list[dict]:
     """The variant list. skip_sets {variant name: [layer tuples]} replaces the fixed
-    "fp8_e4m3 per_tensor skip 0,L-1" by one skip variant of that variant per layer tuple."""
+    "fp8_e4m3 per_tensor skip 0,L-1" by one skip variant of that variant per layer tuple.
+    nvfp4=False leaves nvfp4 out (MLA latents and head dims that are not multiples of 16 have no
+    nvfp4 page here; kvjax.worker.paged_cache)."""
     base = [
         dict(name="bf16", kv_dtype="bf16"),
         dict(name="fp32", kv_dtype="fp32"),
@@ -82,6 +85,8 @@ def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None
         dict(name="fp8_per_token_head", kv_dtype="fp8_per_token_head"),
         dict(name="nvfp4", kv_dtype="nvfp4"),
     ]
+    if not nvfp4:
+        base = [v for v in base if v["kv_dtype"] != "nvfp4"]
     if skip_sets is None:
         skip_sets = {"fp8_e4m3 per_tensor": [(0, num_layers - 1)]}
     by_name = {v["name"]: v for v in base}
@@ -143,7 +148,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     windows of long_len tokens (default the model's context, at most 8,192) with bf16 and
     long_variants, prefilled long_chunk tokens at a time, for KL by context position.
     only: the variants to score (bf16, the baseline, always comes first; a skip variant is named
-    by its base, e.g. "fp8_e4m3 unit" keeps "fp8_e4m3 unit skip 3"); None scores them all.
+    by its base, e.g. "fp8_e4m3 unit" keeps "fp8_e4m3 unit skip 3"; nvfp4 is left out where the model has no
+    nvfp4 page); None scores them all.
     progress(message) is called as each phase starts (the library never prints).
     """
     from kvjax.models.hub import LoadedModel, load_model
@@ -159,7 +165,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     model_name = loaded.name
     config = loaded.config
-    known = {v["name"]: v for v in variants(config.num_layers)}
+    packs_nvfp4 = not config.is_mla and config.head_dim % 16 == 0
+    known = {v["name"]: v for v in variants(config.num_layers)}  # every name; this model's below
     for name in (sensitivity_variant, *long_variants, *(only or ())):
         if name not in known:
             raise KvjaxError(f"unknown variant {name!r}; choose one of {', '.join(known)}")
@@ -212,7 +219,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     # Skipped layers stay at the baseline's bf16 (vLLM keeps them in the model dtype, bf16 there);
     # one pool with a row per prompt, long enough for prompt and continuation: nothing is preempted.
     t = time.time()
-    vlist = variants(config.num_layers, skip_sets)
+    vlist = variants(config.num_layers, skip_sets, nvfp4=packs_nvfp4)
     if only is not None:
         vlist = [v for v in vlist if v["name"] == "bf16" or v["name"].split(" skip ")[0] in only]
     say(f"calibration; scoring {len(eval_windows)} windows of {seq_len} with {len(vlist)} variants")
