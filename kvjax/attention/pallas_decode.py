@@ -19,10 +19,8 @@ Numerics:
   program, it is applied where it is exact and cheap: to the f32 logits (K) and to the f32
   output (V), so the fp8 → bf16 cast that feeds the tensor cores is exact (every e4m3 and e5m2
   value is a bf16 value). A per-tensor scale is the same number for every head.
-- nvfp4 pages (uint8 [P, Z, K, H/2 + H/16], kvjax.quant.nvfp4) are unpacked in the kernel, each
-  E2M1 value times its e4m3 block scale; the per-tensor scale folds into the logits and the
-  output as fp8's does. An E2M1 value (2 significant bits) times an e4m3 scale (4) is exact in
-  bf16 and f16, so the dots run in q's dtype as for fp8.
+- nvfp4 pages (uint8 [P, Z, K, H/2 + H/16], kvjax.quant.nvfp4) go to kvjax.attention.pallas_nvfp4's
+  kernel, this one with the values and block scales loaded as two blocks and unpacked in the kernel.
 - Dots run in q's dtype when every page value is exact in it (bf16/f16 q with same-dtype or
   fp8 pages), else in f32 with Precision.HIGHEST (Triton's default f32 dot is TF32); both
   accumulate in f32. Probabilities are cast to the dot dtype for the P·V product, as
@@ -120,7 +118,11 @@ def online_softmax_step(carry, logits, valid, v, compute_dtype, precision):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])  # masked slots: exp(MASK - m) = 0
     l = alpha * l + p.sum(axis=-1)
-    o = alpha[:, None] * o + dot_f32(p.astype(compute_dtype), v, contract_b=0, precision=precision)
+
+    def fold(o_, v_):
+        return alpha[:, None] * o_ + dot_f32(p.astype(compute_dtype), v_, contract_b=0, precision=precision)
+
+    o = tuple(map(fold, o, v)) if isinstance(v, tuple) else fold(o, v)  # nvfp4: even and odd lanes apart
     return o, m_new, l
 
 
@@ -128,7 +130,8 @@ def write_partial(o_ref, lse_ref, o, m, l, out_scale):
     """Store out / sum (× the V or latent dequant scale) and logsumexp; an empty split: 0, -inf."""
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    o_ref[...] = jnp.where(seen[:, None], o / l_safe[:, None], 0.0) * out_scale
+    for ref, o_ in (zip(o_ref, o) if isinstance(o_ref, tuple) else [(o_ref, o)]):  # nvfp4: two lane planes
+        ref[...] = jnp.where(seen[:, None], o_ / l_safe[:, None], 0.0) * out_scale
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
@@ -143,7 +146,7 @@ def _gqa_kernel(
     o_ref,  # f32[block_h, H]: this split's normalized output
     lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
     *, sm_scale: float, pages_per_block: int, pages_per_split: int, max_blocks: int, window: int | None,
-    softcap: float | None, compute_dtype, precision, packed: bool,
+    softcap: float | None, compute_dtype, precision,
 ):
     block_h, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -154,10 +157,6 @@ def _gqa_kernel(
                                                max_blocks=max_blocks, window=window)
 
     q = q_ref[...].astype(compute_dtype)  # [block_h, H]
-
-    def load(ref, pages):  # a step's pages as [block_k, H] in the dot dtype (nvfp4: unpacked, block-scaled)
-        rows = ref[pages].reshape(block_k, ref.shape[-1])
-        return (nvfp4.dequantize(rows, 1.0) if packed else rows).astype(compute_dtype)
     logit_scale = sm_scale * k_scale_ref[0]  # K's dequant scale folds into the logits exactly
 
     def body(step, carry):
@@ -165,8 +164,8 @@ def _gqa_kernel(
         valid = pos < length  # bool[block_k]
         if window is not None:  # the first page in view may start before the window
             valid = valid & (pos >= length - window)
-        k = load(k_ref, pages)  # [block_k, H]
-        v = load(v_ref, pages)  # [block_k, H]
+        k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
+        v = v_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
         v = jnp.where(valid[:, None], v, 0)  # garbage slots must not meet a zero weight
         logits = dot_f32(q, k, contract_b=1, precision=precision) * logit_scale  # f32[block_h, block_k]
         if softcap is not None:  # Gemma 2: after the scales, before the mask
@@ -260,24 +259,29 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
     compute_dtype = compute_dtype_for(q.dtype, k_pages.dtype)
     kernel = functools.partial(_gqa_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
                                pages_per_split=pages_per_split, max_blocks=block_tables.shape[1], window=window,
-                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype),
-                               packed=k_pages.dtype == NVFP4_DTYPE)
+                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
     variant = ("" if window is None else f"_w{window}") + ("" if softcap is None else "_cap")
-    page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, k_pages.shape[3]), lambda b, h, s: (0, 0, h, 0))
     head_scalar_spec = pl.BlockSpec((1,), lambda b, h, s: (h,))
-    o, lse = pl.pallas_call(
-        kernel,
-        grid=(batch, num_kv_heads, num_splits),
-        in_specs=[
-            *split_inputs(tables.shape[1]),
-            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
-            page_spec, page_spec, head_scalar_spec, head_scalar_spec,
-        ],
-        **split_outputs(batch, num_kv_heads, num_splits, block_h, head_dim),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret,
-        name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}{variant}",
-    )(context_lens.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scale, v_scale)
+    call = dict(grid=(batch, num_kv_heads, num_splits), interpret=interpret,
+                compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+                name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}{variant}")
+    lens = context_lens.astype(jnp.int32)
+    if k_pages.dtype == NVFP4_DTYPE:  # kvjax.attention.pallas_nvfp4: values and block scales apart
+        from kvjax.attention.pallas_nvfp4 import nvfp4_decode_call
+
+        o, lse = nvfp4_decode_call(kernel.keywords, call, lens, tables, q4, k_pages, v_pages, k_scale, v_scale,
+                                   block_h=block_h, head_scalar_spec=head_scalar_spec)
+    else:
+        page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
+        o, lse = pl.pallas_call(
+            kernel,
+            in_specs=[
+                *split_inputs(tables.shape[1]),
+                pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+                page_spec, page_spec, head_scalar_spec, head_scalar_spec,
+            ],
+            **split_outputs(batch, num_kv_heads, num_splits, block_h, head_dim), **call,
+        )(lens, tables, q4, k_pages, v_pages, k_scale, v_scale)
     if sinks is not None:  # [N] → [K, 1, block_h] (padded rows: no sink), once per query head
         sinks = jnp.pad(sinks.reshape(num_kv_heads, 1, group), ((0, 0), (0, 0), (0, block_h - group)),
                         constant_values=-jnp.inf)
@@ -331,8 +335,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
 
     q [B, N, H] (f32, bf16, f16; unscaled); k_pages, v_pages [P, Z, K, H] (f32, bf16, f16,
     float8_e4m3fn, float8_e5m2; nvfp4: uint8 [P, Z, K, H/2 + H/16]); block_tables i32[B, M]
-    (entries past a sequence's last page are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives a zero output);
-    scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
+    (entries past a sequence's last page are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives
+    a zero output); scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
     scalar or per-kv-head f32[K] dequant scales; window (int >= 1), sinks (f32[N]), softcap
     (> 0): the layer's variants (module docstring), None for off; tiles: None → `default_tiles`
     for the pages in view; interpret: None → True on CPU. Returns [B, N, H] in q's dtype.

@@ -25,8 +25,8 @@ as for fp8, the decoding scale beside the pages (x ≈ stored × scale), so a pa
 so the whole block reads back as NaN (visible, and counted by the cache as for fp8); ±inf
 saturates to ±6 × s.
 
-Everything below is elementwise integer and float jnp with reshapes of the last axis, no table
-lookups, so the Pallas decode kernel dequantizes its pages with the same functions.
+Decoding is elementwise integer and float jnp (no table lookups, no bitcasts) and a broadcast
+of the block scales, so the Pallas decode kernel unpacks its pages with the same `unpack`.
 """
 from __future__ import annotations
 
@@ -83,19 +83,38 @@ def quantize(x: jax.Array, encode_scale) -> jax.Array:
     return jnp.concatenate([data, scale_bytes], axis=-1)
 
 
+def e4m3_values(byte: jax.Array) -> jax.Array:
+    """uint8 bytes holding float8_e4m3fn → f32, by integer arithmetic (no bitcast, so the Pallas
+    kernel can run it): sign 0x80, exponent e (4 bits, bias 7), mantissa m (3 bits); normal values
+    (8 + m) · 2^e · 2^-10, subnormal (e = 0) 2m · 2^-10, e = 15 with m = 7 NaN. Exact: small integers
+    times a power of two."""
+    b = byte.astype(jnp.int32)
+    e, m = (b >> 3) & 0xF, b & 7
+    mag = jnp.where(e == 0, 2 * m, (8 + m) << e).astype(jnp.float32) * jnp.float32(2.0 ** -10)
+    mag = jnp.where((e == 15) & (m == 7), jnp.nan, mag)
+    return jnp.where((b & 0x80) != 0, -mag, mag)
+
+
 def split(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 [..., H/2 + H/16] → (data uint8 [..., H/2], block scales f32 [..., H/16])."""
+    """uint8 [..., H/2 + H/16] → (data uint8 [..., H/2], block-scale bytes uint8 [..., H/16])."""
     half = packed.shape[-1] * 8 // 9
-    scales = lax.bitcast_convert_type(packed[..., half:], jnp.float8_e4m3fn).astype(jnp.float32)
-    return packed[..., :half], scales
+    return packed[..., :half], packed[..., half:]
+
+
+def unpack(data: jax.Array, scale_bytes: jax.Array, scale=1.0) -> tuple[jax.Array, jax.Array]:
+    """(data uint8 [..., H/2], block-scale bytes uint8 [..., H/16]) → f32 (even, odd) [..., H/2]: the
+    elements 0, 2, 4, ... (low nibbles) and 1, 3, 5, ... (high nibbles), each e2m1 value × (its
+    block scale × scale). Byte i's two values share block i // 8. The Pallas kernel dots the two
+    halves with q's even and odd lanes, so nothing is interleaved inside it."""
+    half = data.shape[-1]
+    s = e4m3_values(scale_bytes) * jnp.asarray(scale, jnp.float32)  # [..., H/16]
+    s = jnp.broadcast_to(s[..., None], (*s.shape, GROUP // 2)).reshape(*s.shape[:-1], half)
+    return e2m1_values(data & 0xF) * s, e2m1_values(data >> 4) * s
 
 
 def dequantize(packed: jax.Array, decode_scale) -> jax.Array:
     """uint8 [..., H/2 + H/16] → f32 [..., H]: e2m1 value × (block scale × decode_scale), where
     decode_scale (1/g, broadcasting against packed[..., :1]) is the scale kvjax keeps beside the pages."""
-    data, s = split(packed)
-    h = data.shape[-1] * 2
-    values = jnp.stack([e2m1_values(data & 0xF), e2m1_values(data >> 4)], axis=-1)  # [..., H/2, 2]
-    values = values.reshape(*data.shape[:-1], h // GROUP, GROUP)
-    scale = s * jnp.asarray(decode_scale, jnp.float32)  # [..., H/16]
-    return (values * scale[..., None]).reshape(*data.shape[:-1], h)
+    data, scale_bytes = split(packed)
+    even, odd = unpack(data, scale_bytes, decode_scale)
+    return jnp.stack([even, odd], axis=-1).reshape(*data.shape[:-1], 2 * data.shape[-1])

@@ -58,6 +58,25 @@ def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
     assert triton_kernels(module) == [f"kvjax_paged_decode_h{tiles.block_h}_p{tiles.pages_per_block}_s{splits}"]
 
 
+@pytest.mark.parametrize("head_dim,block_size,splits", [(64, 16, 1), (128, 16, 4), (128, 64, 2)])
+def test_nvfp4_gqa_kernel_lowers_for_cuda(head_dim, block_size, splits):
+    """nvfp4 pages (uint8 [P, Z, K, H/2 + H/16]): the unpacking (nibbles, e4m3 block scales) is
+    accepted by the Triton lowering too."""
+    batch, kv_heads, group, blocks, max_blocks = 3, 2, 4, 40, 8
+    tiles = dataclasses.replace(default_tiles(batch=batch, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                              block_size=block_size, max_blocks=max_blocks), num_splits=splits)
+    page = S((blocks, block_size, kv_heads, head_dim // 2 + head_dim // 16), jnp.uint8)
+    scale = S((kv_heads,), jnp.float32)
+
+    def fn(q, k, v, tables, lens, k_scale, v_scale):
+        return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                            tiles=tiles, interpret=False)
+
+    module = lower_for_cuda(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                            S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scale, scale)
+    assert triton_kernels(module) == [f"kvjax_paged_decode_h{tiles.block_h}_p{tiles.pages_per_block}_s{splits}"]
+
+
 @pytest.mark.parametrize("kv", ["bf16", "e4m3"])
 @pytest.mark.parametrize("window,softcap,splits", [(1, None, 1), (17, 30.0, 4), (200, 50.0, 2), (None, 20.0, 3)])
 def test_windowed_gqa_kernel_lowers_for_cuda(kv, window, softcap, splits):

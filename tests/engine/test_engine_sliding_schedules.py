@@ -31,7 +31,7 @@ def test_matches_transformers_with_preemption_on_groups(case, k):
     check(case, result)
 
 
-@pytest.mark.parametrize("case, budget", _rotate(("gemma3", 5)), indirect=["case"])
+@pytest.mark.parametrize("case, budget", _rotate(("qwen2-window", 5)), indirect=["case"])
 def test_matches_transformers_with_chunked_prefill(case, budget):
     """Prompts split over several steps, a prefix hit followed by a chunked rest, and preemption."""
     result = run(case, num_blocks=24, max_num_batched_tokens=budget, hybrid_kv_cache=False)

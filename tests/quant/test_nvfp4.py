@@ -84,3 +84,14 @@ def test_packed_width_and_refusals():
     assert nvfp4.packed_width(128) == 64 + 8 == 128 * 4 // 8 + 128 // 16
     with pytest.raises(ValueError, match="24"):
         nvfp4.packed_width(24)
+
+
+def test_e4m3_bytes_decode_as_ml_dtypes_reads_them():
+    """The block scales are read by integer arithmetic (the kernel has no bitcast): all 256 bytes."""
+    import ml_dtypes
+
+    raw = np.arange(256, dtype=np.uint8)
+    want = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(nvfp4.e4m3_values(jnp.asarray(raw)))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[~np.isnan(want)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
