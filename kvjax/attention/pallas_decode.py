@@ -98,6 +98,22 @@ def split_pages(split, length, *, block_size: int, pages_per_block: int, pages_p
     return first_page, n_pages, pl.cdiv(n_pages, pages_per_block)
 
 
+def program_split(lens_ref, *, block_size: int, pages_per_block: int, pages_per_split: int, max_blocks: int,
+                  window: int | None):
+    """This program's sequence length and its split's pages: (length, first page, valid pages, steps)."""
+    length = lens_ref[0]
+    return (length, *split_pages(pl.program_id(2), length, block_size=block_size, pages_per_block=pages_per_block,
+                                 pages_per_split=pages_per_split, max_blocks=max_blocks, window=window))
+
+
+def in_view(pos, length, window: int | None):
+    """bool[block_k]: the step's positions the decode query sees (before its length; within its window)."""
+    valid = pos < length
+    if window is not None:  # the first page in view may start before the window
+        valid = valid & (pos >= length - window)
+    return valid
+
+
 def step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block):
     """Physical pages and token positions of one step of pages_per_block pages."""
     local = step * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
@@ -151,19 +167,17 @@ def _gqa_kernel(
     block_h, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     block_k = pages_per_block * block_size
-    length = lens_ref[0]
-    first_page, n_pages, n_steps = split_pages(pl.program_id(2), length, block_size=block_size,
-                                               pages_per_block=pages_per_block, pages_per_split=pages_per_split,
-                                               max_blocks=max_blocks, window=window)
+    length, first_page, n_pages, n_steps = program_split(lens_ref, block_size=block_size,
+                                                         pages_per_block=pages_per_block,
+                                                         pages_per_split=pages_per_split, max_blocks=max_blocks,
+                                                         window=window)
 
     q = q_ref[...].astype(compute_dtype)  # [block_h, H]
     logit_scale = sm_scale * k_scale_ref[0]  # K's dequant scale folds into the logits exactly
 
     def body(step, carry):
         pages, pos = step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block)
-        valid = pos < length  # bool[block_k]
-        if window is not None:  # the first page in view may start before the window
-            valid = valid & (pos >= length - window)
+        valid = in_view(pos, length, window)  # bool[block_k]
         k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
         v = v_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
         v = jnp.where(valid[:, None], v, 0)  # garbage slots must not meet a zero weight

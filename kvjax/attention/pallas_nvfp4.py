@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvjax.attention.pallas_decode import (MASK_VALUE, dot_f32, online_softmax_step, split_inputs, split_outputs,
-                                           split_pages, step_pages, write_partial)
+from kvjax.attention.pallas_decode import (MASK_VALUE, dot_f32, in_view, online_softmax_step, program_split,
+                                           split_inputs, split_outputs, step_pages, write_partial)
 from kvjax.quant import nvfp4
 
 
@@ -38,10 +38,10 @@ def _gqa_nvfp4_kernel(
     block_h, half = qe_ref.shape
     block_size = kd_ref.shape[1]
     block_k = pages_per_block * block_size
-    length = lens_ref[0]
-    first_page, n_pages, n_steps = split_pages(pl.program_id(2), length, block_size=block_size,
-                                               pages_per_block=pages_per_block, pages_per_split=pages_per_split,
-                                               max_blocks=max_blocks, window=window)
+    length, first_page, n_pages, n_steps = program_split(lens_ref, block_size=block_size,
+                                                         pages_per_block=pages_per_block,
+                                                         pages_per_split=pages_per_split, max_blocks=max_blocks,
+                                                         window=window)
     qe, qo = qe_ref[...].astype(compute_dtype), qo_ref[...].astype(compute_dtype)
     logit_scale = sm_scale * k_scale_ref[0]
 
@@ -52,9 +52,7 @@ def _gqa_nvfp4_kernel(
 
     def body(step, carry):
         pages, pos = step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block)
-        valid = pos < length
-        if window is not None:
-            valid = valid & (pos >= length - window)
+        valid = in_view(pos, length, window)
         ke, ko = load(kd_ref, ks_ref, pages)
         ve, vo = (jnp.where(valid[:, None], x, 0) for x in load(vd_ref, vs_ref, pages))
         logits = (dot_f32(qe, ke, contract_b=1, precision=precision)

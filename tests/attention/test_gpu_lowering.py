@@ -26,7 +26,7 @@ from kvjax.models import build_model, init_params, preset
 from kvjax.worker.paged_cache import PagedCache
 
 S = jax.ShapeDtypeStruct
-FP8 = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+FP8 = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "nvfp4": jnp.uint8}
 
 
 def lower_for_cuda(fn, *args) -> str:
@@ -39,34 +39,16 @@ def triton_kernels(module: str) -> list[str]:
     return [re.search(r'name = "([^"]+)"', line).group(1) for line in calls]
 
 
-@pytest.mark.parametrize("kv", ["bf16", "e4m3", "e5m2"])
+@pytest.mark.parametrize("kv", ["bf16", "e4m3", "e5m2", "nvfp4"])
 @pytest.mark.parametrize("group,head_dim,block_size,splits", [
     (1, 64, 16, 1), (2, 128, 4, 4), (4, 128, 64, 1), (7, 64, 16, 4), (16, 128, 16, 1), (4, 128, 64, 4)])
 def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
     batch, kv_heads, blocks, max_blocks = 3, 2, 40, 8
     tiles = dataclasses.replace(default_tiles(batch=batch, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
                                               block_size=block_size, max_blocks=max_blocks), num_splits=splits)
-    page = S((blocks, block_size, kv_heads, head_dim), FP8[kv])
+    width = head_dim // 2 + head_dim // 16 if kv == "nvfp4" else head_dim  # nvfp4: values, then block scales
+    page = S((blocks, block_size, kv_heads, width), FP8[kv])
     scale = None if kv == "bf16" else S((kv_heads,), jnp.float32)
-
-    def fn(q, k, v, tables, lens, k_scale, v_scale):
-        return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
-                            tiles=tiles, interpret=False)
-
-    module = lower_for_cuda(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
-                            S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scale, scale)
-    assert triton_kernels(module) == [f"kvjax_paged_decode_h{tiles.block_h}_p{tiles.pages_per_block}_s{splits}"]
-
-
-@pytest.mark.parametrize("head_dim,block_size,splits", [(64, 16, 1), (128, 16, 4), (128, 64, 2)])
-def test_nvfp4_gqa_kernel_lowers_for_cuda(head_dim, block_size, splits):
-    """nvfp4 pages (uint8 [P, Z, K, H/2 + H/16]): the unpacking (nibbles, e4m3 block scales) is
-    accepted by the Triton lowering too."""
-    batch, kv_heads, group, blocks, max_blocks = 3, 2, 4, 40, 8
-    tiles = dataclasses.replace(default_tiles(batch=batch, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
-                                              block_size=block_size, max_blocks=max_blocks), num_splits=splits)
-    page = S((blocks, block_size, kv_heads, head_dim // 2 + head_dim // 16), jnp.uint8)
-    scale = S((kv_heads,), jnp.float32)
 
     def fn(q, k, v, tables, lens, k_scale, v_scale):
         return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
