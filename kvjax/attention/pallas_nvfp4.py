@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvjax.attention.pallas_decode import (MASK_VALUE, dot_f32, in_view, online_softmax_step, program_split,
-                                           split_inputs, split_outputs, step_pages, write_partial)
+from kvjax.attention.pallas_steps import (MASK_VALUE, dot_f32, in_view, online_softmax_step, program_split,
+                                          split_inputs, split_outputs, step_pages, write_partial)
 from kvjax.quant import nvfp4
 
 

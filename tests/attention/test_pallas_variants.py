@@ -16,6 +16,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from kvjax.attention import pallas_decode as pd
+from kvjax.attention import pallas_steps
 from kvjax.attention.pallas_decode import paged_decode, split_block_tables, split_pages, window_pages
 from kvjax.attention.reference import paged_decode_reference
 from kvjax.attention.tiles import DecodeTiles, default_tiles
@@ -160,7 +161,7 @@ def test_kernel_reads_only_the_window(monkeypatch):
         return pages, pos
 
     jax.clear_caches()  # trace the kernel again, with the recording helpers
-    monkeypatch.setattr(pd, "split_pages", recording_split)
+    monkeypatch.setattr(pallas_steps, "split_pages", recording_split)  # called by the kernel's program_split
     monkeypatch.setattr(pd, "step_pages", recording_step)
     try:
         out = paged_decode(*[jnp.asarray(a) for a in (q, k_pages, v_pages, tables, lens)], scale=0.2,
