@@ -232,7 +232,7 @@ def _check_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
     if heads % kv_heads:
         raise ValueError(f"{kv_heads} kv heads do not divide {heads} query heads")
     packed = k_pages.dtype == jnp.uint8  # nvfp4: H / 2 + H / 16 bytes per head
-    width = nvfp4.packed_width(q.shape[-1]) if packed and q.shape[-1] % nvfp4.GROUP == 0 else q.shape[-1]
+    width = nvfp4.packed_width(q.shape[-1]) if packed else q.shape[-1]  # packed_width refuses H % 16
     if width != k_pages.shape[-1]:
         raise ValueError(f"query head dim {q.shape[-1]} does not fit the pages' last axis {k_pages.shape[-1]}"
                          f"{' (nvfp4: H/2 + H/16 bytes)' if packed else ''}")

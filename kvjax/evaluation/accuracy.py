@@ -58,6 +58,7 @@ from kvjax.errors import KvjaxError, check_int
 from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
 from kvjax.evaluation.metrics import BUCKETS, Tally, compare
 from kvjax.evaluation.scoring import ChunkedScorer, windows
+from kvjax.quant import nvfp4
 from kvjax.quant.calibration import calibrate
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
@@ -165,7 +166,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     model_name = loaded.name
     config = loaded.config
-    packs_nvfp4 = not config.is_mla and config.head_dim % 16 == 0
+    packs_nvfp4 = nvfp4.page_refusal(config.kv_spec().kind, config.head_dim) is None
     known = {v["name"]: v for v in variants(config.num_layers)}  # every name; this model's below
     for name in (sensitivity_variant, *long_variants, *(only or ())):
         if name not in known:

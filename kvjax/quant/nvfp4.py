@@ -48,6 +48,15 @@ def packed_width(head_dim: int) -> int:
     return head_dim // 2 + head_dim // GROUP
 
 
+def page_refusal(kind: str, head_dim: int) -> str | None:
+    """Why layers of this attention kind (a KVSpec's) and head dim have no nvfp4 page here, or None."""
+    if kind == "mla":
+        return "packs K/V heads; an MLA latent page has no nvfp4 layout here (vLLM's is nvfp4_ds_mla)"
+    if head_dim % GROUP:
+        return f"needs a head dim that is a multiple of {GROUP}, got {head_dim}"
+    return None
+
+
 def e2m1_codes(x: jax.Array) -> jax.Array:
     """f32 values already scaled into [-6, 6] → uint8 codes 0..15 (sign 0x8), rounded to nearest even."""
     a = jnp.abs(x)

@@ -151,12 +151,9 @@ class PagedCache:
             dtype = kv.dtype
             width = spec.head_dim
             if kv.scale == "per_block":  # nvfp4: packed values and their block scales
-                if spec.kind == "mla":
-                    raise CacheError(f"kv dtype {kv.name!r} (layer {i}) packs K/V heads; an MLA latent page has "
-                                     "no nvfp4 layout here (vLLM's is nvfp4_ds_mla)")
-                if spec.head_dim % nvfp4.GROUP:
-                    raise CacheError(f"kv dtype {kv.name!r} needs a head dim that is a multiple of {nvfp4.GROUP}, "
-                                     f"got {spec.head_dim}")
+                refusal = nvfp4.page_refusal(spec.kind, spec.head_dim)
+                if refusal:
+                    raise CacheError(f"kv dtype {kv.name!r} {refusal}")
                 width = nvfp4.packed_width(spec.head_dim)
             zero = jnp.zeros((), jnp.int32)  # one buffer per layer: the jitted step donates each
             if spec.kind == "mla":
