@@ -2,19 +2,21 @@
 
     kvjax accuracy --model small-gqa
     kvjax accuracy --model small-mla --outlier-channels --out results/
-    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: 23 min on 2 cores)
+    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: its time)
 
 Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table (with
 --json: the results as JSON); the full suite (a real LLM) also writes _positions.png (KL by
-context position), _layers.png (layer sensitivity) and _amax.png (the outlier heatmap). Its
+context position), _layers.png (layer sensitivity), _amax.png (the outlier heatmap) and
+_tradeoff.png (KL against Llama-3-70B concurrency, passkey success, greedy agreement). Its
 phases show on a progress bar on stderr when that is a terminal (--no-progress: never). The
 evaluation is the library's; this module parses the flags, runs it and renders its results
 (`markdown`, the plots).
 
 --suite picks the defaults of every option left unset: "basic" (the built-in byte-level models:
 one stdlib window set, the fixed skip 0,L-1 variant) or "full" (kvjax.evaluation.accuracy.FULL_SUITE: code
-and prose, outlier map, layer sensitivity choosing the skip variants, long windows for KL by
-position); "auto" is basic for small-gqa / small-mla and full for every other model.
+and prose, outlier map, layer sensitivity choosing the skip variants, a long window for KL by
+position, passkey retrieval, 128-token greedy generations); "auto" is basic for small-gqa /
+small-mla and full for every other model.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ import json
 import math
 import os
 
+from kvjax.commands import accuracy_lab as lab
+from kvjax.commands.accuracy_lab import pyplot, save_plot
 from kvjax.commands.common import MODEL_HELP, add_progress_flag, progress_enabled
-from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, save_figure, write_json,
+from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, write_json,
                           write_text)
 from kvjax.markdown import markdown_table
 from kvjax.progress import Phases
@@ -44,8 +48,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-windows", type=int_arg(1),
                     help="scored windows, split between the --data files (basic 32, full 64)")
     ap.add_argument("--calib-windows", type=int_arg(1), help="calibration windows (basic: --max-windows, full 8)")
-    ap.add_argument("--prompts", type=int_arg(1, 4096), default=8)
-    ap.add_argument("--decode-tokens", type=int_arg(1), default=32)
+    ap.add_argument("--prompts", type=int_arg(1, 4096), help="greedy prompts (8)")
+    ap.add_argument("--decode-tokens", type=int_arg(1), help="greedy tokens per prompt (basic 32, full 128)")
     ap.add_argument("--outlier-channels", action="store_true", help="inflate K channels 0 and 5 (and RoPE partners)")
     ap.add_argument("--outlier-factor", type=float_arg(0, 1e6, lo_open=True),
                     help="with --outlier-channels: the factor (200)")
@@ -59,8 +63,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-windows", type=int_arg(0), help="windows of the model's context for KL by position, "
                                                      "0 = off (basic 0, full 2)")
     ap.add_argument("--long-chunk", type=int_arg(1), help="prefill chunk of the long windows (1024)")
-    ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16 "
-                                                       "(fp8_e4m3 unit)")
+    ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16, or "
+                                                       "'all' (basic fp8_e4m3 unit, full all)")
+    ap.add_argument("--passkey-lengths", type=int_arg(0), nargs="+",
+                    help="passkey prompt lengths, 0 = off (basic off, full 512 1024 2048)")
+    ap.add_argument("--passkey-depths", type=float_arg(0, 1), nargs="+", help="needle depths (0.1 0.5 0.9)")
+    ap.add_argument("--passkey-trials", type=int_arg(1), help="passkey trials per length × depth cell (12)")
+    ap.add_argument("--passkey-per-haystack", type=int_arg(1),
+                    help="trials sharing one haystack offset, served by the prefix cache (3)")
     ap.add_argument("--variants", nargs="+", help="score only these variants (bf16, the baseline, always; "
                                                   "default: all)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT}/)")
@@ -85,7 +95,9 @@ def evaluate_kwargs(args) -> dict:
                  outlier_map=args.outlier_map, sensitivity_windows=args.sensitivity_windows,
                  sensitivity_variant=args.sensitivity_variant, skip_counts=args.skip_counts,
                  long_windows=args.long_windows, long_chunk=args.long_chunk, long_variants=args.long_variants,
-                 only=args.variants)
+                 only=args.variants, passkey_lengths=args.passkey_lengths, passkey_depths=args.passkey_depths,
+                 passkey_trials=args.passkey_trials, passkey_per_haystack=args.passkey_per_haystack,
+                 prompts=args.prompts, decode_tokens=args.decode_tokens)
     kw = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     if args.outlier_factor is not None and not args.outlier_channels:
         raise UsageError("--outlier-factor applies with --outlier-channels (it would be ignored)")
@@ -96,18 +108,26 @@ def evaluate_kwargs(args) -> dict:
     for name in args.variants or ():
         if name not in names:
             raise UsageError(f"--variants: unknown variant {name!r}; choose from {', '.join(repr(n) for n in names)}")
-    for name in ("skip_counts", "long_variants", "only"):
-        if name in kw:
+    if kw.get("passkey_lengths") == [0]:
+        kw["passkey_lengths"] = ()
+    elif 0 in kw.get("passkey_lengths", ()):
+        raise UsageError(f"--passkey-lengths: 0 (off) stands alone, got {' '.join(map(str, kw['passkey_lengths']))}")
+    if kw.get("long_variants") == ["all"]:
+        kw["long_variants"] = "all"
+    for name in ("skip_counts", "long_variants", "only", "passkey_lengths", "passkey_depths"):
+        if name in kw and not isinstance(kw[name], str):
             kw[name] = tuple(kw[name])
-    return dict(kw, calib=args.calib or CALIB, prompts=args.prompts, decode_tokens=args.decode_tokens,
-                outlier_channels=args.outlier_channels,
+    return dict(kw, calib=args.calib or CALIB, outlier_channels=args.outlier_channels,
                 outlier_factor=200.0 if args.outlier_factor is None else args.outlier_factor)
 
 
 # ------------------------------------------------------------------ markdown
 def markdown(res: dict) -> str:
     """The results as markdown: a one-line header saying what was measured, the variant table,
-    and (when measured) KL by context position, layer sensitivity and the outlier map."""
+    and (when measured) KL by context position, layer sensitivity, the outlier map, the passkey
+    tables and the trade-off table."""
+    from kvjax.evaluation.tradeoff import table
+
     head = (f"**{res['model']}**{' with inflated K channels ×' + str(res['outlier_factor']) if res['outlier_channels'] else ''}: "
             f"{res['scored_tokens']:,} held-out tokens ({res['windows']} windows of {res['seq_len']}), "
             f"{res['prompts']} greedy prompts × {res['decode_tokens']} tokens; {res['machine']}.\n\n")
@@ -121,6 +141,10 @@ def markdown(res: dict) -> str:
         out += "\n" + _positions_markdown(res)
     if "sensitivity" in res or "outliers" in res:
         out += "\n" + _layers_markdown(res)
+    if "passkey" in res:
+        out += "\n" + lab.passkey_markdown(res)
+    if "passkey" in res or "long" in res:
+        out += "\n" + lab.tradeoff_markdown(res, table(res))
     return out
 
 
@@ -190,21 +214,8 @@ def _layers_markdown(res: dict) -> str:
 
 
 # ------------------------------------------------------------------ plots
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(plt, fig, path: str) -> None:
-    fig.tight_layout()
-    save_figure(fig, path, "--out", dpi=110)
-    plt.close(fig)
-
-
 def plot(res: dict, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     rs = [r for r in res["results"] if r["variant"] != "bf16"]
     names = [r["variant"] for r in rs]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -215,12 +226,12 @@ def plot(res: dict, path: str) -> None:
     axes[1].set_xlabel("top-1 disagreement with bf16 (%)")
     axes[1].set_yticks([])
     fig.suptitle(f"{res['model']}: quantized KV vs bf16" + (" (outlier K channels)" if res["outlier_channels"] else ""))
-    _save(plt, fig, path)
+    save_plot(plt, fig, path)
 
 
 def plot_positions(res: dict, path: str) -> None:
     """KL by position bucket: long windows solid, the short windows of the main table dashed."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for label, per_variant, style in ((f"{res['long']['seq_len']:,}-token windows",
                                        {k: v["buckets"] for k, v in res["long"]["variants"].items()}, "-o"),
@@ -236,12 +247,12 @@ def plot_positions(res: dict, path: str) -> None:
     ax.set_ylabel("mean KL(bf16 ‖ variant), nats")
     ax.set_title(f"{res['model']}: quantized-KV error by context position")
     ax.legend(fontsize=7)
-    _save(plt, fig, path)
+    save_plot(plt, fig, path)
 
 
 def plot_layers(res: dict, path: str) -> None:
     """Layer sensitivity: KL when only layer i's KV is quantized; skipped layers highlighted."""
-    plt = _pyplot()
+    plt = pyplot()
     sens = res["sensitivity"]
     skipped = set(max(sens["skip_sets"], key=len)) if sens["skip_sets"] else set()
     rows = sens["layers"]
@@ -252,14 +263,14 @@ def plot_layers(res: dict, path: str) -> None:
     ax.set_xlabel("layer (red: kept in bf16 by the largest skip variant)")
     ax.set_ylabel("KL(bf16 ‖ only this layer quantized)")
     ax.set_title(f"{res['model']}: layer sensitivity of {sens['variant']}")
-    _save(plt, fig, path)
+    save_plot(plt, fig, path)
 
 
 def plot_amax(res: dict, path: str) -> None:
     """The outlier map: four layer × kv head heatmaps (max |K|, max |V|, channel ratios)."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     o = res["outliers"]
     panels = [("max |K|", o["k_amax"]), ("max |V|", o["v_amax"]),
               ("K: top channel / median channel", o["k_channel_ratio"]),
@@ -278,7 +289,7 @@ def plot_amax(res: dict, path: str) -> None:
     where = "layers " + ", ".join(map(str, sat)) if sat else "no layer"
     fig.suptitle(f"{res['model']}: K/V outlier map on calibration text; unit-scale {o['format']} saturates "
                  f"(> {o['format_max']:g}) in {where}", fontsize=9)
-    _save(plt, fig, path)
+    save_plot(plt, fig, path)
 
 
 def write_outputs(res: dict, out_dir: str) -> dict:
@@ -296,6 +307,11 @@ def write_outputs(res: dict, out_dir: str) -> dict:
         if needs in res:
             paths[key] = f"{stem}_{key}.png"
             fn(res, paths[key])
+    if "passkey" in res or "long" in res:
+        from kvjax.evaluation.tradeoff import table
+
+        paths["tradeoff"] = f"{stem}_tradeoff.png"
+        lab.plot_tradeoff(res, table(res), paths["tradeoff"])
     return paths
 
 

@@ -31,8 +31,11 @@ built-in byte-level ones) adds:
 - layer sensitivity (kvjax.evaluation.layers.layer_sensitivity) on a slice of the calibration
   text — not the held-out text, so choosing layers does not peek at what is scored —, which
   replaces the fixed skip variant by "<variant> skip <the k most sensitive layers>";
-- KL by context position in buckets (kvjax.evaluation.metrics.BUCKETS), over long windows of the
-  model's context (8,192 tokens for SmolLM2) for a reduced variant set, prefilled in chunks.
+- KL by context position in buckets (kvjax.evaluation.metrics.BUCKETS), over a long window of the
+  model's context (8,192 tokens for SmolLM2) for every variant, prefilled in chunks;
+- passkey retrieval (kvjax.evaluation.passkey) at 2,048 tokens, 12 trials at each of three depths,
+  through every variant but fp32, and free generations of 128 tokens for the first greedy
+  divergence; kvjax.evaluation.tradeoff puts it all in one table beside Llama-3-70B's bytes.
 
 Memory: windows are the outer loop and variants the inner one; each variant's batch is compared
 with the baseline's at once and only per-position sums are kept (kvjax.evaluation.metrics), so
@@ -62,10 +65,11 @@ from kvjax.quant import nvfp4
 from kvjax.quant.calibration import calibrate
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
-# sized to finish within 30 minutes on 2 CPU cores for SmolLM2-135M (README).
-FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=64, calib_windows=8, long_windows=2,
-                  long_chunk=1024, long_variants=("fp8_e4m3 unit",), sensitivity_windows=2,
-                  sensitivity_variant="fp8_e4m3 unit", skip_counts=(1, 3), outlier_map=True)
+# sized for SmolLM2-135M on 2 CPU cores (README: its time, phase by phase).
+FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=32, calib_windows=8, long_windows=1,
+                  long_chunk=1024, long_variants="all", sensitivity_windows=2,
+                  sensitivity_variant="fp8_e4m3 unit", skip_counts=(1, 3), outlier_map=True, prompts=8,
+                  decode_tokens=128, passkey_lengths=(2048,), passkey_trials=12)
 
 
 def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None = None,
@@ -137,7 +141,9 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
              outlier_map: bool = False, sensitivity_windows: int = 0, sensitivity_variant: str = "fp8_e4m3 unit",
              skip_counts: tuple[int, ...] = (1, 3), long_windows: int = 0, long_len: int | None = None,
              long_chunk: int = 512, long_variants: tuple[str, ...] = ("fp8_e4m3 unit",),
-             only: tuple[str, ...] | None = None, progress: Callable[[str], None] | None = None) -> dict:
+             only: tuple[str, ...] | None = None, passkey_lengths: tuple[int, ...] = (),
+             passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9), passkey_trials: int = 12, passkey_per_haystack: int = 3,
+             passkey_data: str = PROSE, progress: Callable[[str], None] | None = None) -> dict:
     """Run every variant on `model` (anything models.hub.load_model takes, or a LoadedModel)
     with held-out text `data` (a path, or several: windows are split between them) and
     calibration text `calib`; returns the results as a JSON-safe dict.
@@ -147,7 +153,11 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     sensitivity_variant on that many calibration windows, and make one skip variant per k in
     skip_counts (its k most sensitive layers in bf16). long_windows > 0: also score that many
     windows of long_len tokens (default the model's context, at most 8,192) with bf16 and
-    long_variants, prefilled long_chunk tokens at a time, for KL by context position.
+    long_variants ("all": every scored variant but fp32), prefilled long_chunk tokens at a time, for
+    KL by context position.
+    passkey_lengths: prompt lengths of the passkey task (kvjax.evaluation.passkey; empty: off), each
+    at every depth of passkey_depths with passkey_trials trials, passkey_per_haystack of them
+    sharing one haystack offset of passkey_data, through every scored variant but fp32.
     only: the variants to score (bf16, the baseline, always comes first; a skip variant is named
     by its base, e.g. "fp8_e4m3 unit" keeps "fp8_e4m3 unit skip 3"; nvfp4 is left out where the model has no
     nvfp4 page); None scores them all.
@@ -168,7 +178,9 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     config = loaded.config
     packs_nvfp4 = nvfp4.page_refusal(config.kv_spec().kind, config.head_dim) is None
     known = {v["name"]: v for v in variants(config.num_layers)}  # every name; this model's below
-    for name in (sensitivity_variant, *long_variants, *(only or ())):
+    if isinstance(long_variants, str) and long_variants != "all":
+        raise KvjaxError(f"long_variants must be variant names or 'all', got {long_variants!r}")
+    for name in (sensitivity_variant, *(() if long_variants == "all" else long_variants), *(only or ())):
         if name not in known:
             raise KvjaxError(f"unknown variant {name!r}; choose one of {', '.join(known)}")
     if seq_len > config.max_position_embeddings:
@@ -184,6 +196,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     eval_windows, long_set, prompt_list, sources = _sources(loaded.tokenizer, data, seq_len, max_windows,
                                                             long_windows, long_len, prompts, prompt_len)
     calib_windows = windows(loaded.tokenizer.encode_file(calib), seq_len, calib_windows or max_windows)
+    passkey_plan = _passkey_plan(loaded, passkey_data, passkey_lengths, passkey_depths, passkey_trials,
+                                 passkey_per_haystack) if passkey_lengths else None  # refused before any work
     phases["load"] = time.time() - start
 
     # Scales, outliers and layer sensitivity all read the calibration split only.
@@ -241,13 +255,14 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
         greedy = np.asarray([o.outputs[0].token_ids for o in llm.generate(prompt_list, greedy_params, use_tqdm=False)])
         base_greedy = greedy if base_greedy is None else base_greedy
         same = greedy == base_greedy
-        until = np.where(same.all(1), decode_tokens, np.argmin(same, axis=1))
+        until = np.where(same.all(1), decode_tokens, np.argmin(same, axis=1))  # first divergence per prompt
         overall = tallies[v["name"]].overall()
         results.append(dict(variant=v["name"], kv_dtype=v["kv_dtype"], scale_mode=v.get("mode", "-"),
                             skip_layers=list(v.get("skip", ())), bytes_per_token=llm.kv_spec.bytes_per_token,
                             perplexity=overall["perplexity"], nll=overall["nll"], kl_vs_bf16=overall["kl_vs_bf16"],
                             top1_agreement=overall["top1_agreement"],
                             greedy_tokens_until_divergence=float(until.mean()),
+                            greedy_divergence=[int(u) for u in until],
                             greedy_identical=int(same.all(1).sum())))
     phases["greedy"] = time.time() - t
 
@@ -261,10 +276,16 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
                positions=dict(seq_len=seq_len, windows=int(len(eval_windows)),
                               variants={name: tl.buckets() for name, tl in tallies.items()}))
     del llms, tallies
-    if long_windows:
-        say(f"long windows: {long_windows} × {long_len} tokens, bf16 and {', '.join(long_variants)}")
+    if passkey_lengths:
         t = time.time()
-        res["long"] = _score_long(loaded, [known["bf16"]] + [known[n] for n in long_variants], scales_for,
+        res["passkey"] = _passkey(loaded, vlist, scales_for, passkey_plan, block_size, say)
+        phases["passkey"] = time.time() - t
+    if long_windows:
+        lv = ([v for v in vlist if v["name"] not in ("bf16", "fp32")] if long_variants == "all"
+              else [known[n] for n in long_variants])
+        say(f"long windows: {long_windows} × {long_len} tokens, bf16 and {', '.join(v['name'] for v in lv)}")
+        t = time.time()
+        res["long"] = _score_long(loaded, [known["bf16"]] + lv, scales_for,
                                   long_set, long_chunk, block_size)
         phases["long"] = time.time() - t
     if outliers is not None:
@@ -317,3 +338,35 @@ def _score_long(loaded, vlist: list[dict], scales_for, long_set: np.ndarray, chu
     return dict(windows=int(len(long_set)), seq_len=seq_len, chunk=chunk,
                 scored_tokens=int(len(long_set) * (seq_len - 1)),
                 variants={name: dict(tl.overall(), buckets=tl.buckets()) for name, tl in tallies.items()})
+
+
+def _passkey_plan(loaded, data: str, lengths, depths, trials: int, per_haystack: int) -> dict:
+    """The passkey trials and the haystack, every length checked against the model and the prompt."""
+    from kvjax.evaluation import passkey
+
+    haystack = loaded.tokenizer.encode_file(data)
+    plan = passkey.plan_trials(len(haystack), lengths, depths, trials, per_haystack)
+    if max(lengths) + passkey.ANSWER_TOKENS > loaded.config.max_position_embeddings:
+        raise KvjaxError(f"passkey length {max(lengths)} and its {passkey.ANSWER_TOKENS} answer tokens exceed the "
+                         f"model's maximum length {loaded.config.max_position_embeddings}")
+    passkey.prompt_tokens(loaded.tokenizer, haystack, min(lengths), 0.5, 10_000, 0)  # room for a haystack
+    return dict(haystack=haystack, trials=plan, data=data, depths=tuple(depths), trials_per_cell=trials,
+                per_haystack=per_haystack)
+
+
+def _passkey(loaded, vlist: list[dict], scales_for, plan: dict, block_size: int, say) -> dict:
+    """The passkey grid through every variant but the fp32 control, each an LLM of one sequence
+    at a time (so trials sharing a haystack offset hit the prefix cache) and room for two."""
+    from kvjax.evaluation import passkey
+    from kvjax.math_utils import cdiv
+
+    model_len = max(t["length"] for t in plan["trials"]) + passkey.ANSWER_TOKENS
+    llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
+                           kv_cache_dtype_skip_layers=v.get("skip", ()), kv_skip_dtype="bf16", block_size=block_size,
+                           max_num_seqs=1, max_model_len=model_len, max_num_batched_tokens=2048,
+                           num_gpu_blocks_override=2 * cdiv(model_len, block_size) + 1)
+            for v in vlist if v["name"] != "fp32"}
+    out = passkey.run(llms, loaded.tokenizer, plan["haystack"], plan["trials"], progress=say)
+    return dict(out, data=os.path.relpath(plan["data"]), depths=list(plan["depths"]),
+                trials_per_cell=plan["trials_per_cell"], per_haystack=plan["per_haystack"],
+                answer_tokens=passkey.ANSWER_TOKENS)

@@ -19,7 +19,7 @@ import pytest
 
 from kvjax import LLM
 from kvjax.commands.accuracy import markdown, write_outputs
-from kvjax.evaluation import accuracy
+from kvjax.evaluation import accuracy, tradeoff
 from kvjax.evaluation.layers import kv_outliers, most_sensitive
 from kvjax.evaluation.metrics import Tally
 from kvjax.evaluation.scoring import ChunkedScorer, chunk_layouts, prefill_caches
@@ -179,7 +179,9 @@ def full_suite(tiny_checkpoint):
                              str(root / "calib.txt"), seq_len=64, max_windows=4, calib_windows=2, prompts=2,
                              prompt_len=16, decode_tokens=4, outlier_map=True, sensitivity_windows=2,
                              skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640,
-                             only=("fp32", "fp8_e4m3 unit"))  # and the skip variants of fp8_e4m3 unit
+                             only=("fp32", "fp8_e4m3 unit"),  # and the skip variants of fp8_e4m3 unit
+                             passkey_lengths=(300,), passkey_depths=(0.5,), passkey_trials=2, passkey_per_haystack=2,
+                             passkey_data=str(root / "prose.txt"))
 
 
 @pytest.mark.slow
@@ -208,10 +210,18 @@ def test_full_suite(full_suite, tiny_checkpoint, tmp_path):
     assert res["long"]["variants"]["bf16"]["kl_vs_bf16"] == 0 and res["long"]["scored_tokens"] == 639
     assert res["positions"]["variants"]["fp32"][0]["tokens"] == 4 * 63  # short windows: all in bucket 0-128
 
+    # passkey through every variant but fp32, its trade-off rows beside Llama-3-70B's bytes
+    assert list(res["passkey"]["answers"]) == [n for n in names if n != "fp32"]
+    assert all(c["trials"] == 2 for c in res["passkey"]["cells"]["bf16"])
+    rows = tradeoff.table(res)
+    assert [r["variant"] for r in rows] == list(res["passkey"]["answers"])
+    assert all(r["passkey"]["length"] == 300 and r["kl_2k_8k"] is None for r in rows)  # 640 tokens: no 2K-8K
+
     md = markdown(res)
+    assert "Passkey retrieval" in md and "The trade-off" in md
     assert "KL(bf16‖variant) by context position" in md and "Layer sensitivity" in md
     assert f"saturates (|K| or |V| > 448): {HOT_LAYER}." in md
     paths = write_outputs(res, str(tmp_path))
-    assert set(paths) == {"json", "md", "png", "positions", "layers", "amax"}
+    assert set(paths) == {"json", "md", "png", "positions", "layers", "amax", "tradeoff"}
     for p in paths.values():
         assert (tmp_path / p.split("/")[-1]).stat().st_size > 0
