@@ -33,7 +33,7 @@ built-in byte-level ones) adds:
   replaces the fixed skip variant by "<variant> skip <the k most sensitive layers>";
 - KL by context position in buckets (kvjax.evaluation.metrics.BUCKETS), over a long window of the
   model's context (8,192 tokens for SmolLM2) for every variant, prefilled in chunks;
-- passkey retrieval (kvjax.evaluation.passkey) at 2,048 tokens, 12 trials at each of three depths,
+- passkey retrieval (kvjax.evaluation.passkey) at 1,024 tokens, 12 trials at each of three depths,
   through every variant but fp32, and free generations of 128 tokens for the first greedy
   divergence; kvjax.evaluation.tradeoff puts it all in one table beside Llama-3-70B's bytes.
 
@@ -67,9 +67,9 @@ from kvjax.quant.calibration import calibrate
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
 # sized for SmolLM2-135M on 2 CPU cores (README: its time, phase by phase).
 FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=32, calib_windows=8, long_windows=1,
-                  long_chunk=1024, long_variants="all", sensitivity_windows=2,
-                  sensitivity_variant="fp8_e4m3 unit", skip_counts=(1, 3), outlier_map=True, prompts=8,
-                  decode_tokens=128, passkey_lengths=(2048,), passkey_trials=12)
+                  long_chunk=2048, long_variants="all", sensitivity_windows=2,
+                  sensitivity_variant="fp8_e4m3 unit", skip_counts=(3,), outlier_map=True, prompts=8,
+                  decode_tokens=128, passkey_lengths=(1024,), passkey_trials=12)
 
 
 def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None = None,

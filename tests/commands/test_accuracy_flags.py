@@ -13,7 +13,7 @@ def kwargs(*argv):
 
 def test_full_suite_defaults():
     kw = kwargs("--model", "smollm2-135m")
-    assert kw["passkey_lengths"] == (2048,) and kw["passkey_trials"] == 12 and kw["long_variants"] == "all"
+    assert kw["passkey_lengths"] == (1024,) and kw["passkey_trials"] == 12 and kw["long_variants"] == "all"
     assert (kw["prompts"], kw["decode_tokens"], kw["long_windows"]) == (8, 128, 1)
 
 
