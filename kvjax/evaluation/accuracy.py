@@ -62,7 +62,7 @@ from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensiti
 from kvjax.evaluation.metrics import BUCKETS, Tally, compare
 from kvjax.evaluation.scoring import ChunkedScorer, windows
 from kvjax.quant import nvfp4
-from kvjax.quant.calibration import calibrate
+from kvjax.quant.calibration import calibrate, channel_amax
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
 # sized for SmolLM2-135M on 2 CPU cores (README: its time, phase by phase).
@@ -200,24 +200,32 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
                                  passkey_per_haystack) if passkey_lengths else None  # refused before any work
     phases["load"] = time.time() - start
 
-    # Scales, outliers and layer sensitivity all read the calibration split only.
-    calibrated = {}
+    # Scales, outliers and layer sensitivity all read the calibration split only, prefilled once:
+    # its per-channel amax serve every calibrated mode and the outlier map.
+    calibrated, calib_channels = {}, []
+
+    def channels():
+        if not calib_channels:
+            calib_channels.append(channel_amax(config, loaded.module, loaded.params, calib_windows, block_size))
+        return calib_channels[0]
 
     def scales_for(v):
         mode = v.get("mode", "unit")
         if mode == "unit":
             return None
         if (v["kv_dtype"], mode) not in calibrated:  # dynamic: vLLM's first batch, the first scored one
-            data = eval_windows[:max(1, 2048 // seq_len)] if mode == "dynamic" else calib_windows
-            calibrated[v["kv_dtype"], mode] = calibrate(config, loaded.module, loaded.params, data,
-                                                        v["kv_dtype"], mode)
+            dynamic = mode == "dynamic"
+            data = eval_windows[:max(1, 2048 // seq_len)] if dynamic else calib_windows
+            calibrated[v["kv_dtype"], mode] = calibrate(config, loaded.module, loaded.params, data, v["kv_dtype"],
+                                                        mode, block_size, channels=None if dynamic else channels())
         return calibrated[v["kv_dtype"], mode]
 
     outliers = sensitivity = None
     if outlier_map:
         say(f"outlier map on {len(calib_windows)} calibration windows")
         t = time.time()
-        outliers = kv_outliers(config, loaded.module, loaded.params, calib_windows, block_size=block_size)
+        outliers = kv_outliers(config, loaded.module, loaded.params, calib_windows, block_size=block_size,
+                               channels=channels())
         phases["outlier_map"] = time.time() - t
     skip_sets = None
     if sensitivity_windows:

@@ -17,37 +17,25 @@ structure, so each compiles once: about L compilations of the scoring step in al
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine.llm import LLM
 from kvjax.evaluation.metrics import compare
-from kvjax.evaluation.scoring import prefill_caches
 from kvjax.quant import formats as quant
+from kvjax.quant.calibration import channel_amax
 
 
 def kv_outliers(config, module, params, token_windows, *, fmt: str = "fp8_e4m3", block_size: int = 16,
-                batch: int = 16) -> dict:
+                batch: int = 16, channels: tuple[list, list] | None = None) -> dict:
     """Per-layer, per-kv-head amax of the K/V the model writes for token_windows i32[W, S].
 
     Returns {"k_amax", "v_amax", "k_channel_ratio", "v_channel_ratio"}: lists over layers of
     lists over kv heads (V lists are empty for MLA); "saturated_layers": layers with an amax
-    above the format's max, {"format", "format_max", "windows", "tokens"}.
+    above the format's max, {"format", "format_max", "windows", "tokens"}. channels: the
+    windows' kvjax.quant.calibration.channel_amax, already measured (then nothing is prefilled).
     """
-    spec = config.kv_spec("bf16")
-    channel_k = channel_v = None  # per layer f32[K, H] (MLA: f32[1, C]), max over every token
-    for i in range(0, len(token_windows), batch):
-        caches = prefill_caches(module, params, jnp.asarray(token_windows[i:i + batch]), spec, block_size)
-        k, v = [], []
-        for layer in caches.layers:  # block 0 (null, never written by a prefill) is left out
-            if hasattr(layer, "latent"):
-                k.append(np.max(np.abs(np.asarray(layer.latent[:, 1:], np.float32)), axis=(0, 1, 2))[None])
-                v.append(None)
-            else:
-                k.append(np.max(np.abs(np.asarray(layer.k[:, 1:], np.float32)), axis=(0, 1, 2)))  # [K, H]
-                v.append(np.max(np.abs(np.asarray(layer.v[:, 1:], np.float32)), axis=(0, 1, 2)))
-        channel_k = k if channel_k is None else [np.maximum(a, b) for a, b in zip(channel_k, k)]
-        channel_v = v if channel_v is None else [None if a is None else np.maximum(a, b) for a, b in zip(channel_v, v)]
+    channel_k, channel_v = channels if channels is not None else \
+        channel_amax(config, module, params, token_windows, block_size, batch)
 
     def ratio(c):  # largest channel over median channel, per head; 0 where the median is 0
         med = np.median(c, axis=-1)

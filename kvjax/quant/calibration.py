@@ -13,6 +13,7 @@ Axes: the kvjax package docstring's legend; B is a prefill batch's windows (one 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.evaluation.scoring import prefill_caches
 from kvjax.quant import formats as quant
@@ -37,16 +38,37 @@ def cache_amax(caches) -> tuple[list, list]:
     return amax_k, amax_v
 
 
-def calibrate(config, model, params, token_windows, fmt: str, mode: str, block_size: int = 16) -> quant.KVScales:
+def channel_amax(config, model, params, token_windows, block_size: int = 16, batch: int = 16) -> tuple[list, list]:
+    """Per layer max |K| and max |V| of every kv head's channels over token_windows i32[W, S],
+    prefilled in bf16 `batch` windows at a time: f32[K, H] each (MLA: the latent as f32[1, C], V
+    None). One pass serves every calibrated mode (`calibrate`'s channels=) and the outlier map
+    (kvjax.evaluation.layers.kv_outliers): a head's amax is the max of its channels'. Block 0
+    (the null block, never written by a prefill) is left out, as in `cache_amax`."""
+    spec = config.kv_spec("bf16")
+    ks = vs = None
+    for i in range(0, len(token_windows), batch):
+        caches = prefill_caches(model, params, jnp.asarray(token_windows[i:i + batch]), spec, block_size)
+        k, v = [], []
+        for layer in caches.layers:
+            if hasattr(layer, "latent"):
+                k.append(np.max(np.abs(np.asarray(layer.latent[:, 1:], np.float32)), axis=(0, 1, 2))[None])
+                v.append(None)
+            else:
+                k.append(np.max(np.abs(np.asarray(layer.k[:, 1:], np.float32)), axis=(0, 1, 2)))  # [K, H]
+                v.append(np.max(np.abs(np.asarray(layer.v[:, 1:], np.float32)), axis=(0, 1, 2)))
+        ks = k if ks is None else [np.maximum(a, b) for a, b in zip(ks, k)]
+        vs = v if vs is None else [None if a is None else np.maximum(a, b) for a, b in zip(vs, v)]
+    return ks, vs
+
+
+def calibrate(config, model, params, token_windows, fmt: str, mode: str, block_size: int = 16,
+              channels: tuple[list, list] | None = None) -> quant.KVScales:
     """Scales for `model` (a decoder built from `config`, a kvjax.config.model.ModelConfig) from
     prefilling token_windows i32[W, S] (batches of 16) in bf16. fmt: fp8_e4m3 | fp8_e5m2;
-    mode: per_tensor | per_head | dynamic (vLLM's calc_kv_scales on a first batch of these windows)."""
-    spec = config.kv_spec("bf16")
-    stats = []
-    for i in range(0, len(token_windows), 16):
-        caches = prefill_caches(model, params, jnp.asarray(token_windows[i:i + 16]), spec, block_size)
-        stats.append(cache_amax(caches))
-    amax_k = [jnp.max(jnp.stack([s[0][i] for s in stats]), axis=0) for i in range(config.num_layers)]
-    amax_v = [jnp.max(jnp.stack([s[1][i] for s in stats]), axis=0) for i in range(len(stats[0][1]))]
+    mode: per_tensor | per_head | dynamic (vLLM's calc_kv_scales on a first batch of these windows).
+    channels: `channel_amax` of these windows, already measured (then nothing is prefilled)."""
+    ks, vs = channels if channels is not None else channel_amax(config, model, params, token_windows, block_size)
+    amax_k = [jnp.asarray(c[0] if config.is_mla else c.max(axis=-1)) for c in ks]
+    amax_v = [jnp.asarray(c.max(axis=-1)) for c in vs if c is not None]
     return quant.scales_from_amax(amax_k, amax_v, quant.FORMATS[fmt], mode,
                                   mla_rank=config.kv_lora_rank if config.is_mla else None)

@@ -9,7 +9,8 @@ must hold, and the full suite's pieces checked against numbers worked out here.
   buckets equal KL computed here in numpy from LLM.score.
 - Chunked prefill scoring equals one-step scoring (exactly for one chunk, to f32 rounding else).
 - Layer sensitivity ranks first the one layer whose K channels were inflated past 448.
-- The outlier map's amax equal kvjax.quant.calibration.cache_amax of the same prefill, and its channel
+- The outlier map's amax equal kvjax.quant.calibration.cache_amax of the same prefill (and so do the scales
+  of the one shared prefill, channel_amax), and its channel
   ratios the max over the median of per-channel amax computed here from the pages.
 """
 import jax
@@ -28,7 +29,8 @@ from kvjax.models import build_model, from_hf_config, init_params
 from kvjax.models.hub import load_model
 from kvjax.models.loader import save_checkpoint
 from kvjax.models.stress import rope_pairs
-from kvjax.quant.calibration import cache_amax
+from kvjax.quant.calibration import cache_amax, calibrate, channel_amax
+from kvjax.quant.formats import FORMATS, scales_from_amax
 
 HF = dict(HF_CONFIGS["gqa"], num_hidden_layers=3, hidden_size=64, intermediate_size=128, head_dim=16)
 HOT_LAYER = 1  # the layer whose K channels the "hot" checkpoint inflates
@@ -167,6 +169,12 @@ def test_outlier_map_against_cache_amax(tiny_checkpoint):
                                        channel.max(axis=1) / np.median(channel, axis=1), rtol=1e-6)
     hot = [i for i in range(3) if max(np.asarray(amax_k[i]).max(), np.asarray(amax_v[i]).max()) > 448]
     assert hot == [HOT_LAYER] and got["saturated_layers"] == hot
+    # the one shared prefill (channel_amax) gives the scales cache_amax's statistic gives
+    channels = channel_amax(loaded.config, loaded.module, loaded.params, windows, batch=2)
+    for mode in ("per_tensor", "per_head"):
+        want = scales_from_amax(amax_k, amax_v, FORMATS["fp8_e4m3"], mode)
+        have = calibrate(loaded.config, loaded.module, loaded.params, windows, "fp8_e4m3", mode, channels=channels)
+        assert want.to_json() == have.to_json()  # scales and their statistics, exactly
     assert min(got["k_channel_ratio"][HOT_LAYER]) > 100  # the inflated channels stand out
 
 
