@@ -329,6 +329,7 @@ def _score_long(loaded, vlist: list[dict], scales_for, long_set: np.ndarray, chu
     vlist[0], first); every variant keeps its own cache from chunk to chunk."""
     seq_len = long_set.shape[1]
     scorers = {v["name"]: ChunkedScorer(LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
+                                            kv_cache_dtype_skip_layers=v.get("skip", ()), kv_skip_dtype="bf16",
                                             block_size=block_size, max_num_seqs=1, max_model_len=block_size),
                                         seq_len, chunk) for v in vlist}
     tallies = {name: Tally() for name in scorers}

@@ -186,7 +186,7 @@ def full_suite(tiny_checkpoint):
     return accuracy.evaluate(str(root / HOT), [str(root / "data.txt"), str(root / "prose.txt")],
                              str(root / "calib.txt"), seq_len=64, max_windows=4, calib_windows=2, prompts=2,
                              prompt_len=16, decode_tokens=4, outlier_map=True, sensitivity_windows=2,
-                             skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640,
+                             skip_counts=(1, 2), long_windows=1, long_len=640, long_chunk=640, long_variants="all",
                              only=("fp32", "fp8_e4m3 unit"),  # and the skip variants of fp8_e4m3 unit
                              passkey_lengths=(300,), passkey_depths=(0.5,), passkey_trials=2, passkey_per_haystack=2,
                              passkey_data=str(root / "prose.txt"))
@@ -216,6 +216,9 @@ def test_full_suite(full_suite, tiny_checkpoint, tmp_path):
     for b, (lo, hi) in zip(got, [(0, 128), (128, 512), (512, 639)]):
         assert b["kl_vs_bf16"] == pytest.approx(kl[lo:hi].mean(), rel=1e-3)
     assert res["long"]["variants"]["bf16"]["kl_vs_bf16"] == 0 and res["long"]["scored_tokens"] == 639
+    long = res["long"]["variants"]  # every variant but fp32, each in its own format: skipping the hot layer helps
+    assert list(long) == ["bf16"] + [n for n in names if n not in ("bf16", "fp32")]
+    assert long[names[-2]]["kl_vs_bf16"] < long["fp8_e4m3 unit"]["kl_vs_bf16"] / 2
     assert res["positions"]["variants"]["fp32"][0]["tokens"] == 4 * 63  # short windows: all in bucket 0-128
 
     # passkey through every variant but fp32, its trade-off rows beside Llama-3-70B's bytes
