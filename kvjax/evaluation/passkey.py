@@ -113,25 +113,21 @@ def run(llms: dict, tokenizer, haystack, trials: list[dict], progress=None) -> d
     base = answers[next(iter(llms))]
     keys = [str(t["key"]) for t in trials]
 
-    def summary(select):
+    def summary(fields):  # one row per distinct value of the trials' `fields`, per LLM
+        groups = {}
+        for i, t in enumerate(trials):
+            groups.setdefault(tuple(t[f] for f in fields), []).append(i)
         out = {}
         for name, got in answers.items():
             rows = []
-            for cell, idx in select():
+            for key, idx in groups.items():
                 ok = sum(got[i] == keys[i] for i in idx)
                 lo, hi = wilson(ok, len(idx))
-                rows.append(dict(cell, trials=len(idx), success=ok / len(idx), low=lo, high=hi,
+                rows.append(dict(zip(fields, key), trials=len(idx), success=ok / len(idx), low=lo, high=hi,
                                  agree=sum(got[i] == base[i] for i in idx) / len(idx)))
             out[name] = rows
         return out
 
-    def groups(keyfn):
-        seen = {}
-        for i, t in enumerate(trials):
-            seen.setdefault(keyfn(t), []).append(i)
-        return lambda: [(dict(zip(("length", "depth"), k)) if isinstance(k, tuple) else dict(length=k), idx)
-                        for k, idx in seen.items()]
-
     return dict(trials=trials, answers=answers, prefix_hit_tokens=hits,
-                prompt_tokens=sum(t["length"] for t in trials), cells=summary(groups(lambda t: (t["length"], t["depth"]))),
-                lengths=summary(groups(lambda t: t["length"])))
+                prompt_tokens=sum(t["length"] for t in trials), cells=summary(("length", "depth")),
+                lengths=summary(("length",)))
