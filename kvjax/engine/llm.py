@@ -45,7 +45,7 @@ from kvjax.engine.core import Engine
 from kvjax.engine.outputs import GenerateOutputs, Logprob, RequestResult, prompt_logprobs, request_output
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import INT32_MAX, check_int, is_int
-from kvjax.evaluation.scoring import sequence_logits
+from kvjax.evaluation.scoring import prefill_layout, window_logprobs
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.worker.paged_cache import PagedCache
@@ -147,7 +147,6 @@ class LLM:
         self.default_sampling_params = generation_defaults(
             None if generation_config == "vllm" else generation_config if generation_config != "auto"
             else loaded.folder)
-        self._score_fn = None
 
     def _place(self, tp: int, attn_impl: str):
         """(module, params, mesh) the engine runs: the loaded model on one device, or with tp > 1
@@ -351,15 +350,10 @@ class LLM:
                            f"{self.config.max_position_embeddings}")
         if windows.min(initial=0) < 0 or windows.max(initial=0) >= self.config.vocab_size:
             raise LLMError(f"token ids must be in [0, {self.config.vocab_size})")
-        if self._score_fn is None:
-            spec, scales, z, module = self.kv_spec, self.scales, self.block_size, self.model.module
-
-            def make_cache(n, block_size):
-                return PagedCache.create(spec, n, block_size, scales)
-
-            self._score_fn = jax.jit(lambda p, t: jax.nn.log_softmax(
-                sequence_logits(module, p, t, spec, z, make_cache), axis=-1))
-        parts = [self._score_fn(self.model.params, jnp.asarray(windows[i:i + batch_size], jnp.int32))
+        cache = PagedCache.create(self.kv_spec, prefill_layout(windows.shape[1], self.block_size)[1],
+                                  self.block_size, self.scales)
+        parts = [window_logprobs(self.model.module, self.model.params,
+                                 jnp.asarray(windows[i:i + batch_size], jnp.int32), cache)
                  for i in range(0, len(windows), batch_size)]
         return np.concatenate([np.asarray(p) for p in parts])
 

@@ -21,6 +21,7 @@ can see, so the chunks together do about half the attention work of a full-width
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import jax
@@ -52,16 +53,20 @@ def prefill_layout(seq_len: int, block_size: int, start: int = 0):
     return md, blocks + 1
 
 
-def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16, make_cache=None):
+def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec | None, block_size: int = 16,
+            cache: PagedCache | None = None):
     """tokens i32[B, S] → (logits f32[B, S, V], caches), each row prefilled alone into its own
     paged cache; the caches come back stacked (every page array gains a leading B axis).
 
-    make_cache(num_blocks, block_size) builds the empty cache (default: `PagedCache.create` of
-    kv_spec); the fp8 experiments pass one that carries calibrated scales.
+    cache: the empty cache every row starts from, of `prefill_layout`'s blocks (a KV format's
+    dtype and scales: `LLM.score_windows` passes its own); default `PagedCache.create(kv_spec, ...)`.
     """
     md, num_blocks = prefill_layout(tokens.shape[1], block_size)
-    make_cache = make_cache or (lambda n, z: PagedCache.create(kv_spec, n, z))
-    cache = make_cache(num_blocks, block_size)
+    if cache is None:
+        cache = PagedCache.create(kv_spec, num_blocks, block_size)
+    elif (cache.num_blocks, cache.block_size) != (num_blocks, block_size):
+        raise KvjaxError(f"a prefill of {tokens.shape[1]} tokens in blocks of {block_size} needs a cache of "
+                         f"{num_blocks} blocks of {block_size}, got {cache.num_blocks} of {cache.block_size}")
 
     def one(row):  # i32[S] → (f32[S, V], the row's cache)
         return forward(model, params, row, md, cache)
@@ -69,10 +74,18 @@ def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int =
     return jax.vmap(one)(tokens)
 
 
-def sequence_logits(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16,
-                    make_cache=None) -> jax.Array:
+def sequence_logits(model, params, tokens: jax.Array, kv_spec: KVSpec | None, block_size: int = 16,
+                    cache: PagedCache | None = None) -> jax.Array:
     """tokens i32[B, S] → logits f32[B, S, V]: `prefill`'s logits."""
-    return prefill(model, params, tokens, kv_spec, block_size, make_cache)[0]
+    return prefill(model, params, tokens, kv_spec, block_size, cache)[0]
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def window_logprobs(model, params, tokens: jax.Array, cache: PagedCache) -> jax.Array:
+    """tokens i32[B, S] → log-probabilities f32[B, S, V], each row prefilled alone into `cache`
+    (`prefill`). The cache is an argument, not a constant, so the KV formats that share a dtype
+    (unit, dynamic and calibrated e4m3 scales) share one compiled program."""
+    return jax.nn.log_softmax(sequence_logits(model, params, tokens, None, cache.block_size, cache), axis=-1)
 
 
 def prefill_caches(model, params, tokens: jax.Array, kv_spec: KVSpec, block_size: int = 16):
@@ -113,14 +126,6 @@ class ChunkedScorer:
                              f"{llm.config.max_position_embeddings}")
         self.llm, self.seq_len = llm, seq_len
         self.layouts, self.num_blocks = chunk_layouts(seq_len, chunk, llm.block_size)
-        module = llm.model.module
-
-        # The log-softmax runs inside the same jit as the step, as it does in LLM.score_windows.
-        def step(params, tokens, md, cache):  # i32[T] → (f32[T, V], cache)
-            logits, cache = forward(module, params, tokens, md, cache)
-            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache
-
-        self._step = jax.jit(step, donate_argnums=(3,))
 
     def chunks(self, window) -> Iterator[tuple[int, jax.Array]]:
         """(start, log-probs f32[T, V], T = the chunk) of window i32[S] (S = seq_len), chunk after chunk."""
@@ -131,5 +136,14 @@ class ChunkedScorer:
         cache = PagedCache.create(llm.kv_spec, self.num_blocks, llm.block_size, llm.scales)
         for start, md in self.layouts:
             n = md.num_tokens
-            logp, cache = self._step(llm.model.params, jnp.asarray(window[start:start + n], jnp.int32), md, cache)
+            logp, cache = _chunk_logprobs(llm.model.module, llm.model.params,
+                                          jnp.asarray(window[start:start + n], jnp.int32), md, cache)
             yield start, logp
+
+
+# The log-softmax runs inside the same jit as the step, as in `window_logprobs`; one jit for every
+# scorer, so scorers whose caches share a dtype (not only their scales) share its programs.
+@functools.partial(jax.jit, static_argnames="model", donate_argnames="cache")
+def _chunk_logprobs(model, params, tokens, md, cache):  # i32[T] → (f32[T, V], cache)
+    logits, cache = forward(model, params, tokens, md, cache)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache

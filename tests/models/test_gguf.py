@@ -38,7 +38,6 @@ from kvjax.models import hub
 from kvjax.models.gguf import (GGUFArchitectureError, GGUFFormatError, GGUFTensorTypeError, GGUFTokenizerError,
                                hf_tensor_name)
 from kvjax.models.loader import hf_name, load_checkpoint
-from kvjax.worker.paged_cache import PagedCache
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
@@ -174,7 +173,7 @@ def _logits(config, params, tokens):
     from kvjax.models import build_model
 
     module, spec = build_model(config), config.kv_spec()
-    f = jax.jit(lambda p, t: sequence_logits(module, p, t, spec, 16, lambda n, z: PagedCache.create(spec, n, z)))
+    f = jax.jit(lambda p, t: sequence_logits(module, p, t, spec, 16))
     return np.asarray(f(params, np.asarray([tokens], np.int32)))[0]
 
 
