@@ -46,6 +46,7 @@ This is the API layer: it loads models through `models/` (lazily), as kvjax.engi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable
@@ -57,6 +58,7 @@ import numpy as np
 from kvjax.data import HELDOUT, PROSE
 from kvjax.engine.llm import LLM
 from kvjax.engine.sampling import SamplingParams
+from kvjax.engine.stats import COMPILE_S
 from kvjax.errors import KvjaxError, check_int
 from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
 from kvjax.evaluation.metrics import BUCKETS, Tally, compare
@@ -171,7 +173,13 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     for name, value in (("long_windows", long_windows), ("sensitivity_windows", sensitivity_windows)):
         check_int(value, name, 0, None)
     start = time.time()
-    phases = {}
+    phases, compiles = {}, {}  # per phase: wall seconds, and the seconds of them JAX spent compiling
+
+    @contextlib.contextmanager
+    def phase(name):
+        t, c = time.time(), COMPILE_S[0]
+        yield
+        phases[name], compiles[name] = time.time() - t, COMPILE_S[0] - c
     say = progress or (lambda message: None)
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     model_name = loaded.name
@@ -223,44 +231,44 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     outliers = sensitivity = None
     if outlier_map:
         say(f"outlier map on {len(calib_windows)} calibration windows")
-        t = time.time()
-        outliers = kv_outliers(config, loaded.module, loaded.params, calib_windows, block_size=block_size,
-                               channels=channels())
-        phases["outlier_map"] = time.time() - t
+        with phase("outlier_map"):
+            outliers = kv_outliers(config, loaded.module, loaded.params, calib_windows, block_size=block_size,
+                                   channels=channels())
     skip_sets = None
     if sensitivity_windows:
         say(f"layer sensitivity of {sensitivity_variant}: {config.num_layers} layers")
-        t = time.time()
-        sv = known[sensitivity_variant]
-        rows = layer_sensitivity(loaded, calib_windows[:sensitivity_windows], sv["kv_dtype"], scales_for(sv),
-                                 block_size=block_size)
+        with phase("sensitivity"):
+            sv = known[sensitivity_variant]
+            rows = layer_sensitivity(loaded, calib_windows[:sensitivity_windows], sv["kv_dtype"], scales_for(sv),
+                                     block_size=block_size)
         skip_sets = {sensitivity_variant: [tuple(most_sensitive(rows, k)) for k in skip_counts]}
         sensitivity = dict(variant=sensitivity_variant, windows=int(min(sensitivity_windows, len(calib_windows))),
                            seq_len=seq_len, layers=rows, skip_sets=[list(s) for s in skip_sets[sensitivity_variant]])
-        phases["sensitivity"] = time.time() - t
 
     # Skipped layers stay at the baseline's bf16 (vLLM keeps them in the model dtype, bf16 there);
     # one pool with a row per prompt, long enough for prompt and continuation: nothing is preempted.
-    t = time.time()
     vlist = variants(config.num_layers, skip_sets, nvfp4=packs_nvfp4)
     if only is not None:
         vlist = [v for v in vlist if v["name"] == "bf16" or v["name"].split(" skip ")[0] in only]
     say(f"calibration; scoring {len(eval_windows)} windows of {seq_len} with {len(vlist)} variants")
-    llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
-                           kv_cache_dtype_skip_layers=v.get("skip", ()),
-                           kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
-                           max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8) for v in vlist}
-    phases["calibration"] = time.time() - t
-    t = time.time()
-    tallies = _score_short(llms, eval_windows)
-    phases["score"] = time.time() - t
-    t = time.time()
+    with phase("calibration"):
+        llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
+                               kv_cache_dtype_skip_layers=v.get("skip", ()),
+                               kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
+                               max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8) for v in vlist}
+    with phase("score"):
+        tallies = _score_short(llms, eval_windows)
     say(f"greedy decoding: {prompts} prompts × {decode_tokens} tokens per variant")
     greedy_params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)  # decode_tokens tokens
+    greedy_of = {}
+    with phase("greedy"):
+        for v in vlist:
+            outs = llms[v["name"]].generate(prompt_list, greedy_params, use_tqdm=False)
+            greedy_of[v["name"]] = np.asarray([o.outputs[0].token_ids for o in outs])
     results, base_greedy = [], None
     for v in vlist:
         llm = llms[v["name"]]
-        greedy = np.asarray([o.outputs[0].token_ids for o in llm.generate(prompt_list, greedy_params, use_tqdm=False)])
+        greedy = greedy_of[v["name"]]
         base_greedy = greedy if base_greedy is None else base_greedy
         same = greedy == base_greedy
         until = np.where(same.all(1), decode_tokens, np.argmin(same, axis=1))  # first divergence per prompt
@@ -272,7 +280,6 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
                             greedy_tokens_until_divergence=float(until.mean()),
                             greedy_divergence=[int(u) for u in until],
                             greedy_identical=int(same.all(1).sum())))
-    phases["greedy"] = time.time() - t
 
     res = dict(model=model_name, data=sources[0]["path"] if len(sources) == 1 else [s["path"] for s in sources],
                calibration=os.path.relpath(calib), windows=int(len(eval_windows)), seq_len=seq_len,
@@ -285,22 +292,20 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
                               variants={name: tl.buckets() for name, tl in tallies.items()}))
     del llms, tallies
     if passkey_lengths:
-        t = time.time()
-        res["passkey"] = _passkey(loaded, vlist, scales_for, passkey_plan, block_size, say)
-        phases["passkey"] = time.time() - t
+        with phase("passkey"):
+            res["passkey"] = _passkey(loaded, vlist, scales_for, passkey_plan, block_size, say)
     if long_windows:
         lv = ([v for v in vlist if v["name"] not in ("bf16", "fp32")] if long_variants == "all"
               else [known[n] for n in long_variants])
         say(f"long windows: {long_windows} × {long_len} tokens, bf16 and {', '.join(v['name'] for v in lv)}")
-        t = time.time()
-        res["long"] = _score_long(loaded, [known["bf16"]] + lv, scales_for,
-                                  long_set, long_chunk, block_size)
-        phases["long"] = time.time() - t
+        with phase("long"):
+            res["long"] = _score_long(loaded, [known["bf16"]] + lv, scales_for, long_set, long_chunk, block_size)
     if outliers is not None:
         res["outliers"] = outliers
     if sensitivity is not None:
         res["sensitivity"] = sensitivity
     res["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
+    res["phase_compile_seconds"] = {k: round(v, 1) for k, v in compiles.items()}
     res["seconds"] = round(time.time() - start, 1)
     return res
 
