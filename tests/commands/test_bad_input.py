@@ -637,13 +637,18 @@ def _kvjax_script() -> str:
 def test_a_write_that_fails_is_one_line_and_leaves_the_old_file(tmp_path):
     """`--plot` under a 4 KB file-size limit: the PNG (~50 KB) cannot be written. One line, exit
     2, the old file untouched, no temporary file left."""
+    # A first plot without the limit, elsewhere: on a new machine it makes the caches the limited run
+    # would fail to write, each failure a line of its own (matplotlib's font list).
+    (tmp_path / "warm").mkdir()
+    subprocess.run([_kvjax_script(), "plan", "--group", "A", "--plot", "w.png"], cwd=tmp_path / "warm", timeout=120,
+                   capture_output=True, check=True)
     old = tmp_path / "c.png"
     old.write_bytes(b"the old plot")
     # bash's `ulimit -f` counts KiB; SIGXFSZ ignored (and so across exec), a write past it fails with EFBIG
     proc = subprocess.run(["bash", "-c", f"trap '' XFSZ; ulimit -f 4; exec '{_kvjax_script()}' plan --group A "
                            "--plot c.png"], cwd=tmp_path, timeout=120, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == "kvjax plan: error: --plot 'c.png': writing failed: File too large\n"
-    assert old.read_bytes() == b"the old plot" and sorted(os.listdir(tmp_path)) == ["c.png"]
+    assert old.read_bytes() == b"the old plot" and sorted(os.listdir(tmp_path)) == ["c.png", "warm"]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this platform")
