@@ -81,12 +81,14 @@ def plot_tradeoff(res: dict, rows: list[dict], path: str) -> None:
     share of greedy generations still identical to bf16's at each position."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    # one colour per format in the first and last panels; a legend, since formats of one byte width
+    # sit at the same concurrency and their labels would overlap
+    color = {r["variant"]: f"C{i % 10}" for i, r in enumerate(r for r in rows if r["variant"] != "bf16")}
     ax = axes[0]
     for r in rows:
-        if r["variant"] == "bf16":
-            continue
-        ax.scatter(r["concurrency"], max(r["kl_vs_bf16"], 1e-12))
-        ax.annotate(r["variant"], (r["concurrency"], max(r["kl_vs_bf16"], 1e-12)), fontsize=7)
+        if r["variant"] in color:
+            ax.scatter(r["concurrency"], max(r["kl_vs_bf16"], 1e-12), color=color[r["variant"]], label=r["variant"])
+    ax.legend(fontsize=6)
     ax.set_yscale("log")
     ax.set_xlabel("Llama-3-70B: concurrent 8K requests on group A (bf16 weights)")
     ax.set_ylabel(f"{res['model']}: KL(bf16 ‖ format)")
@@ -107,7 +109,7 @@ def plot_tradeoff(res: dict, rows: list[dict], path: str) -> None:
             continue
         div = np.asarray(r["greedy_divergence"])
         t = np.arange(res["decode_tokens"] + 1)
-        ax.step(t, [(div >= i).mean() for i in t], where="post", label=r["variant"])
+        ax.step(t, [(div >= i).mean() for i in t], where="post", label=r["variant"], color=color.get(r["variant"]))
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("share of generations identical to bf16's")
     ax.legend(fontsize=6)
