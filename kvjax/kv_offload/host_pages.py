@@ -104,9 +104,9 @@ def _scatter(cache, blocks, *pages):
         raw, at = packed[:, at:at + _row_bytes(x)], at + _row_bytes(x)
         if x.dtype.itemsize > 1:
             vals = jax.lax.bitcast_convert_type(raw.reshape(n, *x.shape[1:], x.dtype.itemsize), x.dtype)
-        else:
-            vals = raw.reshape(n, *x.shape[1:]).view(x.dtype)
-        out.append(x.at[blocks].set(vals))
+            out.append(x.at[blocks].set(vals))
+        else:  # scattered as bytes: XLA's CPU has no fp8 scatter (kvjax.worker.paged_cache._as_bytes)
+            out.append(x.view(jnp.uint8).at[blocks].set(raw.reshape(n, *x.shape[1:])).view(x.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
