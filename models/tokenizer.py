@@ -6,6 +6,15 @@ models.gguf as the same library's object and passed in as `backend`. The built-i
 have a 256-token byte vocabulary and no tokenizer file: a text is its UTF-8 bytes, and ids
 decode back to bytes (invalid UTF-8 shown as U+FFFD).
 
+`Tokenizer` answers to transformers' names, which is what a vLLM user calls on
+`llm.get_tokenizer()`. `encode(text, add_special_tokens=True)` adds what the tokenizer itself
+adds around a text: its post-processor's tokens (a BOS only where the model's tokenizer.json, or
+a GGUF's `tokenizer.ggml.add_bos_token`, prepends one; nothing for the byte vocabulary).
+`decode` leaves special tokens out unless skip_special_tokens=False (kvjax's default, as vLLM's
+SamplingParams; transformers' decode keeps them by default). The special ids are the ones the
+folder's tokenizer_config.json names, read as transformers reads them, else those the loader
+passes in (models.hub: the checkpoint's primary EOS; a GGUF's bos/eos/unknown/padding ids).
+
 `render_chat` turns a conversation into a prompt with the checkpoint's Jinja chat template, the
 way transformers' `apply_chat_template(..., tokenize=False)` does, with jinja2 alone.
 """
@@ -22,15 +31,46 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvjax.errors import KvjaxError, check_input_file, decode_utf8, one_line, read_bytes
+from kvjax.errors import KvjaxError, check_input_file, decode_utf8, one_line, read_bytes, read_json_object
+
+
+# transformers' named special tokens, in its SPECIAL_TOKENS_ATTRIBUTES order (all_special_ids follows it)
+_NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _special_tokens(folder: str) -> dict:
+    """The special tokens a checkpoint folder's tokenizer files name, as transformers reads them:
+    tokenizer_config.json, and the legacy special_tokens_map.json over it when the config has no
+    added_tokens_decoder. → {name: token text} for _NAMED, plus "extra": [token text, ...]."""
+    config, names = {}, {}
+    path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.exists(path):
+        config = read_json_object(path, "tokenizer_config.json")
+    legacy = os.path.join(folder, "special_tokens_map.json")
+    if "added_tokens_decoder" not in config and os.path.exists(legacy):
+        config = {**config, **read_json_object(legacy, "special_tokens_map.json")}
+    text = lambda t: t.get("content") if isinstance(t, Mapping) else t  # noqa: E731  (an AddedToken as a dict)
+    for name in _NAMED:
+        if isinstance(text(config.get(name)), str):
+            names[name] = text(config[name])
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    names["extra"] = [text(t) for t in extra if isinstance(text(t), str)] if isinstance(extra, list) else []
+    return names
 
 
 class Tokenizer:
-    """encode(text) → ids, decode(ids) → text, encode_file(path) → ids i32[T]."""
+    """Text ↔ token ids, with the names a vLLM user calls on `llm.get_tokenizer()` (transformers'
+    tokenizer API): encode, decode, __call__, eos/bos/pad/unk_token_id (None when unknown),
+    vocab_size, len(), all_special_ids, convert_ids_to_tokens, convert_tokens_to_ids; plus
+    encode_file(path) → ids i32[T], and vLLM's max_token_id."""
 
-    def __init__(self, folder: str | None = None, *, backend=None):
+    def __init__(self, folder: str | None = None, *, backend=None, eos_token_id: int | None = None,
+                 bos_token_id: int | None = None, pad_token_id: int | None = None, unk_token_id: int | None = None):
         """folder: a checkpoint folder (its tokenizer.json, if it has one); backend: a
-        `tokenizers.Tokenizer` built elsewhere. Neither: the byte vocabulary."""
+        `tokenizers.Tokenizer` built elsewhere. Neither: the byte vocabulary.
+        eos/bos/pad/unk_token_id: the model's special ids (models.hub passes the checkpoint's
+        primary EOS and a GGUF's tokenizer.ggml.*_token_id); where the folder's tokenizer_config.json
+        names the token itself, that one is the tokenizer's, as in transformers."""
         path = None if folder is None else os.path.join(folder, "tokenizer.json")
         self._tok = backend
         if backend is None and path is not None and os.path.exists(path):
@@ -41,15 +81,57 @@ class Tokenizer:
                 self._tok = HFTokenizer.from_file(path)
             except Exception as e:  # the tokenizers library raises its own Exception: name the file
                 raise KvjaxError(f"tokenizer file {path!r} cannot be read: {one_line(e)[:200]}") from None
+        named = _special_tokens(folder) if self._tok is not None and folder is not None else {}
+        given = dict(bos_token=bos_token_id, eos_token=eos_token_id, unk_token=unk_token_id, pad_token=pad_token_id)
+        ids = {}
+        for name in _NAMED:
+            own = self.token_to_id(named[name]) if name in named else None
+            ids[name] = own if own is not None else None if given[name] is None else int(given[name])
+        self.bos_token_id: int | None = ids["bos_token"]
+        self.eos_token_id: int | None = ids["eos_token"]
+        self.unk_token_id: int | None = ids["unk_token"]
+        self.pad_token_id: int | None = ids["pad_token"]
+        extra = [self.token_to_id(t) for t in named.get("extra", [])]
+        self.all_special_ids: list[int] = list(dict.fromkeys(  # transformers' order: named, then extra tokens
+            i for i in [*ids.values(), *extra] if i is not None))
 
     @property
     def is_bytes(self) -> bool:
         """True for the byte vocabulary (no tokenizer.json)."""
         return self._tok is None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a text. Refused (KvjaxError naming the position): a non-string, and a
-        lone surrogate such as "\\ud800" (JSON's escapes can make one), which is no Unicode text."""
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary's size, added tokens not counted (transformers' vocab_size)."""
+        return 256 if self._tok is None else self._tok.get_vocab_size(with_added_tokens=False)
+
+    def __len__(self) -> int:
+        """The vocabulary's size with the added tokens (transformers' len(tokenizer))."""
+        return 256 if self._tok is None else self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest token id (vLLM's tokenizer property, which bounds bad words' ids)."""
+        return 255 if self._tok is None else max(self._tok.get_vocab(with_added_tokens=True).values())
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return self.convert_ids_to_tokens(self.all_special_ids)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.id_to_token(self.eos_token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text. add_special_tokens: what the tokenizer adds around a text (its
+        post-processor: a BOS where the model's tokenizer.json, or a GGUF's add_bos_token, asks
+        for one); the byte vocabulary adds nothing. Refused (KvjaxError naming the position): a
+        non-string, and a lone surrogate such as "\\ud800" (JSON's escapes can make one), which is
+        no Unicode text."""
         if not isinstance(text, str):
             raise KvjaxError(f"a text to tokenize must be a string, got {type(text).__name__}")
         try:
@@ -57,12 +139,26 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise KvjaxError(f"the text has a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
                              "not valid Unicode") from None
-        return list(data) if self._tok is None else self._tok.encode(text).ids
+        return list(data) if self._tok is None else self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids) -> str:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
+        """transformers' tokenizer(text): {"input_ids": ids, "attention_mask": ones} (lists of
+        them for a list of texts)."""
+        if isinstance(text, list):
+            ids = [self.encode(t, add_special_tokens) for t in text]
+            return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+        ids = self.encode(text, add_special_tokens)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of token ids (or of one id). skip_special_tokens: leave the special tokens
+        out — kvjax's default, which the engine's text relies on (vLLM's skip_special_tokens=True);
+        transformers' decode defaults to False. The byte vocabulary has none: invalid UTF-8
+        shows as U+FFFD."""
+        ids = [ids] if isinstance(ids, (int, np.integer)) else ids
         if self._tok is None:
             return bytes(int(t) for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
-        return self._tok.decode([int(t) for t in ids])
+        return self._tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token spelled as the vocabulary spells it (e.g. "<|im_end|>"), or None."""
@@ -71,9 +167,27 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
+        """The token an id spells, or None (out of range, or the byte vocabulary, whose tokens are
+        bytes, not text)."""
         if self._tok is None:
             return None
         return self._tok.id_to_token(int(token_id))
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+        """transformers' convert_ids_to_tokens: one id → its token (None if unknown); a list → a
+        list, without the special ones when skip_special_tokens."""
+        if isinstance(ids, (int, np.integer)):
+            return self.id_to_token(ids)
+        special = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.id_to_token(i) for i in ids if int(i) not in special]
+
+    def convert_tokens_to_ids(self, tokens):
+        """transformers' convert_tokens_to_ids: one token → its id (unk_token_id, maybe None, if
+        the vocabulary lacks it); a list → a list."""
+        if isinstance(tokens, str):
+            found = self.token_to_id(tokens)
+            return self.unk_token_id if found is None else found
+        return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def encode_file(self, path: str) -> np.ndarray:
         """Token ids i32[T] of a text file (the byte vocabulary takes its bytes as they are)."""

@@ -1,26 +1,35 @@
-"""Sampling parameters and the token sampler (vLLM V1 `sampling_params.py`, `v1/sample/sampler.py`).
-
-`SamplingParams` has vLLM's fields, defaults and ranges for everything kvjax implements: n,
-presence/frequency/repetition penalties, temperature (default 1.0), top_p, top_k (0 or -1 =
-off), min_p, seed, stop strings, stop_token_ids, ignore_eos, max_tokens (default 16; None =
-up to max_model_len), min_tokens, logprobs, prompt_logprobs, detokenize and
-include_stop_str_in_output. A vLLM field kvjax does not implement (logit_bias, bad_words,
-structured outputs, ...) is refused by name, never silently ignored.
+"""The token sampler (vLLM V1's `v1/sample/sampler.py`): a step's logits and each request's
+SamplingParams (kvjax.engine.sampling_params, re-exported here) → the next tokens.
 
 The sampler works on a whole step at once, one row per request, each row's parameters as
 arrays (`SamplingRows`), so a batch that mixes greedy and sampled requests compiles once. It
 follows vLLM's `Sampler.forward` order:
 
     raw log-probs = log_softmax(logits)                           (what logprobs report)
+    allowed_token_ids: every other token → −inf
+    bad words:    a word's last token → −inf when the output so far ends with its other tokens
     min_tokens:   stop tokens (stop_token_ids and every EOS) → −inf while the output is short
+    logit_bias:   + the request's bias (clamped to [−100, 100]; −inf stays −inf)
     penalties:    repetition (prompt or output tokens: logit / r if > 0 else logit × r),
                   then frequency (− f × count in output), presence (− p × [in output])
     greedy rows (temperature < 1e-5): argmax (lowest id on a tie, as torch.argmax)
     temperature → min_p (drop p < min_p × max p) → top-k → top-p → a draw
 
+(vLLM: the allowed-token mask and bad words in `apply_logits_processors`, then its built-in
+non-argmax-invariant processors in `BUILTIN_LOGITS_PROCESSORS` order, MinTokens then LogitBias,
+then `apply_penalties`; MinP after temperature.) Bad words are vLLM's `_apply_bad_words_single_
+batch`: a word of k tokens bans its last token when the last k - 1 *output* tokens (the prompt
+does not count) are its first k - 1; a one-token word is always banned.
+
 `top_k` keeps the k largest logits; `top_p` the smallest set of the most likely tokens whose
 probability (after temperature, min_p and top-k) reaches p; tokens tied with the last kept one
 are kept too.
+
+Each feature a step's rows may not use is None in `SamplingRows` (penalties' [B, V] arrays, the
+logit biases, allowed ids, bad words), so a step where no row uses it traces exactly the
+program it traced before the feature existed; the ones that are used are sparse id lists padded
+to a power of two. Bad words follow the output, and the device loop keeps them right on its own:
+`add_tokens` shifts each row's window of recent output tokens, as it grows the penalties' counts.
 
 Each sampled token draws its randomness from `fold_in(request_key, position)`, where the
 request key is `key(seed)` for a request with its own seed (vLLM's per-request generator;
@@ -30,16 +39,16 @@ sequence. A token's draw therefore depends on nothing the scheduler decides (ste
 many steps one device call runs, preemption), so the same seed gives the same tokens under any
 schedule.
 
-Log-probabilities are the model's raw distribution (vLLM V1's default `raw_logprobs`); a
-token's rank is the number of vocabulary entries with a log-probability >= its own (vLLM's
-`batched_count_greater_than`), so the most likely token has rank 1.
+Log-probabilities are the model's raw distribution (vLLM V1's default `raw_logprobs`), before
+any of the steps above; a token's rank is the number of vocabulary entries with a
+log-probability >= its own (vLLM's `batched_count_greater_than`), so the most likely token has
+rank 1.
 
-Axes: the kvjax package docstring's legend.
+Axes: the kvjax package docstring's legend; `bias`, `allowed`, `words` and `length` are the
+padded widths of a step's logit biases, allowed ids, bad words and bad-word tokens.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Sequence
 
 import jax
@@ -47,165 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, check_int
-
-SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
-MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
-MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
-
-# vLLM SamplingParams fields that kvjax does not implement: refused by name, with the reason.
-_NOT_IMPLEMENTED = {
-    "logit_bias": "logit biases", "allowed_token_ids": "allowed-token masks", "bad_words": "bad-word bans",
-    "structured_outputs": "structured outputs", "guided_decoding": "structured outputs",
-    "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
-    "output_kind": "streaming outputs", "stream_interval": "streaming outputs",
-    "logprob_token_ids": "log-probabilities of chosen token ids",
-    "prompt_logprob_token_ids": "log-probabilities of chosen token ids",
-    "prompt_logprob_start": "log-probabilities of chosen token ids", "flat_logprobs": "flat log-probabilities",
-    "extra_args": "extra arguments", "thinking_token_budget": "thinking budgets",
-    "repetition_detection": "repetition detection", "watermarking": "watermarks",
-    "spaces_between_special_tokens": "detokenizer options", "skip_reading_prefix_cache": "per-request cache reads",
-}
-
-
-class SamplingParamsError(KvjaxError):
-    """A sampling parameter outside its range; the message names it and the rule."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request generates: vLLM's `SamplingParams` fields, in vLLM's order, with vLLM's
-    defaults and ranges (see the module docstring for the order they apply in).
-
-    n: independent samples of the prompt (they share its KV blocks). max_tokens: None = up to
-    max_model_len. stop: strings that end the output (finish_reason "stop", stop_reason the
-    string, cut from the text unless include_stop_str_in_output). stop_token_ids: tokens that end
-    it (stop_reason the id; the token stays in the output). logprobs / prompt_logprobs: k most
-    likely alternatives per token (plus the chosen one), -1 = the whole vocabulary (up to the
-    LLM's max_logprobs). seed: -1 = None.
-    """
-
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __new__(cls, *args, **kwargs):
-        # A vLLM field kvjax lacks would be a TypeError from the dataclass __init__: name it instead.
-        for name in kwargs:
-            if name in _NOT_IMPLEMENTED:
-                raise SamplingParamsError(f"SamplingParams({name}=...): {_NOT_IMPLEMENTED[name]} are not "
-                                          "implemented in kvjax")
-            if name not in _FIELDS:
-                raise SamplingParamsError(f"SamplingParams has no parameter {name!r}")
-        if len(args) > len(_FIELDS):
-            raise SamplingParamsError(f"SamplingParams takes at most {len(_FIELDS)} arguments, got {len(args)}")
-        return super().__new__(cls)
-
-    def __post_init__(self):
-        def integer(name, value, low, high):
-            return check_int(value, name, low, high, SamplingParamsError)
-
-        def real(name, value, low, high, rule):
-            if not _real(value) or not low <= value <= high:
-                raise SamplingParamsError(f"{name} must be {rule}, got {value!r}")
-            return float(value)
-
-        def flag(name):
-            if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(f"{name} must be True or False, got {getattr(self, name)!r}")
-
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        put("n", integer("n", self.n, 1, MAX_N))
-        put("presence_penalty", real("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]"))
-        put("frequency_penalty", real("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]"))
-        put("repetition_penalty", real("repetition_penalty", self.repetition_penalty, 0, math.inf,
-                                       "a finite number > 0"))
-        if not 0 < self.repetition_penalty < math.inf:
-            raise SamplingParamsError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        put("temperature", real("temperature", self.temperature, 0, 2, "in [0, 2] (0 = greedy)"))
-        put("top_p", real("top_p", self.top_p, 0, 1, "in (0, 1]"))
-        if self.top_p <= 0:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        put("top_k", integer("top_k", self.top_k, -1, INT32_MAX))
-        put("min_p", real("min_p", self.min_p, 0, 1, "in [0, 1]"))
-        if self.seed is not None:
-            # JAX's threefry key keeps a seed's low 32 bits: a larger seed would alias a smaller one
-            put("seed", None if self.seed == -1 else integer("seed", self.seed, 0, MAX_SEED))
-        stop = self.stop
-        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-        if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Sequence) or \
-                not all(isinstance(s, str) and s for s in stop):
-            raise SamplingParamsError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        put("stop", tuple(dict.fromkeys(stop)))
-        ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise SamplingParamsError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
-        put("stop_token_ids", tuple(dict.fromkeys(integer("a stop token id", t, 0, INT32_MAX) for t in ids)))
-        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
-            flag(name)
-        if not self.skip_special_tokens:
-            raise SamplingParamsError("skip_special_tokens=False is not implemented in kvjax (text always skips "
-                                      "special tokens)")
-        if self.stop and not self.detokenize:
-            raise SamplingParamsError("stop strings need detokenize=True")
-        if self.max_tokens is not None:
-            put("max_tokens", integer("max_tokens", self.max_tokens, 1, INT32_MAX))
-        put("min_tokens", integer("min_tokens", self.min_tokens, 0, self.max_tokens))
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is True:
-                value = 1
-            if value is not None:
-                put(name, integer(name, value, -1, INT32_MAX))
-        if self.temperature < SAMPLING_EPS:  # greedy: vLLM resets the filters and refuses n > 1
-            put("top_p", 1.0), put("top_k", 0), put("min_p", 0.0)
-            if self.n > 1:
-                raise SamplingParamsError(f"n must be 1 when using greedy sampling, got {self.n}")
-        elif self.temperature < MIN_TEMPERATURE:
-            put("temperature", MIN_TEMPERATURE)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    def stop_ids(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
-        """Tokens that end this request: stop_token_ids, plus the model's EOS ids unless ignore_eos."""
-        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
-
-    def banned_until_min_tokens(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
-        """Tokens masked while fewer than min_tokens were generated: vLLM's all_stop_token_ids
-        (stop_token_ids and every EOS id, even with ignore_eos)."""
-        return frozenset(self.stop_token_ids) | frozenset(eos_token_ids) if self.min_tokens else frozenset()
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and x == x
-
+from kvjax.engine.sampling_params import (  # noqa: F401 (re-exported: the sampler's parameters)
+    SAMPLING_EPS, RequestOutputKind, SamplingParams, SamplingParamsError, needs_host_every_token)
+from kvjax.math_utils import pow2_bucket
 
 def request_key(engine_seed: int, request_number: int, seed: int | None) -> np.ndarray:
     """The raw key data u32[2] of one request's random stream (see the module docstring)."""
@@ -214,10 +67,37 @@ def request_key(engine_seed: int, request_number: int, seed: int | None) -> np.n
     return np.asarray(jax.random.key_data(key), np.uint32)
 
 
+_ANY = -2  # a bad word's padding before its first token: matches whatever token (or none) is there
+
+
+def _padded(rows: list, fill, dtype) -> np.ndarray:
+    """Rows of different lengths as one [B, width] array, width the longest bucketed to a power
+    of two (so a new length seldom means a new compile), padded with fill."""
+    out = np.full((len(rows), pow2_bucket(max(1, max(map(len, rows))))), fill, dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def _bad_words(words: list[list[list[int]]], outputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(bad_ids i32[B, words, length], recent i32[B, length - 1]): each row's bad words right-aligned
+    (last token in the last column, _ANY before the first; unused words all -1), and the row's
+    last length - 1 output tokens right-aligned (-1 before the output's first)."""
+    length = pow2_bucket(max(len(s) for row in words for s in row))
+    bad_ids = np.full((len(words), pow2_bucket(max(map(len, words))), length), -1, np.int32)
+    recent = np.full((len(words), length - 1), -1, np.int32)
+    for i, row in enumerate(words):
+        for j, s in enumerate(row):
+            bad_ids[i, j, :length - len(s)], bad_ids[i, j, length - len(s):] = _ANY, s
+        tail = list(outputs[i])[max(0, len(outputs[i]) - (length - 1)):] if row and length > 1 else []
+        recent[i, length - 1 - len(tail):] = tail
+    return bad_ids, recent
+
+
 @struct.dataclass
 class SamplingRows:
     """Each row's sampling parameters as arrays (one compile serves any mix). Empty rows are
-    greedy and unused. `prompt_mask` and `counts` are None when no row has a penalty."""
+    greedy and unused. Each optional field is None when no row of the step uses its feature."""
 
     keys: jax.Array  # u32[B, 2] the row's request key
     temperature: jax.Array  # f32[B]
@@ -229,13 +109,19 @@ class SamplingRows:
     presence: jax.Array  # f32[B]
     frequency: jax.Array  # f32[B]
     repetition: jax.Array  # f32[B]
-    prompt_mask: jax.Array | None = None  # bool[B, V] token occurs in the prompt
-    counts: jax.Array | None = None  # i32[B, V] occurrences in the output so far
+    prompt_mask: jax.Array | None = None  # bool[B, V] token occurs in the prompt (penalties)
+    counts: jax.Array | None = None  # i32[B, V] occurrences in the output so far (penalties)
+    bias_ids: jax.Array | None = None  # i32[B, bias] logit_bias token ids (-1 padding)
+    bias_values: jax.Array | None = None  # f32[B, bias] their biases (0 padding)
+    allowed_ids: jax.Array | None = None  # i32[B, allowed] allowed_token_ids (-1 padding; all -1: no limit)
+    bad_ids: jax.Array | None = None  # i32[B, words, length] bad words, right-aligned (see _bad_words)
+    recent: jax.Array | None = None  # i32[B, length - 1] the last output tokens, right-aligned (-1: none)
 
     @staticmethod
     def build(params: Sequence[SamplingParams | None], keys, prompts: Sequence[Sequence[int]],
               outputs: Sequence[Sequence[int]], eos_token_ids: Sequence[int], vocab_size: int) -> "SamplingRows":
-        """Rows from each row's params (None = an empty row), key u32[2], prompt and output so far."""
+        """Rows from each row's params (None = an empty row), key u32[2], prompt and output so far.
+        A row with bad_words needs `update_from_tokenizer` to have run on its params."""
         b = len(params)
         f32 = lambda v: np.full(b, v, np.float32)  # noqa: E731
         temp, top_p, min_p, pres, freq, rep = f32(0), f32(1), f32(0), f32(0), f32(0), f32(1)
@@ -257,15 +143,30 @@ class SamplingRows:
             if penalties and p.has_penalties:
                 prompt_mask[i, np.asarray(prompts[i], np.int64)] = True
                 np.add.at(counts[i], np.asarray(outputs[i], np.int64), 1)
+            if p.bad_words and not p.bad_words_token_ids:
+                raise SamplingParamsError("bad_words need update_from_tokenizer(tokenizer) before sampling")
+        biases = [(p.logit_bias or {}) if p is not None else {} for p in params]
+        allowed = [sorted(set(p.allowed_token_ids or ())) if p is not None else [] for p in params]
+        words = [(p.bad_words_token_ids or []) if p is not None else [] for p in params]
+        bias_ids = _padded([list(d) for d in biases], -1, np.int32) if any(biases) else None
+        bias_values = _padded([list(d.values()) for d in biases], 0, np.float32) if any(biases) else None
+        bad_ids, recent = _bad_words(words, outputs) if any(words) else (None, None)
         return SamplingRows(key_rows, temp, top_k, top_p, min_p, banned, min_position, pres, freq, rep,
-                            prompt_mask, counts)
+                            prompt_mask, counts, bias_ids, bias_values,
+                            _padded(allowed, -1, np.int32) if any(allowed) else None, bad_ids, recent)
 
     def add_tokens(self, tokens: jax.Array, mask: jax.Array) -> "SamplingRows":
-        """The rows after appending tokens i32[B] where mask bool[B] (the output counts grow)."""
-        if self.counts is None:
-            return self
-        counts = jnp.asarray(self.counts)
-        return self.replace(counts=counts.at[jnp.arange(tokens.shape[0]), tokens].add(jnp.asarray(mask, jnp.int32)))
+        """The rows after appending tokens i32[B] where mask bool[B]: the output counts grow and
+        the bad words' window of recent tokens moves on (what the device loop needs between steps)."""
+        rows = self
+        if self.counts is not None:
+            counts = jnp.asarray(self.counts)
+            rows = rows.replace(counts=counts.at[jnp.arange(tokens.shape[0]), tokens].add(jnp.asarray(mask, jnp.int32)))
+        if self.recent is not None and self.recent.shape[1]:
+            recent = jnp.asarray(self.recent)
+            moved = jnp.concatenate([recent[:, 1:], tokens[:, None].astype(recent.dtype)], axis=1)
+            rows = rows.replace(recent=jnp.where(jnp.asarray(mask)[:, None], moved, recent))
+        return rows
 
 
 @struct.dataclass
@@ -277,6 +178,40 @@ class Sampled:
     ranks: jax.Array  # i32[B] its rank (1 = most likely)
     top_ids: jax.Array  # i32[B, J] the J most likely tokens
     top_logprobs: jax.Array  # f32[B, J]
+
+
+def _scatter(logits: jax.Array, ids: jax.Array, where: jax.Array | None = None):
+    """(row index i32[B, 1], column ids i32[B, n]) for `.at[]`: padding (id < 0), and ids not
+    selected by where bool[B, n], point past the vocabulary, so that mode="drop" skips them."""
+    ok = ids >= 0 if where is None else (ids >= 0) & where
+    return jnp.arange(logits.shape[0])[:, None], jnp.where(ok, ids, logits.shape[1])
+
+
+def mask_allowed(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """Rows with allowed_token_ids: every other token → −inf (vLLM's allowed_token_ids_mask).
+    logits f32[B, V]."""
+    if rows.allowed_ids is None:
+        return logits
+    keep = jnp.zeros(logits.shape, bool).at[_scatter(logits, rows.allowed_ids)].set(True, mode="drop")  # bool[B, V]
+    limited = (rows.allowed_ids >= 0).any(axis=-1)  # bool[B]
+    return jnp.where(limited[:, None] & ~keep, -jnp.inf, logits)
+
+
+def mask_bad_words(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """A bad word's last token → −inf where the row's last output tokens are its other tokens
+    (vLLM's `apply_bad_words`: a word longer than the output + 1 never matches). logits f32[B, V]."""
+    if rows.bad_ids is None:
+        return logits
+    prefix, last = rows.bad_ids[:, :, :-1], rows.bad_ids[:, :, -1]  # [B, words, length - 1], [B, words]
+    match = ((prefix == _ANY) | (prefix == rows.recent[:, None, :])).all(axis=-1)  # bool[B, words]
+    return logits.at[_scatter(logits, last, match)].set(-jnp.inf, mode="drop")
+
+
+def add_logit_bias(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """logits f32[B, V] + each row's logit_bias (vLLM's LogitBiasLogitsProcessor)."""
+    if rows.bias_ids is None:
+        return logits
+    return logits.at[_scatter(logits, rows.bias_ids)].add(rows.bias_values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, rows: SamplingRows) -> jax.Array:
@@ -297,6 +232,13 @@ def mask_min_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array)
     short = (positions < rows.min_position)[:, None] & (rows.banned >= 0)  # bool[B, X]
     at = jnp.where(short, rows.banned, logits.shape[1])  # out of range: dropped
     return logits.at[jnp.arange(b)[:, None], at].set(-jnp.inf, mode="drop")
+
+
+def process_logits(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -> jax.Array:
+    """The logits f32[B, V] the greedy argmax reads: allowed ids, bad words, min_tokens, logit
+    bias, then penalties (vLLM's `apply_logits_processors`; positions i32[B] as in `sample`)."""
+    logits = mask_min_tokens(mask_bad_words(mask_allowed(logits, rows), rows), rows, positions)
+    return apply_penalties(add_logit_bias(logits, rows), rows)
 
 
 def filter_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -332,7 +274,7 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
     """
     logits = logits.astype(jnp.float32)
     raw = jax.nn.log_softmax(logits, axis=-1)
-    logits = apply_penalties(mask_min_tokens(logits, rows, positions), rows)
+    logits = process_logits(logits, rows, positions)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = rows.temperature >= SAMPLING_EPS
 

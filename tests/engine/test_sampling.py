@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.engine.sampling import (SamplingParams, SamplingParamsError, SamplingRows, apply_penalties, filter_mask,
-                                   mask_min_tokens, request_key, sample)
+from kvjax.engine.sampling import (RequestOutputKind, SamplingParams, SamplingParamsError, SamplingRows,
+                                   apply_penalties, filter_mask, mask_min_tokens, request_key, sample)
 
 PROBS = np.array([0.05, 0.5, 0.15, 0.3])  # ranked: token 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 LOGITS = np.log(PROBS).astype(np.float32)
@@ -176,10 +176,13 @@ def test_logprobs_ranks_and_top_k_match_numpy():
 # ----------------------------------------------------------------------------------- SamplingParams
 def test_defaults_are_vllms():
     # vLLM 0.33 vllm/sampling_params.py field defaults, read from its source
+    # (stop, stop_token_ids and bad_words None, made [] by vLLM's __post_init__)
     vllm = dict(n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0, top_p=1.0,
-                top_k=0, min_p=0.0, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, max_tokens=16,
+                top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False, max_tokens=16,
                 min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True, skip_special_tokens=True,
-                include_stop_str_in_output=False)
+                spaces_between_special_tokens=True, include_stop_str_in_output=False,
+                output_kind=RequestOutputKind.CUMULATIVE, skip_clone=False, logit_bias=None, allowed_token_ids=None,
+                bad_words=[], _bad_words_token_ids=None)
     sp = SamplingParams()
     assert {k: getattr(sp, k) for k in vllm} == vllm
     assert [f.name for f in dataclasses.fields(SamplingParams)] == list(vllm)  # vLLM's order
@@ -187,8 +190,10 @@ def test_defaults_are_vllms():
 
 
 def test_vllms_normalisations():
-    assert SamplingParams(stop="\n").stop == ("\n",)
-    assert SamplingParams(stop_token_ids=[3, 3, 1]).stop_token_ids == (3, 1)
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams(stop=("a", "a")).stop == ["a", "a"]  # vLLM keeps stop strings as given, in a list
+    assert SamplingParams(stop_token_ids=(3, 3, 1)).stop_token_ids == [3, 1]
+    assert SamplingParams(bad_words=("x", "y", "x")).bad_words == ["x", "y"]
     assert SamplingParams(seed=-1).seed is None
     assert SamplingParams(logprobs=True).logprobs == 1
     assert SamplingParams(temperature=1e-3).temperature == 1e-2  # vLLM's _MAX_TEMP floor
@@ -225,9 +230,11 @@ def test_vllms_normalisations():
     (dict(ignore_eos=1), "ignore_eos must be True or False"),
     (dict(logprobs=-2), "logprobs must be an integer in [-1, 2147483647]"),
     (dict(prompt_logprobs=-5), "prompt_logprobs must be an integer in [-1, 2147483647]"),
-    (dict(skip_special_tokens=False), "skip_special_tokens=False is not implemented"),
-    (dict(logit_bias={1: 2.0}), "SamplingParams(logit_bias=...): logit biases are not implemented"),
-    (dict(bad_words=["x"]), "SamplingParams(bad_words=...): bad-word bans are not implemented"),
+    (dict(skip_special_tokens=False, spaces_between_special_tokens=False),
+     "spaces_between_special_tokens=False with skip_special_tokens=False is not implemented"),
+    (dict(spaces_between_special_tokens=0), "spaces_between_special_tokens must be True or False"),
+    (dict(structured_outputs={"regex": "a+"}), "SamplingParams(structured_outputs=...): structured outputs are not"),
+    (dict(stream_interval=2), "SamplingParams(stream_interval=...): streaming outputs are not implemented"),
     (dict(temprature=0.5), "SamplingParams has no parameter 'temprature'"),
 ])
 def test_sampling_params_refuse_bad_values(kw, message):
