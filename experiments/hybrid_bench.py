@@ -149,8 +149,8 @@ def prefix_hits(quick: bool) -> dict:
     """The engine on a tiny Gemma-3-shaped model: a system prompt of 6 windows shared by every
     request, the same KV bytes for the hybrid pool and the all-full one (72 blocks of every layer:
     the all-full pool holds two requests and little of the cache beside them)."""
-    from kvjax.config.engine import EngineConfig
     from kvjax.config.hf import from_hf_config
+    from kvjax.engine.arg_utils import EngineArgs
     from kvjax.engine.core import Engine
     from kvjax.engine.sampling import SamplingParams
     from kvjax.models import build_model, init_params
@@ -170,11 +170,11 @@ def prefix_hits(quick: bool) -> dict:
     kv_bytes = 72 * config.kv_spec().bytes_per_block(z)  # 72 all-full blocks' worth: two requests and a bit
     out = {}
     for kind, on in (("hybrid", True), ("all full", False)):
-        groups = hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows if on else
-                                        hybrid.all_full(config.layer_windows), z)
-        num_blocks = 1 + kv_bytes // max(g.block_bytes for g in groups)
-        engine = Engine(model, params, config.kv_spec(), EngineConfig(
-            num_blocks=num_blocks, block_size=z, max_num_seqs=4, max_model_len=160, hybrid_kv_cache=on))
+        engine_config = EngineArgs(model="gemma3-tiny", block_size=z, kv_cache_memory_bytes=kv_bytes, max_num_seqs=4,
+                                   max_model_len=160, disable_hybrid_kv_cache_manager=not on,
+                                   attention_backend="reference").create_engine_config(config)
+        groups, num_blocks = engine_config.cache_config.groups.windows, engine_config.num_blocks
+        engine = Engine(model, params, engine_config)
         run = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
         s = run.summary
         out[kind] = {"num_blocks": num_blocks, "groups": len(groups), "prefix_hit_tokens": s.prefix_hit_tokens,

@@ -77,10 +77,13 @@ if _in_checkout() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_
     sys.meta_path.insert(0, _CheckoutFolders())
 
 _EXPORTS = {
-    "LLM": "kvjax.engine.llm", "LLMError": "kvjax.engine.arg_utils",
+    "LLM": "kvjax.engine.llm", "LLMEngine": "kvjax.engine.llm_engine", "AsyncLLM": "kvjax.engine.async_llm",
+    "EngineArgs": "kvjax.engine.arg_utils", "AsyncEngineArgs": "kvjax.engine.arg_utils",
+    "LLMError": "kvjax.engine.arg_utils",
     "RequestOutput": "kvjax.engine.outputs", "CompletionOutput": "kvjax.engine.outputs",
     "Logprob": "kvjax.engine.outputs", "RequestMetrics": "kvjax.engine.outputs",
-    "SamplingParams": "kvjax.engine.sampling", "SamplingParamsError": "kvjax.engine.sampling",
+    "SamplingParams": "kvjax.engine.sampling_params", "SamplingParamsError": "kvjax.engine.sampling_params",
+    "RequestOutputKind": "kvjax.engine.sampling_params", "BeamSearchParams": "kvjax.engine.beam_search",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -146,22 +146,66 @@ def chat_template(folder: str) -> str | None:
     return None
 
 
+def load_model_config(name_or_dir: str, *, dtype: str | None = None, hf_overrides=None) -> ModelConfig:
+    """The architecture `name_or_dir` names, without its weights: a preset's, a folder's config.json
+    or a GGUF's metadata. dtype overrides the checkpoint's; hf_overrides (vLLM's: a dict of
+    config.json fields, nested dicts merged, or a function of the config dict returning it)
+    changes the config.json (a GGUF's, as transformers reads it) before it is parsed."""
+    from kvjax.config.hf import from_hf_config, load_hf_config
+    from kvjax.models.loader import is_gguf
+
+    if name_or_dir.startswith("preset:"):
+        if hf_overrides is not None:
+            raise KvjaxError(f"hf_overrides change a checkpoint's config.json; {name_or_dir} is a kvjax preset")
+        config = preset(name_or_dir.split(":", 1)[1])
+        return config.replace(dtype=dtype) if dtype else config
+    path = resolve_model(name_or_dir)
+    if is_gguf(path):
+        from kvjax.models.gguf import GGUFFile
+
+        with GGUFFile(path) as gguf:
+            if hf_overrides is None:
+                return gguf.config(dtype)
+            return from_hf_config(_override(gguf.hf_config(), hf_overrides), dtype=dtype).replace(name=gguf.name)
+    if hf_overrides is None:
+        from kvjax.models.loader import load_config
+
+        return load_config(path, dtype=dtype)
+    name = os.path.basename(os.path.abspath(path))
+    return from_hf_config(_override(load_hf_config(path), hf_overrides), dtype=dtype).replace(name=name)
+
+
+def _override(config: dict, overrides) -> dict:
+    """vLLM's hf_overrides applied to a config dict: a function's result, or the dict's fields
+    over the config's (a nested dict merged into a nested one)."""
+    if callable(overrides):
+        out = overrides(dict(config))
+        if not isinstance(out, dict):
+            raise KvjaxError(f"hf_overrides function returned {type(out).__name__}, not a config dict")
+        return out
+    out = dict(config)
+    for key, value in overrides.items():
+        out[key] = _override(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | None = None,
-               seed: int = 0, progress: bool = False) -> LoadedModel:
+               seed: int = 0, progress: bool = False, config: ModelConfig | None = None) -> LoadedModel:
     """Load what `name_or_dir` names (see the module docstring). dtype overrides the weights'
     dtype (a GGUF dequantizes to float32 unless told otherwise); attn_impl None picks the
     backend's default (kvjax.attention.default_impl). progress: a tqdm bar on stderr through
-    the stages (fetch or locate, read the weights, build), as vLLM's use_tqdm_on_load."""
+    the stages (fetch or locate, read the weights, build), as vLLM's use_tqdm_on_load. config:
+    the architecture already read (`load_model_config`, hf_overrides applied): the weights are
+    read for it (dtype is then its dtype)."""
     from kvjax.models import build_model, init_params
-    from kvjax.models.loader import is_gguf, load_checkpoint, load_params
+    from kvjax.models.loader import is_gguf, load_params
 
     stages = Phases(f"load {name_or_dir}", 1 if name_or_dir.startswith("preset:") else 3, progress, unit="stage",
                     leave=True)
     with stages:
         if name_or_dir.startswith("preset:"):
             stages.start("random weights")
-            config = preset(name_or_dir.split(":", 1)[1])
-            config = config.replace(dtype=dtype) if dtype else config
+            config = config or load_model_config(name_or_dir, dtype=dtype)
             module = build_model(config, attn_impl=attn_impl)
             return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
         stages.start("fetch" if name_or_dir in REGISTRY and not _cached(name_or_dir) else "locate")
@@ -171,16 +215,20 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
             from kvjax.models.gguf import GGUFFile
 
             with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
-                config = gguf.config(dtype)
-                tokenizer = Tokenizer(backend=gguf.tokenizer())
+                config = config or gguf.config(dtype)
+                ids = {k: gguf.meta(f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "padding", "unknown")}
+                tokenizer = Tokenizer(backend=gguf.tokenizer(), eos_token_id=next(iter(gguf.eos_token_ids), None),
+                                      bos_token_id=ids["bos"], pad_token_id=ids["padding"], unk_token_id=ids["unknown"])
                 params = load_params(gguf, config)
                 stages.start("build")
                 return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
                                    gguf.eos_token_ids, path, gguf.chat_template)
-        config, params = load_checkpoint(path, dtype=dtype)
+        config = config or load_model_config(path, dtype=dtype)
+        params = load_params(path, config)
         stages.start("build")
-        return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, Tokenizer(path),
-                           eos_token_ids(path), path, chat_template(path))
+        eos = eos_token_ids(path)
+        return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params,
+                           Tokenizer(path, eos_token_id=eos[0] if eos else None), eos, path, chat_template(path))
 
 
 # --------------------------------------------------------------------------------------------

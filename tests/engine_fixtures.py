@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from hf_fixtures import make_hf_model, save_hf_model
 
-from kvjax.config.engine import EngineConfig
 from kvjax.core import kv_cache_manager as manager
+from kvjax.engine.arg_utils import EngineArgs
 from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.models import build_model
@@ -26,11 +26,23 @@ def tiny(tmp_path_factory):
 
 
 
-def engine(tiny, num_blocks=64, **kw) -> Engine:
+def engine(tiny, num_blocks=64, eos_token_ids=(), **kw) -> Engine:
     config, model, params = tiny
     kw = {"block_size": Z, "max_num_seqs": 4, "max_model_len": MAX_LEN, **kw}
-    return Engine(model, params, config.kv_spec(), EngineConfig(num_blocks=num_blocks, **kw))
+    return Engine(model, params, engine_config(config, num_blocks, **kw), eos_token_ids=eos_token_ids)
 
+
+def engine_config(config, num_blocks=64, kv_offload_blocks=0, kv_offload_policy=None, **engine_args):
+    """The resolved config (EngineArgs.create_engine_config) of a test model's engine with a pool of
+    num_blocks and, with kv_offload_blocks, a host tier of that many blocks (its
+    kv_offloading_size in GiB, exactly) with kv_offload_policy's eviction."""
+    if kv_offload_blocks:
+        per_block = config.kv_spec(engine_args.get("kv_cache_dtype", "auto")).bytes_per_block(engine_args["block_size"])
+        engine_args["kv_offloading_size"] = kv_offload_blocks * per_block / 2**30
+    if kv_offload_blocks and kv_offload_policy is not None:
+        engine_args["kv_transfer_config"] = {"kv_connector_extra_config": {"eviction_policy": kv_offload_policy}}
+    args = EngineArgs(model=config.name or config.model_type, num_gpu_blocks_override=num_blocks, **engine_args)
+    return args.create_engine_config(config)
 
 
 def greedy(n, **kw):
@@ -39,7 +51,7 @@ def greedy(n, **kw):
 
 
 def outputs(run):
-    assert all(r.error is None for r in run.results), [r.error for r in run.results]
+    assert all(r.finish_reason in ("stop", "length") for r in run.results), [r.finish_reason for r in run.results]
     return [r.output for r in run.results]
 
 

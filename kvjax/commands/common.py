@@ -17,66 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
-from kvjax.errors import INT32_MAX, UsageError, check_output_file
+from kvjax.engine.cli_args import human_int_arg, kv_cache_dtype_arg  # noqa: F401 (the commands' flag types)
+from kvjax.engine.arg_utils import MODEL_DTYPES
+from kvjax.errors import UsageError, check_output_file
 
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
-MODEL_DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-                "float": "float32", "float32": "float32"}  # vLLM's --dtype choices → kvjax's model dtype
 
 
 # --------------------------------------------------------------------------------------------
-# Flag types
+# Flag types (the engine's own: kvjax.engine.cli_args)
 # --------------------------------------------------------------------------------------------
-_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
-
-
-def human_int(text: str) -> int:
-    """vLLM's `human_readable_int`: a plain integer, or a number with a suffix, k/m/g/t decimal
-    (25.6k = 25,600) or K/M/G/T binary (4G = 4·2³⁰; no decimals with a binary suffix)."""
-    text = text.strip()
-    match = _HUMAN.fullmatch(text)
-    if not match:
-        return int(text)
-    number, suffix = match.groups()
-    if suffix.islower():
-        return int(float(number) * 10 ** (3 * (1 + "kmgt".index(suffix))))
-    if "." in number:
-        raise ValueError(f"decimals are not allowed with the binary suffix {suffix}; did you mean "
-                         f"{number}{suffix.lower()}?")
-    return int(number) * 2 ** (10 * (1 + "KMGT".index(suffix)))
-
-
-def human_int_arg(lo: int = 1, hi: int = INT32_MAX):
-    """An argparse `type` for an integer flag in [lo, hi] that vLLM reads with human_readable_int."""
-    def parse(text: str) -> int:
-        try:
-            value = human_int(text)
-        except ValueError as e:
-            why = str(e) if "suffix" in str(e) else "an integer, optionally with k/m/g/t or K/M/G/T"
-            raise argparse.ArgumentTypeError(f"must be {why}, got {text[:40]!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo:,}, {hi:,}], got {text[:40]!r}")
-        return value
-    return parse
-
-
-def kv_cache_dtype_arg(text: str) -> str:
-    """vLLM's --kv-cache-dtype: "auto" (the model's dtype) or a kv dtype kvjax stores."""
-    from kvjax.quant.kv_formats import KV_DTYPES, SpecError, kv_format
-
-    if text.lower() == "auto":
-        return "auto"
-    try:
-        kv_format(text)
-    except SpecError:
-        raise argparse.ArgumentTypeError(f"unknown kv cache dtype {text[:40]!r}; choose auto (the model's dtype) "
-                                         f"or one of {', '.join(KV_DTYPES)}") from None
-    return text
-
-
 def model_dtype_arg(text: str) -> str | None:
     """vLLM's --dtype: auto (the checkpoint's), half, float16, bfloat16, float, float32."""
     if text.lower() not in MODEL_DTYPES:

@@ -164,7 +164,7 @@ def run(args) -> int:
     with Phases("decode", 2 if args.warmup else 1, show) as phases:
         phases.start("build the engine" + (" (profiling a step)" if args.gpu_memory_utilization else ""))
         llm = _llm(args, loaded, requests, scales, transfer)
-        runnable, refused = sampling_params(requests, base)
+        runnable, refused = _check_requests(llm, *sampling_params(requests, base))
         if args.warmup:
             phases.start("warm-up run (compiles every step)")
             _generate(llm, runnable, args, show=False)
@@ -215,6 +215,23 @@ def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
 
 
+def _check_requests(llm, runnable: list, refused: dict) -> tuple[list, dict]:
+    """The requests the engine takes, and why it refuses the others: a request that breaks a rule
+    (an empty prompt, one at or over the max length, more blocks than the pool has) gets an error
+    in its output and the others still run, as vLLM's batch runner reports per request (the
+    library raises for the whole call)."""
+    from kvjax.engine.arg_utils import LLMError
+
+    ok = []
+    for i, r, sp in runnable:
+        try:
+            llm.llm_engine.check_request(r["tokens"], sp)
+            ok.append((i, r, sp))
+        except LLMError as e:
+            refused[i] = str(e)
+    return ok, refused
+
+
 def _generate(llm, runnable: list, args, show: bool):
     """llm.generate over the runnable requests, with a bar of generated tokens on stderr if show."""
     prompts = [dict(prompt_token_ids=r["tokens"], **({} if r["prompt"] is None else dict(prompt=r["prompt"])))
@@ -244,7 +261,7 @@ def _config_json(args, llm, base, transfer: dict | None) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                 scheduling_policy=args.scheduling_policy, attention_backend=llm.model.module.attn_impl,
                 kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=transfer,
-                eviction_policy=llm.engine_config.kv_offload_policy if args.kv_offloading_size else None,
+                eviction_policy=llm.vllm_config.cache_config.host_policy if args.kv_offloading_size else None,
                 seed=args.seed, steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size,
                 max_logprobs=args.max_logprobs,
                 eos_token_ids=list(engine.eos_token_ids), warmup=args.warmup,

@@ -1,118 +1,328 @@
-"""The engine's configuration: pool size, rows, token budget, steps per device call, layout, host tier
-and tensor parallelism, each bounded where it is given (vLLM's `vllm/config/` engine args as kvjax's
-Engine takes them; kvjax.engine.arg_utils maps LLM(...)'s names onto it). No JAX at import.
+"""The engine's resolved configuration (vLLM's `VllmConfig`): made once, by
+`kvjax.engine.arg_utils.EngineArgs.create_engine_config()`, and read by everything below it.
+
+vLLM resolves its engine arguments in one place (`EngineArgs.create_engine_config()` → `VllmConfig`)
+and every layer below reads the result. kvjax does the same: each value derived from the
+arguments is computed by exactly one function here, called once while the config is made,
+
+    resolve_kv_spec             "auto" → the model's dtype; skipped layers (indices or vLLM's layer-type
+                                name "sliding_window") keep kv_skip_dtype: the KV format of every layer
+    resolve_attention_backend   the attention backend, checked against the kernels' preconditions
+    resolve_kv_cache_groups     vLLM's KV cache groups of a model with sliding windows, each layer's
+                                group and page tensor (kvjax.accounting.hybrid's grouping)
+    resolve_max_model_len       the longest request: max_model_len, at most the model's positions
+    resolve_step_budget         a step's token budget (max_num_batched_tokens or vLLM's default)
+    resolve_num_blocks          the pool size when no profiling is needed (override, KV bytes, CPU default)
+    EngineConfig.with_num_blocks   once the pool size is known (given, or profiled by
+                                kvjax.engine.llm_engine): the pool scheduler's config
+                                (kvjax.config.scheduler.SchedulerConfig) and the longest request the
+                                pool can hold
+
+and nothing below re-derives them: the engine, scheduler, cache and commands read `EngineConfig`.
+The parts follow vLLM's split: the model (kvjax.config.model.ModelConfig, the architecture with
+dtype and hf_overrides applied), `CacheConfig`, the scheduler's settings, the parallel size and
+the front end's (generation defaults, chat template, profiler). No JAX at import.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from kvjax.config.scheduler import check_host_tier, check_policy
+from kvjax.config.scheduler import SchedulerConfig, check_host_tier, check_policy, pool_limits, request_blocks
 from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, _show, check_int, is_int
+from kvjax.math_utils import cdiv
 
 MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
 MAX_NUM_SEQS = 2**16  # rows of every step
 DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
 KV_LAYOUTS = ("paged", "contiguous")
-
-
-def step_budget(max_num_batched_tokens: int | None, max_num_seqs: int, chunked_prefill: bool, max_len: int) -> int:
-    """A step's token budget: max_num_batched_tokens, else vLLM's default (DEFAULT_BUDGET), at
-    least one token per row, and without chunked prefill never below max_len (the longest
-    request), or a long prompt could never be admitted."""
-    return max_num_batched_tokens or max(max_num_seqs, DEFAULT_BUDGET, 0 if chunked_prefill else max_len)
+LAYER_TYPES = ("sliding_window",)  # vLLM's attention-type names kv_cache_dtype_skip_layers takes
 
 
 class EngineError(KvjaxError):
     """An engine built or called with values that break a rule; the message names the value."""
 
 
-def model_len(max_model_len, max_position_embeddings: int, error: type = EngineError) -> int:
+# ----------------------------------------------------------------------------------- the parts
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroups:
+    """vLLM's KV cache groups (kvjax.accounting.hybrid): one block table per group, the j-th layer
+    of every group sharing page tensor j. One full-attention group when the model has no sliding
+    window, the layout is contiguous or hybrid groups are off: then windows is (None,), the two
+    per-layer tuples are empty and a window, if any, is the attention mask alone."""
+
+    windows: tuple = (None,)  # each group's sliding window (None: full attention)
+    layer_groups: tuple = ()  # each layer's group
+    layer_slots: tuple = ()  # each layer's page tensor
+
+    @property
+    def hybrid(self) -> bool:
+        return self.windows != (None,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilerConfig:
+    """vLLM's `ProfilerConfig`, for `LLM.start_profile` / `stop_profile`: kvjax writes a JAX
+    profiler trace (jax.profiler, which TensorBoard and Perfetto open) into `torch_profiler_dir`
+    (vLLM's field name; kvjax has no torch profiler). delay_iterations / max_iterations: engine
+    steps to skip before the trace starts, and the most steps it covers (0: until stop_profile)."""
+
+    profiler: str | None = None  # "torch" (vLLM's; here a JAX trace) or None
+    torch_profiler_dir: str = ""
+    delay_iterations: int = 0
+    max_iterations: int = 0
+
+    def __post_init__(self):
+        if self.profiler not in (None, "torch", "jax"):
+            raise EngineError(f"profiler_config profiler={self.profiler!r}: kvjax writes a JAX trace for 'torch' "
+                              "(or 'jax'); None profiles nothing")
+        if not isinstance(self.torch_profiler_dir, str):
+            raise EngineError(f"profiler_config torch_profiler_dir must be a folder name, got "
+                              f"{self.torch_profiler_dir!r:.60}")
+        for name in ("delay_iterations", "max_iterations"):
+            check_int(getattr(self, name), f"profiler_config {name}", 0, INT32_MAX, EngineError)
+
+    @classmethod
+    def from_any(cls, value) -> "ProfilerConfig | None":
+        """None, a ProfilerConfig, or a dict of its fields (vLLM takes both)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise EngineError(f"profiler_config must be a ProfilerConfig or a dict, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise EngineError(f"profiler_config field {sorted(unknown)[0]!r} is not implemented in kvjax")
+        return cls(**value)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache (vLLM's `vllm/config/cache.py`), resolved."""
+
+    block_size: int  # Z
+    kv_spec: Any  # kvjax.core.kv_cache_interface.KVSpec: every layer's KV format ("auto" applied)
+    scales: Any  # fp8 dequantization scales (kvjax.quant.formats.KVScales) or None (1.0, vLLM's default)
+    enable_prefix_caching: bool
+    groups: KVCacheGroups
+    kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
+    num_gpu_blocks: int | None = None  # P, null block included; None until profiled (gpu_memory_utilization)
+    sized_by: str = ""  # how num_gpu_blocks was chosen when it was no budget (for messages)
+    gpu_memory_utilization: float | None = None  # the share of total_memory_bytes the profile sizes from
+    total_memory_bytes: int | None = None  # the memory a utilization takes a share of (None: the device's)
+    kv_offloading_size: float | None = None  # GiB of host memory for offloaded blocks (vLLM's)
+    num_host_blocks: int = 0  # E: the host tier's blocks (0: none)
+    host_policy: str = "lru"  # its eviction policy, "lru" or "arc"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine runs with, resolved once (vLLM's `VllmConfig`). `scheduler_config` and
+    `cache_config.num_gpu_blocks` are None until the pool is sized (`with_num_blocks`)."""
+
+    model: str  # what the model argument named (a built-in, a folder, a GGUF, preset:NAME)
+    model_config: Any  # kvjax.config.model.ModelConfig: the architecture, dtype and hf_overrides applied
+    cache_config: CacheConfig
+    attention_backend: str  # "reference" or "pallas"
+    max_model_len: int  # the longest request (prompt + output) the model allows
+    max_num_seqs: int  # B: requests running at once (rows of every step)
+    max_num_batched_tokens: int  # a step's token budget, resolved
+    enable_chunked_prefill: bool
+    scheduling_policy: str  # "fcfs" or "priority"
+    steps_per_call: int  # decode steps per device call (1 with enforce_eager)
+    tensor_parallel_size: int
+    seed: int  # the random stream of requests without a seed of their own
+    max_logprobs: int  # -1: no limit
+    enforce_eager: bool = False
+    generation_config: str = "auto"  # where default SamplingParams come from ("auto", "vllm" or a folder)
+    chat_template: str | None = None  # the template text given to the LLM (None: the checkpoint's)
+    profiler_config: ProfilerConfig | None = None
+    disable_log_stats: bool = False
+    scheduler_config: SchedulerConfig | None = None  # the pool scheduler's, once num_gpu_blocks is known
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        if self.cache_config.num_gpu_blocks is None:
+            raise EngineError("the block pool is not sized yet (EngineConfig.with_num_blocks)")
+        return self.cache_config.num_gpu_blocks
+
+    def request_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens holds at once, summed over the KV cache groups
+        (cdiv(num_tokens, Z) with one full-attention group; kvjax.config.scheduler.request_blocks)."""
+        return request_blocks(self.cache_config.groups.windows, self.block_size, self.max_num_batched_tokens,
+                              num_tokens)
+
+    def with_num_blocks(self, num_blocks: int, sized_by: str = "") -> "EngineConfig":
+        """This config with its pool size known: P blocks (null block included) and the pool
+        scheduler's config, whose longest request is what the pool can hold (at most
+        max_model_len; with sliding windows, vLLM's per-group blocks with one step's chunk)."""
+        check_int(num_blocks, "num_blocks", 2, INT32_MAX, EngineError)
+        z, usable = self.block_size, num_blocks - 1
+        if num_blocks * z > INT32_MAX:
+            raise EngineError(f"num_blocks {num_blocks:,} × block_size {z:,} = {num_blocks * z:,} token slots; "
+                              f"slots are int32 indices (at most {INT32_MAX:,})")
+        sched_len = min(self.max_model_len, usable * z)  # one group: cdiv(n, Z) blocks
+        groups = self.cache_config.groups
+        if groups.hybrid:  # over the groups, with the chunk before the pool caps it (an upper bound)
+            _, sched_len = pool_limits(groups.windows, z, self.max_num_batched_tokens, usable, self.max_model_len)
+        try:
+            scheduler = SchedulerConfig(
+                num_blocks=num_blocks, block_size=z, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=resolve_step_budget(self.max_num_batched_tokens, self.max_num_seqs,
+                                                           self.enable_chunked_prefill, sched_len),
+                max_model_len=sched_len, prefix_caching=self.cache_config.enable_prefix_caching,
+                policy=self.scheduling_policy, chunked_prefill=self.enable_chunked_prefill,
+                num_host_blocks=self.cache_config.num_host_blocks, host_policy=self.cache_config.host_policy,
+                windows=groups.windows)
+        except KvjaxError as e:
+            raise EngineError(str(e)) from None
+        cache = dataclasses.replace(self.cache_config, num_gpu_blocks=num_blocks, sized_by=sized_by)
+        return dataclasses.replace(self, cache_config=cache, scheduler_config=scheduler)
+
+
+# ----------------------------------------------------------------------------------- resolving
+def resolve_kv_spec(model_config, kv_cache_dtype: str, skip_layers=(), kv_skip_dtype: str | None = None):
+    """Every layer's KV format (a KVSpec): kv_cache_dtype "auto" means the model's dtype (vLLM's);
+    skip_layers (layer indices, as ints or digit strings, or vLLM's layer-type name
+    "sliding_window": every layer with a window) keep kv_skip_dtype, default the model's dtype."""
+    from kvjax.quant.kv_formats import kv_format
+
+    kv_dtype = model_config.dtype if str(kv_cache_dtype).lower() == "auto" else kv_format(kv_cache_dtype).name
+    layers = set()
+    for item in skip_layers:
+        if isinstance(item, str) and item.strip().isdigit():
+            item = int(item)
+        if item in LAYER_TYPES:
+            layers |= {i for i, w in enumerate(model_config.layer_windows) if w is not None}
+        elif is_int(item) and 0 <= item < model_config.num_layers:
+            layers.add(int(item))
+        else:
+            raise EngineError(f"kv_cache_dtype_skip_layers: {item!r} is neither a layer index in "
+                              f"[0, {model_config.num_layers}) nor a layer type ({', '.join(LAYER_TYPES)})")
+    spec = model_config.kv_spec(kv_dtype, skip_layers=tuple(sorted(layers)))
+    return spec.replace(model_dtype=kv_skip_dtype) if kv_skip_dtype else spec
+
+
+def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_parallel_size: int,
+                              platform: str) -> str:
+    """The attention backend: the one named, checked against what the kernels take, or by
+    default "pallas" on a GPU unless the pages carry per-token scales (the kernels read static
+    scales only) and "reference" elsewhere (Pallas only interprets on a CPU), or with tensor
+    parallelism (the kernels are not partitioned over a mesh)."""
+    from kvjax.attention import IMPLS
+
+    if attention_backend is not None and attention_backend not in IMPLS:
+        raise EngineError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
+    per_token = any(kv_spec.layer_dtype(i).scale == "per_token" for i in range(kv_spec.num_layers))
+    if attention_backend == "pallas":
+        if tensor_parallel_size > 1:
+            raise EngineError(f"attention_backend='pallas' with tensor_parallel_size={tensor_parallel_size}: the "
+                              "Pallas kernels are not partitioned over a mesh; use 'reference'")
+        if per_token:
+            raise EngineError(f"attention_backend='pallas' reads static scales only; {kv_spec.kv_dtype} pages "
+                              "carry per-token scales: use 'reference'")
+        return "pallas"
+    if attention_backend == "reference":
+        return "reference"
+    return "pallas" if platform == "gpu" and tensor_parallel_size == 1 and not per_token else "reference"
+
+
+def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: bool, kv_layout: str,
+                            host_tier: bool, tensor_parallel_size: int) -> KVCacheGroups:
+    """vLLM's grouping (kvjax.accounting.hybrid) for a model with sliding windows on the paged
+    layout with hybrid groups on (vLLM's default; disable_hybrid_kv_cache_manager turns them off);
+    else one full-attention group. Groups with a host tier or tensor parallelism are refused."""
+    windows = tuple(model_config.layer_windows)
+    if not any(w is not None for w in windows) or not hybrid or kv_layout != "paged":
+        return KVCacheGroups()
+    for what, value in (("a host offload tier", host_tier), ("tensor parallelism", tensor_parallel_size > 1)):
+        if value:
+            raise EngineError(f"{what} with KV cache groups is not implemented: this model has sliding windows; "
+                              "pass disable_hybrid_kv_cache_manager=True to keep every layer in one group")
+    from kvjax.accounting import hybrid as grouping
+
+    groups = grouping.kv_cache_groups(kv_spec, windows, block_size)
+    layer_groups, layer_slots = [0] * len(windows), [0] * len(windows)
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            layer_groups[layer], layer_slots[layer] = g, j
+    return KVCacheGroups(tuple(g.window for g in groups), tuple(layer_groups), tuple(layer_slots))
+
+
+def resolve_max_model_len(max_model_len, max_position_embeddings: int) -> int:
     """The longest request (prompt + generated tokens): max_model_len, an integer in [1, the model's
     max_position_embeddings], or the model's own length when None."""
     if max_model_len is None:
         return max_position_embeddings
     if not is_int(max_model_len) or not 1 <= max_model_len <= max_position_embeddings:
-        raise error(f"max_model_len={_show(max_model_len)} must be in [1, {max_position_embeddings}] "
-                    "(an integer; the model's max_position_embeddings)")
+        raise EngineError(f"max_model_len={_show(max_model_len)} must be in [1, {max_position_embeddings}] "
+                          "(an integer; the model's max_position_embeddings)")
     return int(max_model_len)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    num_blocks: int  # P, including the null block 0
-    block_size: int = 16  # Z
-    max_num_seqs: int = 8  # B: requests running at once (rows of every step)
-    max_model_len: int | None = None  # prompt + generated tokens; None: the model's max_position_embeddings
-    max_num_batched_tokens: int | None = None  # step token budget; None: 2048 (unchunked: ≥ max_model_len)
-    chunked_prefill: bool = True  # False: a prompt is prefilled in one step (vLLM enable_chunked_prefill)
-    prefix_caching: bool = True
-    steps_per_call: int = 1  # decode steps per device call
-    seed: int = 0  # the random stream of requests without a seed of their own
-    policy: str = "fcfs"  # or "priority": generate(..., priorities=...) orders admission and preemption
-    kv_layout: str = "paged"  # or "contiguous": the baseline without paging (no prefix caching)
-    kv_offload_blocks: int = 0  # host offload tier: blocks kept in host memory (kvjax.kv_offload.host_pages); 0 = none
-    kv_offload_policy: str = "lru"  # its eviction policy, "lru" or "arc" (vLLM's kv_offloading policies)
-    max_logprobs: int = 20  # most log-probabilities a request may ask for per token (vLLM's; -1 = no limit)
-    tensor_parallel_size: int = 1  # devices the model and the KV pages are split over (kvjax.worker.sharding)
-    hybrid_kv_cache: bool = True  # a model with sliding windows: one block table per KV cache group, a window's
-    # blocks freed as it moves (vLLM's hybrid KV cache manager); False: every layer kept as full attention
-
-    def __post_init__(self):
-        # Every value bounded where it is given: beyond these, XLA would be asked for the impossible
-        # (steps_per_call=10**9 aborts the process inside the compiler) or int32 indices would wrap.
-        for name, low, high in (("num_blocks", 1, INT32_MAX), ("block_size", 1, INT32_MAX),
-                                ("max_num_seqs", 1, MAX_NUM_SEQS), ("steps_per_call", 1, MAX_STEPS_PER_CALL),
-                                ("seed", 0, MAX_SEED), ("max_logprobs", -1, INT32_MAX),
-                                ("tensor_parallel_size", 1, 256), ("kv_offload_blocks", 0, INT32_MAX)):
-            check_int(getattr(self, name), name, low, high, EngineError)
-        for name in ("max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
-                check_int(getattr(self, name), name, 1, INT32_MAX, EngineError)
-        for name in ("chunked_prefill", "prefix_caching", "hybrid_kv_cache"):
-            if not isinstance(getattr(self, name), bool):
-                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.num_blocks < 2:
-            raise EngineError(f"num_blocks={self.num_blocks} leaves no usable block (block 0 is the null block)")
-        if self.num_blocks * self.block_size > INT32_MAX:
-            raise EngineError(f"num_blocks {self.num_blocks:,} × block_size {self.block_size:,} = "
-                              f"{self.num_blocks * self.block_size:,} token slots; slots are int32 indices "
-                              f"(at most {INT32_MAX:,})")
-        check_policy(self.policy, EngineError)
-        if self.kv_layout not in KV_LAYOUTS:
-            raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
-        if self.kv_layout == "contiguous" and self.prefix_caching:
-            raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
-                              "turn prefix caching off")
-        value = self.kv_offload_blocks
-        from kvjax.kv_offload import host_pages as offload  # JAX: only when an engine is configured
-
-        offload.check_policy(self.kv_offload_policy)
-        check_host_tier(value, self.prefix_caching, EngineError, "kv_offload_blocks")
-        tp = self.tensor_parallel_size
-        check_int(tp, "tensor_parallel_size", 1, None, EngineError)
-        if tp > 1 and (value or self.kv_layout != "paged"):
-            raise EngineError(f"tensor_parallel_size={tp} needs the paged layout and no host tier (the host "
-                              "tier copies whole pages of one device)")
+def resolve_step_budget(max_num_batched_tokens: int | None, max_num_seqs: int, chunked_prefill: bool,
+                        max_len: int) -> int:
+    """A step's token budget: max_num_batched_tokens, else vLLM's default (DEFAULT_BUDGET), at
+    least one token per row, and without chunked prefill never below max_len (the longest
+    request), or a long prompt could never be admitted."""
+    return max_num_batched_tokens or max(max_num_seqs, DEFAULT_BUDGET, 0 if chunked_prefill else max_len)
 
 
-def kv_cache_groups(model_config, kv_spec, config: EngineConfig) -> tuple[tuple, tuple, tuple]:
-    """(each KV cache group's window, each layer's group, each layer's page tensor): vLLM's
-    grouping (kvjax.accounting.hybrid) for a model with sliding windows on the paged layout, the
-    j-th layer of every group sharing page tensor j; else one full-attention group and () twice
-    (the window, if any, is then the attention mask alone)."""
-    windows = tuple(getattr(model_config, "layer_windows", ()) or ())
-    if not any(w is not None for w in windows) or not config.hybrid_kv_cache or config.kv_layout != "paged":
-        return (None,), (), ()
-    for what, value in (("a host offload tier", config.kv_offload_blocks),
-                        ("tensor parallelism", config.tensor_parallel_size > 1)):
-        if value:
-            raise EngineError(f"{what} with KV cache groups is not implemented: this model has sliding windows; "
-                              "pass hybrid_kv_cache=False (vLLM's disable_hybrid_kv_cache_manager) to keep one group")
-    from kvjax.accounting import hybrid
+def resolve_num_blocks(cache: CacheConfig, *, kv_cache_memory_bytes: int | None, num_gpu_blocks_override: int | None,
+                       max_num_seqs: int, max_model_len: int, tensor_parallel_size: int,
+                       platform: str) -> tuple[int | None, str]:
+    """(P, how it was chosen when that is no budget) where no profiling is needed:
+    num_gpu_blocks_override; kv_cache_memory_bytes // one rank's bytes per block (the groups'
+    with sliding windows), + the null block, as vLLM; on a CPU with no utilization given, enough
+    blocks for max_num_seqs requests of max_model_len (nothing is ever preempted). (None, "")
+    when a gpu_memory_utilization budget must be profiled (kvjax.engine.llm_engine)."""
+    if num_gpu_blocks_override is not None:
+        return num_gpu_blocks_override, ""
+    z, spec = cache.block_size, cache.kv_spec
+    if kv_cache_memory_bytes is not None:
+        per_block = spec.per_rank(tensor_parallel_size).bytes_per_block(z)
+        groups = cache.groups
+        if groups.hybrid:  # a block of each group's pages: the largest group's
+            per_block = max(sum(spec.page_bytes(layer, z) for layer, g in enumerate(groups.layer_groups) if g == group)
+                            for group in range(len(groups.windows)))
+        if kv_cache_memory_bytes // per_block < 1:
+            raise EngineError(f"kv_cache_memory_bytes={kv_cache_memory_bytes:,} holds no block of {per_block:,} bytes")
+        return 1 + kv_cache_memory_bytes // per_block, ""  # vLLM: the budget's blocks, the null block among them
+    if cache.gpu_memory_utilization is None and platform == "cpu":
+        return 1 + max_num_seqs * cdiv(max_model_len, z), (
+            f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × cdiv(max_model_len={max_model_len:,}, "
+            f"block_size={z}))")
+    return None, ""
 
-    groups = hybrid.kv_cache_groups(kv_spec, windows, config.block_size)
-    layer_groups, layer_slots = [0] * len(windows), [0] * len(windows)
-    for g, group in enumerate(groups):
-        for j, layer in enumerate(group.layers):
-            layer_groups[layer], layer_slots[layer] = g, j
-    return tuple(g.window for g in groups), tuple(layer_groups), tuple(layer_slots)
+
+def check_settings(*, block_size: int, max_num_seqs: int, max_num_batched_tokens, steps_per_call: int, seed: int,
+                   max_logprobs: int, tensor_parallel_size: int, scheduling_policy: str, kv_layout: str,
+                   enable_prefix_caching: bool, enable_chunked_prefill: bool, num_host_blocks: int) -> None:
+    """The engine settings' own ranges and combinations, before any model is read: beyond these,
+    XLA would be asked for the impossible (steps_per_call=10**9 aborts the process inside the
+    compiler) or int32 indices would wrap."""
+    for name, value, low, high in (("block_size", block_size, 1, INT32_MAX),
+                                   ("max_num_seqs", max_num_seqs, 1, MAX_NUM_SEQS),
+                                   ("steps_per_call", steps_per_call, 1, MAX_STEPS_PER_CALL),
+                                   ("seed", seed, 0, MAX_SEED), ("max_logprobs", max_logprobs, -1, INT32_MAX),
+                                   ("tensor_parallel_size", tensor_parallel_size, 1, 256)):
+        check_int(value, name, low, high, EngineError)
+    if max_num_batched_tokens is not None:
+        check_int(max_num_batched_tokens, "max_num_batched_tokens", 1, INT32_MAX, EngineError)
+    for name, value in (("enable_chunked_prefill", enable_chunked_prefill),
+                        ("enable_prefix_caching", enable_prefix_caching)):
+        if not isinstance(value, bool):
+            raise EngineError(f"{name} must be True or False, got {value!r}")
+    check_policy(scheduling_policy, EngineError, "scheduling_policy")
+    if kv_layout not in KV_LAYOUTS:
+        raise EngineError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    if kv_layout == "contiguous" and enable_prefix_caching:
+        raise EngineError("the contiguous KV layout cannot share prefixes (a row belongs to one request): "
+                          "turn prefix caching off")
+    check_host_tier(num_host_blocks, enable_prefix_caching, EngineError, "kv_offloading_size")
+    if tensor_parallel_size > 1 and (num_host_blocks or kv_layout != "paged"):
+        raise EngineError(f"tensor_parallel_size={tensor_parallel_size} needs the paged layout and no host tier "
+                          "(the host tier copies whole pages of one device)")

@@ -15,10 +15,10 @@ from kvjax.math_utils import cdiv
 POLICIES = ("fcfs", "priority")
 
 
-def check_policy(policy, error: type = KvjaxError) -> None:
+def check_policy(policy, error: type = KvjaxError, name: str = "policy") -> None:
     """vLLM's scheduling policies: "fcfs", or "priority" (lower value first, then arrival)."""
     if policy not in POLICIES:
-        raise error(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        raise error(f"{name} must be 'fcfs' or 'priority', got {policy!r}")
 
 
 def check_host_tier(num_host_blocks: int, prefix_caching: bool, error: type = KvjaxError,

@@ -1,54 +1,58 @@
-"""The LLM's arguments: vLLM's names checked and read before anything runs (vLLM's `vllm/engine/arg_utils.py`).
+"""Engine arguments: vLLM's `EngineArgs` and the one resolved config it makes (vLLM's `vllm/engine/arg_utils.py`).
 
-A vLLM script runs unchanged: `LLM(model, **engine args)` takes vLLM's names (kv_cache_dtype,
-num_gpu_blocks_override, gpu_memory_utilization, kv_cache_memory_bytes, enable_prefix_caching,
-enable_chunked_prefill, max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy,
-attention_backend, kv_offloading_size, kv_cache_dtype_skip_layers, tensor_parallel_size, seed,
-dtype, max_logprobs, generation_config) with vLLM's meanings; kvjax's own extras keep kvjax
-names (scales, kv_layout, steps_per_call, kv_skip_dtype, total_memory_bytes). A vLLM argument
-that means nothing here is refused by name (`_NOT_HERE`; LLMError, one line), never silently dropped.
+    args = EngineArgs(model="small-gqa", kv_cache_dtype="fp8", block_size=16)
+    config = args.create_engine_config()      # kvjax.config.engine.EngineConfig, resolved once
+    engine = LLMEngine.from_engine_args(args)  # or LLM(model, **the same fields)
 
-- `check_engine_args` checks every argument's type and range before a model is loaded, so no
-  bad value reaches JAX, NumPy or XLA; `check_limits` those that need the loaded model's length.
-- `eviction_policy` reads vLLM's kv_transfer_config (the OffloadingConnector's eviction policy),
-  `skip_layers` kv_cache_dtype_skip_layers, `read_scales` kvjax's scales (fp8 KVScales or a
-  file), `read_template` a chat_template (text or file), and `generation_defaults` the
-  checkpoint's generation_config.json (vLLM's default sampling params).
+`EngineArgs` has vLLM 0.33's field names and defaults for everything kvjax implements, kvjax's
+own extras under kvjax names (scales, kv_layout, steps_per_call, kv_skip_dtype,
+total_memory_bytes, chat_template), and the vLLM fields kvjax does not implement (`_NOT_HERE`):
+their neutral values are accepted, so a script that spells out a default still runs, and any
+other value is refused by name (LLMError, one line), never silently dropped.
+`add_cli_args(parser)` adds one flag per field (vLLM's `--kebab-case` names; kvjax's commands take
+their engine flags from it, so a flag is defined once), `from_cli_args(args)` reads them back.
+
+`create_engine_config()` checks every value's type and range before any model is read, reads
+the model's architecture (models.hub.load_model_config: config.json with hf_overrides, a GGUF's
+metadata or a preset; no weights), and resolves everything derived from the arguments once,
+through kvjax.config.engine's resolve_* functions: the KV format of every layer ("auto" = the
+model's dtype), the attention backend, the KV cache groups, the longest request, the step
+budget, the host tier and, where no profiling is needed, the pool size. On a CPU,
+`gpu_memory_utilization` takes its share of the memory node's total memory, as vLLM's CPU
+platform does, and `VLLM_CPU_KVCACHE_SPACE` (GiB) sets kv_cache_memory_bytes.
+
+No JAX at import: `kvjax plan` and the argument parsers load this module and start at once.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import os
+from typing import Any, Callable
 
-from kvjax.attention import IMPLS, default_impl
-from kvjax.config.engine import EngineConfig, EngineError, model_len
-from kvjax.engine.sampling import SamplingParams
-from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, check_int, is_int
-from kvjax.kv_offload import host_pages as offload
-from kvjax.quant import formats as quant
-from kvjax.quant.kv_formats import FP8_FORMATS, kv_format
+from kvjax.config.engine import (CacheConfig, EngineConfig, EngineError, ProfilerConfig, check_settings,
+                                 resolve_attention_backend, resolve_kv_cache_groups, resolve_kv_spec,
+                                 resolve_max_model_len, resolve_num_blocks, resolve_step_budget)
+from kvjax.errors import INT32_MAX, MAX_GIB, check_int
 
-# vLLM LLM(...) / engine arguments that kvjax does not implement: (the values that mean what kvjax
-# does anyway, the reason any other value is refused). vLLM's defaults are accepted, so a script
-# that spells them out still runs.
+# vLLM engine arguments that kvjax does not implement: (the values that mean what kvjax does
+# anyway, the reason any other value is refused).
 _NOT_HERE = {
+    "tokenizer": ((None,), "kvjax reads the checkpoint's own tokenizer"),
+    "tokenizer_mode": (("auto",), "kvjax reads the checkpoint's own tokenizer"),
+    "skip_tokenizer_init": ((False,), "kvjax always loads the tokenizer"),
+    "trust_remote_code": ((False,), "kvjax runs no code from checkpoints"),
+    "revision": ((None,), "kvjax loads local folders and its own registry"),
     "quantization": ((None,), "weight quantization is not implemented (kvjax quantizes the KV cache only)"),
     "cpu_offload_gb": ((0,), "weight offloading is not implemented"),
     "enable_lora": ((False,), "LoRA is not implemented"),
     "speculative_config": ((None,), "speculative decoding is not implemented"),
     "pipeline_parallel_size": ((1,), "pipeline parallelism is not implemented"),
     "data_parallel_size": ((1,), "data parallelism is not implemented"),
-    "tokenizer": ((None,), "kvjax reads the checkpoint's own tokenizer"),
-    "tokenizer_mode": (("auto",), "kvjax reads the checkpoint's own tokenizer"),
-    "skip_tokenizer_init": ((False,), "kvjax always loads the tokenizer"),
-    "trust_remote_code": ((False,), "kvjax runs no code from checkpoints"),
-    "revision": ((None,), "kvjax loads local folders and its own registry"),
-    "hf_overrides": ((None,), "config overrides are not implemented"),
     "calculate_kv_scales": ((False,), "dynamic KV scales are not implemented (pass scales=)"),
     "kv_offloading_backend": (("native",), "kvjax's host tier is vLLM's native backend"),
-    "enforce_eager": ((False,), "kvjax compiles every step with XLA (there are no CUDA graphs to turn off)"),
     "compilation_config": ((None,), "kvjax compiles every step with XLA"),
-    "disable_log_stats": ((True, False), ""),  # kvjax logs no stats: either value holds
     "runner": (("auto", "generate"), "kvjax runs generative models only"),
     "convert": (("auto", "none"), "kvjax runs generative models only"),
     "pooler_config": ((None,), "pooling is not implemented"),
@@ -56,116 +60,280 @@ _NOT_HERE = {
     "limit_mm_per_prompt": ((None,), "multimodal inputs are not implemented"),
     "structured_outputs_config": ((None,), "structured outputs are not implemented"),
     "logits_processors": ((None,), "custom logits processors are not implemented"),
-    "swap_space": ((), "vLLM V1 recomputes on preemption; it never swaps"),
+    "swap_space": ((None,), "vLLM V1 recomputes on preemption; it never swaps"),
 }
+MODEL_DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                "float": "float32", "float32": "float32"}  # vLLM's --dtype choices → kvjax's model dtype
+CPU_KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU platform: GiB of KV cache
 
 
-class LLMError(KvjaxError):
-    """An LLM built or called with values that break a rule; the message names the value."""
+LLMError = EngineError  # an LLM or engine built or called with values that break a rule (one type for both)
 
 
-def check_engine_args(kwargs: dict, *, dtype, seed, block_size, gpu_memory_utilization, kv_cache_dtype,
-                      num_gpu_blocks_override, kv_cache_memory_bytes, max_num_seqs, max_model_len,
-                      max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, scheduling_policy,
-                      attention_backend, tensor_parallel_size, kv_offloading_size, kv_transfer_config, max_logprobs,
-                      generation_config, chat_template, use_tqdm_on_load, scales, kv_layout, steps_per_call,
-                      kv_skip_dtype, total_memory_bytes, disable_hybrid_kv_cache_manager=False
-                      ) -> tuple[str | None, str, str | None]:
-    """LLM(...)'s arguments, before a model is loaded: kwargs (the vLLM arguments kvjax does not
-    name) against `_NOT_HERE`, then every named one's type and range; the engine's own rules run
-    on a probe config. → (kv dtype, attention backend, model dtype): the dtypes None for "auto",
-    the backend by kv dtype unless given ("reference" with tensor_parallel_size > 1)."""
-    _refuse_unknown(kwargs)
+@dataclasses.dataclass
+class EngineArgs:
+    """vLLM's engine arguments (module docstring). None where vLLM's default follows the platform:
+    block_size 16, max_num_seqs 8 (vLLM's follows the GPU: 256 to 1024), prefix caching and
+    chunked prefill on; gpu_memory_utilization None sizes the pool on a GPU with vLLM's 0.92 and on
+    a CPU with enough blocks for max_num_seqs requests of max_model_len (nothing preempted)."""
+
+    model: Any = "small-gqa"  # a built-in name, a folder, PATH.gguf, preset:NAME, or a models.hub.LoadedModel
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    hf_overrides: dict | Callable | None = None  # config.json fields over the checkpoint's (a dict or a function)
+    max_logprobs: int = 20
+    generation_config: str = "auto"
+    enforce_eager: bool = False  # kvjax: one decode step per device call (no multi-step device loop)
+    block_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: list = dataclasses.field(default_factory=list)
+    enable_prefix_caching: bool | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_offloading_size: float | None = None
+    kv_transfer_config: dict | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    scheduling_policy: str = "fcfs"
+    disable_hybrid_kv_cache_manager: bool = False
+    attention_backend: str | None = None
+    tensor_parallel_size: int = 1
+    profiler_config: ProfilerConfig | dict | None = None
+    disable_log_stats: bool = False
+    use_tqdm_on_load: bool = True
+    # kvjax's own
+    scales: Any = None  # fp8 KVScales or a scales file (default 1.0, vLLM's)
+    kv_layout: str = "paged"  # or "contiguous": the unpaged baseline (needs enable_prefix_caching=False)
+    steps_per_call: int = 1  # decode steps per device call
+    kv_skip_dtype: str | None = None  # the dtype of kv_cache_dtype_skip_layers (default the model's)
+    total_memory_bytes: int | None = None  # what gpu_memory_utilization takes a share of (default the device's)
+    chat_template: str | None = None  # LLM.chat's template (text or a file) instead of the checkpoint's
+    # vLLM's, refused unless neutral (_NOT_HERE)
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    quantization: str | None = None
+    cpu_offload_gb: float = 0
+    enable_lora: bool = False
+    speculative_config: dict | None = None
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    calculate_kv_scales: bool = False
+    kv_offloading_backend: str = "native"
+    compilation_config: Any = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None
+    mm_processor_kwargs: dict | None = None
+    limit_mm_per_prompt: dict | None = None
+    structured_outputs_config: Any = None
+    logits_processors: list | None = None
+    swap_space: float | None = None
+
+    # ------------------------------------------------------------------ the command line
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, fields: tuple[str, ...] | None = None):
+        """Add the engine flags (all, or those of `fields`) to an argparse parser, vLLM's names
+        (kvjax.engine.cli_args: the one table of flags). Returns the parser, as vLLM's does."""
+        from kvjax.engine.cli_args import add_engine_flags
+
+        add_engine_flags(parser, fields)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The EngineArgs of a parsed namespace: every field the namespace has (others keep their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    # ------------------------------------------------------------------ resolving
+    def create_engine_config(self, model_config=None) -> EngineConfig:
+        """The resolved config (module docstring). model_config: the architecture when the caller
+        already holds it (a loaded model, a test's tiny model); default read from `model`."""
+        self._refuse_not_here()
+        self._check_values()
+        import jax
+
+        platform = jax.default_backend()
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and platform == "cpu" and os.environ.get(CPU_KVCACHE_ENV):
+            kv_bytes = _env_gib(CPU_KVCACHE_ENV)
+        if model_config is None:
+            model_config = self._model_config()
+        from kvjax.kv_offload import host_pages as offload
+
+        z = 16 if self.block_size is None else self.block_size
+        max_num_seqs = 8 if self.max_num_seqs is None else self.max_num_seqs
+        chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        prefix = True if self.enable_prefix_caching is None else self.enable_prefix_caching
+        steps = 1 if self.enforce_eager else self.steps_per_call
+        kv_spec = resolve_kv_spec(model_config, self.kv_cache_dtype, self.kv_cache_dtype_skip_layers,
+                                  self.kv_skip_dtype)
+        scales = read_scales(self.scales, kv_spec.kv_dtype)
+        policy = eviction_policy(self.kv_transfer_config, self.kv_offloading_size)
+        host_blocks = 0 if self.kv_offloading_size is None else \
+            offload.host_blocks(self.kv_offloading_size, kv_spec.bytes_per_block(z))
+        check_settings(block_size=z, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                       steps_per_call=steps, seed=self.seed, max_logprobs=self.max_logprobs,
+                       tensor_parallel_size=self.tensor_parallel_size, scheduling_policy=self.scheduling_policy,
+                       kv_layout=self.kv_layout, enable_prefix_caching=prefix, enable_chunked_prefill=chunked,
+                       num_host_blocks=host_blocks)
+        tp = self.tensor_parallel_size
+        backend = resolve_attention_backend(self.attention_backend, kv_spec, tp, platform)
+        groups = resolve_kv_cache_groups(model_config, kv_spec, z, hybrid=not self.disable_hybrid_kv_cache_manager,
+                                         kv_layout=self.kv_layout, host_tier=host_blocks > 0, tensor_parallel_size=tp)
+        max_len = resolve_max_model_len(self.max_model_len, model_config.max_position_embeddings)
+        cache = CacheConfig(block_size=z, kv_spec=kv_spec, scales=scales, enable_prefix_caching=prefix, groups=groups,
+                            kv_layout=self.kv_layout, gpu_memory_utilization=self.gpu_memory_utilization,
+                            total_memory_bytes=self.total_memory_bytes if self.total_memory_bytes is not None
+                            or self.gpu_memory_utilization is None or platform != "cpu" else _node_memory_bytes(),
+                            kv_offloading_size=self.kv_offloading_size, num_host_blocks=host_blocks,
+                            host_policy=policy)
+        config = EngineConfig(
+            model=self.model if isinstance(self.model, str) else self.model.name, model_config=model_config,
+            cache_config=cache, attention_backend=backend, max_model_len=max_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=resolve_step_budget(self.max_num_batched_tokens, max_num_seqs, chunked, max_len),
+            enable_chunked_prefill=chunked, scheduling_policy=self.scheduling_policy, steps_per_call=steps,
+            tensor_parallel_size=tp, seed=self.seed, max_logprobs=self.max_logprobs, enforce_eager=self.enforce_eager,
+            generation_config=self.generation_config,
+            chat_template=None if self.chat_template is None else read_template(self.chat_template),
+            profiler_config=ProfilerConfig.from_any(self.profiler_config), disable_log_stats=self.disable_log_stats)
+        num_blocks, why = resolve_num_blocks(cache, kv_cache_memory_bytes=kv_bytes,
+                                             num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                             max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                             tensor_parallel_size=tp, platform=platform)
+        return config if num_blocks is None else config.with_num_blocks(num_blocks, why)
+
+    def _model_config(self):
+        """The architecture `model` names, dtype and hf_overrides applied (no weights are read)."""
+        from kvjax.models.hub import LoadedModel, load_model_config
+
+        dtype = MODEL_DTYPES[self.dtype.lower()]
+        if isinstance(self.model, LoadedModel):
+            if dtype is not None and dtype != self.model.config.dtype:
+                raise LLMError(f"dtype={self.dtype!r}: the loaded model is already {self.model.config.dtype}")
+            if self.hf_overrides is not None:
+                raise LLMError("hf_overrides apply to a checkpoint's config.json; this model is already loaded")
+            return self.model.config
+        return load_model_config(self.model, dtype=dtype, hf_overrides=self.hf_overrides)
+
+    def _refuse_not_here(self) -> None:
+        for name, (neutral, reason) in _NOT_HERE.items():
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                raise LLMError(f"{name}={value!r:.60}: {reason}")
+
+    def _check_values(self) -> None:
+        """Every argument's type and range, before any model is read (so no bad value reaches
+        JAX, NumPy or XLA); the engine's own ranges are kvjax.config.engine.check_settings'."""
+        from kvjax.models.hub import LoadedModel
+
+        if not isinstance(self.model, (str, LoadedModel)):
+            raise LLMError(f"model must be a name, a folder, preset:NAME or a LoadedModel, got "
+                           f"{type(self.model).__name__}")
+        texts = dict(dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, generation_config=self.generation_config,
+                     scheduling_policy=self.scheduling_policy, kv_layout=self.kv_layout,
+                     attention_backend=self.attention_backend, kv_skip_dtype=self.kv_skip_dtype,
+                     chat_template=self.chat_template)
+        optional = {"attention_backend", "kv_skip_dtype", "chat_template"}
+        for name, value in texts.items():
+            if not (isinstance(value, str) or (value is None and name in optional)):
+                raise LLMError(f"{name} must be a string{' or None' if name in optional else ''}, got {value!r:.60}")
+        if self.dtype.lower() not in MODEL_DTYPES:
+            raise LLMError(f"dtype={self.dtype!r}: choose one of {', '.join(MODEL_DTYPES)}")
+        for name in ("gpu_memory_utilization", "kv_offloading_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise LLMError(f"{name} must be a finite number, got {value!r:.60}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise LLMError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_offloading_size is not None and not 0 <= self.kv_offloading_size <= MAX_GIB:
+            raise LLMError(f"kv_offloading_size must be in [0, {MAX_GIB}] GiB, got {self.kv_offloading_size!r}")
+        for name in ("num_gpu_blocks_override", "kv_cache_memory_bytes", "total_memory_bytes"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, 2 if name == "num_gpu_blocks_override" else 1, 2**62, LLMError)
+        for name in ("max_num_seqs", "block_size"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, 1, INT32_MAX, LLMError)
+        for name in ("use_tqdm_on_load", "disable_hybrid_kv_cache_manager", "enforce_eager", "disable_log_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise LLMError(f"{name} must be True or False, got {getattr(self, name)!r:.60}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise LLMError(f"{name} must be True, False or None, got {getattr(self, name)!r:.60}")
+        if self.enforce_eager and self.steps_per_call != 1:
+            raise LLMError(f"enforce_eager=True runs one decode step per device call; steps_per_call="
+                           f"{self.steps_per_call} asks for a multi-step device loop")
+        given = [n for n in ("num_gpu_blocks_override", "kv_cache_memory_bytes", "gpu_memory_utilization")
+                 if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise LLMError(f"give one of {' or '.join(given)}: each sizes the block pool")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise LLMError(f"generation_config={self.generation_config!r}: 'auto', 'vllm' or a folder with "
+                           "generation_config.json")
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict) or callable(self.hf_overrides)):
+            raise LLMError(f"hf_overrides must be a dict of config.json fields or a function, got "
+                           f"{type(self.hf_overrides).__name__}")
+        skip = self.kv_cache_dtype_skip_layers
+        if isinstance(skip, (str, int)):
+            self.kv_cache_dtype_skip_layers = [skip]
+        elif not isinstance(skip, (list, tuple)):
+            raise LLMError(f"kv_cache_dtype_skip_layers must be a list of layer indices or layer types, got "
+                           f"{type(skip).__name__}")
+        if self.scales is not None and not isinstance(self.scales, str):
+            from kvjax.quant.formats import KVScales
+
+            if not isinstance(self.scales, KVScales):
+                raise LLMError(f"scales must be a scales file or kvjax.quant.formats.KVScales, got "
+                               f"{type(self.scales).__name__}")
+
+
+@dataclasses.dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's `AsyncEngineArgs`: EngineArgs for kvjax.engine.async_llm.AsyncLLM."""
+
+
+# ----------------------------------------------------------------------------------- readers
+def _env_gib(name: str) -> int:
+    """An environment variable holding whole GiB (vLLM reads VLLM_CPU_KVCACHE_SPACE with int())."""
+    text = os.environ[name]
     try:
-        EngineConfig(num_blocks=2, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                     max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=enable_chunked_prefill,
-                     prefix_caching=enable_prefix_caching, steps_per_call=steps_per_call, seed=seed,
-                     policy=scheduling_policy, kv_layout=kv_layout, max_logprobs=max_logprobs,
-                     tensor_parallel_size=tensor_parallel_size,
-                     kv_offload_policy=eviction_policy(kv_transfer_config, kv_offloading_size))
-    except EngineError as e:
-        raise LLMError(str(e).replace("policy must", "scheduling_policy must").replace(
-            "chunked_prefill must", "enable_chunked_prefill must").replace(
-            "prefix_caching must", "enable_prefix_caching must")) from None
-    _check_args(dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, generation_config=generation_config,
-                     attention_backend=attention_backend, kv_skip_dtype=kv_skip_dtype, chat_template=chat_template),
-                dict(gpu_memory_utilization=gpu_memory_utilization, kv_offloading_size=kv_offloading_size),
-                dict(num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                     total_memory_bytes=total_memory_bytes), use_tqdm_on_load, scales, disable_hybrid_kv_cache_manager)
-    given = [n for n, v in (("num_gpu_blocks_override", num_gpu_blocks_override),
-                            ("kv_cache_memory_bytes", kv_cache_memory_bytes),
-                            ("gpu_memory_utilization", gpu_memory_utilization)) if v is not None]
-    if len(given) > 1:
-        raise LLMError(f"give one of {' or '.join(given)}: each sizes the block pool")
-    tp = tensor_parallel_size
-    if tp > 1 and attention_backend == "pallas":
-        raise LLMError(f"attention_backend='pallas' with tensor_parallel_size={tp}: the Pallas kernels are not "
-                       "partitioned over a mesh; use 'reference'")
-    if attention_backend is not None and attention_backend not in IMPLS:
-        raise LLMError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
-    if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, str)
-                                                           and os.path.isdir(generation_config)):
-        raise LLMError(f"generation_config={generation_config!r}: 'auto', 'vllm' or a folder with "
-                       "generation_config.json")
-    # An unknown kv dtype fails here, before a model loads (in any case; the backend is not always chosen by it).
-    kv_dtype = None if str(kv_cache_dtype).lower() == "auto" else kv_format(kv_cache_dtype).name
-    attn_impl = attention_backend or ("reference" if tp > 1 else default_impl(kv_dtype))
-    model_dtype = None if dtype == "auto" else dtype
-    return kv_dtype, attn_impl, model_dtype
+        value = int(text)
+    except ValueError:
+        raise LLMError(f"{name}={text[:40]!r} must be a whole number of GiB") from None
+    if not 1 <= value <= MAX_GIB:
+        raise LLMError(f"{name}={value} must be in [1, {MAX_GIB}] GiB")
+    return value * 2**30
 
 
-def _refuse_unknown(kwargs: dict) -> None:
-    for name, value in kwargs.items():
-        if name not in _NOT_HERE:
-            raise LLMError(f"LLM() has no argument {name!r}")
-        neutral, reason = _NOT_HERE[name]
-        if not any(value == v and type(value) is type(v) for v in neutral):
-            raise LLMError(f"LLM({name}={value!r}): {reason}")
-
-
-def _check_args(texts: dict, reals: dict, counts: dict, use_tqdm_on_load, scales,
-                disable_hybrid_kv_cache_manager=False) -> None:
-    """The LLM arguments the engine's config does not check: strings (None where optional),
-    real numbers (gpu_memory_utilization in (0, 1], kv_offloading_size in GiB >= 0), byte and block
-    counts, real bools, and scales (a file name or KVScales)."""
-    optional = {"attention_backend", "kv_skip_dtype", "chat_template"}
-    for name, value in texts.items():
-        if not (isinstance(value, str) or (value is None and name in optional)):
-            raise LLMError(f"{name} must be a string{' or None' if name in optional else ''}, got {value!r:.60}")
-    for name, value in reals.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise LLMError(f"{name} must be a finite number, got {value!r:.60}")
-        if name == "gpu_memory_utilization" and not 0 < value <= 1:
-            raise LLMError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
-        if name == "kv_offloading_size" and not 0 <= value <= MAX_GIB:
-            raise LLMError(f"kv_offloading_size must be in [0, {MAX_GIB}] GiB, got {value!r}")
-    for name, value in counts.items():
-        if value is not None:
-            check_int(value, name, 2 if name == "num_gpu_blocks_override" else 1, 2**62, LLMError)
-    for name, flag in (("use_tqdm_on_load", use_tqdm_on_load),
-                       ("disable_hybrid_kv_cache_manager", disable_hybrid_kv_cache_manager)):
-        if not isinstance(flag, bool):
-            raise LLMError(f"{name} must be True or False, got {flag!r:.60}")
-    if scales is not None and not isinstance(scales, (str, quant.KVScales)):
-        raise LLMError(f"scales must be a scales file or kvjax.quant.formats.KVScales, got {type(scales).__name__}")
-
-
-def check_limits(block_size, max_num_seqs, max_logprobs, max_model_len, max_position_embeddings: int) -> int:
-    """The sizes once the model is loaded: block_size and max_num_seqs in [1, INT32_MAX],
-    max_logprobs >= -1 (-1: no limit), max_model_len (None: the model's) at most the model's
-    length (kvjax.config.engine.model_len). → the longest request."""
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
-        check_int(value, name, 1, INT32_MAX, LLMError)
-    check_int(max_logprobs, "max_logprobs", -1, None, LLMError)
-    return model_len(max_model_len, max_position_embeddings, LLMError)
+def _node_memory_bytes() -> int:
+    """vLLM's CPU platform's device memory: memory node 0's MemTotal (its meminfo), else the host's."""
+    path = "/sys/devices/system/node/node0/meminfo"
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                parts = line.split()  # "Node 0 MemTotal: 97421888 kB"
+                if len(parts) >= 4 and parts[2] == "MemTotal:":
+                    return int(parts[3]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def read_scales(scales, kv_dtype: str):
     """The scales argument for a cache of kv_dtype (a KVSpec's, normalised, name): None, a
     KVScales, or a scales file (read here); fp8 dequantization scales only, checked against the
     kv dtype."""
+    from kvjax.quant import formats as quant
+    from kvjax.quant.kv_formats import FP8_FORMATS
+
     if isinstance(scales, str):
         scales = quant.KVScales.load(scales)
     if scales is not None and kv_dtype not in FP8_FORMATS:
@@ -173,21 +341,6 @@ def read_scales(scales, kv_dtype: str):
     if scales is not None:
         scales.check_kv_dtype(kv_dtype)
     return scales
-
-
-def skip_layers(layers) -> tuple[int, ...]:
-    """vLLM's kv_cache_dtype_skip_layers: layer indices (ints or digit strings)."""
-    if isinstance(layers, (str, int)):
-        layers = [layers]
-    out = []
-    for x in layers:
-        if isinstance(x, str) and x.strip().isdigit():
-            x = int(x)
-        if not is_int(x):
-            raise LLMError(f"kv_cache_dtype_skip_layers: {x!r} is not a layer index (attention-type names such as "
-                           "'sliding_window' need hybrid KV cache groups, not implemented yet)")
-        out.append(x)
-    return tuple(out)
 
 
 def eviction_policy(config: dict | None, size) -> str:
@@ -209,39 +362,21 @@ def eviction_policy(config: dict | None, size) -> str:
         raise LLMError(f"kv_connector_extra_config {extra!r}: kvjax reads only 'eviction_policy'")
     if size is None and extra:
         raise LLMError("an eviction_policy needs kv_offloading_size (the host tier it evicts from)")
-    policy = extra.get("eviction_policy", "lru")
-    offload.check_policy(policy)
-    return policy
+    from kvjax.kv_offload.manager import check_policy
+
+    return check_policy(extra.get("eviction_policy", "lru"), LLMError, "kv offload policy", str, repr)
 
 
 def read_template(template: str) -> str:
-    """A chat template given as its text or as a file holding it (vLLM's chat_template)."""
+    """A chat template given as its text or as a file holding it (vLLM's chat_template): a string
+    without "{" names a file, which must exist (a missing file is an error, never a template)."""
     if not isinstance(template, str) or not template:
         raise LLMError(f"chat_template must be a template or a file, got {template!r:.80}")
-    if "{" not in template and os.path.isfile(template):
-        from kvjax.errors import decode_utf8, read_bytes
+    if "{" in template:
+        return template
+    from kvjax.errors import decode_utf8, read_bytes
 
-        return decode_utf8(read_bytes(template, "chat template"), template, "chat template")
-    return template
-
-
-_GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
-                      "top_p", "min_p", "max_new_tokens", "skip_special_tokens")
+    return decode_utf8(read_bytes(template, "chat template"), template, "chat template")
 
 
-def generation_defaults(folder: str | None) -> SamplingParams:
-    """vLLM's get_default_sampling_params: the generation_config.json values it reads (max_new_tokens
-    as max_tokens), over SamplingParams()."""
-    path = None if folder is None or not os.path.isdir(folder) else os.path.join(folder, "generation_config.json")
-    if path is None or not os.path.exists(path):
-        return SamplingParams()
-    from kvjax.errors import read_json_object
-
-    config = read_json_object(path, "generation_config.json")
-    values = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
-    if "max_new_tokens" in values:
-        values["max_tokens"] = values.pop("max_new_tokens")
-    try:
-        return SamplingParams(**values)
-    except KvjaxError as e:
-        raise LLMError(f"{path}: {e}") from None
+__all__ = ["AsyncEngineArgs", "EngineArgs", "EngineError", "LLMError"]

@@ -30,7 +30,7 @@ Two compiled device calls serve every plan (kvjax.engine.steps: the ragged step 
 with prefill tokens, the decode loop for `steps_per_call` decode steps in one call), their
 shapes padded to buckets so that a run compiles a handful of programs, never one per step.
 
-Host offload tier (`kv_offload_blocks`, vLLM's CPU offloading with `kv_offloading_size`): the
+Host offload tier (`CacheConfig.num_host_blocks`, vLLM's CPU offloading with `kv_offloading_size`): the
 scheduler plans, at admission, the loads of host hits (`StepPlan.loads`, kvjax.kv_offload.connector);
 the engine copies those pages in before the step (kvjax.kv_offload.host_pages) and, after it,
 copies out the blocks the tier newly took (`Scheduler.take_stores`), without waiting.
@@ -56,9 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata
-from kvjax.config.engine import EngineConfig, EngineError, kv_cache_groups, model_len, step_budget
-from kvjax.config.scheduler import SchedulerConfig, pool_limits
-from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.config.engine import EngineConfig, EngineError
 from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.scheduler import Scheduler, SchedulerError
 from kvjax.engine import processor, sampling
@@ -66,7 +64,9 @@ from kvjax.engine import steps as device
 from kvjax.engine.outputs import EngineRun, RequestResult, token_logprobs
 from kvjax.engine.processor import find_stop_string
 from kvjax.engine.sampling import SamplingParams
-from kvjax.engine.stats import RunStats
+from kvjax.engine.metrics import EngineMetrics, FinishedRequest
+from kvjax.engine.stats import RunStats, Summary
+from kvjax.errors import INT32_MAX, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.worker import sharding as shd
@@ -84,7 +84,10 @@ class _Active:
     params: SamplingParams  # this sample's own (n = 1; the j-th of n samples has seed + j)
     key: np.ndarray  # u32[2]
     result: RequestResult
+    arrival: float  # time.perf_counter() when it was added: its latencies count from here
     text_chars: int = 0  # characters of its output's text at the last stop-string check
+    scheduled: float | None = None  # when it was first scheduled (vLLM's scheduled_ts; not moved by preemption)
+    last_token: float | None = None  # when its last tokens came out
 
 
 # ----------------------------------------------------------------------------------- the engine
@@ -93,46 +96,33 @@ class Engine:
     owner: the block pool, its prefix cache and the host tier carry over from one `generate`
     call to the next (vLLM's engine core), until `reset_prefix_cache`."""
 
-    def __init__(self, model, params, kv_spec, config: EngineConfig, *, scales=None, eos_token_ids=(),
-                 max_position_embeddings: int | None = None, vocab_size: int | None = None, tokenizer=None,
-                 mesh=None, sized_by: str = ""):
-        """tokenizer: anything with decode(ids) → str (results' text, stop strings). The model's
-        `config` gives max_position_embeddings and vocab_size unless they are passed. With
-        config.tensor_parallel_size > 1 the params and KV pages are placed on a mesh
+    def __init__(self, model, params, config: EngineConfig, *, eos_token_ids=(), tokenizer=None, mesh=None):
+        """config: the resolved config with its pool sized (kvjax.engine.arg_utils.EngineArgs.
+        create_engine_config, then EngineConfig.with_num_blocks): the engine reads every value
+        from it and derives none. tokenizer: anything with decode(ids) → str (results' text, stop
+        strings). With tensor_parallel_size > 1 the params and KV pages are placed on a mesh
         (kvjax.worker.sharding); with more ranks than kv heads, `model` and `params` must already
-        carry the repeated heads (sharding.replicate_kv_heads), as kvjax.LLM does. eos_token_ids:
-        the first is the primary EOS (its stop has stop_reason None; the others act as
-        stop_token_ids, as in vLLM)."""
-        model_config = getattr(model, "config", None)
-        positions = max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
-        self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
-        if positions is None or self.vocab_size is None:
-            raise EngineError("pass max_position_embeddings and vocab_size: the model has no config with them")
+        carry the repeated heads (sharding.replicate_kv_heads), as kvjax.engine.llm_engine does.
+        eos_token_ids: the first is the primary EOS (its stop has stop_reason None; the others act
+        as stop_token_ids, as in vLLM)."""
+        if config.scheduler_config is None:
+            raise EngineError("the engine needs a sized pool: EngineConfig.with_num_blocks(...)")
         self.model, self.params, self.config, self.tokenizer = model, params, config, tokenizer
+        self.scheduler_config = sched = config.scheduler_config
+        self.vocab_size = config.model_config.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.max_model_len = model_len(config.max_model_len, positions)  # what a request may reach
+        self.max_model_len = config.max_model_len  # what a request may reach
         self.usable_blocks = config.num_blocks - 1
-        z = config.block_size
-        self.kv_groups, self.layer_groups, self.layer_slots = kv_cache_groups(model_config, kv_spec, config)
-        # The scheduler's table width: the longest request the pool could ever hold.
-        blocks_for, sched_len = None, min(self.max_model_len, self.usable_blocks * z)  # one group: cdiv(n, Z)
-        if self.kv_groups != (None,):  # over the groups, with the chunk before the pool caps it (an upper bound)
-            chunk = step_budget(config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill,
-                                self.max_model_len)
-            blocks_for, sched_len = pool_limits(self.kv_groups, z, chunk, self.usable_blocks, self.max_model_len)
-        self.limits = processor.Limits(self.vocab_size, self.max_model_len, z, self.usable_blocks, config.max_logprobs,
-                                       tokenizer is not None, blocks_for)
-        budget = step_budget(config.max_num_batched_tokens, config.max_num_seqs, config.chunked_prefill, sched_len)
-        self.scheduler_config = SchedulerConfig(
-            num_blocks=config.num_blocks, block_size=z, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget, max_model_len=sched_len, prefix_caching=config.prefix_caching,
-            policy=config.policy, chunked_prefill=config.chunked_prefill,
-            num_host_blocks=config.kv_offload_blocks, host_policy=config.kv_offload_policy, windows=self.kv_groups)
+        cache = config.cache_config
+        self.layer_groups = cache.groups.layer_groups  # each layer's KV cache group (() for one group)
+        self.limits = processor.Limits(self.vocab_size, self.max_model_len, config.block_size, self.usable_blocks,
+                                       config.max_logprobs, tokenizer is not None, config.request_blocks)
         tp = config.tensor_parallel_size
         self.mesh = None if tp == 1 else mesh if mesh is not None else shd.make_mesh(tp)
-        self._check_fits(kv_spec, sched_len, scales, sized_by)
+        self._check_fits()
         if tp > 1:  # Megatron TP as vLLM applies it, as shardings the partitioner propagates
-            self.cache = shd.create_cache(shd.tp_layout(kv_spec, tp), config.num_blocks, z, self.mesh, scales)
+            self.cache = shd.create_cache(shd.tp_layout(cache.kv_spec, tp), config.num_blocks, config.block_size,
+                                          self.mesh, cache.scales)
             if mesh is None:
                 self.params = shd.shard_params(params, self.mesh)
             placement = NamedSharding(self.mesh, PartitionSpec())  # the pool state: on every rank
@@ -140,47 +130,55 @@ class Engine:
             placement = jax.devices()[0]
             # Committed to the device, as every step's output is: otherwise the first call of each
             # compiled step would see an uncommitted cache, a second jit cache entry to compile.
-            self.cache = jax.device_put(self._make_cache(kv_spec, sched_len, scales)(), placement)
-        self.scheduler = Scheduler(self.scheduler_config, placement=placement)
-        self.host_pages = offload.HostPages(config.kv_offload_blocks, self.cache) if config.kv_offload_blocks else None
-        self._next_request = 0  # request numbers: ids, and the random stream of unseeded requests
-        self._active: dict[str, _Active] = {}
+            self.cache = jax.device_put(self._make_cache()(), placement)
+        self.scheduler = Scheduler(sched, placement=placement)
+        self.host_pages = offload.HostPages(sched.num_host_blocks, self.cache) if sched.num_host_blocks else None
+        self._next_request = 0  # request numbers: the random stream of unseeded requests
+        self._active: dict[str, _Active] = {}  # the unfinished requests, by id
+        self._run: RunStats | None = None  # a run's Summary being collected (begin_run, generate)
+        self.last_step_tokens = 0  # tokens the last step generated
+        self.metrics = EngineMetrics(config.model, config.max_model_len)  # vLLM's, over the engine's life
 
-    def _make_cache(self, kv_spec: KVSpec, sched_len: int, scales):
+    def _make_cache(self):
         """A thunk that creates the one-device KV cache (pages, or contiguous rows)."""
-        cfg, z = self.config, self.config.block_size
-        if cfg.kv_layout == "contiguous":
-            return lambda: ContiguousCache.create(kv_spec, cfg.max_num_seqs, cdiv(sched_len, z) * z)
-        return lambda: PagedCache.create(kv_spec, cfg.num_blocks, z, scales, self.layer_slots)
+        cfg, cache, z = self.config, self.config.cache_config, self.config.block_size
+        if cache.kv_layout == "contiguous":
+            rows = cdiv(self.scheduler_config.max_model_len, z) * z
+            return lambda: ContiguousCache.create(cache.kv_spec, cfg.max_num_seqs, rows)
+        return lambda: PagedCache.create(cache.kv_spec, cfg.num_blocks, z, cache.scales, cache.groups.layer_slots)
 
-    def _check_fits(self, kv_spec: KVSpec, sched_len: int, scales, sized_by: str) -> None:
+    def _check_fits(self) -> None:
         """Refuse, before allocating any of it, an engine whose KV pages alone, or whose KV cache,
         scheduler tables and one step's logits rows (max_num_seqs × vocab f32) together, exceed
-        what each device could hold. sized_by: how num_blocks was chosen, for the message."""
-        cfg, tp = self.config, self.config.tensor_parallel_size
+        what each device could hold."""
+        cfg, cache, tp = self.config, self.config.cache_config, self.config.tensor_parallel_size
+        kv_spec = cache.kv_spec
         per_block = kv_spec.per_rank(tp).bytes_per_block(cfg.block_size)  # one rank's share of a block
         devices = None if self.mesh is None else list(self.mesh.devices.flat)
-        mem.check_fits(f"num_blocks {cfg.num_blocks:,}{sized_by} of {per_block:,} B of KV cache",
+        mem.check_fits(f"num_blocks {cfg.num_blocks:,}{cache.sized_by} of {per_block:,} B of KV cache",
                        cfg.num_blocks * per_block, devices)
         if self.mesh is not None:
-            shapes = jax.eval_shape(shd.cache_maker(shd.tp_layout(kv_spec, tp), cfg.num_blocks, cfg.block_size, scales))
+            shapes = jax.eval_shape(shd.cache_maker(shd.tp_layout(kv_spec, tp), cfg.num_blocks, cfg.block_size,
+                                                    cache.scales))
             cache_bytes = mem.shard_bytes(shapes, shd.cache_shardings(shapes, self.mesh))
         else:
-            cache_bytes = mem.tree_bytes(jax.eval_shape(self._make_cache(kv_spec, sched_len, scales)))
+            cache_bytes = mem.tree_bytes(jax.eval_shape(self._make_cache()))
         logits = cfg.max_num_seqs * self.vocab_size * 4
         mem.check_fits(f"the KV cache ({cache_bytes:,} B), the scheduler's tables "
                        f"({self.scheduler_config.describe()}) and one step's logits ({logits:,} B)",
                        cache_bytes + self.scheduler_config.state_bytes() + logits, devices)
-        if cfg.kv_offload_blocks:  # the host tier's pages fill as blocks are stored: at most this many
+        if cache.num_host_blocks:  # the host tier's pages fill as blocks are stored: at most this many
             per_block = kv_spec.bytes_per_block(cfg.block_size)
-            mem.check_host_fits(f"the host tier's {cfg.kv_offload_blocks:,} blocks of {per_block:,} B",
-                                cfg.kv_offload_blocks * per_block)
+            mem.check_host_fits(f"the host tier's {cache.num_host_blocks:,} blocks of {per_block:,} B",
+                                cache.num_host_blocks * per_block)
 
     # ------------------------------------------------------------------ the prefix cache
-    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
-        """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`);
-        reset_connector also empties the host tier. False, changing nothing, while requests run."""
-        return self.scheduler.reset_prefix_cache(reset_host=reset_connector)
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`):
+        False, changing nothing, while requests hold blocks, unless reset_running_requests, which
+        first preempts every running request (each recomputes when next scheduled, as vLLM's);
+        reset_connector also empties the host tier."""
+        return self.scheduler.reset_prefix_cache(reset_running=reset_running_requests, reset_host=reset_connector)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
@@ -190,16 +188,153 @@ class Engine:
     def num_logprobs(self, params: SamplingParams) -> int:
         return processor.num_logprobs(params, self.vocab_size)
 
-    # ------------------------------------------------------------------ the loop
+    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, priority: int = 0,
+                    arrival_time: float | None = None) -> RequestResult:
+        """Queue one request (vLLM's `EngineCore.add_request`): its token ids and its own
+        SamplingParams with n = 1 (a prompt's n samples are n requests: `processor.fan_out`);
+        priority orders it under policy "priority" (lower first) and is ignored under "fcfs", as in
+        vLLM; arrival_time (time.perf_counter()'s clock, default now) is what its latencies count
+        from. A request that breaks a rule (`check_request`) or an id already in use is refused
+        with an EngineError naming the rule, and nothing changes. → its RequestResult, which each
+        `step` that gives it tokens fills in."""
+        if not isinstance(request_id, str):
+            raise EngineError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self._active:
+            raise EngineError(f"request id {request_id!r} is already in use by an unfinished request")
+        if not isinstance(params, SamplingParams) or params.n != 1:
+            raise EngineError(f"the engine takes one SamplingParams with n = 1 per request (fan a prompt's n samples "
+                              f"out first: kvjax.engine.processor.fan_out), got {params!r:.80}")
+        check_int(priority, "priority", -INT32_MAX - 1, INT32_MAX, EngineError)  # fractional: refused, not cut
+        prompt = [int(t) for t in prompt]
+        error, new = self.check_request(prompt, params)
+        if error is not None:
+            raise EngineError(error)
+        self.scheduler.add_request(request_id, prompt, new, priority=int(priority),
+                                   stop_ids=params.stop_ids(self.eos_token_ids))
+        res = RequestResult(request_id, len(prompt), [], None if params.logprobs is None else [])
+        key = sampling.request_key(self.config.seed, self._next_request, params.seed)
+        self._next_request += 1
+        self._active[request_id] = _Active(params, key, res, time.perf_counter() if arrival_time is None
+                                           else arrival_time)
+        if self._run is not None:
+            self._run.results.append(res)
+        return res
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestResult]:
+        """End these requests now (vLLM's `abort_requests`): their blocks return to the pool (full
+        ones stay cached), finish_reason "abort". Ids of finished or unknown requests are ignored,
+        as vLLM ignores them. → the aborted requests' results."""
+        ended = []
+        for rid in request_ids:
+            if rid in self._active:
+                self.scheduler.finish_request(rid, "abort")
+                ended.append(self._close(rid))
+        return ended
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestResult]:
+        """One engine step (vLLM's `EngineCore.step`): schedule, copy in host-tier hits, run the
+        model (one ragged step, or a decode plan's device loop of up to steps_per_call steps),
+        take the sampled tokens back, check stop strings, copy newly full blocks out to the host
+        tier. → the results of the requests that got tokens in it (`new_tokens` says how many) or
+        finished; a finished request is complete and the engine forgets it. [] when nothing is
+        unfinished."""
+        sched, host = self.scheduler, self.host_pages
+        if not sched.has_unfinished():
+            return []
+        t0, preemptions = time.perf_counter(), sched.num_preemptions
+        plan = sched.schedule()
+        if plan.num_requests == 0:
+            raise SchedulerError("the scheduler planned an empty step with requests unfinished")
+        queried = hits = 0
+        for i in np.flatnonzero(plan.admitted):  # vLLM's num_cached_tokens: the prefix hit when first scheduled
+            if plan.num_preemptions[i] == 0:
+                a = self._active[plan.req_ids[i]]
+                a.scheduled, a.result.num_cached_tokens = t0, int(plan.seq_lens[i] - plan.num_scheduled[i])
+                queried, hits = queried + int(plan.num_tokens[i]), hits + a.result.num_cached_tokens
+        if len(plan.loads):  # host tier hits: copied in before the step that reads them
+            self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
+            sched.loads_done(plan)
+        if plan.is_decode:
+            steps, used, finished = self._decode_call(sched, plan)
+        else:
+            (steps, finished), used = self._ragged_call(sched, plan), [self.usable_blocks - sched.num_free_blocks()]
+        finished += self._stop_strings(sched, plan, finished)
+        if host is not None:  # blocks this step computed in full, copied out without waiting
+            stores = sched.take_stores()
+            host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
+        now, changed, prompts = time.perf_counter(), [], [0, 0]
+        for rid, do in zip(plan.req_ids, plan.sample):
+            a = self._active[rid]
+            res, out = a.result, sched.output(rid)
+            res.new_tokens = len(out) - len(res.output) if do else 0
+            if res.new_tokens:
+                res.output += out[len(res.output):]
+                if res.ttft_s is None:  # its first token: vLLM counts its prompt now
+                    res.ttft_s = now - a.arrival
+                    self.metrics.record_first_token(res.ttft_s)
+                    prompts = [prompts[0] + res.prompt_tokens, prompts[1] + res.num_cached_tokens]
+                else:
+                    self.metrics.record_inter_token_latency(now - a.last_token)
+                res.last_token_s, a.last_token = now - a.arrival, now
+                changed.append(res)
+        for rid in finished:
+            self._close(rid, now)
+        self.last_step_tokens = sum(r.new_tokens for r in changed)
+        self.metrics.record_step(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                                 kv_cache_usage=1 - sched.num_free_blocks() / self.usable_blocks,
+                                 prefix_cache_queries=queried, prefix_cache_hits=hits,
+                                 num_preemptions=sched.num_preemptions - preemptions, num_prompt_tokens=prompts[0],
+                                 num_cached_prompt_tokens=prompts[1], num_generation_tokens=self.last_step_tokens)
+        if self._run is not None:
+            prefill = np.flatnonzero(plan.prefill)
+            decode_tokens = plan.num_requests * steps - len(prefill) if plan.is_decode else \
+                plan.num_requests - len(prefill)
+            self._run.admissions(plan)
+            self._run.call(time.perf_counter() - t0, steps, used,
+                           prefill_tokens=int(sum(plan.num_scheduled[i] for i in prefill)), decode_tokens=decode_tokens)
+        return changed
+
+    def _close(self, rid: str, now: float | None = None) -> RequestResult:
+        """A finished request: the scheduler forgets it (vLLM does), its result is completed and
+        its latencies recorded (kvjax.engine.metrics)."""
+        now = time.perf_counter() if now is None else now
+        a, req = self._active.pop(rid), self.scheduler.forget(rid)
+        res = a.result
+        res.output, res.preemptions = list(req.output), req.num_preemptions
+        res.finish_reason = res.finish_reason or req.finish_reason
+        if res.stop_reason is None and req.finish_reason == "stop" and (
+                not self.eos_token_ids or req.output[-1] != self.eos_token_ids[0]):
+            res.stop_reason = req.output[-1]  # a stop token id (the primary EOS gives None)
+        if res.text is None and self.tokenizer is not None and a.params.detokenize:
+            res.text = processor.detokenize(self.tokenizer, res.output, a.params)
+        scheduled = now if a.scheduled is None else a.scheduled
+        first = now if res.ttft_s is None else a.arrival + res.ttft_s
+        self.metrics.record_finished(FinishedRequest.from_timestamps(
+            res.finish_reason, arrival=a.arrival, queued=a.arrival, scheduled=scheduled, first_token=first,
+            last_token=first if a.last_token is None else a.last_token, finished=now,
+            num_prompt_tokens=res.prompt_tokens, num_generation_tokens=len(res.output),
+            num_cached_tokens=res.num_cached_tokens, num_preemptions=res.preemptions,
+            max_tokens_param=a.params.max_tokens))
+        return res
+
+    # ------------------------------------------------------------------ a batch, to the end
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  *, priorities: Sequence[int] | None = None,
                  progress: Callable[[int], None] | None = None) -> EngineRun:
-        """Generate for every prompt (token id lists). params: one SamplingParams for all, or one
-        per prompt; a prompt's n samples run as n requests that share its blocks (vLLM's parallel
-        sampling). priorities (policy "priority" only): lower runs first, as in vLLM. A request
-        that breaks a rule gets an error in its result and the others still run. progress(n) is
-        called with the number of tokens each device call generated. The results and the
-        Summary are this call's; the pool and its cache carry over to the next call."""
+        """Generate for every prompt (token id lists) to the end: add every request, then step
+        until none is unfinished. params: one SamplingParams for all, or one per prompt; a prompt's
+        n samples run as n requests that share its blocks (vLLM's parallel sampling). priorities:
+        one per prompt (policy "priority": lower runs first). Every request is checked before any
+        is added: one that breaks a rule raises EngineError naming its prompt, and nothing runs.
+        progress(n) is called with the tokens each step generated. The results and the Summary
+        are this call's; the pool and its cache carry over to the next call."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
@@ -207,90 +342,42 @@ class Engine:
                               f"for {len(prompts)} prompts")
         if priorities is not None and len(priorities) != len(prompts):
             raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
-        if priorities is not None and self.config.policy != "priority" and any(int(p) != 0 for p in priorities):
-            # vLLM ignores them silently; 0, the neutral value, is accepted
-            raise EngineError("priorities need policy='priority' (the scheduler would ignore them)")
-        sched = self.scheduler
-        if sched.has_unfinished():
+        if self.has_unfinished_requests():
             raise EngineError("generate is already running: it cannot be called from its own progress callback")
-        # Every check first (a seed + j out of range raises here), then the requests go in.
-        samples = []
+        requests = []  # every check first, so that a bad request leaves the engine untouched
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            prompt = [int(t) for t in prompt]
-            error, new = self.check_request(prompt, sp)
-            for j in range(sp.n):
-                child = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-                samples.append((i, j, prompt, child, error, new))
-        results, self._active = [], {}
-        for i, j, prompt, child, error, new in samples:
-            rid = str(self._next_request)
-            self._next_request += 1
-            res = RequestResult(i, j, rid, len(prompt), [], None if child.logprobs is None else [], error)
-            results.append(res)
-            if error is None:
-                sched.add_request(rid, prompt, new, priority=0 if priorities is None else int(priorities[i]),
-                                  stop_ids=child.stop_ids(self.eos_token_ids))
-                self._active[rid] = _Active(child, sampling.request_key(self.config.seed, int(rid), child.seed),
-                                            res)
+            for j, child in enumerate(processor.fan_out(sp)):
+                error, _ = self.check_request(prompt, child)
+                if error is not None:
+                    raise EngineError(f"prompt {i}: {error}")
+                requests.append((i, j, prompt, child, 0 if priorities is None else priorities[i]))
+        self._run, results = RunStats(self), []
         try:
-            return self._run(results, progress)
+            for i, j, prompt, child, priority in requests:
+                res = self.add_request(str(self._next_request), prompt, child, priority=priority)
+                res.index, res.sample = i, j
+                results.append(res)
+            while self.has_unfinished_requests():
+                self.step()
+                if progress is not None:
+                    progress(self.last_step_tokens)
+            return EngineRun(results, self._run.summary(self))
         except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
-            sched.abort_all()
+            self.abort_requests([r.request_id for r in results])
             raise
+        finally:
+            self._run = None
 
-    def _run(self, results: list[RequestResult], progress) -> EngineRun:
-        """generate's loop over engine steps, once its requests are in the scheduler."""
-        sched, host = self.scheduler, self.host_pages
-        by_id = {r.request_id: r for r in results}
-        stats = RunStats(self.usable_blocks)
-        # the scheduler's and the tier's counters run over the engine's life: this call's are differences
-        preemptions, host_hits = sched.num_preemptions, sched.host_hit_tokens
-        stored, loaded = (host.bytes_stored, host.bytes_loaded) if host is not None else (0, 0)
-        start = time.perf_counter()
-        while sched.has_unfinished():
-            t0 = time.perf_counter()
-            plan = sched.schedule()
-            if plan.num_requests == 0:
-                raise SchedulerError("the scheduler planned an empty step with requests unfinished")
-            stats.admissions(plan, by_id)
-            if len(plan.loads):  # host tier hits: copied in before the step that reads them
-                self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
-                sched.loads_done(plan)
-            prefill = np.flatnonzero(plan.prefill)
-            if plan.is_decode:
-                steps, used, finished = self._decode_call(sched, plan)
-            else:
-                (steps, finished), used = self._ragged_call(sched, plan), [stats.used(sched)]
-            finished += self._stop_strings(sched, plan, finished)
-            if host is not None:  # blocks this step computed in full, copied out without waiting
-                stores = sched.take_stores()
-                host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
-            now = time.perf_counter() - start
-            for res in (by_id[rid] for rid, do in zip(plan.req_ids, plan.sample) if do):
-                res.ttft_s, res.last_token_s = now if res.ttft_s is None else res.ttft_s, now
-            generated = int(plan.sample.sum()) + (steps - 1) * plan.num_requests
-            decode_tokens = plan.num_requests * steps - len(prefill) if plan.is_decode else \
-                plan.num_requests - len(prefill)
-            stats.call(time.perf_counter() - t0, steps, used,
-                       prefill_tokens=int(sum(plan.num_scheduled[i] for i in prefill)), decode_tokens=decode_tokens)
-            if progress is not None:
-                progress(generated)
-        wall = time.perf_counter() - start
-        for rid, a in self._active.items():
-            req, res = sched.forget(rid), a.result  # finished: the scheduler forgets it (vLLM does)
-            res.output, res.preemptions = list(req.output), req.num_preemptions
-            res.finish_reason = res.finish_reason or req.finish_reason
-            if res.stop_reason is None and req.finish_reason == "stop" and (
-                    not self.eos_token_ids or req.output[-1] != self.eos_token_ids[0]):
-                res.stop_reason = req.output[-1]  # a stop token id (the primary EOS gives None)
-            if res.text is None and self.tokenizer is not None and a.params.detokenize:
-                res.text = self.tokenizer.decode(res.output)
-        tier = None if host is None else dict(
-            host_blocks=host.num_slots, host_memory_kind=host.memory_kind,
-            host_hit_tokens=sched.host_hit_tokens - host_hits,
-            host_bytes_stored=host.bytes_stored - stored, host_bytes_loaded=host.bytes_loaded - loaded,
-            host_blocks_in_use=sched.host_blocks_in_use())
-        return EngineRun(results, stats.summary(results, sched.num_preemptions - preemptions, wall, tier))
+    def begin_run(self) -> None:
+        """Start collecting a run's Summary (kvjax.engine.stats) over the steps that follow."""
+        self._run = RunStats(self)
+
+    def end_run(self) -> Summary:
+        """The Summary of the steps since `begin_run`, over the requests added since; collecting stops."""
+        run, self._run = self._run, None
+        if run is None:
+            raise EngineError("end_run without begin_run")
+        return run.summary(self)
 
     def _stop_strings(self, sched: Scheduler, plan: StepPlan, finished: list[str]) -> list[str]:
         """vLLM's stop-string check after each sampled token: a stop string in the text ends the
@@ -303,7 +390,7 @@ class Engine:
                 continue
             # One token came since the last check (a request with stop strings decodes one step
             # per device call), so the new characters start where the last check's text ended.
-            text = self.tokenizer.decode(sched.output(rid))
+            text = processor.detokenize(self.tokenizer, sched.output(rid), a.params)
             start, a.text_chars = a.text_chars, len(text)
             hit = find_stop_string(text, start, a.params.stop, a.params.include_stop_str_in_output)
             if hit is None:
@@ -348,7 +435,7 @@ class Engine:
                             list(plan.group_tables if grouped else plan.block_tables),
                             block_size=z, max_tokens=tokens_bucket, max_seqs=cfg.max_num_seqs, max_blocks_per_seq=width,
                             rows=rows, max_query_len=pow2_bucket(int(plan.num_scheduled.max()), 1, tokens_bucket),
-                            windows=self.kv_groups if grouped else None, layer_groups=self.layer_groups)
+                            windows=self.scheduler_config.windows if grouped else None, layer_groups=self.layer_groups)
         tokens = np.pad(plan.token_ids, (0, md.num_tokens - total))
         positions = np.zeros(cfg.max_num_seqs, np.int32)
         positions[rows] = plan.seq_lens  # the index each sampled token takes
@@ -366,7 +453,7 @@ class Engine:
         b = cfg.max_num_seqs
         # A step that preempted skipped admission (vLLM does too): the next one may admit. Stop
         # strings are checked on the host after every token.
-        one = plan.preempted or any(self._active[r].params.stop for r in plan.req_ids)
+        one = plan.preempted or any(sampling.needs_host_every_token(self._active[r].params) for r in plan.req_ids)
         max_steps = 1 if one else k
         width = _table_width(plan, int(plan.seq_lens.max()) + max_steps - 1, z)
         rows = plan.rows.tolist()

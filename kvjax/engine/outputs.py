@@ -2,15 +2,15 @@
 
 `RequestOutput` is one prompt's result: its `CompletionOutput`s (the n sampled sequences),
 prompt_logprobs when asked, `RequestMetrics` (vLLM's per-request stats, with the prefix-cache
-hit) and kvjax's `error` (why a request was refused; the other prompts still run). A
-log-probability is a `Logprob` (vLLM's `vllm/logprobs.py`), reported per token as a dict
-{token id: Logprob}: the chosen token first, then the k most likely. `GenerateOutputs` is the
-list of one call's RequestOutputs, with the call's run summary.
+hit) and kvjax's `error` (`kvjax decode`'s per-request refusals, as vLLM's batch runner reports
+them; the API raises instead). A log-probability is a `Logprob` (vLLM's `vllm/logprobs.py`),
+reported per token as a dict {token id: Logprob}: the chosen token first, then the k most likely.
+`GenerateOutputs` is the list of one call's RequestOutputs, with the call's run summary.
 
 The engine's own results come first: `RequestResult` (one generated sequence, one per sample,
-with its `TokenLogprobs`) and `EngineRun` (one generate call's results and summary).
-`request_output` builds a RequestOutput from the engine's RequestResults and `prompt_logprobs` its prompt_logprobs from teacher-forced
-log-probabilities: the only code that builds these types.
+filled in step by step, with its `TokenLogprobs`) and `EngineRun` (one `Engine.generate` call's
+results and summary). kvjax.engine.output_processor builds RequestOutputs from RequestResults;
+`prompt_logprobs` builds prompt_logprobs from teacher-forced log-probabilities.
 """
 from __future__ import annotations
 
@@ -45,22 +45,27 @@ def token_logprobs(sampled, row: int, steps, k: int) -> list[TokenLogprobs]:
 
 @dataclasses.dataclass
 class RequestResult:
-    """One generated sequence: sample `sample` (of SamplingParams.n) of prompt `index`."""
+    """One generated sequence as the engine keeps it, filled in step by step (one request: one
+    sample of a prompt)."""
 
-    index: int  # position of its prompt in the prompts passed to generate
-    sample: int  # which of the prompt's n samples, 0 .. n-1
-    request_id: str  # the scheduler's id, unique over the engine's lifetime
+    request_id: str  # the engine's id for it (unique among its unfinished requests)
     prompt_tokens: int
-    output: list[int]  # generated token ids (a stop token included)
+    output: list[int]  # generated token ids so far (a stop token included)
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
-    error: str | None = None  # why this request was refused; None if it ran
-    finish_reason: str | None = None  # "length" (max_tokens or max_model_len) or "stop"; None on error
+    finish_reason: str | None = None  # "length" (max_tokens or max_model_len), "stop" or "abort"; None: running
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
-    text: str | None = None  # the output's text (with a tokenizer and detokenize), cut at a stop string
+    text: str | None = None  # the output's text once finished (with a tokenizer and detokenize), cut at a stop string
     preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
-    ttft_s: float | None = None  # seconds from the start of generate to this request's first token
-    last_token_s: float | None = None  # seconds from the start of generate to its last token
+    ttft_s: float | None = None  # seconds from its arrival to its first token
+    last_token_s: float | None = None  # seconds from its arrival to its last token
+    new_tokens: int = 0  # tokens the last step that touched it appended to output
+    index: int = 0  # Engine.generate: the position of its prompt
+    sample: int = 0  # Engine.generate: which of the prompt's n samples, 0 .. n-1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -137,31 +142,6 @@ class GenerateOutputs(list):
 
 
 # ----------------------------------------------------------------------------------- building them
-def request_output(text: str | None, ids: list[int], results: list[RequestResult],
-                   prompt_logprobs: list[dict[int, Logprob] | None] | None, tokenizer) -> RequestOutput:
-    """One prompt's RequestOutput from its results (its n samples, in order), with the
-    prompt_logprobs already computed (None when not asked or refused)."""
-    first = results[0]
-    error = first.error
-    metrics = None if error else RequestMetrics(
-        sum(len(r.output) for r in results), sum(r.preemptions for r in results), first.num_cached_tokens,
-        first.ttft_s, max((r.last_token_s or 0.0) for r in results))
-    return RequestOutput(
-        first.request_id, text, ids, prompt_logprobs, [completion_output(r, tokenizer) for r in results], True,
-        metrics, None if error else first.num_cached_tokens, error)
-
-
-def completion_output(res: RequestResult, tokenizer) -> CompletionOutput:
-    """One sample's CompletionOutput: its text ("" when refused), token ids, logprobs and their sum."""
-    text = "" if res.error or res.text is None else res.text
-    logprobs = None if res.logprobs is None else [
-        logprob_dict(tokenizer, tok, t.logprob, t.rank, t.top_ids, t.top_logprobs)
-        for tok, t in zip(res.output, res.logprobs)]
-    cumulative = None if res.logprobs is None else float(sum(t.logprob for t in res.logprobs))
-    return CompletionOutput(res.sample, text, list(res.output), cumulative, logprobs, res.finish_reason,
-                            res.stop_reason)
-
-
 def prompt_logprobs(tokenizer, ids: list[int], lp: np.ndarray, k: int) -> list[dict[int, Logprob] | None]:
     """vLLM's prompt_logprobs from lp f32[S-1, V], the teacher-forced log-probabilities of prompt
     `ids` (row s predicts token s + 1): None for the first token, then for each later prompt token
@@ -176,10 +156,12 @@ def prompt_logprobs(tokenizer, ids: list[int], lp: np.ndarray, k: int) -> list[d
 
 
 def logprob_dict(tokenizer, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:
-    """vLLM's per-token dict: the chosen token first, then the k most likely (ranks 1..k)."""
-    out = {int(token): Logprob(float(logprob), int(rank), tokenizer.decode([int(token)]))}
+    """vLLM's per-token dict: the chosen token first, then the k most likely (ranks 1..k); each
+    token's text by the tokenizer (None without one: vLLM's detokenize=False)."""
+    text = (lambda t: None) if tokenizer is None else (lambda t: tokenizer.decode([t]))  # noqa: E731
+    out = {int(token): Logprob(float(logprob), int(rank), text(int(token)))}
     for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
-        out.setdefault(int(t), Logprob(float(lp), r, tokenizer.decode([int(t)])))
+        out.setdefault(int(t), Logprob(float(lp), r, text(int(t))))
     return out
 
 

@@ -55,6 +55,22 @@ def check_request(prompt: Sequence[int], params: SamplingParams, limits: Limits)
     return None, new
 
 
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """A prompt's n samples as n requests (vLLM's `ParentRequest.get_child_info`): each with n = 1,
+    the j-th with seed + j when the parent has a seed (else all draw from their own request
+    numbers); params itself when n = 1."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+            for j in range(params.n)]
+
+
+def detokenize(tokenizer, ids: Sequence[int], params: SamplingParams) -> str:
+    """A request's output text as its params ask: special tokens skipped (every tokenizer's
+    default decode), or kept with skip_special_tokens=False."""
+    return tokenizer.decode(ids) if params.skip_special_tokens else tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def num_logprobs(params: SamplingParams, vocab_size: int) -> int:
     """How many most likely tokens the request's logprobs report (0 when it asks for none)."""
     return 0 if params.logprobs is None else vocab_size if params.logprobs == -1 else params.logprobs

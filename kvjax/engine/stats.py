@@ -10,6 +10,7 @@ compile time is read from JAX's own monitoring events.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ class Summary:
     to_json). Run the workload twice on one Engine to time every step."""
 
     requests: int
-    failed: int  # refused with an error
+    failed: int  # refused with an error (kvjax decode's requests refused before the run; 0 from the engine)
     prompt_tokens: int  # of the requests that ran
     prefix_queried_tokens: int  # tokens looked up in the prefix cache, over all admissions
     prefix_hit_tokens: int
@@ -74,10 +75,16 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 class RunStats:
-    """Per-call bookkeeping of one `Engine.generate` run, turned into its Summary at the end."""
+    """Per-step bookkeeping over a run of `kvjax.engine.core.Engine` steps (`Engine.generate`, or
+    `begin_run` .. `end_run`), turned into its Summary at the end. The engine's own counters
+    (preemptions, host-tier traffic) run over its life: a run's are differences from its start."""
 
-    def __init__(self, usable: int):
-        self.usable = usable
+    def __init__(self, engine):
+        sched, host = engine.scheduler, engine.host_pages
+        self.usable = engine.usable_blocks
+        self.start = time.perf_counter()
+        self.preemptions, self.host_hits = sched.num_preemptions, sched.host_hit_tokens
+        self.stored, self.loaded = (host.bytes_stored, host.bytes_loaded) if host is not None else (0, 0)
         self.latencies: list[float] = []
         self.blocks: list[int] = []
         self.prefill_tokens = self.decode_tokens = 0
@@ -85,22 +92,14 @@ class RunStats:
         self.decode_timed = [0, 0.0]  # tokens, seconds of the decode-only steps
         self.calls = self.untimed_calls = 0
         self.queried = self.hits = 0
+        self.results = []  # the RequestResults of the requests added during the run (Engine.add_request)
         self._compile_start = self._compile_mark = COMPILE_S[0]
 
-    def used(self, sched) -> int:
-        return self.usable - sched.num_free_blocks()
-
-    def admissions(self, plan, results: dict) -> list[int]:
-        """Rows of requests admitted by this plan (a kvjax.core.sched.output.StepPlan); records
-        their prefix-cache lookups in results[request id]."""
-        rows = [int(i) for i in np.flatnonzero(plan.admitted)]
-        for i in rows:
-            hit = int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
+    def admissions(self, plan) -> None:
+        """Count the prefix-cache lookups of the requests a plan (kvjax.core.sched.output.StepPlan) admitted."""
+        for i in np.flatnonzero(plan.admitted):
             self.queried += int(plan.num_tokens[i])
-            self.hits += hit
-            if plan.num_preemptions[i] == 0:  # vLLM's num_cached_tokens: the hit when first scheduled
-                results[plan.req_ids[i]].num_cached_tokens = hit
-        return rows
+            self.hits += int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
 
     def call(self, seconds: float, steps: int, used: list[int], *, prefill_tokens: int, decode_tokens: int) -> None:
         compiled, self._compile_mark = COMPILE_S[0] > self._compile_mark, COMPILE_S[0]
@@ -116,21 +115,27 @@ class RunStats:
         timed[0] += prefill_tokens or decode_tokens
         timed[1] += seconds
 
-    def summary(self, results, preemptions: int, wall: float, host: dict | None = None) -> Summary:
-        """host: the host tier's Summary fields, when there is one."""
-        ran = [r for r in results if r.error is None]
+    def summary(self, engine) -> Summary:
+        """The run's Summary over the requests added during it (kvjax.engine.outputs.RequestResult)."""
+        sched, host, results = engine.scheduler, engine.host_pages, self.results
         lat = np.asarray(self.latencies or [np.nan]) * 1e3
-        ttft = np.asarray([r.ttft_s for r in ran if r.ttft_s is not None] or [np.nan]) * 1e3
+        ttft = np.asarray([r.ttft_s for r in results if r.ttft_s is not None] or [np.nan]) * 1e3
         rate = lambda t: t[0] / t[1] if t[1] > 0 else float("nan")  # noqa: E731
+        tier = {} if host is None else dict(
+            host_blocks=host.num_slots, host_memory_kind=host.memory_kind,
+            host_hit_tokens=sched.host_hit_tokens - self.host_hits,
+            host_bytes_stored=host.bytes_stored - self.stored, host_bytes_loaded=host.bytes_loaded - self.loaded,
+            host_blocks_in_use=sched.host_blocks_in_use())
         return Summary(
-            requests=len(results), failed=len(results) - len(ran), prompt_tokens=sum(r.prompt_tokens for r in ran),
+            requests=len(results), failed=0, prompt_tokens=sum(r.prompt_tokens for r in results),
             prefix_queried_tokens=self.queried, prefix_hit_tokens=self.hits,
             prefix_hit_rate=self.hits / self.queried if self.queried else 0.0,
-            generated_tokens=sum(len(r.output) for r in ran), prefill_tokens=self.prefill_tokens,
+            generated_tokens=sum(len(r.output) for r in results), prefill_tokens=self.prefill_tokens,
             decode_tokens=self.decode_tokens, prefill_tokens_per_s=rate(self.prefill_timed),
             decode_tokens_per_s=rate(self.decode_timed), step_latency_p50_ms=float(np.percentile(lat, 50)),
             step_latency_p99_ms=float(np.percentile(lat, 99)), steps=len(self.blocks), device_calls=self.calls,
             untimed_calls=self.untimed_calls,
-            compile_s=COMPILE_S[0] - self._compile_start, wall_s=wall, peak_blocks_used=max(self.blocks, default=0),
-            usable_blocks=self.usable, preemptions=preemptions, blocks_in_use=tuple(self.blocks),
-            ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)), **(host or {}))
+            compile_s=COMPILE_S[0] - self._compile_start, wall_s=time.perf_counter() - self.start,
+            peak_blocks_used=max(self.blocks, default=0), usable_blocks=self.usable,
+            preemptions=sched.num_preemptions - self.preemptions, blocks_in_use=tuple(self.blocks),
+            ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)), **tier)

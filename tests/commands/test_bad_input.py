@@ -556,11 +556,13 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=Tr
                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _INT, _BOOL, _STR, _NONE = ("int",), ("bool",), ("str",), ("none",)
 LLM_ARGS = {  # argument → the kinds of value it takes (anything else must be refused)
-    **{n: _INT for n in ("block_size", "max_num_seqs", "seed", "steps_per_call", "max_logprobs",
-                         "tensor_parallel_size")},
+    **{n: _INT for n in ("seed", "steps_per_call", "max_logprobs", "tensor_parallel_size")},
+    # None: vLLM's platform default (EngineArgs' None for block_size, max_num_seqs, the two switches)
     **{n: _INT + _NONE for n in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
-                                 "kv_cache_memory_bytes", "total_memory_bytes")},
-    **{n: _BOOL for n in ("enable_prefix_caching", "enable_chunked_prefill", "use_tqdm_on_load")},
+                                 "kv_cache_memory_bytes", "total_memory_bytes", "block_size", "max_num_seqs")},
+    **{n: _BOOL + _NONE for n in ("enable_prefix_caching", "enable_chunked_prefill")},
+    **{n: _BOOL for n in ("use_tqdm_on_load", "enforce_eager", "disable_hybrid_kv_cache_manager",
+                          "disable_log_stats")},
     **{n: ("real", "none") for n in ("gpu_memory_utilization", "kv_offloading_size")},
     **{n: _STR for n in ("dtype", "kv_cache_dtype", "scheduling_policy", "kv_layout", "generation_config")},
     **{n: _STR + _NONE for n in ("attention_backend", "kv_skip_dtype", "chat_template", "scales")},

@@ -287,14 +287,16 @@ def test_host_tier_bad_input_exit_2_one_line(value, needle):
                                          ("3g", 3 * 10**9), ("7", 7), (" 4G ", 4 * GiB)])
 def test_human_int_is_vllms_human_readable_int(text, value):
     """vLLM's examples (vllm/utils/argparse_utils.py human_readable_int): decimal k/m/g/t, binary K/M/G/T."""
-    from kvjax.commands.common import human_int
+    from kvjax.utils.argparse_utils import human_readable_int
 
-    assert human_int(text) == value
+    assert human_readable_int(text) == value
 
 
 @pytest.mark.parametrize("text", ["1.5K", "1e9", "G", "4GiB", ""])
 def test_human_int_refuses(text):
-    from kvjax.commands.common import human_int
+    import argparse
 
-    with pytest.raises(ValueError):
-        human_int(text)
+    from kvjax.utils.argparse_utils import human_readable_int
+
+    with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+        human_readable_int(text)

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.config.engine import EngineConfig
+from engine_fixtures import engine_config
+
 from kvjax.config.presets import preset
 from kvjax.core import kv_cache_manager as manager
 from kvjax.engine.core import Engine
@@ -42,10 +43,11 @@ def prompts():
 
 def generate(tiny, **kw):
     config, model, params = tiny
-    cfg = EngineConfig(**{"num_blocks": 160, "block_size": Z, "max_num_seqs": 4, "max_model_len": MAX_LEN, **kw})
-    eng = Engine(model, params, config.kv_spec(), cfg)
+    cfg = engine_config(config, **{"num_blocks": 160, "block_size": Z, "max_num_seqs": 4, "max_model_len": MAX_LEN,
+                                   **kw})
+    eng = Engine(model, params, cfg)
     run = eng.generate(prompts(), SamplingParams(max_tokens=NEW, temperature=0.0))
-    assert all(r.error is None for r in run.results), [r.error for r in run.results]
+    assert all(r.finish_reason in ("stop", "length") for r in run.results), [r.finish_reason for r in run.results]
     state = eng.scheduler.state
     manager.check_invariants(state)
     assert int(state.pool.num_free) == cfg.num_blocks - 1 and not bool(state.reqs.active.any()), "leaked blocks or slots"
@@ -54,7 +56,7 @@ def generate(tiny, **kw):
 
 @pytest.fixture(scope="module")
 def unchunked(tiny):
-    run = generate(tiny, chunked_prefill=False)
+    run = generate(tiny, enable_chunked_prefill=False)
     assert run.summary.prefix_hit_tokens >= 48
     return run
 
@@ -81,9 +83,8 @@ def test_chunked_prefill_with_preemption_gives_the_same_tokens(tiny, unchunked):
 
 def test_a_prompt_longer_than_the_budget_samples_once_at_its_last_chunk(tiny):
     config, model, params = tiny
-    eng = Engine(model, params, config.kv_spec(),
-                 EngineConfig(num_blocks=160, block_size=Z, max_num_seqs=4, max_model_len=MAX_LEN,
-                              max_num_batched_tokens=64))  # the shapes of the runs above: no new compile
+    eng = Engine(model, params, engine_config(config, num_blocks=160, block_size=Z, max_num_seqs=4,
+                                             max_model_len=MAX_LEN, max_num_batched_tokens=64))  # the shapes of the runs above: no new compile
     sched_plans = []
     from kvjax.core.sched import scheduler as sched_mod
 

@@ -14,15 +14,18 @@ share their compiled steps.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_fixtures import MAX_LEN, Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401 (a fixture)
 
-from kvjax.config.engine import EngineConfig, EngineError
+from kvjax.config.engine import EngineError
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.sched.scheduler import Scheduler
+from kvjax.engine.arg_utils import EngineArgs, LLMError
 from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.evaluation.scoring import sequence_logits
@@ -84,7 +87,7 @@ def test_tiny_pool_preempts_and_recomputes_same_tokens(tiny):
 def test_prefix_cache_hits_do_not_change_tokens(tiny):
     ps = prompts(2, shared=12)  # 3 prompts share 3 full blocks
     on = engine(tiny, steps_per_call=8).generate(ps, greedy(6))
-    off = engine(tiny, prefix_caching=False, steps_per_call=8).generate(ps, greedy(6))
+    off = engine(tiny, enable_prefix_caching=False, steps_per_call=8).generate(ps, greedy(6))
     assert outputs(on) == outputs(off)
     assert off.summary.prefix_hit_tokens == 0 and on.summary.prefix_hit_tokens >= 12
     assert on.summary.prefill_tokens == on.summary.prompt_tokens - on.summary.prefix_hit_tokens
@@ -118,24 +121,52 @@ def test_a_request_seed_fixes_its_tokens_whatever_the_batch(tiny):
     assert outputs(run)[0] == full_recompute(tiny, [ps[0]], 10)[0], "greedy rows beside sampled ones stay greedy"
 
 
-def test_bad_requests_fail_alone(tiny):
+def test_a_bad_request_is_refused_before_any_request_runs(tiny):
+    # vLLM's rule: a request that breaks one is refused (raised) before any request of the call runs
     eng = engine(tiny, num_blocks=SMALL, steps_per_call=8)  # 9 usable blocks: 36 tokens at most
     good = prompts(4, lengths=(5, 7), shared=0)
-    batch = [good[0], [], list(range(MAX_LEN + 1)), list(range(1, 36)), [3, 200], good[0]]
-    run = eng.generate(batch, greedy(6))
-    errors = [r.error for r in run.results]
-    assert errors[0] is None and errors[5] is None
-    assert "empty prompt" in errors[1]
-    assert f"prompt has {MAX_LEN + 1} tokens" in errors[2] and f"max length is {MAX_LEN}" in errors[2]
-    assert "needs 10 blocks of 4 tokens (35 prompt + 5 new), but the pool has only 9 usable blocks" in errors[3]
-    assert "token id 200 is outside the model's vocabulary [0, 128)" in errors[4]
-    assert run.summary.failed == 4 and run.summary.requests == 6
+    free = eng.scheduler.num_free_blocks()
+    for bad, message in (([], "prompt 1: empty prompt"),
+                         (list(range(MAX_LEN + 1)), f"prompt 1: prompt has {MAX_LEN + 1} tokens; the model's max "
+                                                    f"length is {MAX_LEN}"),
+                         (list(range(1, 36)), "prompt 1: needs 10 blocks of 4 tokens (35 prompt + 5 new), but the "
+                                              "pool has only 9 usable blocks"),
+                         ([3, 200], "prompt 1: token id 200 is outside the model's vocabulary [0, 128)")):
+        with pytest.raises(EngineError, match=re.escape(message)):
+            eng.generate([good[0], bad, good[1]], greedy(6))
+        assert not eng.has_unfinished_requests() and eng.scheduler.num_free_blocks() == free
+        with pytest.raises(EngineError, match=re.escape(message.removeprefix("prompt 1: "))):
+            eng.add_request("bad", bad, greedy(6))
+        assert not eng.has_unfinished_requests()
+    run = eng.generate([good[0], good[0]], greedy(6))
     alone = outputs(engine(tiny, steps_per_call=8).generate([good[0]], greedy(6)))[0]
-    assert run.results[0].output == alone == run.results[5].output
-    assert all(r.output == [] and r.finish_reason is None for r in run.results[1:5])
+    assert outputs(run) == [alone, alone]
     assert_pool_empty(eng)
     with pytest.raises(EngineError, match="one SamplingParams for all prompts or one per prompt"):
-        eng.generate(batch, [greedy(6)] * 2)
+        eng.generate([good[0]] * 3, [greedy(6)] * 2)
+
+
+def test_requests_arrive_between_steps_and_abort(tiny):
+    # vLLM's EngineCore: add_request between steps joins the running batch; abort frees at once
+    eng = engine(tiny, steps_per_call=1)
+    ps = prompts(3, shared=0)
+    want = full_recompute(tiny, ps, 10)
+    a = eng.add_request("a", ps[0], greedy(10))
+    seen = eng.step()
+    assert seen == [a] and a.new_tokens == 1 and len(a.output) == 1
+    b, c = eng.add_request("b", ps[1], greedy(10)), eng.add_request("c", ps[2], greedy(10))
+    with pytest.raises(EngineError, match="request id 'b' is already in use"):
+        eng.add_request("b", ps[1], greedy(10))
+    eng.step()
+    assert len(a.output) == 2 and len(b.output) == len(c.output) == 1
+    assert eng.abort_requests(["c", "nope"]) == [c] and c.finish_reason == "abort" and not c.stop_reason
+    assert eng.get_num_unfinished_requests() == 2 and eng.abort_requests(["c"]) == []
+    while eng.has_unfinished_requests():
+        for r in eng.step():
+            assert r.new_tokens >= 1
+    assert [a.output, b.output] == want[:2] and a.finish_reason == b.finish_reason == "length"
+    assert c.output == want[2][:len(c.output)]
+    assert_pool_empty(eng)
 
 
 def test_stop_tokens_end_requests_in_the_device_loop_as_in_the_host_loop(tiny):
@@ -160,9 +191,7 @@ def test_stop_tokens_end_requests_in_the_device_loop_as_in_the_host_loop(tiny):
         (res,) = run.results
         assert res.output == free_run[last] and (res.finish_reason, res.stop_reason) == ("stop", free_run[last][-1])
     config, model, params = tiny  # the same stop as the model's EOS id, which ignore_eos skips
-    with_eos = Engine(model, params, config.kv_spec(), EngineConfig(num_blocks=64, block_size=Z, max_num_seqs=4,
-                                                                    max_model_len=MAX_LEN, steps_per_call=8),
-                      eos_token_ids=[stop])
+    with_eos = engine(tiny, steps_per_call=8, eos_token_ids=[stop])
     assert outputs(with_eos.generate(ps, greedy(12))) == want
     assert outputs(with_eos.generate(ps, greedy(12, ignore_eos=True))) == free_run
 
@@ -184,23 +213,25 @@ def test_logprobs_are_the_models_log_softmax_of_each_chosen_token(tiny):
 def test_generation_stops_at_max_model_len(tiny):
     run = engine(tiny, steps_per_call=8).generate([list(range(1, 36))], greedy(20))
     (res,) = run.results
-    assert res.error is None and len(res.output) == MAX_LEN - 35 and res.finish_reason == "length"
+    assert len(res.output) == MAX_LEN - 35 and res.finish_reason == "length"
 
 
 def test_engine_config_errors(tiny):
-    with pytest.raises(EngineError, match="num_blocks=1 leaves no usable block"):
-        EngineConfig(num_blocks=1)
-    with pytest.raises(EngineError, match=r"steps_per_call must be an integer in \[1, 1024\], got 0"):
-        EngineConfig(num_blocks=8, steps_per_call=0)
-    # bounded where given: 10**9 steps would abort the process inside XLA's compiler
-    with pytest.raises(EngineError, match=r"steps_per_call must be an integer in \[1, 1024\], got 1000000000"):
-        EngineConfig(num_blocks=8, steps_per_call=10**9)
-    for name, value in (("seed", "x"), ("seed", 2**32), ("max_num_batched_tokens", "x"), ("max_num_batched_tokens", 0),
-                        ("prefix_caching", "no"), ("max_num_seqs", 2**31 - 1)):
-        with pytest.raises(EngineError, match=name):
-            EngineConfig(num_blocks=8, **{name: value})
-    with pytest.raises(EngineError, match="max_model_len=99999 must be in"):
-        engine(tiny, max_model_len=99999)
+    config = tiny[0]
+    for kw, says in ((dict(num_gpu_blocks_override=1), r"num_gpu_blocks_override must be an integer in \[2, "),
+                     (dict(steps_per_call=0), r"steps_per_call must be an integer in \[1, 1024\], got 0"),
+                     # bounded where given: 10**9 steps would abort the process inside XLA's compiler
+                     (dict(steps_per_call=10**9), r"steps_per_call must be an integer in \[1, 1024\], got 1000000000"),
+                     (dict(seed="x"), "seed"), (dict(seed=2**32), "seed"),
+                     (dict(max_num_batched_tokens="x"), "max_num_batched_tokens"),
+                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+                     (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
+                     (dict(max_num_seqs=2**31 - 1), "max_num_seqs"),
+                     (dict(max_model_len=99999), "max_model_len=99999 must be in")):
+        with pytest.raises((EngineError, LLMError), match=says):
+            EngineArgs(**{"num_gpu_blocks_override": 8, **kw}).create_engine_config(config)
+    with pytest.raises(EngineError, match="num_blocks must be an integer in \\[2, "):
+        EngineArgs().create_engine_config(config).with_num_blocks(1)
 
 
 def test_second_run_compiles_nothing_and_summary_adds_up(tiny):

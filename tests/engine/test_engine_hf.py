@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_fixtures import engine_config
 from hf_fixtures import hf_greedy, make_hf_model, save_hf_model
 
-from kvjax.config.engine import EngineConfig
 from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.models import build_model
@@ -55,22 +55,23 @@ def case(request, tmp_path_factory):
 
 def run(case, attn_impl="reference", **kw):
     config, params, _ = case
-    cfg = EngineConfig(**{"num_blocks": 64, "block_size": Z, "max_num_seqs": 4, "max_model_len": 40, **kw})
-    return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(
+    cfg = engine_config(config, **{"num_blocks": 64, "block_size": Z, "max_num_seqs": 4, "max_model_len": 40,
+                                   "attention_backend": attn_impl, **kw})
+    return Engine(build_model(config, attn_impl), params, cfg).generate(
         PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
 
 def check(case, result):
     _, _, want = case
     for i, (res, (tokens, n)) in enumerate(zip(result.results, want)):
-        assert res.error is None, res.error
+        assert res.finish_reason in ("stop", "length"), res.finish_reason
         assert res.output[:n] == tokens[:n], f"prompt {i} ({len(PROMPTS[i])} tokens)"
 
 
 @pytest.mark.parametrize("prefix_caching, k", [pytest.param(True, 1, marks=pytest.mark.slow), (True, 8),
                                               pytest.param(False, 8, marks=pytest.mark.slow)])
 def test_matches_transformers(case, prefix_caching, k):
-    result = run(case, prefix_caching=prefix_caching, steps_per_call=k)
+    result = run(case, enable_prefix_caching=prefix_caching, steps_per_call=k)
     check(case, result)
     hits = result.summary.prefix_hit_tokens
     assert hits >= 8 if prefix_caching else hits == 0  # the shared prefix: two full blocks
@@ -91,7 +92,7 @@ def test_matches_transformers_with_chunked_prefill(case, budget):
     by a chunked rest, and preemption: transformers' greedy tokens still."""
     result = run(case, num_blocks=10, max_num_batched_tokens=budget)
     assert result.summary.preemptions > 0 and result.summary.prefix_hit_tokens > 0
-    assert result.summary.steps > run(case, num_blocks=10, chunked_prefill=False).summary.steps
+    assert result.summary.steps > run(case, num_blocks=10, enable_chunked_prefill=False).summary.steps
     check(case, result)
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_fixtures import engine_config
 from hf_fixtures import hf_greedy, make_hf_model, save_hf_model
 
-from kvjax.config.engine import EngineConfig
 from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.models import build_model
@@ -74,24 +74,25 @@ def run(case, attn_impl="reference", **kw):
     if "num_blocks" not in kw:
         from kvjax.accounting import hybrid
 
-        per_block = config.num_layers if kw.get("hybrid_kv_cache") is False else \
+        per_block = config.num_layers if kw.get("disable_hybrid_kv_cache_manager") else \
             max(len(g.layers) for g in hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows, Z))
         kw["num_blocks"] = 64 * config.num_layers // per_block
-    cfg = EngineConfig(**{"block_size": Z, "max_num_seqs": 4, "max_model_len": 56, **kw})
-    return Engine(build_model(config, attn_impl), params, config.kv_spec(), cfg).generate(
+    cfg = engine_config(config, **{"block_size": Z, "max_num_seqs": 4, "max_model_len": 56,
+                                   "attention_backend": attn_impl, **kw})
+    return Engine(build_model(config, attn_impl), params, cfg).generate(
         PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
 
 def check(case, result):
     _, _, want = case
     for i, (res, (tokens, n)) in enumerate(zip(result.results, want)):
-        assert res.error is None, res.error
+        assert res.finish_reason in ("stop", "length"), res.finish_reason
         assert res.output[:n] == tokens[:n], f"prompt {i} ({len(PROMPTS[i])} tokens)"
 
 
 @pytest.mark.parametrize("prefix_caching, k", [(True, 8)])
 def test_matches_transformers(case, prefix_caching, k):
-    result = run(case, prefix_caching=prefix_caching, steps_per_call=k)
+    result = run(case, enable_prefix_caching=prefix_caching, steps_per_call=k)
     check(case, result)
     hits = result.summary.prefix_hit_tokens
     assert hits >= SHARED if prefix_caching else hits == 0  # the shared prefix, longer than the window, hits
@@ -113,7 +114,7 @@ def test_grouped_allocator_frees_what_the_window_left(case, k):
     config, _, want = case
     groups = hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows, Z)
     assert any(g.window is not None for g in groups)
-    grouped, full = run(case, steps_per_call=k), run(case, steps_per_call=k, hybrid_kv_cache=False)
+    grouped, full = run(case, steps_per_call=k), run(case, steps_per_call=k, disable_hybrid_kv_cache_manager=True)
     check(case, grouped)
     assert [r.output for r in grouped.results] == [r.output for r in full.results]
     per_block = max(len(g.layers) for g in groups)
@@ -124,6 +125,6 @@ def tight(case) -> int:
     """The smallest grouped pool the scheduler accepts with 8-token chunks: one request's most
     blocks over all groups, plus the null block."""
     config, params, _ = case
-    probe = Engine(build_model(config), params, config.kv_spec(), EngineConfig(
-        num_blocks=64, block_size=Z, max_num_seqs=4, max_model_len=56, max_num_batched_tokens=8))
+    probe = Engine(build_model(config), params, engine_config(
+        config, num_blocks=64, block_size=Z, max_num_seqs=4, max_model_len=56, max_num_batched_tokens=8))
     return probe.scheduler_config.blocks_per_request + 1

@@ -17,7 +17,7 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("case, k", _rotate(("qwen2-window", 1)), indirect=["case"])
 def test_matches_transformers_with_preemption(case, k):
     # 23 usable blocks for 4 rows of up to 13, every layer kept as full attention
-    result = run(case, num_blocks=24, steps_per_call=k, hybrid_kv_cache=False)
+    result = run(case, num_blocks=24, steps_per_call=k, disable_hybrid_kv_cache_manager=True)
     assert result.summary.preemptions > 0
     check(case, result)
 
@@ -34,7 +34,7 @@ def test_matches_transformers_with_preemption_on_groups(case, k):
 @pytest.mark.parametrize("case, budget", _rotate(("qwen2-window", 5)), indirect=["case"])
 def test_matches_transformers_with_chunked_prefill(case, budget):
     """Prompts split over several steps, a prefix hit followed by a chunked rest, and preemption."""
-    result = run(case, num_blocks=24, max_num_batched_tokens=budget, hybrid_kv_cache=False)
+    result = run(case, num_blocks=24, max_num_batched_tokens=budget, disable_hybrid_kv_cache_manager=True)
     assert result.summary.preemptions > 0 and result.summary.prefix_hit_tokens > 0
     check(case, result)
     result = run(case, max_num_batched_tokens=budget)  # the grouped allocator, chunked, with prefix hits

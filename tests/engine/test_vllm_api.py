@@ -79,8 +79,24 @@ def test_reset_prefix_cache_is_refused_while_requests_run(fresh):
                    progress=lambda n: answers.append(fresh.reset_prefix_cache()))
     # refused while the request runs; the last call comes after it finished, with nothing running
     assert answers == [False, False, True]
-    with pytest.raises(LLMError, match="reset_running_requests=True"):
-        fresh.reset_prefix_cache(reset_running_requests=True)
+
+
+def test_reset_running_requests_preempts_them_and_they_recompute(fresh):
+    # vLLM's reset_prefix_cache(reset_running_requests=True): every running request is preempted
+    # (its blocks freed, recomputed when next scheduled), then the cache is reset
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    want = fresh.generate([SYSTEM + "def add(a, b):"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert fresh.reset_prefix_cache()
+    answers = []
+
+    def reset(_):
+        if not answers:
+            answers.append(fresh.reset_prefix_cache(reset_running_requests=True))
+            assert fresh.engine.scheduler.num_free_blocks() == fresh.num_blocks - 1, "a running request kept blocks"
+
+    out = fresh.generate([SYSTEM + "def add(a, b):"], params, use_tqdm=False, progress=reset)
+    assert answers == [True] and out[0].outputs[0].token_ids == want
+    assert out.summary.preemptions == 1 and out[0].metrics.num_preemptions == 1
 
 
 def test_parallel_samples_share_the_prompt_blocks_and_follow_seed_plus_j(fresh):
@@ -240,16 +256,17 @@ def test_auto_kv_dtype_is_the_models_and_memory_bytes_size_the_pool():
     (dict(kv_dtype="fp8"), "LLM() has no argument 'kv_dtype'"),
     (dict(num_blocks=8), "LLM() has no argument 'num_blocks'"),
     (dict(attn_impl="reference"), "LLM() has no argument 'attn_impl'"),
-    (dict(quantization="fp8"), "LLM(quantization='fp8'): weight quantization is not implemented"),
-    (dict(enforce_eager=True), "LLM(enforce_eager=True): kvjax compiles every step with XLA"),
-    (dict(trust_remote_code=True), "LLM(trust_remote_code=True): kvjax runs no code from checkpoints"),
-    (dict(swap_space=4), "LLM(swap_space=4): vLLM V1 recomputes on preemption"),
+    (dict(quantization="fp8"), "quantization='fp8': weight quantization is not implemented"),
+    (dict(trust_remote_code=True), "trust_remote_code=True: kvjax runs no code from checkpoints"),
+    (dict(swap_space=4), "swap_space=4: vLLM V1 recomputes on preemption"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer in [1, 256], got 0"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3: tp 3 does not divide the 4 query heads"),
     (dict(attention_backend="FLASH_ATTN"), "attention_backend='FLASH_ATTN': kvjax's backends are reference, pallas"),
     (dict(num_gpu_blocks_override=8, kv_cache_memory_bytes=10**6), "give one of num_gpu_blocks_override or"),
     (dict(kv_transfer_config={"kv_connector": "LMCacheConnectorV1"}), "kvjax has the OffloadingConnector's"),
-    (dict(kv_cache_dtype_skip_layers=["sliding_window"]), "'sliding_window' is not a layer index"),
+    (dict(kv_cache_dtype_skip_layers=["full_attention"]), "'full_attention' is neither a layer index in [0, 4) nor "
+                                                           "a layer type (sliding_window)"),
+    (dict(enforce_eager=True, steps_per_call=4), "enforce_eager=True runs one decode step per device call"),
 ])
 def test_vllm_arguments_that_mean_nothing_here_are_refused_by_name(kw, message):
     with pytest.raises(LLMError) as e:

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from engine_fixtures import Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401
 
-from kvjax.config.engine import EngineError
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.core.sched.scheduler import Scheduler
@@ -231,11 +230,11 @@ def test_greedy_tokens_are_identical_with_the_tier_on_and_off(tiny, k):
 
 
 def test_engine_refuses_bad_tier_settings(tiny):
-    for kw, says in [(dict(kv_offload_blocks=-1), r"kv_offload_blocks must be an integer in \[0, 2147483647\], got -1"),
-                     (dict(kv_offload_blocks=2.5), "got 2.5"),
-                     (dict(kv_offload_policy="mru"), "'mru'"),
-                     (dict(kv_offload_blocks=4, prefix_caching=False), "needs prefix caching")]:
+    for kw, says in [(dict(kv_offloading_size=-1), r"kv_offloading_size must be in \[0, 1048576\] GiB, got -1"),
+                     (dict(kv_offloading_size="2"), "kv_offloading_size must be a finite number"),
+                     (dict(kv_offloading_size=1e-9), "smaller than one block"),
+                     (dict(kv_offloading_size=1, kv_transfer_config={"kv_connector_extra_config": {
+                         "eviction_policy": "mru"}}), "'mru'"),
+                     (dict(kv_offloading_size=1, enable_prefix_caching=False), "needs prefix caching")]:
         with pytest.raises(KvjaxError, match=says):
             engine(tiny, **kw)
-    with pytest.raises(EngineError):
-        engine(tiny, kv_offload_blocks=True)

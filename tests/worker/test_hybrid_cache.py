@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from kvjax.attention.metadata import MetadataError, build_metadata
-from kvjax.config.engine import EngineConfig, EngineError, kv_cache_groups
+from kvjax.config.engine import EngineError, KVCacheGroups, resolve_kv_cache_groups
 from kvjax.config.hf import from_hf_config
 from kvjax.config.scheduler import SchedulerConfig, request_blocks
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.worker.paged_cache import CacheError, PagedCache
 
+ON = dict(hybrid=True, kv_layout="paged", host_tier=False, tensor_parallel_size=1)
 GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "max_position_embeddings": 512, "sliding_window": 6, "sliding_window_pattern": 4, "torch_dtype": "float32"}
@@ -22,7 +23,8 @@ def test_groups_share_page_tensors():
     (6 < 1.5 × 2 fails, so the smaller bucket's size): 3 sliding groups and 1 full, layers[i::n];
     the j-th layer of every group shares tensor j, so the cache is 2 layers' pages, not 8."""
     config = from_hf_config(GEMMA3)
-    windows, layer_groups, layer_slots = kv_cache_groups(config, config.kv_spec(), EngineConfig(num_blocks=9))
+    groups = resolve_kv_cache_groups(config, config.kv_spec(), 4, **ON)
+    windows, layer_groups, layer_slots = groups.windows, groups.layer_groups, groups.layer_slots
     assert windows == (6, 6, 6, None)
     assert layer_groups == (0, 1, 2, 3, 0, 1, 2, 3) and layer_slots == (0, 0, 0, 0, 1, 1, 1, 1)
     spec = config.kv_spec()
@@ -31,9 +33,9 @@ def test_groups_share_page_tensors():
     assert len(shared.layers) == 2 and shared.num_layers == 8 and shared.slot_of(5) == 1
     assert shared.kv_nbytes * 4 == own.kv_nbytes == 9 * spec.bytes_per_block(4)
     # off: one group, every layer its own tensor, the window left to the attention mask
-    assert kv_cache_groups(config, spec, EngineConfig(num_blocks=9, hybrid_kv_cache=False)) == ((None,), (), ())
+    assert resolve_kv_cache_groups(config, spec, 4, **dict(ON, hybrid=False)) == KVCacheGroups((None,), (), ())
     with pytest.raises(EngineError, match="tensor parallelism with KV cache groups"):
-        kv_cache_groups(config, spec, EngineConfig(num_blocks=9, tensor_parallel_size=2))
+        resolve_kv_cache_groups(config, spec, 4, **dict(ON, tensor_parallel_size=2))
 
 
 def test_shared_tensors_refuse_what_cannot_be_shared():

@@ -172,13 +172,20 @@ class Scheduler(SchedulerUpdates):
                 self.finish_request(rid, "abort")
             self.requests.pop(rid)
 
-    def reset_prefix_cache(self, reset_host: bool = False) -> bool:
-        """Forget every cached block (vLLM's `reset_prefix_cache`); reset_host also empties the
-        host tier's index. False, changing nothing, while requests run."""
-        if self.has_unfinished():
-            return False
+    def reset_prefix_cache(self, reset_running: bool = False, reset_host: bool = False) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`): refused (False, nothing changed)
+        while a request holds blocks, as the pool refuses, unless reset_running, which first
+        preempts every running request, last admitted first, so that they wait again in their
+        admission order (vLLM's). reset_host also empties the host tier's index."""
+        if reset_running:
+            step = _Step(budget=0)
+            while self.running:
+                self._preempt(self.running[-1], step)
         state, ok = manager.reset_prefix_cache(self.state)
-        _require(ok, "the block pool refused to reset its prefix cache with no request running")
+        if not bool(ok):
+            _require(not reset_running, "the block pool refused to reset its prefix cache with every request "
+                                        "preempted")
+            return False
         self.state = state
         if reset_host and self.tier is not None:
             self.tier.index = self.tier.new_index()
