@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from kvjax.commands.common import add_model_flags, add_progress_flag, progress_enabled
+from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
 from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
 from kvjax.progress import Phases
 from kvjax.quant.kv_formats import FP8_FORMATS
@@ -41,7 +41,7 @@ def run(args) -> int:
     check_output_file(args.out, "--out")
     check_input_file(args.data, "--data")
     show = progress_enabled(args)
-    loaded = load_model(args.model, dtype=args.dtype, progress=show)  # its own bar: fetch, read the weights, build
+    loaded = load_model(args.model, dtype=model_dtype(args), progress=show)  # its own bar: fetch, read the weights, build
     if args.seq_len > loaded.config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's maximum length "
                          f"{loaded.config.max_position_embeddings}")

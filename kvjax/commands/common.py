@@ -4,7 +4,7 @@ modules import both `kvjax` and `models`. Each has add_parser(subparsers) and ru
 What every command shares lives here, so that a flag reads and means the same everywhere:
 - flag types with vLLM's engine-arg parsing (`human_int_arg`: vLLM's human_readable_int, so
   `--kv-cache-memory-bytes 4G` is 4 GiB and `4g` 4·10⁹; `kv_cache_dtype_arg`: "auto" = the
-  model's dtype, or a kv dtype kvjax stores; `model_dtype_arg`: vLLM's --dtype names);
+  model's dtype, or a kv dtype kvjax stores; --dtype: vLLM's names, `model_dtype` kvjax's dtype);
 - `check_plot_file`: a --plot path matplotlib writes as given (.png, .svg, .pdf), checked
   before any work;
 - `progress_enabled`: whether a command draws its progress bar (kvjax.progress.Phases) on
@@ -15,7 +15,6 @@ Nothing here imports JAX: `kvjax plan` and `kvjax tables` import this module and
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -29,13 +28,6 @@ PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
 # --------------------------------------------------------------------------------------------
 # Flag types (the engine's own: kvjax.engine.cli_args)
 # --------------------------------------------------------------------------------------------
-def model_dtype_arg(text: str) -> str | None:
-    """vLLM's --dtype: auto (the checkpoint's), half, float16, bfloat16, float, float32."""
-    if text.lower() not in MODEL_DTYPES:
-        raise argparse.ArgumentTypeError(f"choose one of {', '.join(MODEL_DTYPES)}, got {text[:40]!r}")
-    return MODEL_DTYPES[text.lower()]
-
-
 MODEL_HELP = "small-gqa | small-mla | smollm2-135m | a Hugging Face folder | PATH.gguf | preset:NAME (random weights)"
 
 
@@ -46,9 +38,17 @@ def add_model_flags(p) -> None:
 
 
 def add_dtype_flag(p) -> None:
-    p.add_argument("--dtype", type=model_dtype_arg, default=None, metavar="DTYPE",
-                   help=f"weights dtype, vLLM's --dtype: {', '.join(MODEL_DTYPES)} (auto: the checkpoint's; "
-                        "a GGUF's is float32)")
+    """vLLM's --dtype, from the engine's flag table: its value is vLLM's name ("auto", "half", ...);
+    `model_dtype(args)` is kvjax's model dtype (None for auto)."""
+    from kvjax.engine.cli_args import FLAGS
+
+    flags, kwargs = FLAGS["dtype"]
+    p.add_argument(*flags, dest="dtype", **kwargs)
+
+
+def model_dtype(args) -> str | None:
+    """The model dtype a command's --dtype names (None: the checkpoint's)."""
+    return MODEL_DTYPES[args.dtype.lower()]
 
 
 def check_plot_file(path: str, flag: str = "--plot") -> str:

@@ -5,11 +5,15 @@
         --kv-cache-dtype fp8 --num-gpu-blocks-override 48 --max-num-seqs 8 --json
 
 It runs `kvjax.LLM(...).generate` and prints what came back. Engine flags are vLLM's engine
-args (--kv-cache-dtype, --block-size, --num-gpu-blocks-override, --gpu-memory-utilization,
---kv-cache-memory-bytes, --[no-]enable-prefix-caching, --[no-]enable-chunked-prefill, --max-num-seqs,
---max-model-len, --max-num-batched-tokens, --scheduling-policy, --attention-backend, --kv-offloading-size,
---kv-transfer-config, --disable-hybrid-kv-cache-manager, --seed, --dtype, --max-logprobs); sampling flags
-are SamplingParams' fields with vLLM's defaults (temperature 1.0: --greedy or --temperature 0 for argmax).
+args, from the one table of kvjax.engine.cli_args (EngineArgs.add_cli_args: --kv-cache-dtype,
+--block-size, --num-gpu-blocks-override, --gpu-memory-utilization, --kv-cache-memory-bytes,
+--[no-]enable-prefix-caching, --[no-]enable-chunked-prefill, --max-num-seqs, --max-model-len,
+--max-num-batched-tokens, --scheduling-policy, --attention-backend, --kv-offloading-size,
+--kv-transfer-config, --disable-hybrid-kv-cache-manager, --enforce-eager, --hf-overrides, --seed,
+--dtype, --max-logprobs, ...), read back with EngineArgs.from_cli_args and resolved once
+(create_engine_config: every engine rule is checked on the model's config before its weights
+are read); sampling flags are SamplingParams' fields with vLLM's defaults (temperature 1.0:
+--greedy or --temperature 0 for argmax).
 
 Prompts: `--prompts FILE` (lines, or `.jsonl` requests) or `--synthetic N` (kvjax/commands/prompts.py).
 
@@ -21,9 +25,9 @@ ends in a --stop string (cut from the text).
 Pool size: `--num-gpu-blocks-override K`; or `--kv-cache-memory-bytes B` (blocks = B // bytes
 per block, + the null block); or `--gpu-memory-utilization U`, which sizes it the way vLLM does
 (kvjax.accounting.sizing.profile_and_size: profile one prefill, then blocks = (ceil(total × U) − weights −
-activations) // bytes per block, total = the device's memory, or --device-memory-gib, which a
-CPU needs); with none of them, enough blocks for --max-num-seqs requests of the longest prompt
-+ --max-tokens, so nothing is preempted.
+activations) // bytes per block, total = the device's memory, a CPU's memory node's as vLLM's CPU
+platform takes it, or --device-memory-gib); with none of them, enough blocks for --max-num-seqs
+requests of the longest prompt + --max-tokens in every KV cache group, so nothing is preempted.
 
 A request that breaks a rule (empty prompt, prompt at or over the model's max length,
 max_tokens <= 0, more blocks than the pool has) gets an error in its output and the others
@@ -38,23 +42,27 @@ starts cold) and every step of the measured run is timed.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
 import sys
 
-from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
-                                   progress_enabled)
+from kvjax.commands.common import add_model_flags, add_progress_flag, progress_enabled
 from kvjax.commands.prompts import build_requests, read_prompts, refused_output, sampling_params
-from kvjax.accounting.hybrid import kv_cache_groups
 from kvjax.config.scheduler import check_host_tier
-from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, UsageError, float_arg, int_arg, json_type, loads
-from kvjax.math_utils import cdiv
+from kvjax.engine.arg_utils import EngineArgs
+from kvjax.engine.cli_args import add_engine_flags, as_flags
+from kvjax.errors import INT32_MAX, KvjaxError, UsageError, float_arg, int_arg
 from kvjax.progress import Phases
 
 PROMPT_LEN = 32  # --prompt-len's default (given with --prompts, it would be ignored)
-BYTES_MAX = MAX_GIB * 2**30  # --kv-cache-memory-bytes at most
+# The engine flags decode takes, from the one table (kvjax.engine.cli_args); --model and --dtype come with the model.
+ENGINE_FLAGS = ("kv_cache_dtype", "kv_cache_dtype_skip_layers", "scales", "block_size", "num_gpu_blocks_override",
+                "gpu_memory_utilization", "kv_cache_memory_bytes", "total_memory_bytes", "enable_prefix_caching",
+                "kv_offloading_size", "kv_transfer_config", "disable_hybrid_kv_cache_manager", "enable_chunked_prefill",
+                "max_num_seqs", "max_model_len", "max_num_batched_tokens", "scheduling_policy", "attention_backend",
+                "tensor_parallel_size", "seed", "max_logprobs", "steps_per_call", "enforce_eager", "hf_overrides",
+                "generation_config")
 
 
 def add_parser(sub) -> None:
@@ -71,53 +79,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int_arg(1), default=PROMPT_LEN,
                    help=f"synthetic: longest prompt after the prefix ({PROMPT_LEN})")
 
-    cache = p.add_argument_group("KV cache and engine (vLLM's engine args)")
-    cache.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg, default="auto",
-                       help="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, bf16, int8_per_token_head, ...")
-    cache.add_argument("--kv-cache-dtype-skip-layers", type=int_arg(0), nargs="+", default=[], metavar="LAYER",
-                       help="layers that keep the model's dtype (vLLM's; layer indices)")
-    cache.add_argument("--scales", metavar="FILE", help="kvjax: fp8 scales from `kvjax calibrate` (default 1.0)")
-    cache.add_argument("--block-size", type=int_arg(1), default=16, help="tokens per block (16)")
-    size = cache.add_mutually_exclusive_group()
-    size.add_argument("--num-gpu-blocks-override", type=int_arg(2), metavar="K", help="pool size, null block included")
-    size.add_argument("--gpu-memory-utilization", type=float_arg(0, 1, lo_open=True), metavar="U",
-                      help="size the pool from a profiled budget of U × the device's memory")
-    size.add_argument("--kv-cache-memory-bytes", type=human_int_arg(1, BYTES_MAX), metavar="BYTES",
-                      help="the KV budget in bytes (4G = 4 GiB, 4g = 4e9)")
-    cache.add_argument("--device-memory-gib", type=float_arg(0, MAX_GIB, lo_open=True), metavar="GIB",
-                       help="kvjax: the device memory --gpu-memory-utilization takes a share of (default: the "
-                            "device's; a CPU has none to read)")
-    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="share the KV blocks of common prompt prefixes (default on)")
-    cache.add_argument("--kv-offloading-size", type=float_arg(0, MAX_GIB), metavar="GIB",
-                       help="host-memory tier for evicted KV blocks, in GiB (default: none)")
-    cache.add_argument("--kv-transfer-config", metavar="JSON",
-                       help='the host tier\'s connector settings, e.g. \'{"kv_connector_extra_config": '
-                            '{"eviction_policy": "arc"}}\' (default lru)')
-    cache.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", help="a model with sliding "
-                       "windows keeps every layer full (default: vLLM's hybrid KV cache, a block table per group)")
-    cache.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                       help="split long prompts over steps (default on; off: the step budget covers the longest "
-                            "prompt)")
-    cache.add_argument("--max-num-seqs", type=int_arg(1, 2**16), default=8, help="requests running at once (8)")
-    cache.add_argument("--max-model-len", type=human_int_arg(1), metavar="TOKENS",
-                       help="prompt + generated tokens (default: the model's maximum)")
-    cache.add_argument("--max-num-batched-tokens", type=human_int_arg(1), metavar="N",
-                       help="tokens per engine step (default 2048; without chunked prefill at least max_model_len); "
-                            "--gpu-memory-utilization profiles a step this size")
-    cache.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                       help="priority: .jsonl requests' \"priority\" (lower first; default 0) orders admission and "
-                            "preemption")
-    cache.add_argument("--attention-backend", choices=["reference", "pallas"],
-                       help="decode attention (default: pallas on GPU, except for int8_per_token_head KV; reference "
-                            "elsewhere)")
-    cache.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1, 256), default=1, metavar="N",
-                       help="devices the weights and KV pages are split over (a JAX mesh; default 1)")
-    cache.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="sampling and --synthetic seed (0)")
-    cache.add_argument("--max-logprobs", type=int_arg(-1), default=20,
-                       help="the most --logprobs a request may ask for (20; -1: no limit)")
-    cache.add_argument("--steps-per-call", type=int_arg(1, 1024), default=1, help="kvjax: decode steps per device "
-                                                                                   "call (1)")
+    add_engine_flags(p, ENGINE_FLAGS, "KV cache and engine (vLLM's engine args: kvjax.engine.cli_args)")
 
     sp = p.add_argument_group("sampling (SamplingParams, vLLM's defaults)")
     sp.add_argument("--max-tokens", type=int_arg(1), default=16, help="tokens to generate per request (16)")
@@ -146,24 +108,26 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import jax
-
     from kvjax.models.hub import load_model
 
     base = _check_flags(args)  # everything that needs no model is checked before loading one
-    transfer = _transfer_config(args)
     raw = read_prompts(args.prompts, allow_priority=args.scheduling_policy == "priority", chat=args.chat) \
         if args.prompts else None
-    scales = _scales(args)
-    if args.gpu_memory_utilization is not None and args.device_memory_gib is None and jax.default_backend() == "cpu":
-        raise UsageError("--gpu-memory-utilization: the cpu device reports no memory limit: pass --device-memory-gib")
+    engine_args = EngineArgs.from_cli_args(args)
     show = progress_enabled(args)
-    loaded = load_model(args.model, dtype=args.dtype, attn_impl=args.attention_backend, seed=args.seed,
+    try:  # every engine rule, on the model's config: no weights read yet
+        config = engine_args.create_engine_config()
+    except KvjaxError as e:  # the engine's words for its arguments: said in flags
+        raise UsageError(as_flags(str(e))) from None
+    loaded = load_model(args.model, config=config.model_config, attn_impl=config.attention_backend, seed=args.seed,
                         progress=show)  # its own bar: fetch, read the weights, build
     requests = build_requests(args, loaded, raw)
     with Phases("decode", 2 if args.warmup else 1, show) as phases:
         phases.start("build the engine" + (" (profiling a step)" if args.gpu_memory_utilization else ""))
-        llm = _llm(args, loaded, requests, scales, transfer)
+        try:
+            llm = _llm(engine_args, loaded, requests)
+        except KvjaxError as e:
+            raise UsageError(as_flags(str(e))) from None
         runnable, refused = _check_requests(llm, *sampling_params(requests, base))
         if args.warmup:
             phases.start("warm-up run (compiles every step)")
@@ -174,7 +138,7 @@ def run(args) -> int:
     rows = [dict(index=i, **dataclasses.asdict(by_index.get(i) or refused_output(r, refused[i])))
             for i, r in enumerate(requests)]
     summary = _with_refused(outs.summary, len(refused) * base.n)
-    config = _config_json(args, llm, base, transfer)
+    config = _config_json(args, llm, base)
     if args.json:
         print(json.dumps({"config": config, "outputs": rows, "summary": summary.to_json()}, indent=1))
     else:
@@ -182,37 +146,20 @@ def run(args) -> int:
     return 0
 
 
-def _llm(args, loaded, requests: list[dict], scales, transfer: dict | None):
+def _llm(engine_args: EngineArgs, loaded, requests: list[dict]):
     """The LLM the flags describe. With no pool-size flag, the pool holds --max-num-seqs requests
-    of the longest prompt + its max_tokens (capped at the max length): nothing is preempted."""
-    from kvjax.accounting.budget import gib
+    of the longest prompt + its max_tokens (capped at the max length) in every KV cache group:
+    nothing is preempted."""
     from kvjax.engine.llm import LLM
-    from kvjax.kv_offload.host_pages import host_blocks
 
-    z = args.block_size
-    if args.kv_offloading_size:  # named by its flag, before the LLM checks it again
-        host_blocks(str(args.kv_offloading_size), loaded.config.kv_spec(args.kv_cache_dtype).bytes_per_block(z),
-                    "--kv-offloading-size")
-    num_blocks = args.num_gpu_blocks_override
-    if num_blocks is None and args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
-        limit = args.max_model_len or loaded.config.max_position_embeddings
-        longest = min(max((len(r["tokens"]) + r["max_tokens"] for r in requests), default=1), limit)
-        c = loaded.config  # on the hybrid KV cache a request takes its blocks in every group
-        groups = 1 if args.disable_hybrid_kv_cache_manager or not any(c.layer_windows) else len(
-            kv_cache_groups(c.kv_spec(), c.layer_windows, z))
-        num_blocks = 1 + args.max_num_seqs * groups * cdiv(longest, z)
-    return LLM(loaded, kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
-               scales=scales, block_size=z,
-               num_gpu_blocks_override=num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-               total_memory_bytes=None if args.device_memory_gib is None else gib(args.device_memory_gib),
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-               enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-               attention_backend=args.attention_backend, seed=args.seed, max_logprobs=args.max_logprobs,
-               kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=transfer,
-               steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size,
-               disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
+    engine_args = dataclasses.replace(engine_args, model=loaded)
+    if engine_args.num_gpu_blocks_override is None and engine_args.gpu_memory_utilization is None \
+            and engine_args.kv_cache_memory_bytes is None:
+        probe = dataclasses.replace(engine_args, num_gpu_blocks_override=2).create_engine_config()
+        longest = min(max((len(r["tokens"]) + r["max_tokens"] for r in requests), default=1), probe.max_model_len)
+        engine_args.num_gpu_blocks_override = 1 + probe.max_num_seqs * probe.request_blocks(longest)
+    fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"}
+    return LLM(loaded, **fields)
 
 
 def _check_requests(llm, runnable: list, refused: dict) -> tuple[list, dict]:
@@ -251,7 +198,7 @@ def _generate(llm, runnable: list, args, show: bool):
             bar.close()
 
 
-def _config_json(args, llm, base, transfer: dict | None) -> dict:
+def _config_json(args, llm, base) -> dict:
     """The run's engine arguments as the LLM resolved them (vLLM's names) and its SamplingParams."""
     engine = llm.engine
     return dict(model=args.model, dtype=llm.config.dtype, kv_cache_dtype=llm.kv_spec.kv_dtype,
@@ -260,7 +207,7 @@ def _config_json(args, llm, base, transfer: dict | None) -> dict:
                 max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                 scheduling_policy=args.scheduling_policy, attention_backend=llm.model.module.attn_impl,
-                kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=transfer,
+                kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=args.kv_transfer_config,
                 eviction_policy=llm.vllm_config.cache_config.host_policy if args.kv_offloading_size else None,
                 seed=args.seed, steps_per_call=args.steps_per_call, tensor_parallel_size=args.tensor_parallel_size,
                 max_logprobs=args.max_logprobs,
@@ -321,55 +268,15 @@ def _check_flags(args):
     if args.kv_transfer_config is not None and not args.kv_offloading_size:
         raise UsageError("--kv-transfer-config configures the host tier of --kv-offloading-size; without one it "
                          "would be ignored")
-    if args.device_memory_gib is not None and args.gpu_memory_utilization is None:
+    if args.total_memory_bytes is not None and args.gpu_memory_utilization is None:
         raise UsageError("--device-memory-gib is the memory --gpu-memory-utilization takes a share of; without it "
                          "it would be ignored")
-    if args.scales and not kv_dtype_name(args.kv_cache_dtype).startswith("fp8"):
-        raise UsageError(f"--scales are fp8 dequantization scales, but the kv cache dtype is "
-                         f"{args.kv_cache_dtype}")
     values = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
     try:
         return SamplingParams(**values, stop_token_ids=_stop_token_ids(args.stop_token_ids))
     except SamplingParamsError as e:  # a rule across fields: say it in flags
         raise UsageError(re.sub(r"\b(" + "|".join(_SAMPLING_FLAGS) + r")\b",
                                 lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
-
-
-def kv_dtype_name(name: str) -> str:
-    """The kv dtype a --kv-cache-dtype names ("auto": "auto", the model's, not known yet)."""
-    from kvjax.quant.kv_formats import kv_format
-
-    return "auto" if name == "auto" else kv_format(name).name
-
-
-def _transfer_config(args) -> dict | None:
-    """--kv-transfer-config: a JSON object, checked by the LLM's own rule before any model is loaded."""
-    if args.kv_transfer_config is None:
-        return None
-    from kvjax.engine.arg_utils import eviction_policy
-
-    try:
-        config = loads(args.kv_transfer_config)
-        if not isinstance(config, dict):
-            raise KvjaxError(f"a JSON {json_type(config)}, not an object")
-        eviction_policy(config, args.kv_offloading_size)
-    except KvjaxError as e:
-        raise UsageError(f"--kv-transfer-config {args.kv_transfer_config[:60]!r}: {e}") from None
-    return config
-
-
-def _scales(args):
-    """The --scales file, read and checked against --kv-cache-dtype before any model is loaded."""
-    if not args.scales:
-        return None
-    from kvjax.quant.formats import KVScales
-
-    scales = KVScales.load(args.scales)
-    try:
-        scales.check_kv_dtype(kv_dtype_name(args.kv_cache_dtype))
-    except KvjaxError as e:
-        raise UsageError(f"--scales {args.scales}: {e}") from None
-    return scales
 
 
 def _rate(x) -> str:

@@ -31,7 +31,7 @@ import json
 import os
 
 from kvjax.accounting import budget as bud
-from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg,
+from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg, model_dtype,
                                    progress_enabled)
 from kvjax.errors import UsageError, int_arg
 from kvjax.progress import Phases
@@ -103,9 +103,9 @@ def _config(args):
 
     if args.model.startswith("preset:"):
         config = preset(args.model.split(":", 1)[1])
-        return (config.replace(dtype=args.dtype) if args.dtype else config), None, args.model
+        return (config.replace(dtype=model_dtype(args)) if model_dtype(args) else config), None, args.model
     path = resolve_model(args.model)
-    return load_config(path, dtype=args.dtype), path, args.model
+    return load_config(path, dtype=model_dtype(args)), path, args.model
 
 
 def _random_params(shapes, shardings, seed: int):

@@ -334,10 +334,10 @@ def read_scales(scales, kv_dtype: str):
     from kvjax.quant import formats as quant
     from kvjax.quant.kv_formats import FP8_FORMATS
 
+    if scales is not None and kv_dtype not in FP8_FORMATS:  # before a scales file is read
+        raise LLMError(f"scales are fp8 dequantization scales, but the kv dtype is {kv_dtype}")
     if isinstance(scales, str):
         scales = quant.KVScales.load(scales)
-    if scales is not None and kv_dtype not in FP8_FORMATS:
-        raise LLMError(f"scales are fp8 dequantization scales, but the kv dtype is {kv_dtype}")
     if scales is not None:
         scales.check_kv_dtype(kv_dtype)
     return scales

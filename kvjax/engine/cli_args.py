@@ -10,6 +10,7 @@ a bad value is argparse's one-line error; the rules across values are EngineArgs
 from __future__ import annotations
 
 import argparse
+import re
 
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, float_arg, int_arg, loads
 from kvjax.utils.argparse_utils import human_readable_int
@@ -156,3 +157,13 @@ def add_engine_flags(parser, fields=None, group_title: str = "engine arguments (
         target = exclusive if exclusive is not None and name in sizes else group
         target.add_argument(*flags, dest=name, **kwargs)
 
+
+
+def as_flags(message: str) -> str:
+    """An engine-argument message in the command line's words: a field the message starts with, or
+    names as `field=value`, becomes its flag (the command's one error line then names the flag)."""
+    for name, (flags, _) in FLAGS.items():
+        if message.startswith(name + " ") or message.startswith(name + "="):
+            message = flags[0] + message[len(name):]
+        message = re.sub(rf"\b{name}=", flags[0] + "=", message)
+    return message

@@ -128,7 +128,7 @@ def test_text_output_and_util_sizing(ckpt, capsys):
      "argument --temperature: must be in [0, 2], got '3'"),
     (["--synthetic", "2", "--max-tokens", "2", "--kv-cache-dtype", "fp9"], "unknown kv cache dtype 'fp9'"),
     (["--synthetic", "2", "--max-tokens", "2", "--max-model-len", "99999"],
-     "--max-model-len 99999 exceeds the model's maximum length"),
+     "--max-model-len=99999 must be in [1, "),
     (["--synthetic", "2", "--max-tokens", "2", "--greedy", "--top-p", "0.5"], "--top-p filters what --temperature"),
     (["--synthetic", "2", "--max-tokens", "2", "--temperature", "0", "--n", "2"], "--n 2 needs sampling"),
     (["--synthetic", "2", "--max-tokens", "2", "--min-tokens", "3"], "--min-tokens 3 exceeds --max-tokens 2"),
