@@ -37,7 +37,7 @@ def engine_config(config, num_blocks=64, kv_offload_blocks=0, kv_offload_policy=
     num_blocks and, with kv_offload_blocks, a host tier of that many blocks (its
     kv_offloading_size in GiB, exactly) with kv_offload_policy's eviction."""
     if kv_offload_blocks:
-        per_block = config.kv_spec(engine_args.get("kv_cache_dtype", "auto")).bytes_per_block(engine_args["block_size"])
+        per_block = config.kv_spec(engine_args.get("kv_cache_dtype")).bytes_per_block(engine_args["block_size"])
         engine_args["kv_offloading_size"] = kv_offload_blocks * per_block / 2**30
     if kv_offload_blocks and kv_offload_policy is not None:
         engine_args["kv_transfer_config"] = {"kv_connector_extra_config": {"eviction_policy": kv_offload_policy}}

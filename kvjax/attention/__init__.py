@@ -31,7 +31,6 @@ from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadat
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
 from kvjax.errors import KvjaxError
-from kvjax.quant.kv_formats import kv_format
 from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 
 
@@ -76,14 +75,12 @@ _IMPLS: dict[str, AttentionImpl] = {
 IMPLS = tuple(_IMPLS)  # the names: vLLM's attention_backend, kvjax's backends
 
 
-def default_impl(kv_dtype: str | None = None) -> str:
-    """The implementation a model gets when none is named: "pallas" on a GPU backend, where its
-    kernels compile, unless the pages carry per-token scales (int8_per_token_head, which the
-    kernels do not read); "reference" elsewhere (on CPU Pallas runs only interpreted, slowly).
-    kv_dtype: a kv dtype name or alias, None for the model's dtype."""
-    if jax.default_backend() == "gpu" and (kv_dtype is None or kv_format(kv_dtype).scale != "per_token"):
-        return "pallas"
-    return "reference"
+def default_impl() -> str:
+    """The platform's implementation: "pallas" on a GPU backend, where its kernels compile;
+    "reference" elsewhere (on CPU Pallas runs only interpreted, slowly). An engine's backend is
+    resolved from it once, with the KV format's and the mesh's rules
+    (kvjax.config.engine.resolve_attention_backend)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def get_impl(name: str) -> AttentionImpl:

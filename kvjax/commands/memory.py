@@ -33,6 +33,7 @@ import os
 from kvjax.accounting import budget as bud
 from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg, model_dtype,
                                    progress_enabled)
+from kvjax.config.engine import resolve_kv_dtype
 from kvjax.errors import UsageError, int_arg
 from kvjax.progress import Phases
 
@@ -169,7 +170,7 @@ class _Setup:
         if args.max_num_batched_tokens > most:
             raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} exceeds --max-num-seqs × "
                              f"max model length = {most}: no step can hold that many tokens")
-        self.spec = self.config.kv_spec(args.kv_cache_dtype)
+        self.spec = self.config.kv_spec(resolve_kv_dtype(args.kv_cache_dtype, self.config.dtype))
         self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
         self.mesh = shd.make_mesh(args.tensor_parallel_size)
         self.devices = list(self.mesh.devices.flat)

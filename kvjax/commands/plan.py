@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from kvjax.accounting import budget as bud
 from kvjax.accounting import hybrid
 from kvjax.commands.common import check_plot_file, human_int_arg, kv_cache_dtype_arg
+from kvjax.config.engine import resolve_kv_dtype
 from kvjax.config.hf import from_hf_config
 from kvjax.config.presets import PRESETS, preset
 from kvjax.core.kv_cache_interface import KVSpec
@@ -122,14 +123,16 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     windows: tuple = ()
     if args.preset or (g and not model_flags):
         config = preset(args.preset or g["preset"])
-        spec, params, title = config.kv_spec(kv_dtype), config.num_params, config.title or config.name
+        spec, params = config.kv_spec(resolve_kv_dtype(kv_dtype, config.dtype)), config.num_params
+        title = config.title or config.name
         windows = config.layer_windows
     elif args.hf_config:
         config = from_hf_config(args.hf_config)
-        spec, windows = config.kv_spec(kv_dtype), config.layer_windows
+        spec, windows = config.kv_spec(resolve_kv_dtype(kv_dtype, config.dtype)), config.layer_windows
         title = spec.name
     elif args.kind:
-        spec, title = _manual_spec(args, "bf16" if kv_dtype == "auto" else kv_dtype), f"custom {args.kind.upper()}"
+        # a model given by its shapes has no dtype of its own: its weights are bf16 (--weight-dtype's default)
+        spec, title = _manual_spec(args, resolve_kv_dtype(kv_dtype, "bfloat16")), f"custom {args.kind.upper()}"
     else:
         raise UsageError("no model: give --group, --preset, --hf-config, or --kind with --layers --heads "
                          "--kv-heads --head-dim")

@@ -5,7 +5,8 @@ vLLM resolves its engine arguments in one place (`EngineArgs.create_engine_confi
 and every layer below reads the result. kvjax does the same: each value derived from the
 arguments is computed by exactly one function here, called once while the config is made,
 
-    resolve_kv_spec             "auto" → the model's dtype; skipped layers (indices or vLLM's layer-type
+    resolve_kv_dtype            "auto" → the model's dtype (the one place it means anything)
+    resolve_kv_spec             every layer's format; skipped layers (indices or vLLM's layer-type
                                 name "sliding_window") keep kv_skip_dtype: the KV format of every layer
     resolve_attention_backend   the attention backend, checked against the kernels' preconditions
     resolve_kv_cache_groups     vLLM's KV cache groups of a model with sliding windows, each layer's
@@ -171,8 +172,7 @@ class EngineConfig:
         try:
             scheduler = SchedulerConfig(
                 num_blocks=num_blocks, block_size=z, max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=resolve_step_budget(self.max_num_batched_tokens, self.max_num_seqs,
-                                                           self.enable_chunked_prefill, sched_len),
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=sched_len, prefix_caching=self.cache_config.enable_prefix_caching,
                 policy=self.scheduling_policy, chunked_prefill=self.enable_chunked_prefill,
                 num_host_blocks=self.cache_config.num_host_blocks, host_policy=self.cache_config.host_policy,
@@ -184,13 +184,20 @@ class EngineConfig:
 
 
 # ----------------------------------------------------------------------------------- resolving
-def resolve_kv_spec(model_config, kv_cache_dtype: str, skip_layers=(), kv_skip_dtype: str | None = None):
-    """Every layer's KV format (a KVSpec): kv_cache_dtype "auto" means the model's dtype (vLLM's);
-    skip_layers (layer indices, as ints or digit strings, or vLLM's layer-type name
-    "sliding_window": every layer with a window) keep kv_skip_dtype, default the model's dtype."""
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """vLLM's kv_cache_dtype as a KV format's name: "auto" (any case) is the model's dtype; any
+    other name is a format's, or one of its aliases (kvjax.quant.kv_formats; unknown: SpecError).
+    The one place "auto" means anything."""
     from kvjax.quant.kv_formats import kv_format
 
-    kv_dtype = model_config.dtype if str(kv_cache_dtype).lower() == "auto" else kv_format(kv_cache_dtype).name
+    return kv_format(model_dtype if str(kv_cache_dtype).lower() == "auto" else kv_cache_dtype).name
+
+
+def resolve_kv_spec(model_config, kv_cache_dtype: str, skip_layers=(), kv_skip_dtype: str | None = None):
+    """Every layer's KV format (a KVSpec): kv_cache_dtype through `resolve_kv_dtype`; skip_layers
+    (layer indices, as ints or digit strings, or vLLM's layer-type name "sliding_window": every
+    layer with a window) keep kv_skip_dtype, default the model's dtype."""
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, model_config.dtype)
     layers = set()
     for item in skip_layers:
         if isinstance(item, str) and item.strip().isdigit():
@@ -206,13 +213,12 @@ def resolve_kv_spec(model_config, kv_cache_dtype: str, skip_layers=(), kv_skip_d
     return spec.replace(model_dtype=kv_skip_dtype) if kv_skip_dtype else spec
 
 
-def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_parallel_size: int,
-                              platform: str) -> str:
+def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_parallel_size: int) -> str:
     """The attention backend: the one named, checked against what the kernels take, or by
-    default "pallas" on a GPU unless the pages carry per-token scales (the kernels read static
-    scales only) and "reference" elsewhere (Pallas only interprets on a CPU), or with tensor
+    default the platform's (kvjax.attention.default_impl: "pallas" on a GPU), but "reference" when
+    the pages carry per-token scales (the kernels read static scales only) or with tensor
     parallelism (the kernels are not partitioned over a mesh)."""
-    from kvjax.attention import IMPLS
+    from kvjax.attention import IMPLS, default_impl
 
     if attention_backend is not None and attention_backend not in IMPLS:
         raise EngineError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
@@ -227,7 +233,7 @@ def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_par
         return "pallas"
     if attention_backend == "reference":
         return "reference"
-    return "pallas" if platform == "gpu" and tensor_parallel_size == 1 and not per_token else "reference"
+    return "reference" if tensor_parallel_size > 1 or per_token else default_impl()
 
 
 def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: bool, kv_layout: str,

@@ -202,10 +202,10 @@ class ModelConfig:
         return self.model_type in ("gemma2", "gemma3_text")
 
     def kv_spec(self, kv_dtype: str | None = None, skip_layers: tuple[int, ...] = ()) -> KVSpec:
-        """The KV layout this model caches (kv_dtype None or "auto": the model dtype, as vLLM's
-        kv_cache_dtype="auto")."""
+        """The KV layout this model caches in kv_dtype (a format's name; None: the model dtype).
+        vLLM's kv_cache_dtype "auto" is resolved before, once (kvjax.config.engine.resolve_kv_dtype)."""
         model_dtype = self.dtype  # KVSpec stores it as its kv dtype name (float32 → fp32)
-        kv_dtype = model_dtype if kv_dtype is None or str(kv_dtype).lower() == "auto" else kv_dtype
+        kv_dtype = model_dtype if kv_dtype is None else kv_dtype
         if self.is_mla:
             return KVSpec.mla(self.num_layers, self.num_heads, kv_lora_rank=self.kv_lora_rank,
                               qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,

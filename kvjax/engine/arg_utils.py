@@ -184,7 +184,7 @@ class EngineArgs:
                        kv_layout=self.kv_layout, enable_prefix_caching=prefix, enable_chunked_prefill=chunked,
                        num_host_blocks=host_blocks)
         tp = self.tensor_parallel_size
-        backend = resolve_attention_backend(self.attention_backend, kv_spec, tp, platform)
+        backend = resolve_attention_backend(self.attention_backend, kv_spec, tp)
         groups = resolve_kv_cache_groups(model_config, kv_spec, z, hybrid=not self.disable_hybrid_kv_cache_manager,
                                          kv_layout=self.kv_layout, host_tier=host_blocks > 0, tensor_parallel_size=tp)
         max_len = resolve_max_model_len(self.max_model_len, model_config.max_position_embeddings)

@@ -41,8 +41,9 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     """See the module docstring."""
 
-    def __init__(self, vllm_config: EngineConfig, *, model=None, use_tqdm_on_load: bool = False):
-        self.llm_engine = LLMEngine(vllm_config, model=model, use_tqdm_on_load=use_tqdm_on_load)
+    def __init__(self, vllm_config: EngineConfig | None = None, *, llm_engine: LLMEngine | None = None):
+        """vllm_config: the resolved config (its engine is built here); or an LLMEngine already built."""
+        self.llm_engine = llm_engine if llm_engine is not None else LLMEngine(vllm_config)
         self.vllm_config = self.llm_engine.vllm_config
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...), ("abort", ids), ("stop",)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -53,11 +54,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **_) -> "AsyncLLM":
-        from kvjax.models.hub import LoadedModel
-
-        config = engine_args.create_engine_config()
-        model = engine_args.model if isinstance(engine_args.model, LoadedModel) else None
-        return cls(config, model=model, use_tqdm_on_load=engine_args.use_tqdm_on_load)
+        return cls(llm_engine=LLMEngine.from_engine_args(engine_args))
 
     @classmethod
     def from_vllm_config(cls, vllm_config: EngineConfig, **_) -> "AsyncLLM":

@@ -1,12 +1,13 @@
 """The KV format registry: every kv dtype kvjax knows, its aliases, storage and scales, in one table.
 
 vLLM names a KV cache's element format with `--kv-cache-dtype` (`vllm/config/cache.py`:
-"auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", ...). Each row of `KV_FORMATS` says, for one
+"auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", ...; "auto", the model's dtype, is resolved once, by
+kvjax.config.engine.resolve_kv_dtype, and is no format here). Each row of `KV_FORMATS` says, for one
 such format, everything the rest of kvjax needs to know about it:
 
     name                 aliases             storage         max      scale      bits  + scales
     fp32                 float32, float      float32         3.4e38   none       32
-    bf16                 bfloat16, auto      bfloat16        3.4e38   none       16
+    bf16                 bfloat16            bfloat16        3.4e38   none       16
     fp16                 float16, half       float16         65504    none       16
     fp8_e4m3             fp8                 float8_e4m3fn   448      static      8
     fp8_e5m2                                 float8_e5m2     57344    static      8
@@ -95,7 +96,7 @@ _F32_MAX, _BF16_MAX = 3.4028234663852886e38, 3.3895313892515355e38  # jnp.finfo(
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("fp32", ("float32", "float"), "float32", _F32_MAX, "none", 32),
-    KVFormat("bf16", ("bfloat16", "auto"), "bfloat16", _BF16_MAX, "none", 16),
+    KVFormat("bf16", ("bfloat16",), "bfloat16", _BF16_MAX, "none", 16),
     KVFormat("fp16", ("float16", "half"), "float16", 65504.0, "none", 16),
     KVFormat("fp8_e4m3", ("fp8",), "float8_e4m3fn", 448.0, "static", 8),  # no inf: a bare cast of 470 gives NaN
     KVFormat("fp8_e5m2", (), "float8_e5m2", 57344.0, "static", 8),  # a bare cast of >= 61440 gives inf
@@ -108,8 +109,9 @@ _BY_NAME = {alias: f for f in KV_FORMATS.values() for alias in (f.name, *f.alias
 
 
 def kv_format(name: str | KVFormat) -> KVFormat:
-    """The format called `name`: its own name or an alias, any case (`fp8` = `fp8_e4m3`, `auto`
-    = bf16, `float32` = fp32). Unknown names raise SpecError."""
+    """The format called `name`: its own name or an alias, any case (`fp8` = `fp8_e4m3`, `float32`
+    = fp32). Unknown names raise SpecError ("auto" too: it names the model's dtype, not a format;
+    kvjax.config.engine.resolve_kv_dtype)."""
     if isinstance(name, KVFormat):
         return name
     key = str(name).lower()

@@ -190,7 +190,12 @@ def test_default_impl_is_pallas_on_gpu_only(monkeypatch):
 
     assert default_impl() == "reference" and build_model(preset("tiny")).attn_impl == "reference"  # CPU here
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert default_impl() == "pallas" and default_impl("fp8_e4m3") == "pallas"
-    assert default_impl("int8_per_token_head") == "reference"  # the kernels read static scales only
+    assert default_impl() == "pallas"
+    from kvjax.config.engine import resolve_attention_backend  # an engine's: the pages' and the mesh's rules too
+
+    config = preset("tiny")
+    assert resolve_attention_backend(None, config.kv_spec("fp8_e4m3"), 1) == "pallas"
+    assert resolve_attention_backend(None, config.kv_spec("int8_per_token_head"), 1) == "reference"  # static scales only
+    assert resolve_attention_backend(None, config.kv_spec("fp8_e4m3"), 2) == "reference"  # not partitioned over a mesh
     assert build_model(preset("tiny")).attn_impl == "pallas"
     assert build_model(preset("tiny"), attn_impl="reference").attn_impl == "reference"
