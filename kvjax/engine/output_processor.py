@@ -105,11 +105,14 @@ class OutputProcessor:
 
     def _output(self, state: RequestState, results: list[RequestResult]) -> RequestOutput | None:
         kind = RequestOutputKind(state.params.output_kind)
+        final_only = kind == RequestOutputKind.FINAL_ONLY
         completions = []
         for res in results:
             sample = state.samples[res.request_id]
             if state.num_cached_tokens is None and res.ttft_s is not None:
                 state.num_cached_tokens = res.num_cached_tokens
+            if final_only and not res.finished:
+                continue  # nothing is said before the end: no text to decode at every step
             completion = self._completion(state, sample, res, kind)
             if res.finished:
                 sample.finished = completion if kind != RequestOutputKind.DELTA else self._completion(
@@ -117,7 +120,7 @@ class OutputProcessor:
                 state.num_preemptions += res.preemptions
             completions.append(completion)
         finished = state.finished
-        if kind == RequestOutputKind.FINAL_ONLY:
+        if final_only:
             if not finished:
                 return None
             completions = [s.finished for s in sorted(state.samples.values(), key=lambda s: s.index)]

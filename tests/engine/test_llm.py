@@ -27,6 +27,21 @@ MARGIN = 1e-4
 NEW = 12
 
 
+def test_readme_async_example_streams_what_generate_returns():
+    """The README's AsyncLLM example as written: the DELTA texts it prints, joined, are the text
+    LLM.generate returns for the same greedy request."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("## From Python", 1)[1]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[1]
+    assert "AsyncLLM" in code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    llm = kvjax.LLM("small-gqa", num_gpu_blocks_override=64, use_tqdm_on_load=False)
+    want = llm.generate("def fibonacci(n):", kvjax.SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert out.getvalue() == want[0].outputs[0].text and len(want[0].outputs[0].token_ids) == 16
+
+
 @pytest.mark.slow
 def test_readme_python_example_runs_as_written():
     readme = open(os.path.join(ROOT, "README.md")).read()
