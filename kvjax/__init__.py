@@ -76,15 +76,13 @@ def _in_checkout() -> bool:
 if _in_checkout() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_path):
     sys.meta_path.insert(0, _CheckoutFolders())
 
-_EXPORTS = {
-    "LLM": "kvjax.engine.llm", "LLMEngine": "kvjax.engine.llm_engine", "AsyncLLM": "kvjax.engine.async_llm",
-    "EngineArgs": "kvjax.engine.arg_utils", "AsyncEngineArgs": "kvjax.engine.arg_utils",
-    "LLMError": "kvjax.engine.arg_utils",
-    "RequestOutput": "kvjax.engine.outputs", "CompletionOutput": "kvjax.engine.outputs",
-    "Logprob": "kvjax.engine.outputs", "RequestMetrics": "kvjax.engine.outputs",
-    "SamplingParams": "kvjax.engine.sampling_params", "SamplingParamsError": "kvjax.engine.sampling_params",
-    "RequestOutputKind": "kvjax.engine.sampling_params", "BeamSearchParams": "kvjax.engine.beam_search",
-}
+_EXPORTS = {name: module for module, names in (  # name → the module that defines it
+    ("kvjax.engine.llm", ("LLM",)), ("kvjax.engine.llm_engine", ("LLMEngine",)),
+    ("kvjax.engine.async_llm", ("AsyncLLM",)), ("kvjax.engine.arg_utils", ("EngineArgs", "AsyncEngineArgs", "LLMError")),
+    ("kvjax.engine.outputs", ("RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics")),
+    ("kvjax.engine.sampling_params", ("SamplingParams", "SamplingParamsError", "RequestOutputKind")),
+    ("kvjax.engine.beam_search", ("BeamSearchParams",)),
+) for name in names}
 
 __all__ = sorted(_EXPORTS)
 

@@ -24,54 +24,24 @@ them); the attention itself is models.llama's GQAAttention.
 """
 from __future__ import annotations
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-
-from kvjax.attention.metadata import BatchMetadata
-from kvjax.config.model import ModelConfig
-from kvjax.models.layers import MLP, CausalLM, rms_normalized
+from kvjax.models.layers import CausalLM, DecoderLayer, RMSNorm
 from kvjax.models.llama import GQAAttention
-from kvjax.worker.paged_cache import LayerPages, LayerRows
 
 
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) × (1 + weight), all in f32, cast back at the end (transformers' Gemma2RMSNorm)."""
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) × (1 + weight), all in f32 (models.layers.RMSNorm with unit_offset)."""
 
-    eps: float
-    dtype: str = "float32"
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] → [..., D]
-        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), jnp.dtype(self.dtype))
-        return (rms_normalized(x, self.eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    unit_offset: bool = True
 
 
 class GemmaAttention(GQAAttention):
     norm_cls = GemmaRMSNorm
 
 
-class GemmaDecoderLayer(nn.Module):
-    """The sandwich block: every sublayer's input and output normalized."""
+class GemmaDecoderLayer(DecoderLayer):
+    """The sandwich block (the config's sandwich_norms) with Gemma's (1 + weight) norms."""
 
-    config: ModelConfig
-    attention_cls: type
-    attn_impl: str
-    layer: int
-
-    @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages | LayerRows
-                 ) -> tuple[jax.Array, LayerPages | LayerRows]:
-        c = self.config
-
-        def norm(name):
-            return GemmaRMSNorm(c.rms_norm_eps, c.dtype, name=name)
-
-        h = norm("input_layernorm")(x)  # [T, D]
-        h, pages = self.attention_cls(c, self.attn_impl, self.layer, name="self_attn")(h, md, pages)
-        x = x + norm("post_attention_layernorm")(h)
-        h = MLP(c, name="mlp")(norm("pre_feedforward_layernorm")(x))
-        return x + norm("post_feedforward_layernorm")(h), pages
+    norm_cls = GemmaRMSNorm
 
 
 class GemmaForCausalLM(CausalLM):

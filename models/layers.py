@@ -115,14 +115,20 @@ def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) × weight, normalized in f32 and cast back before the weight (as transformers)."""
+    """x / rms(x) × weight, normalized in f32 and cast back before the weight (transformers'
+    LlamaRMSNorm); with unit_offset, x / rms(x) × (1 + weight) all in f32, cast back at the end,
+    its weight starting at 0 (transformers' Gemma2RMSNorm / Gemma3RMSNorm)."""
 
     eps: float
     dtype: str = "float32"
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] → [..., D]
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), jnp.dtype(self.dtype))
+        if self.unit_offset:
+            return (rms_normalized(x, self.eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
         return weight * rms_normalized(x, self.eps).astype(x.dtype)
 
 
@@ -138,22 +144,31 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with the config's sandwich norms
+    (Gemma 2 / 3) every sublayer's output is normalized too, before it joins the residual."""
 
     config: ModelConfig
     attention_cls: type
     attn_impl: str
     layer: int
+    norm_cls: ClassVar[type] = RMSNorm
 
     @nn.compact
     def __call__(self, x: jax.Array, md: BatchMetadata, pages: LayerPages | LayerRows
                  ) -> tuple[jax.Array, LayerPages | LayerRows]:
         c = self.config
-        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)  # [T, D]
+
+        def norm(name):
+            return self.norm_cls(c.rms_norm_eps, c.dtype, name=name)
+
+        h = norm("input_layernorm")(x)  # [T, D]
         h, pages = self.attention_cls(c, self.attn_impl, self.layer, name="self_attn")(h, md, pages)
+        if c.sandwich_norms:
+            x = x + norm("post_attention_layernorm")(h)
+            h = MLP(c, name="mlp")(norm("pre_feedforward_layernorm")(x))
+            return x + norm("post_feedforward_layernorm")(h), pages
         x = x + h
-        h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(c, name="mlp")(h), pages
+        return x + MLP(c, name="mlp")(norm("post_attention_layernorm")(x)), pages
 
 
 class CausalLM(nn.Module):

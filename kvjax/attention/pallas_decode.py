@@ -88,12 +88,9 @@ def _gqa_kernel(
     softcap: float | None, compute_dtype, precision,
 ):
     block_h, head_dim = q_ref.shape
-    block_size = k_ref.shape[1]
-    block_k = pages_per_block * block_size
-    length, first_page, n_pages, n_steps = program_split(lens_ref, block_size=block_size,
-                                                         pages_per_block=pages_per_block,
-                                                         pages_per_split=pages_per_split, max_blocks=max_blocks,
-                                                         window=window)
+    block_size, block_k, length, first_page, n_pages, n_steps = program_split(
+        lens_ref, k_ref, pages_per_block=pages_per_block, pages_per_split=pages_per_split, max_blocks=max_blocks,
+        window=window)
 
     q = q_ref[...].astype(compute_dtype)  # [block_h, H]
     logit_scale = sm_scale * k_scale_ref[0]  # K's dequant scale folds into the logits exactly

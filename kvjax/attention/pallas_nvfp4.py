@@ -36,12 +36,9 @@ def _gqa_nvfp4_kernel(
 ):
     """pallas_decode's _gqa_kernel on nvfp4 pages (module docstring)."""
     block_h, half = qe_ref.shape
-    block_size = kd_ref.shape[1]
-    block_k = pages_per_block * block_size
-    length, first_page, n_pages, n_steps = program_split(lens_ref, block_size=block_size,
-                                                         pages_per_block=pages_per_block,
-                                                         pages_per_split=pages_per_split, max_blocks=max_blocks,
-                                                         window=window)
+    block_size, block_k, length, first_page, n_pages, n_steps = program_split(
+        lens_ref, kd_ref, pages_per_block=pages_per_block, pages_per_split=pages_per_split, max_blocks=max_blocks,
+        window=window)
     qe, qo = qe_ref[...].astype(compute_dtype), qo_ref[...].astype(compute_dtype)
     logit_scale = sm_scale * k_scale_ref[0]
 

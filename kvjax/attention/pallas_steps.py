@@ -43,12 +43,14 @@ def split_pages(split, length, *, block_size: int, pages_per_block: int, pages_p
     return first_page, n_pages, pl.cdiv(n_pages, pages_per_block)
 
 
-def program_split(lens_ref, *, block_size: int, pages_per_block: int, pages_per_split: int, max_blocks: int,
+def program_split(lens_ref, pages_ref, *, pages_per_block: int, pages_per_split: int, max_blocks: int,
                   window: int | None):
-    """This program's sequence length and its split's pages: (length, first page, valid pages, steps)."""
-    length = lens_ref[0]
-    return (length, *split_pages(pl.program_id(2), length, block_size=block_size, pages_per_block=pages_per_block,
-                                 pages_per_split=pages_per_split, max_blocks=max_blocks, window=window))
+    """Every kernel's prologue: this program's view of its sequence, from its length and a page
+    ref [P, Z, ...] → (Z, tokens per step, length, first page, valid pages, steps)."""
+    block_size, length = pages_ref.shape[1], lens_ref[0]
+    return (block_size, pages_per_block * block_size, length,
+            *split_pages(pl.program_id(2), length, block_size=block_size, pages_per_block=pages_per_block,
+                         pages_per_split=pages_per_split, max_blocks=max_blocks, window=window))
 
 
 def in_view(pos, length, window: int | None):

@@ -48,51 +48,21 @@ class LLM:
                 raise LLMError(f"LLM() has no argument {name!r}")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._request_counter = itertools.count()
-        self._profiling = None
 
     # ------------------------------------------------------------------ what it runs
-    @property
-    def vllm_config(self):
-        """The resolved config (kvjax.config.engine.EngineConfig, vLLM's VllmConfig)."""
-        return self.llm_engine.vllm_config
-
-    @property
-    def engine(self):
-        """The engine core (kvjax.engine.core.Engine: scheduler, pool, cache)."""
-        return self.llm_engine.engine
-
-    @property
-    def model(self):
-        return self.llm_engine.model
-
-    @property
-    def config(self):
-        """The model's architecture (kvjax.config.model.ModelConfig)."""
-        return self.vllm_config.model_config
-
-    @property
-    def tokenizer(self):
-        return self.llm_engine.tokenizer
-
-    @property
-    def kv_spec(self):
-        return self.vllm_config.cache_config.kv_spec
-
-    @property
-    def scales(self):
-        return self.vllm_config.cache_config.scales
-
-    @property
-    def block_size(self) -> int:
-        return self.vllm_config.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.vllm_config.num_blocks
-
-    @property
-    def max_model_len(self) -> int:
-        return self.vllm_config.max_model_len
+    # The resolved config (kvjax.config.engine.EngineConfig, vLLM's VllmConfig), the engine core
+    # (kvjax.engine.core.Engine: scheduler, pool, cache), the loaded model, its architecture
+    # (ModelConfig) and tokenizer, and the config's values a caller reads most.
+    vllm_config = property(lambda self: self.llm_engine.vllm_config)
+    engine = property(lambda self: self.llm_engine.engine)
+    model = property(lambda self: self.llm_engine.model)
+    config = property(lambda self: self.vllm_config.model_config)
+    tokenizer = property(lambda self: self.llm_engine.tokenizer)
+    kv_spec = property(lambda self: self.vllm_config.cache_config.kv_spec)
+    scales = property(lambda self: self.vllm_config.cache_config.scales)
+    block_size = property(lambda self: self.vllm_config.block_size)
+    num_blocks = property(lambda self: self.vllm_config.num_blocks)
+    max_model_len = property(lambda self: self.vllm_config.max_model_len)
 
     def get_tokenizer(self):
         """The model's tokenizer (models.tokenizer.Tokenizer: encode, decode, eos_token_id, ...)."""
