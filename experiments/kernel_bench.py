@@ -134,12 +134,13 @@ def impl_fns(model: Model, case, block_size: int, interpret: bool):
         tiles = default_tiles(batch=batch, num_kv_heads=model.kv_heads, group=model.heads // model.kv_heads,
                               head_dim=model.head_dim, block_size=block_size, max_blocks=blocks)
         ks, vs = scales
+        kv_dtype = "fp8_e4m3" if ks is not None else None  # the pages' format, as a cache's pages carry it
         fns = {
             "pallas": (jax.jit(lambda q, k, v, t, l: paged_decode(
                 q, k, v, t, l, scale=scale, k_scale=ks, v_scale=vs, tiles=tiles, interpret=interpret)),
                 (*q, *pages, tables, lens)),
             "xla_ref": (jax.jit(lambda q, k, v, t, l: paged_decode_reference(
-                q, k, v, t, l, scale=scale, k_scale=ks, v_scale=vs)), (*q, *pages, tables, lens)),
+                q, k, v, t, l, scale=scale, k_scale=ks, v_scale=vs, kv_dtype=kv_dtype)), (*q, *pages, tables, lens)),
         }
         return fns, tiles
     scale = (model.head_dim // 4 + model.rope_dim) ** -0.5  # DeepSeek: (qk_nope + qk_rope) ** -0.5
@@ -151,7 +152,8 @@ def impl_fns(model: Model, case, block_size: int, interpret: bool):
             ql, qr, c, t, l, scale=scale, latent_scale=ls, tiles=tiles, interpret=interpret)),
             (*q, *pages, tables, lens)),
         "xla_ref": (jax.jit(lambda ql, qr, c, t, l: mla_paged_decode_reference(
-            ql, qr, c, t, l, scale=scale, latent_scale=ls)), (*q, *pages, tables, lens)),
+            ql, qr, c, t, l, scale=scale, latent_scale=ls, kv_dtype=None if ls is None else "fp8_e4m3")),
+            (*q, *pages, tables, lens)),
     }
     return fns, tiles
 

@@ -11,7 +11,9 @@ gets `default_impl()`: "pallas" on GPU, "reference" on CPU.
 
 The dispatchers take a layer's whole cache pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
-implementation without changing the attention modules. A contiguous cache layer
+implementation without changing the attention modules, and with it the KV format the pages
+carry (`kv_dtype`), which says how they are read: no implementation guesses a format from an
+array's dtype or a scale's shape. A contiguous cache layer
 (`ContiguousKV` / `ContiguousLatent`, the baseline paging is measured against) is read in
 place by the reference forms whatever the implementation, since the kernels read pages.
 
@@ -31,39 +33,43 @@ from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadat
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
 from kvjax.errors import KvjaxError
+from kvjax.quant.kv_formats import kv_format
 from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionImpl:
-    ragged: Callable  # (q, k_pages, v_pages, md, *, scale, k_scale, v_scale, window, sinks, softcap)
+    ragged: Callable  # (q, k_pages, v_pages, md, *, scale, k_scale, v_scale, window, sinks, softcap, kv_dtype)
     decode: Callable  # (q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale, v_scale, window, sinks,
-    #                    softcap)
-    mla_ragged: Callable  # (q_latent, q_rope, latent_pages, md, *, scale, latent_scale)
-    mla_decode: Callable  # (q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale)
+    #                    softcap, kv_dtype)
+    mla_ragged: Callable  # (q_latent, q_rope, latent_pages, md, *, scale, latent_scale, kv_dtype)
+    mla_decode: Callable  # (q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale,
+    #                        kv_dtype)
 
 
 def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None,
-                   window=None, sinks=None, softcap=None):
+                   window=None, sinks=None, softcap=None, kv_dtype=None):
     from kvjax.attention.pallas_decode import paged_decode
 
-    _static_scale_only(k_scale)
+    _static_scale_only(kv_dtype)
     return paged_decode(q, k_pages, v_pages, block_tables, context_lens, scale=scale, k_scale=k_scale,
-                        v_scale=v_scale, window=window, sinks=sinks, softcap=softcap)
+                        v_scale=v_scale, window=window, sinks=sinks, softcap=softcap, kv_dtype=kv_dtype)
 
 
-def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale=None):
+def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale=None,
+                       kv_dtype=None):
     from kvjax.attention.pallas_mla import mla_paged_decode
 
-    _static_scale_only(latent_scale)
+    _static_scale_only(kv_dtype)
     return mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, scale=scale,
                             latent_scale=latent_scale)
 
 
-def _static_scale_only(scale) -> None:
-    if scale is not None and scale.ndim > 1:
-        raise KvjaxError("attn_impl 'pallas' reads static (per-tensor / per-head / per-channel) scales only; "
-                         "int8_per_token_head pages need attn_impl 'reference'")
+def _static_scale_only(kv_dtype: str | None) -> None:
+    """The kernels read static (per-tensor / per-head / per-channel) scales only: the pages' format says."""
+    if kv_dtype is not None and kv_format(kv_dtype).scale == "per_token":
+        raise KvjaxError(f"attn_impl 'pallas' reads static (per-tensor / per-head / per-channel) scales only; "
+                         f"{kv_dtype} pages need attn_impl 'reference'")
 
 
 _IMPLS: dict[str, AttentionImpl] = {
@@ -102,7 +108,7 @@ def paged_attention(q: jax.Array, pages: KVPages | ContiguousKV, md: BatchMetada
         if md.decode:
             return ref.contiguous_decode_reference(q, pages.k, pages.v, md.context_lens, scale=scale, **variant)
         return ref.contiguous_attention_reference(q, pages.k, pages.v, md, scale=scale, **variant)
-    scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
+    scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale, kv_dtype=pages.kv_dtype)  # the pages say their format
     if md.decode:
         return fns.decode(q, pages.k, pages.v, md.block_tables, md.context_lens, scale=scale, **scales, **variant)
     return fns.ragged(q, pages.k, pages.v, md, scale=scale, **scales, **variant)
@@ -117,10 +123,10 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPag
         if md.decode:
             return ref.mla_contiguous_decode_reference(q_latent, q_rope, pages.latent, md.context_lens, scale=scale)
         return ref.mla_contiguous_attention_reference(q_latent, q_rope, pages.latent, md, scale=scale)
+    scales = dict(latent_scale=pages.scale, kv_dtype=pages.kv_dtype)  # the pages say their format
     if md.decode:
-        return fns.mla_decode(q_latent, q_rope, pages.latent, md.block_tables, md.context_lens, scale=scale,
-                              latent_scale=pages.scale)
-    return fns.mla_ragged(q_latent, q_rope, pages.latent, md, scale=scale, latent_scale=pages.scale)
+        return fns.mla_decode(q_latent, q_rope, pages.latent, md.block_tables, md.context_lens, scale=scale, **scales)
+    return fns.mla_ragged(q_latent, q_rope, pages.latent, md, scale=scale, **scales)
 
 
 __all__ = ["AttentionImpl", "BatchMetadata", "MetadataError", "build_metadata", "decode_metadata",

@@ -61,7 +61,7 @@ from kvjax.attention.tiles import DecodeTiles, default_tiles
 from kvjax.core.block_pool import NULL_BLOCK
 from kvjax.math_utils import cdiv, is_power_of_two
 from kvjax.quant import nvfp4
-from kvjax.quant.kv_formats import kv_formats
+from kvjax.quant.kv_formats import kv_format, kv_formats
 
 # From kvjax.quant.kv_formats's table: the kernels read unscaled pages, pages with a static
 # scale (fp8) and nvfp4's packed uint8 pages, not per-token scales (int8_per_token_head); q comes
@@ -161,9 +161,9 @@ def merge_splits(o, lse, axis: int, sinks=None):
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "tiles", "interpret", "packed"))
 def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks, *, scale, window, softcap,
-                  tiles, interpret):
+                  tiles, interpret, packed):
     batch, num_heads, head_dim = q.shape  # [B, N, H]
     _, block_size, num_kv_heads, _ = k_pages.shape  # [P, Z, K, H]
     group = num_heads // num_kv_heads
@@ -183,7 +183,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
                 compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
                 name=f"kvjax_paged_decode_h{block_h}_p{tiles.pages_per_block}_s{num_splits}{variant}")
     lens = context_lens.astype(jnp.int32)
-    if k_pages.dtype == NVFP4_DTYPE:  # kvjax.attention.pallas_nvfp4: values and block scales apart
+    if packed:  # nvfp4 (kvjax.attention.pallas_nvfp4): values and block scales apart
         o, lse = nvfp4_decode_call(kernel.keywords, call, lens, tables, q4, k_pages, v_pages, k_scale, v_scale,
                                    block_h=block_h, head_scalar_spec=head_scalar_spec)
     else:
@@ -245,7 +245,8 @@ def check_dtypes(q_dtype, page_dtype, q_name: str, page_name: str) -> None:
 
 def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: float, k_scale=None, v_scale=None,
                  window: int | None = None, sinks=None, softcap: float | None = None,
-                 tiles: DecodeTiles | None = None, interpret: bool | None = None) -> jax.Array:
+                 tiles: DecodeTiles | None = None, interpret: bool | None = None,
+                 kv_dtype: str | None = None) -> jax.Array:
     """Decode attention of one query token per sequence over a paged K/V cache (Pallas kernel).
 
     q [B, N, H] (f32, bf16, f16; unscaled); k_pages, v_pages [P, Z, K, H] (f32, bf16, f16,
@@ -254,8 +255,10 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     a zero output); scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
     scalar or per-kv-head f32[K] dequant scales; window (int >= 1), sinks (f32[N]), softcap
     (> 0): the layer's variants (module docstring), None for off; tiles: None → `default_tiles`
-    for the pages in view; interpret: None → True on CPU. Returns [B, N, H] in q's dtype.
-    Shapes and dtypes are checked here, outside jit; bad ones raise ValueError.
+    for the pages in view; interpret: None → True on CPU; kv_dtype: the pages' KV format (the
+    cache's pages carry it; "nvfp4" for the packed pages; None for pages read as they are).
+    Returns [B, N, H] in q's dtype. Shapes and dtypes are checked here, outside jit; bad ones raise
+    ValueError.
     """
     if len(q.shape) != 3:
         raise ValueError(f"q must be [B, N, H]; got shape {tuple(q.shape)}")
@@ -266,7 +269,11 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
                          f" {tuple(k_pages.shape)} {k_pages.dtype}")
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, page_head_dim = k_pages.shape
-    if k_pages.dtype == NVFP4_DTYPE:  # nvfp4's packed heads
+    packed = kv_dtype is not None and kv_format(kv_dtype).scale == "per_block"
+    if packed != (k_pages.dtype == NVFP4_DTYPE):
+        raise ValueError(f"nvfp4 pages are uint8 and uint8 pages nvfp4's: kv_dtype {kv_dtype!r} with {k_pages.dtype} "
+                         "pages")
+    if packed:  # nvfp4's packed heads
         if head_dim % nvfp4.GROUP or page_head_dim != nvfp4.packed_width(head_dim):
             raise ValueError(f"nvfp4 pages hold H/2 + H/16 bytes per head (H a multiple of {nvfp4.GROUP}); "
                              f"q's head dim {head_dim} does not fit the pages' {page_head_dim}")
@@ -290,4 +297,4 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     tiles.check(block_size=block_size, rows=group)
     return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks,
                          scale=float(scale), window=window, softcap=softcap, tiles=tiles,
-                         interpret=resolve_interpret(interpret))
+                         interpret=resolve_interpret(interpret), packed=packed)

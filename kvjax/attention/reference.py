@@ -57,26 +57,49 @@ from kvjax.attention.metadata import BatchMetadata
 from kvjax.errors import KvjaxError, check_int
 from kvjax.math_utils import cdiv
 from kvjax.quant import nvfp4
+from kvjax.quant.kv_formats import kv_format
 from kvjax.worker.paged_cache import gather_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST  # f32 reference: no TF32 / bf16 passes on GPU
 
 
-def gather_dequant(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array) -> jax.Array:
-    """Gather pages [P, Z, ...] by block table i32[B, M] → f32[B, S, ...], dequantized.
+def scale_kind(pages: jax.Array, scale, kv_dtype: str | None) -> str:
+    """How pages of the KV format kv_dtype are read: the format's scale kind (kvjax.quant.kv_formats:
+    "none", "static", "per_token", "per_block"). The cache's pages carry their format
+    (KVPages.kv_dtype); None names unquantized pages, which carry no scale: a quantized page is
+    never guessed from its array's dtype or its scale's shape."""
+    if kv_dtype is None:
+        if scale is not None or pages.dtype == jnp.uint8:
+            raise KvjaxError("quantized pages (a scale, or nvfp4's uint8 pages) need their kv_dtype, the format "
+                             "the cache's pages carry (KVPages.kv_dtype)")
+        return "none"
+    fmt = kv_format(kv_dtype)
+    if jnp.dtype(pages.dtype) != jnp.dtype(fmt.dtype):
+        raise KvjaxError(f"{fmt.name} pages are {jnp.dtype(fmt.dtype)}, got {pages.dtype}")
+    if fmt.scale == "none" and scale is not None:
+        raise KvjaxError(f"{fmt.name} pages have no scale, got one of shape {tuple(jnp.shape(scale))}")
+    return fmt.scale
 
-    scale: None (unquantized), a static scale that broadcasts over the page's last axis after
-    one more axis (f32[K] for [.., K, H] pages; f32[C] or a scalar for MLA [.., C] pages), or
-    per-token scale pages [P, Z, ...] with one axis fewer than the pages (int8_per_token_head).
-    uint8 pages are nvfp4's (kvjax.quant.nvfp4), with their per-tensor scale f32[K].
+
+def gather_dequant(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array,
+                   kv_dtype: str | None = None) -> jax.Array:
+    """Gather pages [P, Z, ...] of the KV format kv_dtype (None: unquantized) by block table
+    i32[B, M] → f32[B, S, ...], dequantized as the format says (`scale_kind`):
+
+    static     scale None (1.0) or a scale that broadcasts over the page's last axis after one
+               more axis (f32[K] for [.., K, H] pages; f32[C] or a scalar for MLA [.., C] pages);
+    per_token  scale pages [P, Z, ...] with one axis fewer than the pages (int8_per_token_head);
+    per_block  nvfp4's packed uint8 pages (kvjax.quant.nvfp4) with their per-tensor scale f32[K].
     """
-    if pages.dtype == jnp.uint8:  # nvfp4 [.., K, H/2 + H/16]: packed values, block scales, a per-head scale
+    kind = scale_kind(pages, scale, kv_dtype)
+    if kind == "per_block":  # nvfp4 [.., K, H/2 + H/16]: packed values, block scales, a per-head scale
+        scale = jnp.ones((), jnp.float32) if scale is None else scale
         return nvfp4.dequantize(gather_pages(pages, block_tables), jnp.broadcast_to(scale, (pages.shape[2],))[:, None])
     x = gather_pages(pages, block_tables).astype(jnp.float32)
     if scale is None:
         return x
     scale = jnp.asarray(scale, jnp.float32)
-    if scale.ndim == pages.ndim - 1 and scale.shape[:2] == pages.shape[:2]:  # per-token scale pages
+    if kind == "per_token":
         return x * gather_pages(scale, block_tables)[..., None]
     if pages.ndim == 4:  # [.., K, H] pages: a per-head scale (or a scalar)
         return x * jnp.broadcast_to(scale, (pages.shape[2],))[:, None]
@@ -224,14 +247,14 @@ def _check(name: str, array: jax.Array, ndim: int, what: str) -> None:
         raise ValueError(f"{name} must be {what}, got shape {tuple(array.shape)}")
 
 
-def _check_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+def _check_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_dtype: str | None) -> None:
     _check("k_pages", k_pages, 4, "[P, Z, K, H]")
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {tuple(v_pages.shape)} differs from k_pages {tuple(k_pages.shape)}")
     heads, kv_heads = q.shape[-2], k_pages.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{kv_heads} kv heads do not divide {heads} query heads")
-    packed = k_pages.dtype == jnp.uint8  # nvfp4: H / 2 + H / 16 bytes per head
+    packed = kv_dtype is not None and kv_format(kv_dtype).scale == "per_block"  # nvfp4: H/2 + H/16 bytes a head
     width = nvfp4.packed_width(q.shape[-1]) if packed else q.shape[-1]  # packed_width refuses H % 16
     if width != k_pages.shape[-1]:
         raise ValueError(f"query head dim {q.shape[-1]} does not fit the pages' last axis {k_pages.shape[-1]}"
@@ -262,34 +285,36 @@ def _decode_mask(context_lens: jax.Array, num_positions: int, window: int | None
 # --------------------------------------------------------------------------------------------
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: BatchMetadata,
                               *, scale: float, k_scale=None, v_scale=None, window: int | None = None,
-                              sinks=None, softcap: float | None = None) -> jax.Array:
+                              sinks=None, softcap: float | None = None, kv_dtype: str | None = None) -> jax.Array:
     """Ragged causal attention of a flat token batch over the paged cache.
 
     q: [T, N, H]; k_pages, v_pages: [P, Z, K, H] (this step's K/V already written) → [T, N, H]
     in q's dtype. Gathers every sequence once ([B, S, K, H]) and each sequence's queries into a
     [B, Q] block (Q = md.max_query_len), so a token scores only its own sequence's positions:
     memory B × Q × N × S (a reference, not a kernel). window, sinks f32[N], softcap: the
-    module docstring's variants (None: off); a windowed token sees by its own position.
+    module docstring's variants (None: off); a windowed token sees by its own position. kv_dtype:
+    the pages' KV format, which says how they are read (`gather_dequant`; None: unquantized).
     """
     _check("q", q, 3, "[T, N, H]")
-    _check_pages(q, k_pages, v_pages)
+    _check_pages(q, k_pages, v_pages, kv_dtype)
     window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
-    k = gather_dequant(k_pages, k_scale, md.block_tables)  # f32[B, S, K, H]
-    v = gather_dequant(v_pages, v_scale, md.block_tables)
+    k = gather_dequant(k_pages, k_scale, md.block_tables, kv_dtype)  # f32[B, S, K, H]
+    v = gather_dequant(v_pages, v_scale, md.block_tables, kv_dtype)
     return _ragged(q, k, v, md, scale, window, sinks, softcap).astype(q.dtype)
 
 
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                            context_lens: jax.Array, *, scale: float, k_scale=None, v_scale=None,
-                           window: int | None = None, sinks=None, softcap: float | None = None) -> jax.Array:
+                           window: int | None = None, sinks=None, softcap: float | None = None,
+                           kv_dtype: str | None = None) -> jax.Array:
     """One query per sequence, at position context_lens[b] - 1, over its cached context (with a
     window W its last W positions).
 
     q: [B, N, H]; k_pages, v_pages: [P, Z, K, H]; block_tables: i32[B, M];
-    context_lens: i32[B]; sinks: f32[N] or None → [B, N, H] in q's dtype.
+    context_lens: i32[B]; sinks: f32[N] or None; kv_dtype: the pages' format → [B, N, H] in q's dtype.
     """
     _check("q", q, 3, "[B, N, H]")
-    _check_pages(q, k_pages, v_pages)
+    _check_pages(q, k_pages, v_pages, kv_dtype)
     _check("block_tables", block_tables, 2, "[B, M]")
     window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
     z, width = k_pages.shape[1], block_tables.shape[1]
@@ -300,8 +325,8 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         jnp.zeros_like(context_lens)
     tables = block_tables if span == width else \
         jnp.take_along_axis(block_tables, first[:, None] + jnp.arange(span)[None, :], axis=1)  # i32[B, span]
-    k = gather_dequant(k_pages, k_scale, tables)  # f32[B, S, K, H]
-    v = gather_dequant(v_pages, v_scale, tables)
+    k = gather_dequant(k_pages, k_scale, tables, kv_dtype)  # f32[B, S, K, H]
+    v = gather_dequant(v_pages, v_scale, tables, kv_dtype)
     mask = _decode_mask(context_lens - first * z, k.shape[1], window)  # positions relative to the first page
     return _attend(q, k, v, mask, scale, sinks, softcap).astype(q.dtype)
 
@@ -312,7 +337,7 @@ def contiguous_attention_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.
     """Ragged causal attention over a contiguous cache. q: [T, N, H]; k_rows, v_rows: [B, S, K, H]
     (row b is sequence b of md); sinks: f32[N] or None → [T, N, H]."""
     _check("q", q, 3, "[T, N, H]")
-    _check_pages(q, k_rows, v_rows)
+    _check_pages(q, k_rows, v_rows, None)
     window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
     return _ragged(q, k_rows, v_rows, md, scale, window, sinks, softcap).astype(q.dtype)
 
@@ -323,7 +348,7 @@ def contiguous_decode_reference(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arr
     """One query per row over a contiguous cache read in place. q: [B, N, H]; k_rows, v_rows:
     [B, S, K, H]; context_lens: i32[B]; sinks: f32[N] or None → [B, N, H]."""
     _check("q", q, 3, "[B, N, H]")
-    _check_pages(q, k_rows, v_rows)
+    _check_pages(q, k_rows, v_rows, None)
     window, sinks, softcap = check_variant(q.shape[1], window, sinks, softcap)
     mask = _decode_mask(context_lens, k_rows.shape[1], window)
     return _attend(q, k_rows, v_rows, mask, scale, sinks, softcap).astype(q.dtype)
@@ -345,24 +370,25 @@ def _mla(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: float
 
 
 def mla_paged_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
-                                  md: BatchMetadata, *, scale: float, latent_scale=None) -> jax.Array:
+                                  md: BatchMetadata, *, scale: float, latent_scale=None,
+                                  kv_dtype: str | None = None) -> jax.Array:
     """Ragged causal MLA. q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope];
     latent_pages: [P, Z, C] → [T, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[T, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
-    latent = gather_dequant(latent_pages, latent_scale, md.block_tables)  # f32[B, S, C]
+    latent = gather_dequant(latent_pages, latent_scale, md.block_tables, kv_dtype)  # f32[B, S, C]
     return _mla(q_latent, q_rope, latent, scale, md=md)
 
 
 def mla_paged_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                                block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
-                               latent_scale=None) -> jax.Array:
+                               latent_scale=None, kv_dtype: str | None = None) -> jax.Array:
     """Decode MLA. q_latent: [B, N, kv_lora_rank]; q_rope: [B, N, rope]; latent_pages: [P, Z, C];
     block_tables: i32[B, M]; context_lens: i32[B] → [B, N, kv_lora_rank]."""
     _check("q_latent", q_latent, 3, "[B, N, kv_lora_rank]")
     _check_latent(q_latent, q_rope, latent_pages)
     _check("block_tables", block_tables, 2, "[B, M]")
-    latent = gather_dequant(latent_pages, latent_scale, block_tables)  # f32[B, S, C]
+    latent = gather_dequant(latent_pages, latent_scale, block_tables, kv_dtype)  # f32[B, S, C]
     return _mla(q_latent, q_rope, latent, scale, mask=_decode_mask(context_lens, latent.shape[1]))
 
 

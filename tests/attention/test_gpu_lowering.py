@@ -52,7 +52,7 @@ def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
 
     def fn(q, k, v, tables, lens, k_scale, v_scale):
         return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
-                            tiles=tiles, interpret=False)
+                            tiles=tiles, interpret=False, kv_dtype="nvfp4" if kv == "nvfp4" else None)
 
     module = lower_for_cuda(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
                             S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scale, scale)

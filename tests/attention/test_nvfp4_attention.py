@@ -22,6 +22,7 @@ from nvfp4_numpy import decode as decode_numpy
 
 from kvjax.attention.pallas_decode import paged_decode, paged_decode_reference
 from kvjax.attention.tiles import DecodeTiles
+from kvjax.errors import KvjaxError
 from kvjax.quant import nvfp4
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -83,7 +84,8 @@ def test_kernel_and_reference_read_nvfp4_pages(case):
     q_in = jnp.asarray(q).astype(q_dtype)
     want = attend_numpy(np.asarray(q_in.astype(F32)), dense, lens, scale, group, window)
     args = (q_in, jnp.asarray(pages["k"]), jnp.asarray(pages["v"]), jnp.asarray(tables), jnp.asarray(lens, np.int32))
-    kw = dict(scale=scale, k_scale=jnp.asarray(tensor_scale), v_scale=jnp.asarray(tensor_scale), window=window)
+    kw = dict(scale=scale, k_scale=jnp.asarray(tensor_scale), v_scale=jnp.asarray(tensor_scale), window=window,
+              kv_dtype="nvfp4")  # the format the pages carry in a cache (KVPages.kv_dtype)
     tiles = DecodeTiles(pages_per_block=ppb, num_splits=splits, block_h=16)
     kernel = np.asarray(paged_decode(*args, **kw, tiles=tiles).astype(F32), np.float64)
     reference = np.asarray(paged_decode_reference(*args, **kw).astype(F32), np.float64)
@@ -98,5 +100,14 @@ def test_kernel_and_reference_read_nvfp4_pages(case):
 def test_bad_pages_are_refused():
     q = jnp.zeros((1, 2, 64), F32)
     pages = jnp.zeros((4, 16, 2, 64), jnp.uint8)  # 64 bytes per head: not H/2 + H/16 = 36
+    tables, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
     with pytest.raises(ValueError, match="H/2 \\+ H/16"):
-        paged_decode(q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), scale=1.0)
+        paged_decode(q, pages, pages, tables, lens, scale=1.0, kv_dtype="nvfp4")
+    # the pages' format is named, never guessed from their dtype: uint8 pages without it, or nvfp4 with bf16 pages
+    with pytest.raises(ValueError, match="uint8 pages nvfp4's"):
+        paged_decode(q, pages, pages, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match="uint8 pages nvfp4's"):
+        paged_decode(q, jnp.zeros((4, 16, 2, 64), jnp.bfloat16), jnp.zeros((4, 16, 2, 64), jnp.bfloat16), tables,
+                     lens, scale=1.0, kv_dtype="nvfp4")
+    with pytest.raises(KvjaxError, match="need their kv_dtype"):
+        paged_decode_reference(q, pages, pages, tables, lens, scale=1.0)

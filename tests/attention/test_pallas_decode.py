@@ -175,7 +175,7 @@ def test_gqa_reference_matches_numpy(case):
     want, vmax = gqa_numpy(np.asarray(q, np.float32), kv, tables, lens, 0.1)
     out = paged_decode_reference(jnp.asarray(q), jnp.asarray(kv["k"][0]), jnp.asarray(kv["v"][0]),
                                  jnp.asarray(tables), jnp.asarray(lens), scale=0.1, k_scale=kv["k"][1],
-                                 v_scale=kv["v"][1])
+                                 v_scale=kv["v"][1], kv_dtype="fp8_e4m3")  # the format the pages carry in a cache
     assert_close(out, want, q_dtype, vmax)
 
 
@@ -266,7 +266,7 @@ def test_mla_reference_and_defaults():
     lens = np.array([lens[0], 0, lens[2]], np.int32)
     want, vmax = mla_numpy(ql, qr, latent, tables, lens, 0.07)
     args = [jnp.asarray(a) for a in (ql, qr, latent[0], tables, lens)]
-    ref = mla_paged_decode_reference(*args, scale=0.07, latent_scale=latent[1])
+    ref = mla_paged_decode_reference(*args, scale=0.07, latent_scale=latent[1], kv_dtype="fp8_e4m3")
     assert_close(ref, want, F32, vmax)
     out = mla_paged_decode(*args, scale=0.07, latent_scale=latent[1], interpret=INTERPRET)
     assert_close(out, want, F32, vmax)

@@ -133,8 +133,9 @@ def test_kernel_matches_numpy(case):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out, want, q_dtype, values)
     assert not np.asarray(out[0], np.float32).any(), "a padding row gets zero, sink or not"
+    kv_dtype = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(jnp.dtype(page_dtype).name)
     ref = paged_decode_reference(*args, scale=scale, k_scale=deq, v_scale=deq, window=window, sinks=sinks,
-                                 softcap=softcap)
+                                 softcap=softcap, kv_dtype=kv_dtype)
     assert_close(ref, want, q_dtype, values)
 
 
