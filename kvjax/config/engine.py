@@ -250,7 +250,10 @@ def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: b
                               "pass disable_hybrid_kv_cache_manager=True to keep every layer in one group")
     from kvjax.accounting import hybrid as grouping
 
-    groups = grouping.kv_cache_groups(kv_spec, windows, block_size)
+    try:
+        groups = grouping.kv_cache_groups(kv_spec, windows, block_size)
+    except grouping.HybridError as e:  # e.g. kv_cache_dtype_skip_layers giving the groups pages of two sizes
+        raise EngineError(f"{e}; disable_hybrid_kv_cache_manager=True keeps every layer in one group") from None
     layer_groups, layer_slots = [0] * len(windows), [0] * len(windows)
     for g, group in enumerate(groups):
         for j, layer in enumerate(group.layers):

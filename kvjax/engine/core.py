@@ -269,7 +269,7 @@ class Engine:
         if host is not None:  # blocks this step computed in full, copied out without waiting
             stores = sched.take_stores()
             host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
-        now, changed, prompts = time.perf_counter(), [], [0, 0]
+        now, changed, prompts, ttfts, itls = time.perf_counter(), [], [0, 0], [], []
         for rid, do in zip(plan.req_ids, plan.sample):
             a = self._active[rid]
             res, out = a.result, sched.output(rid)
@@ -278,15 +278,16 @@ class Engine:
                 res.output += out[len(res.output):]
                 if res.ttft_s is None:  # its first token: vLLM counts its prompt now
                     res.ttft_s = now - a.arrival
-                    self.metrics.record_first_token(res.ttft_s)
+                    ttfts.append(res.ttft_s)
                     prompts = [prompts[0] + res.prompt_tokens, prompts[1] + res.num_cached_tokens]
                 else:
-                    self.metrics.record_inter_token_latency(now - a.last_token)
+                    itls.append(now - a.last_token)
                 res.last_token_s, a.last_token = now - a.arrival, now
                 changed.append(res)
         for rid in finished:
             self._close(rid, now)
         self.last_step_tokens = sum(r.new_tokens for r in changed)
+        self.metrics.record_latencies(ttfts, itls)
         self.metrics.record_step(num_running=len(sched.running), num_waiting=len(sched.waiting),
                                  kv_cache_usage=1 - sched.num_free_blocks() / self.usable_blocks,
                                  prefix_cache_queries=queried, prefix_cache_hits=hits,

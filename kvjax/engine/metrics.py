@@ -199,8 +199,8 @@ class FinishedRequest:
 
 
 def _check_counts(**counts) -> None:
-    for name, value in counts.items():
-        if not isinstance(value, numbers.Integral) or value < 0:
+    for name, value in counts.items():  # an int first: the ABC check costs microseconds, every step
+        if (type(value) is not int and not isinstance(value, numbers.Integral)) or value < 0:
             raise ValueError(f"{name} = {value!r}: a count must be a non-negative int")
 
 
@@ -284,16 +284,23 @@ class EngineMetrics:
     def record_first_token(self, ttft: float) -> None:
         """A request's first token: seconds from its arrival to the step that produced it. Once per
         request; a preemption does not make a second one."""
-        _check_time("ttft", ttft)
-        with self._lock:
-            self._observe("vllm:time_to_first_token_seconds", ttft)
+        self.record_latencies((ttft,), ())
 
     def record_inter_token_latency(self, itl: float) -> None:
         """A later output of a request: seconds since its previous output (vLLM observes one per
         output, however many tokens it carries)."""
-        _check_time("itl", itl)
+        self.record_latencies((), (itl,))
+
+    def record_latencies(self, ttfts, itls) -> None:
+        """One step's first-token and inter-token latencies, as the two methods above, under one lock."""
+        for name, values in (("ttft", ttfts), ("itl", itls)):
+            for v in values:
+                _check_time(name, v)
         with self._lock:
-            self._observe("vllm:inter_token_latency_seconds", itl)
+            for v in ttfts:
+                self._observe("vllm:time_to_first_token_seconds", v)
+            for v in itls:
+                self._observe("vllm:inter_token_latency_seconds", v)
 
     def record_finished(self, req: FinishedRequest) -> None:
         """One sequence finished (PrometheusStatLogger.record's loop over finished_requests)."""

@@ -92,8 +92,14 @@ class OutputProcessor:
         changed: dict[str, list[RequestResult]] = {}
         for res in results:
             parent = self.parent_of.get(res.request_id)
-            if parent is not None:
-                changed.setdefault(parent, []).append(res)
+            if parent is None:
+                continue
+            state = self.requests[parent]
+            if not res.finished and state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                if state.num_cached_tokens is None:  # nothing else to say before the end (LLM.generate)
+                    state.num_cached_tokens = res.num_cached_tokens
+                continue
+            changed.setdefault(parent, []).append(res)
         outputs = []
         for parent, ress in changed.items():
             out = self._output(self.requests[parent], ress)
