@@ -289,7 +289,7 @@ class Engine:
         self.last_step_tokens = sum(r.new_tokens for r in changed)
         self.metrics.record_latencies(ttfts, itls)
         self.metrics.record_step(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                                 kv_cache_usage=1 - sched.num_free_blocks() / self.usable_blocks,
+                                 kv_cache_usage=used[-1] / self.usable_blocks,  # the step's, no device read
                                  prefix_cache_queries=queried, prefix_cache_hits=hits,
                                  num_preemptions=sched.num_preemptions - preemptions, num_prompt_tokens=prompts[0],
                                  num_cached_prompt_tokens=prompts[1], num_generation_tokens=self.last_step_tokens)
