@@ -191,7 +191,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._dead is None
 
     @property
     def errored(self) -> bool:
