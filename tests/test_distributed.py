@@ -1,15 +1,22 @@
 """cleanup_dist_env_and_memory (vLLM's call between two LLMs in one process): device arrays that
-nothing reachable refers to, but that a reference cycle or a JAX cache still holds, are freed."""
+nothing reachable refers to, but that a reference cycle still holds, are freed; JAX's compiled
+programs are kept, holding no array of a deleted LLM, and the next LLM runs them as they are."""
 import contextlib
 import gc
 import sys
 import types
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 
 from kvjax import LLM, SamplingParams
 from kvjax.distributed import cleanup_dist_env_and_memory
+
+# One LLM and one request shape for the tests below, so that they share compiled programs: fp8 pages
+# (their scales beside them) and log-probabilities, which add arrays and programs of their own.
+LLM_ARGS = dict(kv_cache_dtype="fp8", num_gpu_blocks_override=64, use_tqdm_on_load=False)
+PARAMS = SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=1)
 
 
 def _live() -> tuple[int, int]:
@@ -33,8 +40,8 @@ def test_a_deleted_llm_in_a_reference_cycle_is_freed():
     cleanup_dist_env_and_memory()
     before = _live()
     with _no_automatic_gc():
-        llm = LLM("small-gqa", num_gpu_blocks_override=64, use_tqdm_on_load=False)
-        out = llm.generate(["def f"], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm = LLM("small-gqa", **LLM_ARGS)
+        out = llm.generate(["def f"], PARAMS, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
         llm.owner = llm  # e.g. a callback stored on the LLM that refers back to it
         held = _live()
@@ -46,30 +53,39 @@ def test_a_deleted_llm_in_a_reference_cycle_is_freed():
     assert after[0] <= before[0] and after[1] <= before[1], (before, held, after)
 
 
-class _Static:
-    """A static jit argument (hashable) that carries an array: JAX's cache keeps it alive."""
+@contextlib.contextmanager
+def _traces():
+    """The functions JAX traces inside the block (a jit cache miss traces before it compiles)."""
+    traced = []
 
-    def __init__(self, array):
-        self.array = array
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append(kwargs.get("fun_name"))
 
-    def __hash__(self):
-        return 0
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield traced
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
-    def __eq__(self, other):
-        return isinstance(other, _Static)
 
-
-def test_arrays_held_only_by_jax_caches_are_freed():
+def test_compiled_steps_are_kept_and_hold_no_array_of_a_deleted_llm():
+    # the engine's steps take weights, pages and pool as arguments: the programs JAX keeps cached
+    # hold none of them, and the next LLM of the same model and sizes runs them as they are
     cleanup_dist_env_and_memory()
     before = _live()
-    add = jax.jit(lambda static, x: x + static.array, static_argnums=0)
-    static = _Static(jnp.ones(250_000))  # 1 MB
-    add(static, 1.0).block_until_ready()
-    del static
-    gc.collect()
-    assert _live()[1] >= before[1] + 1_000_000  # the compiled program's cache entry holds it
+    llm = LLM("small-gqa", **LLM_ARGS)
+    first = llm.generate(["def f"], PARAMS, use_tqdm=False)[0].outputs[0]
+    assert _live()[1] > before[1] + 1_000_000
+    del llm
     cleanup_dist_env_and_memory()
-    assert _live()[1] <= before[1]
+    after = _live()
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+    llm = LLM("small-gqa", **LLM_ARGS)
+    with _traces() as traced:
+        again = llm.generate(["def f"], PARAMS, use_tqdm=False)[0].outputs[0]
+    assert traced == []  # every program the first LLM compiled ran again as it was
+    assert again.token_ids == first.token_ids
 
 
 def test_objects_frozen_by_gc_freeze_are_freed():

@@ -56,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COPIES = os.path.join(HERE, "vllm")
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SMALL_GQA = os.path.join(ROOT, "models", "checkpoints", "small-gqa")
+BPE_VOCAB = 2048
 MARGIN = 1e-4  # a greedy step whose top-2 logits are closer than this may go either way (test_engine_hf.py)
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}"
@@ -79,15 +80,48 @@ def _cpu_kv_space(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def chat_8k(tmp_path_factory):
-    """small-gqa with max_position_embeddings 8192 and a ChatML chat_template.jinja (the same weights)."""
-    folder = tmp_path_factory.mktemp("small-gqa-8k-chat")
-    with open(os.path.join(SMALL_GQA, "config.json"), encoding="utf-8") as f:
+def bpe_llama(tmp_path_factory):
+    """(folder, transformers' tokenizer of it): a random 2-layer GQA Llama (2 query heads on one kv
+    head of 128, 2,048 positions) with a byte-level BPE tokenizer of BPE_VOCAB tokens trained on the
+    copies' own text (<|im_start|> and <|im_end|> special), ChatML's chat_template.jinja, no EOS.
+    Its KV block holds as many bytes as small-gqa's, so its pool has as many blocks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = str(tmp_path_factory.mktemp("tiny-bpe-llama"))
+    corpus = []
+    for name in sorted(EXAMPLES):
+        with open(os.path.join(COPIES, name), encoding="utf-8") as f:
+            corpus.append(f.read())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    with open(os.path.join(folder, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(CHATML)
+    config = tf.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=384,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                            max_position_embeddings=2048, initializer_range=0.15, bos_token_id=None,
+                            eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder, tf.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def bpe_llama_128(bpe_llama, tmp_path_factory):
+    """bpe_llama's folder (the same weights and tokenizer) with max_position_embeddings 128."""
+    folder = tmp_path_factory.mktemp("tiny-bpe-llama-128")
+    for name in os.listdir(bpe_llama[0]):
+        (folder / name).symlink_to(os.path.join(bpe_llama[0], name))
+    with open(os.path.join(bpe_llama[0], "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    config["max_position_embeddings"] = 8192
+    config["max_position_embeddings"] = 128
+    (folder / "config.json").unlink()
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "model.safetensors").write_bytes(open(os.path.join(SMALL_GQA, "model.safetensors"), "rb").read())
-    (folder / "chat_template.jinja").write_text(CHATML)
     return str(folder)
 
 
@@ -298,23 +332,25 @@ def test_generate_cli(run, recorder, hf_small):
     greedy.done()
 
 
-def test_llm_engine_example(run, recorder, hf_small):
+def test_llm_engine_example(run, recorder, bpe_llama):
     # examples/deployment/llm_engine_example.py: LLMEngine driven step by step from EngineArgs' CLI
-    _, out = run("llm_engine_example.py")
+    folder, tok = bpe_llama
+    _, out = run("llm_engine_example.py", "--model", folder)
     outputs = {o.request_id: o for o in recorder.finished}
     assert sorted(outputs) == ["0", "1", "2"]
     assert out.count("RequestOutput(request_id=") == 3
 
     # "0": greedy, logprobs=1, prompt_logprobs=1, against transformers' log-probabilities
     o = outputs["0"]
-    prompt = _ids("A robot may not injure a human being")
+    prompt = tok.encode("A robot may not injure a human being")
     assert o.prompt_token_ids == prompt
     c, = o.outputs
     assert len(c.token_ids) == 16 and c.finish_reason == "length"
-    greedy = Greedy(hf_small)
+    hf = _hf(folder)
+    greedy = Greedy(hf)
     greedy.check(prompt, c.token_ids)
     greedy.done()
-    lp = hf_logprobs(hf_small, prompt + c.token_ids)
+    lp = hf_logprobs(hf, prompt + c.token_ids)
     assert len(o.prompt_logprobs) == len(prompt) and o.prompt_logprobs[0] is None
     for i, entry in enumerate(o.prompt_logprobs[1:], start=1):
         row, t = lp[i - 1], prompt[i]
@@ -406,39 +442,44 @@ def test_docs_fp8(run, recorder, hf_small):
 
 
 @pytest.mark.slow
-def test_docs_chat(run, chat_8k):
+def test_docs_chat(run, bpe_llama):
     # docs/models/generative_models.md: LLM.chat renders the conversation with the model's template
-    scope, out = run("docs_generative_models_chat.py", models={"<small-gqa-8k-chat>": chat_8k})
+    folder, tok = bpe_llama
+    scope, out = run("docs_generative_models_chat.py", models={"<tiny-bpe-llama>": folder})
     o, = scope["outputs"]
-    assert o.prompt == render(CHATML, CONVERSATION) and o.prompt_token_ids == _ids(o.prompt)
-    assert len(o.outputs[0].token_ids) == 16 and f"Generated text: {o.outputs[0].text!r}" in out
+    assert o.prompt == render(CHATML, CONVERSATION) and o.prompt_token_ids == tok.encode(o.prompt)
+    assert o.prompt_token_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 5  # ChatML's, one token each
+    c, = o.outputs
+    assert len(c.token_ids) == 16 and c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    assert f"Generated text: {c.text!r}" in out
 
 
 @pytest.mark.slow
-def test_chat_cli(run, recorder, chat_8k, tmp_path):
+def test_chat_cli(run, recorder, bpe_llama, tmp_path):
     # examples/basic/offline_inference/chat.py: one conversation, ten, then ten with --chat-template-path
     template = tmp_path / "other.jinja"
     template.write_text(OTHER_TEMPLATE)
     _, out = run("chat.py", "--max-tokens", "8", "--temperature", "0", "--chat-template-path", str(template),
-                 models={"<small-gqa-8k-chat>": chat_8k})
+                 models={"<tiny-bpe-llama>": bpe_llama[0]})
     assert [len(outputs) for _, outputs in recorder.generated] == [1, 10, 10]
     assert out.count("Generated text: ") == 21
-    greedy = Greedy(_hf(chat_8k))
+    greedy, tok = Greedy(_hf(bpe_llama[0])), bpe_llama[1]
     for (_, outputs), template_text in zip(recorder.generated, [CHATML, CHATML, OTHER_TEMPLATE]):
         want = render(template_text, CONVERSATION)
         for o in outputs:
-            assert o.prompt == want
-        greedy.check(_ids(want), outputs[0].outputs[0].token_ids)
+            assert o.prompt == want and o.prompt_token_ids == tok.encode(want)
+        greedy.check(tok.encode(want), outputs[0].outputs[0].token_ids)
         assert {tuple(o.outputs[0].token_ids) for o in outputs} == {tuple(outputs[0].outputs[0].token_ids)}
     greedy.done()
 
 
 @pytest.mark.slow
-def test_docs_beam_search(run, hf_small):
+def test_docs_beam_search(run, bpe_llama, bpe_llama_128):
     # docs/models/generative_models.md: LLM.beam_search, 5 beams of 50 tokens
-    scope, out = run("docs_generative_models_beam_search.py")
+    scope, out = run("docs_generative_models_beam_search.py", models={"<tiny-bpe-llama-128>": bpe_llama_128})
     result, = scope["outputs"]
-    prompt = _ids("Hello, my name is ")
+    tok, hf = bpe_llama[1], _hf(bpe_llama_128)
+    prompt = tok.encode("Hello, my name is ")
     assert len(result.sequences) == 5
     scores = [beam_score(s) for s in result.sequences]
     assert scores == sorted(scores, reverse=True)  # best first, by vLLM's score
@@ -446,8 +487,8 @@ def test_docs_beam_search(run, hf_small):
     for s in result.sequences:
         generated = s.tokens[len(prompt):]
         assert s.tokens[:len(prompt)] == prompt and len(generated) == len(s.logprobs) == 50
-        assert s.text == bytes(s.tokens).decode("utf-8", errors="replace")
-        lp = hf_logprobs(hf_small, s.tokens)
+        assert s.text == tok.decode(s.tokens, skip_special_tokens=True)
+        lp = hf_logprobs(hf, s.tokens)
         want = sum(lp[len(prompt) - 1 + i][t] for i, t in enumerate(generated))
         assert s.cum_logprob == pytest.approx(want, abs=1e-3)
     assert f"Generated text: {result.sequences[0].text!r}" in out
@@ -482,21 +523,24 @@ def test_run_one_batch_decode_profile(run, recorder, tmp_path):
 
 
 @pytest.mark.slow
-def test_reset_kv(run, recorder, hf_small):
+def test_reset_kv(run, recorder, bpe_llama):
     # examples/features/reset_kv/reset_kv_offline.py: reset_prefix_cache(reset_running_requests=True)
     # at step 10 preempts every running request; each recomputes and must finish as if never stopped
-    _, out = run("reset_kv_offline.py")
+    folder, tok = bpe_llama
+    _, out = run("reset_kv_offline.py", "--model", folder)
     assert "Resetting prefix cache at 10\n" in out
     outputs = {o.request_id: o for o in recorder.finished}
     assert sorted(outputs) == ["0", "1", "2", "3"]
     # all four ran at step 10, and each was preempted once (request 3's two samples: once each)
     assert [outputs[rid].metrics.num_preemptions for rid in "0123"] == [1, 1, 1, 2]
-    prompt = _ids("A robot may not injure a human being " * 50)
-    greedy = Greedy(hf_small)
+    prompt = tok.encode("A robot may not injure a human being " * 50)
+    hf = _hf(folder)
+    greedy = Greedy(hf)
     for rid in "01":
         c, = outputs[rid].outputs
+        assert outputs[rid].prompt_token_ids == prompt
         greedy.check(prompt, c.token_ids)
-        lp = hf_logprobs(hf_small, prompt + c.token_ids)
+        lp = hf_logprobs(hf, prompt + c.token_ids)
         for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
             assert entry[t].logprob == pytest.approx(lp[len(prompt) - 1 + i][t], abs=1e-3)
         assert len(outputs[rid].prompt_logprobs) == len(prompt)
@@ -507,9 +551,10 @@ def test_reset_kv(run, recorder, hf_small):
 
 
 @pytest.mark.slow
-def test_prefix_caching_offline(run, recorder, hf_small):
+def test_prefix_caching_offline(run, recorder, bpe_llama):
     # examples/features/automatic_prefix_caching/prefix_caching_offline.py
-    _, out = run("prefix_caching_offline.py")
+    folder, tok = bpe_llama
+    _, out = run("prefix_caching_offline.py", models={"<tiny-bpe-llama>": folder})
     assert "Generated answers are the same: True\n" in out
     (regular, first), (cached, warmup), (_, second) = recorder.generated
     assert cached.vllm_config.cache_config.enable_prefix_caching
@@ -517,33 +562,37 @@ def test_prefix_caching_offline(run, recorder, hf_small):
     texts = [o.outputs[0].text for o in first]
     assert [o.outputs[0].text for o in second] == texts
     # the same prompts with prefix caching off
-    off = LLM("small-gqa", enable_prefix_caching=False)
+    off = LLM(folder, enable_prefix_caching=False)
     reference = off.generate(prompts, SamplingParams(temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].text for o in reference] == texts and all(o.num_cached_tokens == 0 for o in reference)
-    greedy = Greedy(hf_small)
+    greedy = Greedy(_hf(folder))
     for o in reference:
-        greedy.check(_ids(o.prompt), o.outputs[0].token_ids)
+        assert o.prompt_token_ids == tok.encode(o.prompt)
+        greedy.check(o.prompt_token_ids, o.outputs[0].token_ids)
     greedy.done()
     # the warm-up cached prompt 0's blocks; the others share the prefix's full blocks
-    prefix = os.path.commonprefix(prompts)
+    prefix = os.path.commonprefix([o.prompt_token_ids for o in first])
     assert warmup[0].num_cached_tokens == 0
-    assert second[0].num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16
+    assert second[0].num_cached_tokens == (len(second[0].prompt_token_ids) - 1) // 16 * 16
     assert all(o.num_cached_tokens >= len(prefix) // 16 * 16 for o in second[1:])
 
 
 @pytest.mark.slow
-def test_automatic_prefix_caching(run, recorder, chat_8k):
-    # examples/features/automatic_prefix_caching/automatic_prefix_caching_offline.py: two ~4,500-token
+def test_automatic_prefix_caching(run, recorder, bpe_llama):
+    # examples/features/automatic_prefix_caching/automatic_prefix_caching_offline.py: two 4,500-byte
     # prompts sharing a markdown table; the second hits every full block of the shared part
-    _, out = run("automatic_prefix_caching_offline.py", models={"<small-gqa-8k-chat>": chat_8k})
+    folder, tok = bpe_llama
+    _, out = run("automatic_prefix_caching_offline.py", models={"<tiny-bpe-llama>": folder})
     (_, first), (_, second) = recorder.generated
     (a,), (b,) = first, second
-    assert len(a.prompt_token_ids) > 4096  # past small-gqa's 2,048 positions, within the copy's 8,192
+    for o in (a, b):
+        assert o.prompt_token_ids == tok.encode(o.prompt)
+    assert len(a.prompt_token_ids) > 1024  # the table alone spans over 64 blocks
     assert a.num_cached_tokens == 0
-    assert b.num_cached_tokens == len(os.path.commonprefix([a.prompt, b.prompt]).encode()) // 16 * 16
+    assert b.num_cached_tokens == len(os.path.commonprefix([a.prompt_token_ids, b.prompt_token_ids])) // 16 * 16
     assert out.count("Generation time: ") == 2
     assert [f"Output: {o.outputs[0].text}\n" in out for o in (a, b)] == [True, True]
-    greedy = Greedy(_hf(chat_8k))
+    greedy = Greedy(_hf(folder))
     for o in (a, b):
         assert len(o.outputs[0].token_ids) == 100
         greedy.check(o.prompt_token_ids, o.outputs[0].token_ids)

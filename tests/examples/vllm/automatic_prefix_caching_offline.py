@@ -3,10 +3,12 @@
 #   from vllm import LLM, SamplingParams
 #     -> from kvjax import LLM, SamplingParams
 #   model="lmsys/longchat-13b-16k"
-#     -> model="<small-gqa-8k-chat>"
+#     -> model="<tiny-bpe-llama>"
 #     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
-#     folder it makes: small-gqa with max_position_embeddings 8192 and a ChatML chat_template.jinja
-#     (the prompts are ~4,500 byte tokens, over small-gqa's 2,048 positions)
+#     folder it makes: a random 2-layer Llama with a byte-level BPE tokenizer trained on these
+#     copies' text and a ChatML chat_template.jinja
+#     (the prompts are 4,500 bytes: ~1,500 of its tokens, where the byte tokenizer of the built-in
+#     models would make 4,500 token positions to prefill)
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
@@ -86,7 +88,7 @@ def get_generation_time(llm, sampling_params, prompts):
 
 def main():
     # set enable_prefix_caching=True to enable APC
-    llm = LLM(model="<small-gqa-8k-chat>", enable_prefix_caching=True)
+    llm = LLM(model="<tiny-bpe-llama>", enable_prefix_caching=True)
 
     sampling_params = SamplingParams(temperature=0, max_tokens=100)
 

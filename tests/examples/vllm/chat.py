@@ -7,9 +7,10 @@
 #   from vllm.utils.argparse_utils import FlexibleArgumentParser
 #     -> from kvjax.utils.argparse_utils import FlexibleArgumentParser
 #   parser.set_defaults(model="meta-llama/Llama-3.2-1B-Instruct")
-#     -> parser.set_defaults(model="<small-gqa-8k-chat>")
+#     -> parser.set_defaults(model="<tiny-bpe-llama>")
 #     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
-#     folder it makes: small-gqa with max_position_embeddings 8192 and a ChatML chat_template.jinja
+#     folder it makes: a random 2-layer Llama with a byte-level BPE tokenizer trained on these
+#     copies' text and a ChatML chat_template.jinja
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
@@ -23,7 +24,7 @@ def create_parser():
     parser = FlexibleArgumentParser()
     # Add engine args
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(model="<small-gqa-8k-chat>")
+    parser.set_defaults(model="<tiny-bpe-llama>")
     # Add sampling params
     sampling_group = parser.add_argument_group("Sampling parameters")
     sampling_group.add_argument("--max-tokens", type=int)

@@ -5,14 +5,17 @@
 #   from vllm.sampling_params import BeamSearchParams
 #     -> from kvjax.engine.beam_search import BeamSearchParams
 #   model="facebook/opt-125m"
-#     -> model="small-gqa" (kvjax's built-in byte-level Llama)
+#     -> model="<tiny-bpe-llama-128>"
+#     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
+#     folder it makes: a random 2-layer Llama with a byte-level BPE tokenizer trained on these
+#     copies' text, with max_position_embeddings 128 (the beams' ~60 tokens fit)
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from kvjax import LLM
 from kvjax.engine.beam_search import BeamSearchParams
 
-llm = LLM(model="small-gqa")
+llm = LLM(model="<tiny-bpe-llama-128>")
 params = BeamSearchParams(beam_width=5, max_tokens=50)
 outputs = llm.beam_search([{"prompt": "Hello, my name is "}], params)
 

@@ -3,15 +3,16 @@
 #   from vllm import LLM
 #     -> from kvjax import LLM
 #   model="meta-llama/Meta-Llama-3-8B-Instruct"
-#     -> model="<small-gqa-8k-chat>"
+#     -> model="<tiny-bpe-llama>"
 #     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
-#     folder it makes: small-gqa with max_position_embeddings 8192 and a ChatML chat_template.jinja
+#     folder it makes: a random 2-layer Llama with a byte-level BPE tokenizer trained on these
+#     copies' text and a ChatML chat_template.jinja
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from kvjax import LLM
 
-llm = LLM(model="<small-gqa-8k-chat>")
+llm = LLM(model="<tiny-bpe-llama>")
 conversation = [
     {
         "role": "system",

@@ -5,7 +5,11 @@
 #   from vllm.distributed import cleanup_dist_env_and_memory
 #     -> from kvjax.distributed import cleanup_dist_env_and_memory
 #   model="facebook/opt-125m" (twice)
-#     -> model="small-gqa"
+#     -> model="<tiny-bpe-llama>"
+#     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
+#     folder it makes: a random 2-layer Llama with a byte-level BPE tokenizer trained on these
+#     copies' text and a ChatML chat_template.jinja
+#     (the prompts are ~600 bytes: ~170 of its tokens)
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
@@ -45,7 +49,7 @@ sampling_params = SamplingParams(temperature=0.0)
 
 def main():
     # Create an LLM without prefix caching as a baseline.
-    regular_llm = LLM(model="small-gqa", gpu_memory_utilization=0.4)
+    regular_llm = LLM(model="<tiny-bpe-llama>", gpu_memory_utilization=0.4)
 
     print("Results without `enable_prefix_caching`")
 
@@ -70,7 +74,7 @@ def main():
 
     # Create an LLM with prefix caching enabled.
     prefix_cached_llm = LLM(
-        model="small-gqa",
+        model="<tiny-bpe-llama>",
         enable_prefix_caching=True,
         gpu_memory_utilization=0.4,
     )
