@@ -3,8 +3,10 @@
 tests/examples/vllm/ holds copies of them with only their imports and model names changed (each
 file's header says what). A test runs a copy in this process as `python COPY ARGS` would:
 runpy.run_path with run_name "__main__", sys.argv patched, the working directory a fresh
-tmp_path, stdout captured. A copy whose model is a placeholder ("<small-gqa-8k-chat>",
-"<gemma3-tiny>") is read, the placeholder replaced by the path of a checkpoint folder made here,
+tmp_path, stdout captured. A copy whose model is a placeholder ("<tiny-bpe-llama>" and
+"<tiny-bpe-llama-128>": a random 2-layer Llama with a byte-level BPE tokenizer trained here on
+the copies' own text and ChatML's template, so that the long prompts are ~1,500 tokens, not 4,500
+byte positions) is read, the placeholder replaced by the path of a checkpoint folder made here,
 and run from tmp_path. VLLM_CPU_KVCACHE_SPACE=1 is set, as vLLM's CPU platform reads it, so that
 every LLM's pool is 1 GiB instead of a share of the machine's memory. What an example computes
 inside main() without printing all of it (its RequestOutputs) is recorded by wrapping
@@ -16,20 +18,21 @@ The outputs are checked against references that do not go through kvjax's engine
   compared up to the first near-tie, as tests/engine/test_engine_hf.py does), teacher-forced
   log-probabilities (prompt_logprobs, logprobs, beam scores), and the top-p nucleus at the
   request's temperature that a sampled token must lie in;
-- counts worked out from the prompts (the byte tokenizer: a prompt's tokens are its UTF-8 bytes);
+- counts worked out from the prompts (small-gqa's byte tokenizer: a prompt's tokens are its UTF-8
+  bytes; the BPE model's: transformers' tokenizer of the same folder);
 - transformers' own chat-template renderer for the prompts LLM.chat builds;
 - vLLM 0.33's beam score (get_beam_search_score), written out here;
 - for the streaming example, the same seeded requests run through LLM.generate.
 
-Marked slow: the examples of more than ~20 s on 2 cores (the long-prompt prefix-caching example:
-two 4,500-token prompts, 100 tokens each; prefix_caching_offline: three LLMs, JAX's caches
-cleared between them; reset_kv: 1,900-token prompts and 128-token samples; beam search: 50
-steps), simple_profiling (a trace of the whole call; run_one_batch in the fast set traces too),
-and those that compile programs of their own that the fast set does not share (the
-8,192-position chat model, fp8 pages, the streaming example's reference run). The fast set
-(about 30 s): basic, generate, llm_engine_example, metrics, run_one_batch with a decode
-profile, the two LLM.generate snippets and the skip-layers snippet (an expected failure,
-raised before any weights are read).
+Marked slow: the examples of more than ~5 s on 2 cores (the long-prompt prefix-caching example:
+two 4,500-byte prompts, 100 tokens each; prefix_caching_offline: three LLMs; reset_kv:
+1,900-byte prompts and 128-token samples, preempted once; beam search: 50 steps), simple_profiling
+(a trace of the whole call; run_one_batch in the fast set traces too), and those that compile
+programs of their own that the fast set does not share (the chat examples, fp8 pages, the
+streaming example's reference run). The fast set: basic, generate, llm_engine_example, metrics,
+run_one_batch with a decode profile, the two LLM.generate snippets and the skip-layers snippet
+(on small-gqa, then on a tiny Gemma-3 with sliding windows: refused in one line with hybrid
+groups, run with them off).
 """
 from __future__ import annotations
 
@@ -406,25 +409,38 @@ def test_docs_generate_default(run):
     assert f"Prompt: 'Hello, my name is', Generated text: {c.text!r}" in out
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "kvjax's KV cache groups share one block size: with fp8 full-attention layers and float32 "
-    "sliding-window layers the groups' pages differ (1,024 against 4,096 bytes a block), where vLLM "
-    "gives the fp8 group a 4x block size (unify_kv_cache_spec_page_size). Per-group block sizes "
-    "are not implemented."))
-def test_docs_kv_cache_dtype_skip_sliding_window(run, gemma3_tiny):
-    # docs/features/quantization/quantized_kvcache.md: kv_cache_dtype_skip_layers=["sliding_window"]
-    folder, config = gemma3_tiny
-    scope, _ = run("docs_quantized_kvcache_skip_layers.py", models={"<gemma3-tiny>": folder})
+def test_docs_kv_cache_dtype_skip_sliding_window(run):
+    # docs/features/quantization/quantized_kvcache.md: kv_cache_dtype_skip_layers=["sliding_window"] on
+    # the snippet's Llama: no layer of it has a window, so every layer's pages are fp8 (vLLM's attention
+    # layer skips a layer by type only when it has a sliding window)
+    scope, _ = run("docs_quantized_kvcache_skip_layers.py")
     llm = scope["llm"]
+    spec = llm.kv_spec
+    assert spec.kv_dtype == "fp8_e4m3" and tuple(spec.skip_layers) == ()
+    assert {str(layer.k.dtype) for layer in llm.engine.cache.layers} == {"float8_e4m3fn"}
+
+
+def test_skip_sliding_window_on_a_model_with_windows(gemma3_tiny):
+    # the snippet's arguments on a model with sliding windows: float32 windowed layers beside fp8 full ones
+    # give the two KV cache groups pages of two sizes; vLLM gives the fp8 group a 4x block size
+    # (unify_kv_cache_spec_page_size), kvjax's groups share one block size and say so in one line
+    folder, config = gemma3_tiny
+    args = dict(kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=["sliding_window"], use_tqdm_on_load=False)
+    with pytest.raises(ValueError) as e:
+        LLM(folder, **args)
+    assert "\n" not in str(e.value) and "disable_hybrid_kv_cache_manager=True" in str(e.value)
+    assert "1,024" in str(e.value) and "4,096" in str(e.value)  # the two page sizes, per block of 16 tokens
+    # every layer in one full-attention group: the windowed layers keep float32 pages
+    llm = LLM(folder, disable_hybrid_kv_cache_manager=True, **args)
     sliding = tuple(i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention")
     assert sliding == (0, 1, 2, 3, 4, 6)
-    spec = llm.kv_spec
-    assert spec.kv_dtype == "fp8_e4m3" and tuple(spec.skip_layers) == sliding
-    assert spec.model_dtype == "fp32"  # the checkpoint's float32
-    cache = llm.engine.cache
+    spec, cache = llm.kv_spec, llm.engine.cache
+    assert spec.kv_dtype == "fp8_e4m3" and tuple(spec.skip_layers) == sliding and spec.model_dtype == "fp32"
     for i in range(config.num_hidden_layers):
         assert spec.layer_dtype(i).name == ("fp32" if i in sliding else "fp8_e4m3")
         assert str(cache.layers[cache.slot_of(i)].k.dtype) == ("float32" if i in sliding else "float8_e4m3fn")
+    out, = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
 
 
 # ----------------------------------------------------------------------------------- the slow set

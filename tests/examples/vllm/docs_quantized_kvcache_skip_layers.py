@@ -4,16 +4,17 @@
 #   (the snippet imports nothing)
 #     -> from kvjax import LLM
 #   model="meta-llama/Llama-3.1-8B-Instruct"
-#     -> model="<gemma3-tiny>"
-#     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
-#     folder it makes: a tiny random Gemma-3 text model (sliding-window and full-attention layers)
+#     -> model="small-gqa"
+#     kvjax's built-in Llama (full attention in every layer, as Llama-3.1's: "sliding_window" names
+#     no layer of it); tests/examples/test_vllm_examples.py also runs these arguments on a model
+#     with sliding windows
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from kvjax import LLM
 
 llm = LLM(
-    model="<gemma3-tiny>",
+    model="small-gqa",
     kv_cache_dtype="fp8",
     kv_cache_dtype_skip_layers=["sliding_window"],
 )
