@@ -49,6 +49,7 @@ padded widths of a step's logit biases, allowed ids, bad words and bad-word toke
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -61,10 +62,22 @@ from kvjax.engine.sampling_params import (  # noqa: F401 (re-exported: the sampl
 from kvjax.math_utils import pow2_bucket
 
 def request_key(engine_seed: int, request_number: int, seed: int | None) -> np.ndarray:
-    """The raw key data u32[2] of one request's random stream (see the module docstring)."""
-    key = jax.random.key(seed) if seed is not None else jax.random.fold_in(jax.random.key(engine_seed),
-                                                                           request_number)
-    return np.asarray(jax.random.key_data(key), np.uint32)
+    """The raw key data u32[2] of one request's random stream (see the module docstring). The
+    unseeded case is one jitted call on the engine seed's key (eager JAX would dispatch each of
+    key, fold_in and key_data on its own: ~1 ms a request)."""
+    if seed is not None:
+        return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+    return np.asarray(_fold_in(_seed_key(engine_seed), np.uint32(request_number)))
+
+
+@functools.lru_cache(maxsize=16)
+def _seed_key(engine_seed: int) -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.key(engine_seed)), np.uint32)
+
+
+@jax.jit
+def _fold_in(key_data, number):
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key_data), number))
 
 
 _ANY = -2  # a bad word's padding before its first token: matches whatever token (or none) is there

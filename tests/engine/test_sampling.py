@@ -35,6 +35,17 @@ def kept(top_k=0, top_p=1.0, temperature=1.0, min_p=0.0) -> set[int]:
     return set(np.flatnonzero(np.asarray(mask[0])).tolist())
 
 
+@pytest.mark.parametrize("engine_seed", [0, 1, 2**31, 2**32 - 1])
+def test_request_keys_are_jax_random_keys_folded_with_the_request_number(engine_seed):
+    # the module docstring's streams, with JAX's own eager calls as the reference
+    for number in (0, 5, 2**20, 2**31 - 1, 2**32 - 1):
+        want = jax.random.key_data(jax.random.fold_in(jax.random.key(engine_seed), number))
+        np.testing.assert_array_equal(request_key(engine_seed, number, None), np.asarray(want, np.uint32))
+    for seed in (0, 7, 2**32 - 1, 2**40):  # a request's own seed: key(seed), whatever the engine's
+        want = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+        np.testing.assert_array_equal(request_key(engine_seed, 3, seed), want)
+
+
 @pytest.mark.parametrize("top_k, top_p, temperature, nucleus", [
     (0, 1.0, 1.0, {0, 1, 2, 3}),
     (-1, 1.0, 1.0, {0, 1, 2, 3}),  # vLLM: -1 is off too
