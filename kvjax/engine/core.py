@@ -69,6 +69,7 @@ from kvjax.engine.stats import RunStats, Summary
 from kvjax.errors import INT32_MAX, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
+from kvjax.utils.atomic import atomic, lock_of
 from kvjax.worker import sharding as shd
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
@@ -134,6 +135,7 @@ class Engine:
         self.scheduler = Scheduler(sched, placement=placement)
         self.host_pages = offload.HostPages(sched.num_host_blocks, self.cache) if sched.num_host_blocks else None
         self._next_request = 0  # request numbers: the random stream of unseeded requests
+        self._generating, self._left_behind = False, []  # generate's: running, and its requests' ids
         self._active: dict[str, _Active] = {}  # the unfinished requests, by id
         self._run: RunStats | None = None  # a run's Summary being collected (begin_run, generate)
         self.last_step_tokens = 0  # tokens the last step generated
@@ -173,6 +175,7 @@ class Engine:
                                 cache.num_host_blocks * per_block)
 
     # ------------------------------------------------------------------ the prefix cache
+    @atomic
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`):
         False, changing nothing, while requests hold blocks, unless reset_running_requests, which
@@ -188,6 +191,7 @@ class Engine:
     def num_logprobs(self, params: SamplingParams) -> int:
         return processor.num_logprobs(params, self.vocab_size)
 
+    @atomic
     def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None) -> RequestResult:
         """Queue one request (vLLM's `EngineCore.add_request`): its token ids and its own
@@ -220,6 +224,7 @@ class Engine:
             self._run.results.append(res)
         return res
 
+    @atomic
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestResult]:
         """End these requests now (vLLM's `abort_requests`): their blocks return to the pool (full
         ones stay cached), finish_reason "abort". Ids of finished or unknown requests are ignored,
@@ -238,6 +243,7 @@ class Engine:
         return len(self._active)
 
     # ------------------------------------------------------------------ one step
+    @atomic
     def step(self) -> list[RequestResult]:
         """One engine step (vLLM's `EngineCore.step`): schedule, copy in host-tier hits, run the
         model (one ragged step, or a decode plan's device loop of up to steps_per_call steps),
@@ -343,36 +349,46 @@ class Engine:
                               f"for {len(prompts)} prompts")
         if priorities is not None and len(priorities) != len(prompts):
             raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
-        if self.has_unfinished_requests():
-            raise EngineError("generate is already running: it cannot be called from its own progress callback")
-        requests = []  # every check first, so that a bad request leaves the engine untouched
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            for j, child in enumerate(processor.fan_out(sp)):
-                error, _ = self.check_request(prompt, child)
-                if error is not None:
-                    raise EngineError(f"prompt {i}: {error}")
-                requests.append((i, j, prompt, child, 0 if priorities is None else priorities[i]))
-        self._run, results = RunStats(self), []
-        try:
-            for i, j, prompt, child, priority in requests:
-                res = self.add_request(str(self._next_request), prompt, child, priority=priority)
-                res.index, res.sample = i, j
-                results.append(res)
-            while self.has_unfinished_requests():
-                self.step()
-                if progress is not None:
-                    progress(self.last_step_tokens)
-            return EngineRun(results, self._run.summary(self))
-        except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
-            self.abort_requests([r.request_id for r in results])
-            raise
-        finally:
-            self._run = None
+        with lock_of(self):  # one generate at a time; other threads wait (kvjax.utils.atomic)
+            if self._generating:
+                raise EngineError("generate is already running: it cannot be called from its own progress callback")
+            self.abort_requests(self._left_behind)  # a call interrupted again before it cleaned up
+            self._left_behind = []
+            if self.has_unfinished_requests():
+                raise EngineError(f"{self.get_num_unfinished_requests()} requests added with add_request are "
+                                  "unfinished: step them to the end or abort them before generate")
+            requests = []  # every check first, so that a bad request leaves the engine untouched
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                for j, child in enumerate(processor.fan_out(sp)):
+                    error, _ = self.check_request(prompt, child)
+                    if error is not None:
+                        raise EngineError(f"prompt {i}: {error}")
+                    requests.append((i, j, prompt, child, 0 if priorities is None else priorities[i]))
+            self._generating, self._run, results = True, RunStats(self), []
+            try:
+                for i, j, prompt, child, priority in requests:
+                    res = self.add_request(str(self._next_request), prompt, child, priority=priority)
+                    res.index, res.sample = i, j
+                    results.append(res)
+                    self._left_behind.append(res.request_id)
+                while self.has_unfinished_requests():
+                    self.step()
+                    if progress is not None:
+                        progress(self.last_step_tokens)
+                self._left_behind = []
+                return EngineRun(results, self._run.summary(self))
+            except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
+                self.abort_requests([r.request_id for r in results])
+                raise
+            finally:
+                self._generating, self._run = False, None
 
+    @atomic
     def begin_run(self) -> None:
         """Start collecting a run's Summary (kvjax.engine.stats) over the steps that follow."""
         self._run = RunStats(self)
 
+    @atomic
     def end_run(self) -> Summary:
         """The Summary of the steps since `begin_run`, over the requests added since; collecting stops."""
         run, self._run = self._run, None

@@ -33,6 +33,7 @@ from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import GenerateOutputs
 from kvjax.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvjax.errors import INT32_MAX, check_int, is_int
+from kvjax.utils.atomic import lock_of
 
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineArgs)}
 
@@ -48,6 +49,7 @@ class LLM:
                 raise LLMError(f"LLM() has no argument {name!r}")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._request_counter = itertools.count()
+        self._generating, self._left_behind = False, []  # generate's: running, and its requests' ids
 
     # ------------------------------------------------------------------ what it runs
     # The resolved config (kvjax.config.engine.EngineConfig, vLLM's VllmConfig), the engine core
@@ -116,8 +118,17 @@ class LLM:
             raise LLMError(f"give one SamplingParams for all prompts or one per prompt; got {len(params)} for "
                            f"{len(prompts)} prompts")
         priorities = _priorities(priority, len(prompts))
-        if engine.has_unfinished_requests():
+        with lock_of(engine):  # one call at a time: another thread's waits for this one (kvjax.utils.atomic)
+            return self._generate(engine, prompts, params, priorities, use_tqdm, progress)
+
+    def _generate(self, engine: LLMEngine, prompts, params, priorities, use_tqdm, progress) -> GenerateOutputs:
+        if self._generating:
             raise LLMError("generate is already running: it cannot be called from its own progress callback")
+        engine.abort_request(self._left_behind)  # a call interrupted again before it cleaned up
+        self._left_behind = []
+        if engine.has_unfinished_requests():
+            raise LLMError(f"{engine.get_num_unfinished_requests()} requests added to llm.llm_engine are "
+                           "unfinished: step them to the end or abort them before generate")
         requests = []  # every prompt checked before any request is added (vLLM raises before any runs)
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             text, ids = engine.process_prompt(prompt)
@@ -131,9 +142,11 @@ class LLM:
         if bar is not None:
             progress = _both(progress, lambda n: _advance(bar, n))
         core, finished = engine.engine, {}
+        self._generating = True
         core.begin_run()
         try:
             for (rid, text, ids, sp), prio in zip(requests, priorities):
+                self._left_behind.append(rid)
                 engine.add_request(rid, {"prompt_token_ids": ids}, sp, priority=prio, prompt_text=text, checked=True)
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -141,10 +154,12 @@ class LLM:
                         finished[out.request_id] = out
                 if progress is not None:
                     progress(core.last_step_tokens)
+            self._left_behind = []
         except BaseException:  # an interrupt or a bug: no request of this call is left in the engine
             engine.abort_request([r[0] for r in requests])
             raise
         finally:
+            self._generating = False
             summary = core.end_run()
             if bar is not None:
                 bar.close()

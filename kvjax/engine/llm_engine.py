@@ -42,6 +42,7 @@ from kvjax.engine.outputs import Logprob, RequestOutput, prompt_logprobs
 from kvjax.engine.processor import fan_out
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import KvjaxError, is_int
+from kvjax.utils.atomic import atomic
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
 _GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
@@ -173,6 +174,7 @@ class LLMEngine:
                 raise LLMError(error)
         return params
 
+    @atomic
     def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
                     priority: int = 0, *, prompt_text: str | None = None, checked: bool = False) -> str:
         """Queue one request (vLLM's `add_request`): a prompt in any of vLLM's forms, its
@@ -201,6 +203,7 @@ class LLMEngine:
                                           params, names, prompt_lps)
         return request_id
 
+    @atomic
     def abort_request(self, request_ids: Sequence[str] | str) -> list[RequestOutput]:
         """End these requests now (vLLM's `abort_request`): their blocks return to the pool.
         Unknown or finished ids are ignored. → their last RequestOutputs (finish_reason "abort")."""
@@ -208,6 +211,7 @@ class LLMEngine:
         results = self.engine.abort_requests(self.output_processor.children(ids))
         return self.output_processor.process(results)
 
+    @atomic
     def step(self) -> list[RequestOutput]:
         """One engine step (kvjax.engine.core.Engine.step) → the RequestOutputs it produced (per
         output kind: kvjax.engine.output_processor). [] when nothing is unfinished."""
@@ -228,6 +232,7 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    @atomic
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached block so that no later request hits (vLLM's): False, changing
         nothing, while requests hold blocks, unless reset_running_requests, which first preempts
@@ -242,6 +247,7 @@ class LLMEngine:
         """vLLM's metrics over the engine's life (kvjax.engine.metrics: Counter, Gauge, Histogram, Vector)."""
         return self.engine.metrics.snapshot()
 
+    @atomic
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """Trace the engine's next steps with the JAX profiler (vLLM's start_profile, with
         profiler_config's folder, delay_iterations and max_iterations): a TensorBoard / Perfetto
@@ -257,6 +263,7 @@ class LLMEngine:
         if cfg.delay_iterations == 0:
             self._profile.start()
 
+    @atomic
     def stop_profile(self) -> None:
         """Stop the trace (it is written now); nothing happens without one running."""
         profile, self._profile = self._profile, None
