@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -113,7 +113,12 @@ class LLM:
                                                  all(isinstance(t, (int, np.integer)) for t in prompts)):
             prompts = [prompts]
         params = engine.default_sampling_params if sampling_params is None else sampling_params
+        if isinstance(params, (dict, str, bytes)) or not isinstance(params, (SamplingParams, Iterable)):
+            raise LLMError(f"sampling_params must be a SamplingParams or one per prompt, got {type(params).__name__}")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if progress is not None and not callable(progress):
+            raise LLMError(f"progress must be a function of the tokens each step generated, got "
+                           f"{type(progress).__name__}")
         if len(params) != len(prompts):
             raise LLMError(f"give one SamplingParams for all prompts or one per prompt; got {len(params)} for "
                            f"{len(prompts)} prompts")
@@ -178,14 +183,13 @@ class LLM:
         template = read_template(chat_template) if chat_template is not None else self.llm_engine.chat_template
         if not template:
             raise LLMError(f"model {self.model.name!r} has no chat template: pass chat_template=")
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
+        conversations = _conversations(messages)
         tok = self.tokenizer
         variables = dict(bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
-        variables.update(chat_template_kwargs or {})
+        variables.update(_template_kwargs(chat_template_kwargs))
         prompts = [render_chat(template, list(c), add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools, **variables)
-                   for c in messages]
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
 
     def beam_search(self, prompts, params, **kwargs):
@@ -211,6 +215,38 @@ class LLM:
 
 
 # ----------------------------------------------------------------------------------- helpers
+def _conversations(messages) -> list[list]:
+    """vLLM's chat forms: one conversation (a list of message dicts) or a list of them."""
+    if not isinstance(messages, (list, tuple)):
+        raise LLMError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, or a list of such "
+                       f"conversations; got {type(messages).__name__}")
+    if messages and isinstance(messages[0], dict):
+        return [list(messages)]
+    for i, c in enumerate(messages):
+        if not isinstance(c, (list, tuple)):
+            raise LLMError(f"conversation {i} must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                           f"{type(c).__name__}")
+    return [list(c) for c in messages]
+
+
+# What render_chat passes to a template itself: chat_template_kwargs may not replace them.
+_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
+
+
+def _template_kwargs(kwargs) -> dict:
+    """chat_template_kwargs: a dict of extra template variables, none of them one of the call's own."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise LLMError(f"chat_template_kwargs must be a dict of variable names to values, got "
+                       f"{type(kwargs).__name__}")
+    taken = [k for k in kwargs if k in _TEMPLATE_ARGS]
+    if taken:
+        raise LLMError(f"chat_template_kwargs may not set {taken[0]!r}: chat() passes it itself "
+                       f"({', '.join(_TEMPLATE_ARGS)})")
+    return kwargs
+
+
 def _priorities(priority, n: int) -> list[int]:
     """One priority per prompt: vLLM's int-for-all or list; a fractional one is refused, not cut."""
     if priority is None:

@@ -309,6 +309,8 @@ class LLMEngine:
                            f"{model_config.max_position_embeddings}")
         if windows.min(initial=0) < 0 or windows.max(initial=0) >= model_config.vocab_size:
             raise LLMError(f"token ids must be in [0, {model_config.vocab_size})")
+        if len(windows) == 0:  # no window: no scores, in the shape of many
+            return np.zeros((0, windows.shape[1], model_config.vocab_size), np.float32)
         z = cache_config.block_size
         cache = PagedCache.create(cache_config.kv_spec, prefill_layout(windows.shape[1], z)[1], z, cache_config.scales)
         parts = [window_logprobs(self.model.module, self.model.params,
