@@ -27,7 +27,8 @@ import os
 
 from kvjax.commands import accuracy_lab as lab
 from kvjax.commands.accuracy_lab import pyplot, save_plot
-from kvjax.commands.common import MODEL_HELP, add_progress_flag, progress_enabled
+from kvjax.commands.common import add_progress_flag, progress_enabled
+from kvjax.engine.cli_args import add_engine_flags
 from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, write_json,
                           write_text)
 from kvjax.markdown import markdown_table
@@ -38,7 +39,7 @@ SMALL_MODELS = ("small-gqa", "small-mla")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="small-gqa", help=MODEL_HELP)
+    add_engine_flags(ap, ("model",), None)  # the engine's --model (default small-gqa); the rest is the evaluation's
     ap.add_argument("--suite", choices=("auto", "basic", "full"), default="auto",
                     help="defaults for unset options (auto: basic for the built-in small models, else full)")
     ap.add_argument("--data", nargs="+", help="held-out text files (basic: the shipped stdlib held-out split; "

@@ -2,9 +2,10 @@
 modules import both `kvjax` and `models`. Each has add_parser(subparsers) and run(args) -> int.
 
 What every command shares lives here, so that a flag reads and means the same everywhere:
-- flag types with vLLM's engine-arg parsing (`human_int_arg`: vLLM's human_readable_int, so
-  `--kv-cache-memory-bytes 4G` is 4 GiB and `4g` 4·10⁹; `kv_cache_dtype_arg`: "auto" = the
-  model's dtype, or a kv dtype kvjax stores; --dtype: vLLM's names, `model_dtype` kvjax's dtype);
+- the engine's flags come from its one table (kvjax.engine.cli_args.add_engine_flags: vLLM's
+  names and parsing, e.g. `--kv-cache-memory-bytes 4G` is 4 GiB and `4g` 4·10⁹); `add_model_flags`
+  adds --model and --dtype as every command that loads a model takes them, and `model_dtype` is
+  kvjax's dtype for vLLM's --dtype name;
 - `check_plot_file`: a --plot path matplotlib writes as given (.png, .svg, .pdf), checked
   before any work;
 - `progress_enabled`: whether a command draws its progress bar (kvjax.progress.Phases) on
@@ -18,32 +19,21 @@ from __future__ import annotations
 import os
 import sys
 
-from kvjax.engine.cli_args import human_int_arg, kv_cache_dtype_arg  # noqa: F401 (the commands' flag types)
 from kvjax.engine.arg_utils import MODEL_DTYPES
+from kvjax.engine.cli_args import add_engine_flags
 from kvjax.errors import UsageError, check_output_file
 
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
 
 
 # --------------------------------------------------------------------------------------------
-# Flag types (the engine's own: kvjax.engine.cli_args)
+# Model flags (the engine's own: kvjax.engine.cli_args)
 # --------------------------------------------------------------------------------------------
-MODEL_HELP = "small-gqa | small-mla | smollm2-135m | a Hugging Face folder | PATH.gguf | preset:NAME (random weights)"
-
-
 def add_model_flags(p) -> None:
-    """--model (required) and --dtype, as every command that loads a model takes them."""
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    add_dtype_flag(p)
-
-
-def add_dtype_flag(p) -> None:
-    """vLLM's --dtype, from the engine's flag table: its value is vLLM's name ("auto", "half", ...);
-    `model_dtype(args)` is kvjax's model dtype (None for auto)."""
-    from kvjax.engine.cli_args import FLAGS
-
-    flags, kwargs = FLAGS["dtype"]
-    p.add_argument(*flags, dest="dtype", **kwargs)
+    """--model (required) and vLLM's --dtype, from the engine's flag table, as every command that
+    loads a model takes them: --dtype's value is vLLM's name ("auto", "half", ...),
+    `model_dtype(args)` kvjax's model dtype (None for auto)."""
+    add_engine_flags(p, ("model", "dtype"), None, required=("model",))
 
 
 def model_dtype(args) -> str | None:

@@ -20,9 +20,12 @@ unless --dtype says otherwise), or `preset:NAME` for a kvjax.config.presets pres
 (e.g. preset:llama-3-8b, Llama-3-8B's published shapes in bf16; nothing is downloaded).
 --tensor-parallel-size N (-tp N) shards weights and cache over N devices (kvjax.worker.sharding); on
 CPU the command asks JAX for N host devices when it starts JAX itself. Flags are vLLM's engine
-args (--gpu-memory-utilization, --kv-cache-dtype, --block-size, --max-num-batched-tokens,
---max-num-seqs, --max-model-len, --dtype), plus kvjax's --device-memory-gib (one device's
-memory; a CPU reports none). The phases show on a progress bar on stderr when it is a terminal.
+args from the one table of kvjax.engine.cli_args (--gpu-memory-utilization, --kv-cache-dtype,
+--block-size, --max-num-batched-tokens, --max-num-seqs, --max-model-len, --dtype), plus kvjax's
+--device-memory-gib (one device's memory; a CPU reports none), with vLLM's GPU defaults (block 64,
+256 requests, 2048 tokens a step); the KV format and a given --max-model-len are resolved by the
+engine's resolvers (kvjax.config.engine). The phases show on a progress bar on stderr when it is a
+terminal.
 """
 from __future__ import annotations
 
@@ -31,48 +34,45 @@ import json
 import os
 
 from kvjax.accounting import budget as bud
-from kvjax.commands.common import (add_model_flags, add_progress_flag, human_int_arg, kv_cache_dtype_arg, model_dtype,
-                                   progress_enabled)
-from kvjax.config.engine import resolve_kv_dtype
-from kvjax.errors import UsageError, int_arg
+from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
+from kvjax.config.engine import resolve_kv_spec, resolve_max_model_len
+from kvjax.engine.cli_args import add_engine_flags, as_flags
+from kvjax.errors import KvjaxError, UsageError
 from kvjax.progress import Phases
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
 # name of XLA_PYTHON_CLIENT_MEM_FRACTION).
 ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
                  "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS")
-# kvjax.accounting.sizing's defaults (vLLM's), repeated so that building the parser does not import JAX.
-DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, max_num_seqs=256, tp=1)
+# kvjax.accounting.sizing's defaults (vLLM's on a GPU), repeated so that building the parser does not import JAX.
+DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, max_num_seqs=256)
+# The engine flags memory takes, from the one table (kvjax.engine.cli_args); --model and --dtype come with the model.
+ENGINE_FLAGS = ("gpu_memory_utilization", "kv_cache_dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
+                "max_model_len", "tensor_parallel_size", "total_memory_bytes", "seed")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="size the cache from a profiled budget; analytic vs measured bytes",
                        description=__doc__.split("\n\n")[0])
     add_model_flags(p)
-    p.add_argument("--gpu-memory-utilization", metavar="U", help="the share of the device's memory to use, in (0, 1] "
-                                                                 "(default 0.92)")
-    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg, default="auto",
-                   help="auto (the weights dtype), fp8 (= fp8_e4m3), fp8_e5m2, bf16, int8_per_token_head, ...")
-    p.add_argument("--block-size", type=int_arg(1), default=DEFAULTS["block_size"], help="tokens per block (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=human_int_arg(1), default=DEFAULTS["max_num_batched_tokens"],
-                   metavar="N", help="tokens in the profiling forward (default 2048)")
-    p.add_argument("--max-num-seqs", type=int_arg(1, 2**16), default=DEFAULTS["max_num_seqs"],
-                   help="requests running at once: the block tables' rows (default 256, vLLM's)")
-    p.add_argument("--max-model-len", type=human_int_arg(1), metavar="TOKENS",
-                   help="tokens per request: block-table width and the plan's context (default: "
-                        "min(max_position_embeddings, 8192))")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1, 256), default=DEFAULTS["tp"], metavar="N",
-                   help="devices the weights and cache are sharded over (1)")
-    p.add_argument("--device-memory-gib", metavar="GIB",
-                   help="memory of one device in GiB (required on CPU; default: the device's bytes_limit)")
-    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="seed of preset:NAME's random weights")
+    add_engine_flags(p, ENGINE_FLAGS, None, defaults=DEFAULTS, helps={
+        "gpu_memory_utilization": "the share of the device's memory to use, in (0, 1] (default 0.92)",
+        "block_size": f"tokens per block (default {DEFAULTS['block_size']})",
+        "max_num_batched_tokens": f"tokens in the profiling forward (default {DEFAULTS['max_num_batched_tokens']})",
+        "max_num_seqs": f"requests running at once: the block tables' rows (default {DEFAULTS['max_num_seqs']}, "
+                        "vLLM's)",
+        "max_model_len": "tokens per request: block-table width and the plan's context (default: "
+                         "min(max_position_embeddings, 8192))",
+        "total_memory_bytes": "memory of one device in GiB (required on CPU; default: the device's bytes_limit)",
+        "seed": "seed of preset:NAME's random weights"},
+        # exact decimals (kvjax.accounting.budget), read in run(): ceil(total × U) is vLLM's to the byte
+        types={"gpu_memory_utilization": str, "total_memory_bytes": str})
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_flag(p)
 
 
 def run(args) -> int:
-    if args.device_memory_gib is not None:
-        bud.gib(args.device_memory_gib, "--device-memory-gib")  # checked before any work
+    _given_total_bytes(args)  # checked before any work
     if args.gpu_memory_utilization is not None:
         bud.utilization(args.gpu_memory_utilization, "--gpu-memory-utilization")
     _ask_for_cpu_devices(args.tensor_parallel_size)
@@ -80,6 +80,12 @@ def run(args) -> int:
         report = measure(args, phases)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
+
+
+def _given_total_bytes(args) -> int | None:
+    """--device-memory-gib in bytes, exactly (kvjax.accounting.budget.gib: the parser keeps its text,
+    under its field's name total_memory_bytes); None when it is not given."""
+    return None if args.total_memory_bytes is None else bud.gib(args.total_memory_bytes, "--device-memory-gib")
 
 
 def _ask_for_cpu_devices(tp: int) -> None:
@@ -154,6 +160,7 @@ class _Setup:
         import jax
 
         from kvjax.accounting import memory as mem
+        from kvjax.accounting import sizing
         from kvjax.models import build_model, param_shapes
         from kvjax.worker import sharding as shd
 
@@ -164,13 +171,17 @@ class _Setup:
             with open_tensors(self.folder):  # a corrupt or pickled checkpoint is refused before any work
                 pass
         model_len = self.config.max_position_embeddings
-        if args.max_model_len is not None and args.max_model_len > model_len:
-            raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's maximum length {model_len}")
-        most = args.max_num_seqs * (args.max_model_len or min(model_len, 8192))
+        try:  # the engine's resolvers (kvjax.config.engine): the KV format of every layer, a given length's range
+            self.spec = resolve_kv_spec(self.config, args.kv_cache_dtype)
+            # unset: sizing's capped default, not the engine's (the model's length: 128K-token block tables)
+            self.max_model_len = (min(model_len, sizing.MAX_MODEL_LEN_CAP) if args.max_model_len is None
+                                  else resolve_max_model_len(args.max_model_len, model_len))
+        except KvjaxError as e:  # the engine's words for its arguments: said in flags
+            raise UsageError(as_flags(str(e))) from None
+        most = args.max_num_seqs * self.max_model_len
         if args.max_num_batched_tokens > most:
             raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} exceeds --max-num-seqs × "
                              f"max model length = {most}: no step can hold that many tokens")
-        self.spec = self.config.kv_spec(resolve_kv_dtype(args.kv_cache_dtype, self.config.dtype))
         self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
         self.mesh = shd.make_mesh(args.tensor_parallel_size)
         self.devices = list(self.mesh.devices.flat)
@@ -199,13 +210,13 @@ def measure(args, phases: Phases | None = None) -> dict:
     say(f"read {args.model} and build the model")
     setup = _Setup(args)
     devices, platform = setup.devices, setup.devices[0].platform
+    given = _given_total_bytes(args)
     try:
-        total = (bud.gib(args.device_memory_gib, "--device-memory-gib") if args.device_memory_gib is not None
-                 else sizing.device_total_bytes(devices[0]))
+        total = given if given is not None else sizing.device_total_bytes(devices[0])
     except sizing.NoMemoryLimitError:
         raise UsageError(f"the {platform} device reports no memory limit: pass --device-memory-gib") from None
     if setup.weights_per_device > total:
-        source = "--device-memory-gib" if args.device_memory_gib is not None else "its bytes_limit"
+        source = "--device-memory-gib" if given is not None else "its bytes_limit"
         raise UsageError(f"the weights of {setup.name} take {setup.weights_per_device:,} B per device, more than "
                          f"the device's {total:,} B ({source}): no budget is left for the KV cache")
 
@@ -224,7 +235,7 @@ def measure(args, phases: Phases | None = None) -> dict:
             setup.model, params, setup.spec, util=args.gpu_memory_utilization, total_bytes=total,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, mesh=setup.mesh,
+            max_model_len=setup.max_model_len, mesh=setup.mesh,
             weights_bytes=[b - a for a, b in zip(start, loaded)], step=step,
             windows=setup.config.layer_windows if args.tensor_parallel_size == 1 else None)
     except sizing.NoUsableBlockError as e:  # the library's message, in the command's flags
@@ -245,7 +256,7 @@ def measure(args, phases: Phases | None = None) -> dict:
         "max_num_seqs": sized.max_num_seqs, "max_model_len": sized.max_model_len,
         "weights_bytes_before": start, "weights_bytes_after": loaded,
         "profile": sized.profile.to_json(), "non_kv_bytes": sized.non_kv_bytes, "total_bytes": sized.total_bytes,
-        "total_source": "--device-memory-gib" if args.device_memory_gib is not None else
+        "total_source": "--device-memory-gib" if given is not None else
         "device bytes_limit: the JAX allocator's pool, XLA_CLIENT_MEM_FRACTION × memory",
         "plan": plan.to_json(), "num_blocks": sized.num_blocks, "device_stats": devices[0].memory_stats(),
         "hybrid": None if sized.groups is None else {

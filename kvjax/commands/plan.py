@@ -13,7 +13,9 @@ concurrency against context for bf16 and fp8 KV. A model with sliding-window lay
 a config.json's) also gets vLLM's hybrid KV cache beside its fallback that caches every layer as
 full attention (kvjax.accounting.hybrid: the groups, bytes per block, blocks, blocks per request,
 KV cache size in tokens, max concurrency). Flags the chosen model source or budget would ignore
-are refused. Nothing here imports JAX, so the command starts at once.
+are refused. The engine's flags (--kv-cache-dtype, --max-model-len, --block-size, the memory
+sizes, -tp, --max-num-batched-tokens) come from its one table (kvjax.engine.cli_args), with
+plan's defaults and help. Nothing here imports JAX, so the command starts at once.
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ from typing import Any, Sequence
 
 from kvjax.accounting import budget as bud
 from kvjax.accounting import hybrid
-from kvjax.commands.common import check_plot_file, human_int_arg, kv_cache_dtype_arg
+from kvjax.commands.common import check_plot_file
 from kvjax.config.engine import resolve_kv_dtype
 from kvjax.config.hf import from_hf_config
 from kvjax.config.presets import PRESETS, preset
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import MAX_GIB, UsageError, int_arg, save_figure
+from kvjax.engine.cli_args import add_engine_flags
+from kvjax.errors import UsageError, int_arg, save_figure
 
 
 def add_parser(sub) -> None:
@@ -45,35 +48,19 @@ def add_parser(sub) -> None:
     src.add_argument("--kind", help="mha | gqa | mqa | mla, with --layers --heads --kv-heads --head-dim")
     for flag in _SHAPE_FLAGS:
         src.add_argument(flag, type=int_arg(1))
-    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg,
-                   help="auto (the model's dtype; bf16 for --kind), fp8 (= fp8_e4m3), fp8_e5m2, bf16, "
-                        "int8_per_token_head, nvfp4, ... (default auto)")
-    p.add_argument("--max-model-len", type=human_int_arg(1), metavar="TOKENS",
-                   help="tokens per request, the context concurrency is counted for (default 8192)")
-    p.add_argument("--block-size", type=int_arg(1), help="tokens per block (default 64)")
+    _engine_flags(p, "kv_cache_dtype", "max_model_len", "block_size")
     mem = p.add_argument_group("memory")
-    mem.add_argument("--device-memory-gib", metavar="GIB",
-                     help="memory of one device (GPU) in GiB (1024³), the total gpu_memory_utilization takes a "
-                          "share of")
-    mem.add_argument("--gpu-memory-utilization", metavar="U", help="a share in (0, 1] (default 0.92)")
+    _engine_flags(mem, "total_memory_bytes", "gpu_memory_utilization")
     mem.add_argument("--extensible", action="store_true", help="extensible KV cache: utilization unset → 1.0")
     mem.add_argument("--weights-gib", help="weights of the whole model in GiB")
     mem.add_argument("--params-b", help="parameters in billions (weights = params × --weight-dtype bytes)")
     mem.add_argument("--weight-dtype", default=None, help=f"one of {', '.join(bud.WEIGHT_DTYPE_BYTES)} (default bf16)")
     mem.add_argument("--activations-gib", help="peak activations (default 0)")
     mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
-    mem.add_argument("--kv-cache-memory-bytes", type=human_int_arg(1, MAX_GIB * bud.GiB), metavar="BYTES",
-                     help="the KV budget of one device in bytes (4G = 4 GiB, 4g = 4e9): replaces the "
-                          "utilization arithmetic")
-    mem.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1), metavar="N", help="ranks (default 1)")
-    mem.add_argument("--kv-offloading-size", metavar="GIB",
-                     help="host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
-                          "as vLLM; 0 = no host tier")
+    _engine_flags(mem, "kv_cache_memory_bytes", "tensor_parallel_size", "kv_offloading_size")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
     hyb = p.add_argument_group("hybrid KV cache (models with sliding-window layers)")
-    hyb.add_argument("--max-num-batched-tokens", type=human_int_arg(1), metavar="N",
-                     help="tokens per step, which a sliding window's blocks also hold while in flight (default "
-                          f"{DEFAULT_BATCHED_TOKENS}: vLLM's API server on an 80-160 GiB GPU)")
+    _engine_flags(hyb, "max_num_batched_tokens")
     hyb.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="vLLM's default: two batches in flight (--no-async-scheduling: one)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -82,6 +69,38 @@ def add_parser(sub) -> None:
 
 
 DEFAULT_BATCHED_TOKENS = 8192
+# The engine flags plan takes, from the one table (kvjax.engine.cli_args), in plan's meaning: it is analytic, so a
+# simulator group's value stands in for an unset flag (no default: None), the memory sizes are exact decimals
+# (kvjax.accounting.budget reads the text), and -tp is not capped at the engine's 256 devices.
+_ENGINE_HELPS = {
+    "kv_cache_dtype": "auto (the model's dtype; bf16 for --kind), fp8 (= fp8_e4m3), fp8_e5m2, bf16, "
+                      "int8_per_token_head, nvfp4, ... (default auto)",
+    "max_model_len": "tokens per request, the context concurrency is counted for (default 8192)",
+    "block_size": f"tokens per block (default {bud.DEFAULT_BLOCK_SIZE})",
+    "total_memory_bytes": "memory of one device (GPU) in GiB (1024³), the total gpu_memory_utilization takes a "
+                          "share of",
+    "gpu_memory_utilization": "a share in (0, 1] (default 0.92)",
+    "kv_cache_memory_bytes": "the KV budget of one device in bytes (4G = 4 GiB, 4g = 4e9): replaces the "
+                             "utilization arithmetic",
+    "tensor_parallel_size": "ranks (default 1)",
+    "kv_offloading_size": "host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
+                          "as vLLM; 0 = no host tier",
+    "max_num_batched_tokens": "tokens per step, which a sliding window's blocks also hold while in flight (default "
+                              f"{DEFAULT_BATCHED_TOKENS}: vLLM's API server on an 80-160 GiB GPU)"}
+_ENGINE_DEFAULTS = {"kv_cache_dtype": None, "block_size": bud.DEFAULT_BLOCK_SIZE, "tensor_parallel_size": None}
+_ENGINE_TYPES = {"total_memory_bytes": str, "gpu_memory_utilization": str, "kv_offloading_size": str,
+                 "tensor_parallel_size": int_arg(1)}
+
+
+def _engine_flags(group, *fields: str) -> None:
+    """Add these engine flags to group (the parser or one of its argument groups), in plan's meaning."""
+    def pick(by_field: dict) -> dict:
+        return {name: value for name, value in by_field.items() if name in fields}
+
+    add_engine_flags(group, fields, None, defaults=pick(_ENGINE_DEFAULTS), helps=pick(_ENGINE_HELPS),
+                     types=pick(_ENGINE_TYPES))
+
+
 _SHAPE_FLAGS = ("--layers", "--heads", "--kv-heads", "--head-dim", "--kv-lora-rank", "--qk-rope-head-dim")
 _MLA_ONLY, _NOT_MLA = ("--kv-lora-rank", "--qk-rope-head-dim"), ("--kv-heads", "--head-dim")
 
@@ -161,7 +180,8 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     util_flag = args.gpu_memory_utilization
     if util_flag is not None:
         bud.utilization(util_flag, "--gpu-memory-utilization")  # named by its flag before plan() checks it again
-    device = args.device_memory_gib if args.device_memory_gib is not None else g.get("gpu_gib")
+    # GiB: --device-memory-gib's text (kept under its field's name, total_memory_bytes) or the group's
+    device = args.total_memory_bytes if args.total_memory_bytes is not None else g.get("gpu_gib")
     util = util_flag if util_flag is not None else (None if args.extensible else g.get("util"))
     host = bud.gib(args.kv_offloading_size or 0, "--kv-offloading-size")
     # The kv dtype is shown as it was asked for (fp8 stays fp8, as vLLM prints its --kv-cache-dtype); the spec holds
@@ -174,7 +194,7 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
                              "would be ignored")
     return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows, kw=dict(
         context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
-        block_size=args.block_size if args.block_size is not None else bud.DEFAULT_BLOCK_SIZE,
+        block_size=args.block_size,
         total_bytes=None if device is None else bud.gib(device, "--device-memory-gib"),
         util=util, extensible=args.extensible, weights_bytes=weights,
         activations_bytes=bud.gib(args.activations_gib or 0, "--activations-gib"),

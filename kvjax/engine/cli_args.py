@@ -1,6 +1,7 @@
 """The engine's command-line flags: one table, vLLM's `--kebab-case` names for EngineArgs' fields
 (vLLM's `EngineArgs.add_cli_args`). `EngineArgs.add_cli_args(parser)` adds every flag; a `kvjax`
-command adds the ones it takes (`add_engine_flags(parser, fields)`), so a flag is defined once.
+command adds the ones it takes (`add_engine_flags(parser, fields)`, with its own default, help
+or type where its meaning differs), so a flag is defined once.
 
 Each flag's type checks its value as the command line reads it (kvjax.errors' int_arg /
 float_arg, `human_int_arg` for vLLM's human-readable byte counts: `4G` = 4 GiB, `4g` = 4·10⁹), so
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Sequence
 
 from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, float_arg, int_arg, loads
 from kvjax.utils.argparse_utils import human_readable_int
@@ -142,21 +144,41 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
 }
 
 
-def add_engine_flags(parser, fields=None, group_title: str = "engine arguments (vLLM's EngineArgs)") -> None:
-    """Add the flags of `fields` (default: every one in FLAGS) to parser, in one argument group.
-    The two pool-size flags and --gpu-memory-utilization are mutually exclusive when all are added."""
+def add_engine_flags(parser, fields=None, group_title: str | None = "engine arguments (vLLM's EngineArgs)", *,
+                     defaults: dict | None = None, helps: dict | None = None, types: dict | None = None,
+                     required: Sequence[str] = ()) -> None:
+    """Add the flags of `fields` (default: every one in FLAGS) to parser, in one argument group
+    (group_title None: into `parser` itself, a parser or one of its argument groups). The two
+    pool-size flags and --gpu-memory-utilization are mutually exclusive when all are added.
+
+    A flag keeps the table's names, dest (the EngineArgs field) and type in every command. Where a
+    command's meaning differs, it says so by field, and only in these ways:
+    - defaults: its own default (`kvjax memory` sizes with vLLM's GPU defaults, --block-size 64);
+    - helps: its own help line, for its own default or meaning;
+    - types: its own argparse type, where the command reads the value differently from the engine:
+      `str` keeps the text as typed, under the field's dest (`kvjax memory` and `kvjax plan` read
+      --gpu-memory-utilization and --device-memory-gib as exact decimals, kvjax.accounting.budget);
+    - required: fields it cannot run without (--model, for a command that loads a model).
+    Every action added carries `engine_field` (its field), so a test can tell an engine flag taken
+    from this table from one a command defined by hand."""
     names = list(FLAGS) if fields is None else list(fields)
     unknown = [n for n in names if n not in FLAGS]
     if unknown:
         raise KeyError(f"no engine flag for {unknown}")
-    group = parser.add_argument_group(group_title)
+    overrides = {"default": defaults or {}, "help": helps or {}, "type": types or {},
+                 "required": dict.fromkeys(required, True)}
+    stray = sorted({n for by_field in overrides.values() for n in by_field} - set(names))
+    if stray:
+        raise KeyError(f"overrides for flags not added: {stray}")
+    group = parser if group_title is None else parser.add_argument_group(group_title)
     sizes = {"num_gpu_blocks_override", "gpu_memory_utilization", "kv_cache_memory_bytes"}
     exclusive = group.add_mutually_exclusive_group() if sizes <= set(names) else None
     for name in names:
         flags, kwargs = FLAGS[name]
+        kwargs = {**kwargs, **{key: by_field[name] for key, by_field in overrides.items() if name in by_field}}
         target = exclusive if exclusive is not None and name in sizes else group
-        target.add_argument(*flags, dest=name, **kwargs)
-
+        action = target.add_argument(*flags, dest=name, **kwargs)
+        action.engine_field = name
 
 
 def as_flags(message: str) -> str:

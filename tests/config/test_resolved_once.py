@@ -63,7 +63,11 @@ def test_each_resolver_is_defined_once_and_called_from_create_engine_config_only
                     if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in RESOLVERS:
                         callers.setdefault(call.func.id, set()).add(f"{os.path.relpath(path, ROOT)}:{node.name}")
     assert defined == {name: ["kvjax/config/engine.py"] for name in RESOLVERS}
-    assert callers == {name: {"kvjax/engine/arg_utils.py:create_engine_config"} for name in RESOLVERS}
+    # kvjax memory sizes a cache without an engine (no pool, scheduler or backend to resolve): it takes the KV format
+    # and a given max_model_len's rule from the same resolvers rather than deriving them a second way
+    memory = {"resolve_kv_spec", "resolve_max_model_len"}
+    assert callers == {name: {"kvjax/engine/arg_utils.py:create_engine_config"}
+                       | ({"kvjax/commands/memory.py:__init__"} if name in memory else set()) for name in RESOLVERS}
 
 
 def test_auto_means_the_models_dtype_in_one_function():
