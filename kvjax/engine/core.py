@@ -69,7 +69,7 @@ from kvjax.engine.stats import RunStats, Summary
 from kvjax.errors import INT32_MAX, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
-from kvjax.utils.atomic import atomic, lock_of
+from kvjax.utils.atomic import BatchCall, atomic, lock_of
 from kvjax.worker import sharding as shd
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
@@ -135,7 +135,7 @@ class Engine:
         self.scheduler = Scheduler(sched, placement=placement)
         self.host_pages = offload.HostPages(sched.num_host_blocks, self.cache) if sched.num_host_blocks else None
         self._next_request = 0  # request numbers: the random stream of unseeded requests
-        self._generating, self._left_behind = False, []  # generate's: running, and its requests' ids
+        self._batch = BatchCall()  # generate's bookkeeping
         self._active: dict[str, _Active] = {}  # the unfinished requests, by id
         self._run: RunStats | None = None  # a run's Summary being collected (begin_run, generate)
         self.last_step_tokens = 0  # tokens the last step generated
@@ -350,13 +350,7 @@ class Engine:
         if priorities is not None and len(priorities) != len(prompts):
             raise EngineError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         with lock_of(self):  # one generate at a time; other threads wait (kvjax.utils.atomic)
-            if self._generating:
-                raise EngineError("generate is already running: it cannot be called from its own progress callback")
-            self.abort_requests(self._left_behind)  # a call interrupted again before it cleaned up
-            self._left_behind = []
-            if self.has_unfinished_requests():
-                raise EngineError(f"{self.get_num_unfinished_requests()} requests added with add_request are "
-                                  "unfinished: step them to the end or abort them before generate")
+            self._batch.begin(self.abort_requests, self.get_num_unfinished_requests, EngineError)
             requests = []  # every check first, so that a bad request leaves the engine untouched
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 for j, child in enumerate(processor.fan_out(sp)):
@@ -364,24 +358,24 @@ class Engine:
                     if error is not None:
                         raise EngineError(f"prompt {i}: {error}")
                     requests.append((i, j, prompt, child, 0 if priorities is None else priorities[i]))
-            self._generating, self._run, results = True, RunStats(self), []
+            self._batch.running, self._run, results = True, RunStats(self), []
             try:
                 for i, j, prompt, child, priority in requests:
                     res = self.add_request(str(self._next_request), prompt, child, priority=priority)
                     res.index, res.sample = i, j
                     results.append(res)
-                    self._left_behind.append(res.request_id)
+                    self._batch.request_ids.append(res.request_id)
                 while self.has_unfinished_requests():
                     self.step()
                     if progress is not None:
                         progress(self.last_step_tokens)
-                self._left_behind = []
+                self._batch.request_ids = []
                 return EngineRun(results, self._run.summary(self))
             except BaseException:  # an interrupt or a bug: leave no request behind in the long-lived scheduler
                 self.abort_requests([r.request_id for r in results])
                 raise
             finally:
-                self._generating, self._run = False, None
+                self._batch.running, self._run = False, None
 
     @atomic
     def begin_run(self) -> None:

@@ -33,7 +33,7 @@ from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import GenerateOutputs
 from kvjax.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvjax.errors import INT32_MAX, check_int, is_int
-from kvjax.utils.atomic import lock_of
+from kvjax.utils.atomic import BatchCall, lock_of
 
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineArgs)}
 
@@ -49,7 +49,7 @@ class LLM:
                 raise LLMError(f"LLM() has no argument {name!r}")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._request_counter = itertools.count()
-        self._generating, self._left_behind = False, []  # generate's: running, and its requests' ids
+        self._batch = BatchCall()  # generate's bookkeeping (kvjax.utils.atomic)
 
     # ------------------------------------------------------------------ what it runs
     # The resolved config (kvjax.config.engine.EngineConfig, vLLM's VllmConfig), the engine core
@@ -127,13 +127,7 @@ class LLM:
             return self._generate(engine, prompts, params, priorities, use_tqdm, progress)
 
     def _generate(self, engine: LLMEngine, prompts, params, priorities, use_tqdm, progress) -> GenerateOutputs:
-        if self._generating:
-            raise LLMError("generate is already running: it cannot be called from its own progress callback")
-        engine.abort_request(self._left_behind)  # a call interrupted again before it cleaned up
-        self._left_behind = []
-        if engine.has_unfinished_requests():
-            raise LLMError(f"{engine.get_num_unfinished_requests()} requests added to llm.llm_engine are "
-                           "unfinished: step them to the end or abort them before generate")
+        self._batch.begin(engine.abort_request, engine.get_num_unfinished_requests, LLMError)
         requests = []  # every prompt checked before any request is added (vLLM raises before any runs)
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             text, ids = engine.process_prompt(prompt)
@@ -147,11 +141,11 @@ class LLM:
         if bar is not None:
             progress = _both(progress, lambda n: _advance(bar, n))
         core, finished = engine.engine, {}
-        self._generating = True
+        self._batch.running = True
         core.begin_run()
         try:
             for (rid, text, ids, sp), prio in zip(requests, priorities):
-                self._left_behind.append(rid)
+                self._batch.request_ids.append(rid)
                 engine.add_request(rid, {"prompt_token_ids": ids}, sp, priority=prio, prompt_text=text, checked=True)
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -159,12 +153,12 @@ class LLM:
                         finished[out.request_id] = out
                 if progress is not None:
                     progress(core.last_step_tokens)
-            self._left_behind = []
+            self._batch.request_ids = []
         except BaseException:  # an interrupt or a bug: no request of this call is left in the engine
             engine.abort_request([r[0] for r in requests])
             raise
         finally:
-            self._generating = False
+            self._batch.running = False
             summary = core.end_run()
             if bar is not None:
                 bar.close()

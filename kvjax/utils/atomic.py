@@ -95,3 +95,25 @@ class interrupts_held:
 def _note(signum, frame) -> None:
     if _held.noted is None:
         _held.noted = (signum, frame)
+
+
+class BatchCall:
+    """The bookkeeping of a call that runs a batch of requests to the end (`generate`), made under
+    its engine's lock: whether one is running (a call from inside it, e.g. its progress callback,
+    is refused), and the running call's request ids until it ends cleanly. A call whose clean-up
+    was itself interrupted (a second Ctrl-C before it aborted its requests) leaves them in the
+    engine; the next call aborts them first (`begin`)."""
+
+    def __init__(self):
+        self.running, self.request_ids = False, []
+
+    def begin(self, abort: Callable, num_unfinished: Callable[[], int], error: type[Exception]) -> None:
+        """Before a batch call adds anything: refuse a nested call, abort what an interrupted call
+        left, and refuse while requests added one by one (add_request) are unfinished."""
+        if self.running:
+            raise error("generate is already running: it cannot be called from its own progress callback")
+        abort(self.request_ids)
+        self.request_ids = []
+        if num_unfinished():
+            raise error(f"{num_unfinished()} requests added with add_request are unfinished: step them to the end "
+                        "or abort them before generate")
