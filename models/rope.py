@@ -81,7 +81,14 @@ def inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[
         ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
         freq = (freq / factor) * (1 - extrapolate) + freq * extrapolate
-    return freq.astype(np.float32), float(attention_factor)
+    with np.errstate(over="ignore"):
+        freq32 = freq.astype(np.float32)
+    # kvjax.config.model checks each parameter's domain; this catches what they give together
+    # (a factor of 1e-40 divides the frequencies past float32), which would make attention NaN.
+    if not (np.all(np.isfinite(freq32)) and math.isfinite(attention_factor) and attention_factor > 0):
+        raise RopeError(f"{rope.rope_type} rope (rope_theta {rope.theta:g}, factor {rope.factor}) gives frequencies "
+                        f"or an attention factor that are not finite and positive in float32")
+    return freq32, float(attention_factor)
 
 
 def deepseek_softmax_scale(rope: RopeConfig, qk_head_dim: int, max_position_embeddings: int) -> float:

@@ -29,13 +29,19 @@ from datetime import datetime
 import jinja2
 import jinja2.ext
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvjax.errors import KvjaxError, check_input_file, decode_utf8, one_line, read_bytes, read_json_object
+from kvjax.errors import INT32_MAX, KvjaxError, check_input_file, decode_utf8, one_line, read_bytes, read_json_object
+from kvjax.models.template_sandbox import BoundedSandbox, ChatTemplateError, compile_template, render, where
 
 
 # transformers' named special tokens, in its SPECIAL_TOKENS_ATTRIBUTES order (all_special_ids follows it)
 _NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _library_error(e: BaseException) -> bool:
+    """An error of the tokenizers library: its Exception, or pyo3's PanicException (a Rust panic,
+    which is a BaseException so that `except Exception` does not catch it)."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
 def _special_tokens(folder: str) -> dict:
@@ -65,22 +71,31 @@ class Tokenizer:
     encode_file(path) → ids i32[T], and vLLM's max_token_id."""
 
     def __init__(self, folder: str | None = None, *, backend=None, eos_token_id: int | None = None,
-                 bos_token_id: int | None = None, pad_token_id: int | None = None, unk_token_id: int | None = None):
+                 bos_token_id: int | None = None, pad_token_id: int | None = None, unk_token_id: int | None = None,
+                 source: str | None = None):
         """folder: a checkpoint folder (its tokenizer.json, if it has one); backend: a
-        `tokenizers.Tokenizer` built elsewhere. Neither: the byte vocabulary.
-        eos/bos/pad/unk_token_id: the model's special ids (models.hub passes the checkpoint's
-        primary EOS and a GGUF's tokenizer.ggml.*_token_id); where the folder's tokenizer_config.json
-        names the token itself, that one is the tokenizer's, as in transformers."""
+        `tokenizers.Tokenizer` built elsewhere (source: where from, for errors). Neither: the byte
+        vocabulary. eos/bos/pad/unk_token_id: the model's special ids (models.hub passes the
+        checkpoint's primary EOS and a GGUF's tokenizer.ggml.*_token_id); where the folder's
+        tokenizer_config.json names the token itself, that one is the tokenizer's, as in transformers.
+        A tokenizer that cannot be read, whose ids pass int32, or that fails on a plain text (a
+        tokenizer.json whose post-processor names a token it does not define panics in the
+        library's Rust code on every encode) is refused here, naming the file."""
         path = None if folder is None else os.path.join(folder, "tokenizer.json")
         self._tok = backend
         if backend is None and path is not None and os.path.exists(path):
             from tokenizers import Tokenizer as HFTokenizer
 
             check_input_file(path, "tokenizer file")  # a FIFO or a device is refused, never opened
+            source = f"tokenizer file {path!r}"
             try:
                 self._tok = HFTokenizer.from_file(path)
-            except Exception as e:  # the tokenizers library raises its own Exception: name the file
-                raise KvjaxError(f"tokenizer file {path!r} cannot be read: {one_line(e)[:200]}") from None
+            except BaseException as e:  # the library's own Exception, or a Rust panic: name the file
+                if not _library_error(e):
+                    raise
+                raise KvjaxError(f"{source} cannot be read: {one_line(e)[:200]}") from None
+        if self._tok is not None:
+            self._check(source or "the tokenizer")
         named = _special_tokens(folder) if self._tok is not None and folder is not None else {}
         given = dict(bos_token=bos_token_id, eos_token=eos_token_id, unk_token=unk_token_id, pad_token=pad_token_id)
         ids = {}
@@ -94,6 +109,21 @@ class Tokenizer:
         extra = [self.token_to_id(t) for t in named.get("extra", [])]
         self.all_special_ids: list[int] = list(dict.fromkeys(  # transformers' order: named, then extra tokens
             i for i in [*ids.values(), *extra] if i is not None))
+
+    def _check(self, source: str) -> None:
+        """The ids fit the engine's int32 and a plain text encodes (special tokens added) and decodes."""
+        if not self._tok.get_vocab_size(with_added_tokens=True):
+            raise KvjaxError(f"{source}: the tokenizer has no tokens")
+        if self.max_token_id > INT32_MAX:
+            raise KvjaxError(f"{source}: token id {self.max_token_id:,} is past int32, the engine's token ids")
+        try:
+            ids = self._tok.encode("kvjax: a probe, 1 2 3.", add_special_tokens=True).ids
+            self._tok.decode(ids, skip_special_tokens=False)
+        except BaseException as e:
+            if not _library_error(e):
+                raise
+            raise KvjaxError(f"{source}: the tokenizer fails on a plain text: {type(e).__name__}: "
+                             f"{one_line(e)[:200]}") from None
 
     @property
     def is_bytes(self) -> bool:
@@ -197,10 +227,6 @@ class Tokenizer:
         return np.asarray(self.encode(decode_utf8(data, path, "data file")), np.int32)
 
 
-class ChatTemplateError(KvjaxError):
-    """A chat template that cannot render the given messages; the message says why."""
-
-
 # transformers' marker for continue_final_message: appended to the final message, found in the
 # rendered text, and everything from it on (the template's end-of-turn) cut off.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -233,22 +259,24 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def _strftime_now(format):
+    if not isinstance(format, str) or len(format) > 1000:  # strftime expands "%c" twelvefold
+        raise ChatTemplateError(f"strftime_now takes a format string of at most 1000 characters, got {_clip(format)}")
     return datetime.now().strftime(format)
 
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     """The template in transformers' environment (`_compile_jinja_template`): sandboxed and
-    immutable (templates come from the Hub), trim_blocks and lstrip_blocks, loop controls."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    immutable (templates come from the Hub), trim_blocks and lstrip_blocks, loop controls; and
+    bounded in time, size and depth (models.template_sandbox)."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template)
+        return compile_template(env, template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the chat template is not valid Jinja: {one_line(e.message)} "
+        raise ChatTemplateError(f"the chat template{where(template)} is not valid Jinja: {one_line(e.message)} "
                                 f"(line {e.lineno})") from None
 
 
@@ -321,7 +349,9 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     transformers fills from its tokenizer); it may call `raise_exception(msg)` (a ChatTemplateError)
     and `strftime_now(format)`, and filter with transformers' `tojson` (non-ASCII kept as is).
     continue_final_message: leave the final message open (its end-of-turn cut off) so generation
-    continues it; it needs add_generation_prompt=False, as in transformers and vLLM."""
+    continues it; it needs add_generation_prompt=False, as in transformers and vLLM.
+    A template that runs past models.template_sandbox's limits of time, size or depth is a
+    ChatTemplateLimitError; errors name the template's file when it is a `ChatTemplate`."""
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message=True needs add_generation_prompt=False: one continues "
                                 "the final message, the other opens a new assistant turn")
@@ -335,12 +365,13 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     chat = _chat(messages)
     final = _tag_final_message(chat, template) if continue_final_message else None
     try:
-        rendered = compiled.render(messages=chat, tools=_copy(tools), documents=_copy(documents),
-                                   add_generation_prompt=add_generation_prompt, **variables)
+        rendered = render(compiled, template, dict(messages=chat, tools=_copy(tools), documents=_copy(documents),
+                                                    add_generation_prompt=add_generation_prompt, **variables))
     except ChatTemplateError:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as e:
-        raise ChatTemplateError(f"the chat template does not render: {type(e).__name__}: {one_line(e)}") from None
+        raise ChatTemplateError(f"the chat template{where(template)} does not render: {type(e).__name__}: "
+                                f"{one_line(e)[:300]}") from None
     if final is None:
         return rendered
     tag = _CONTINUE_TAG.strip()

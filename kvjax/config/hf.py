@@ -7,8 +7,11 @@ mixtral, gpt_oss; GQA from MQA to MHA) and the MLA family (deepseek_v2, deepseek
 multi-head latent attention, arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`.
 
 What the Flax decoder does not implement is parsed and recorded, never dropped; a field that
-cannot be read (wrong type, out of range, missing) raises `ModelConfigError` naming it. Plain
-Python, no JAX.
+cannot be read raises `ModelConfigError` naming it, its value and the file, at load rather than
+mid-run: every field read is checked against its type and range — sizes positive int32 integers,
+booleans JSON booleans (the string "false" is not false), enums from their known set, eos_token_id
+a token id below vocab_size, and the RoPE and norm parameters within the domain where their
+formulas are finite (kvjax.config.model: rope_theta > 1, yarn's betas ≥ 0, ...). Plain Python, no JAX.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def rope_from_hf(cfg: Mapping[str, Any], layout: str = "half") -> RopeConfig:
     if rope_type in ("llama3", "yarn"):
         original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
         if original is not None:
-            check_int(original, "original_max_position_embeddings", 1, None, RopeError)
+            check_int(original, "original_max_position_embeddings", 1, INT32_MAX, RopeError)
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise RopeError(f"truncate must be true or false, got {_show(truncate)}")
@@ -99,6 +102,32 @@ def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., lo: int = 1, hi: 
     return int(value)
 
 
+def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A true/false field; absent takes `default`, null is false (transformers keeps the None, which
+    its models test for truth). Only a JSON boolean is one: the string "false" is truthy in
+    Python, and reading it as true would silently drop a tied lm_head."""
+    if key not in cfg:
+        return default
+    value = cfg[key]
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"config field {key!r} must be true or false, got {_show(value)}")
+    return value
+
+
+def _check_eos(cfg: Mapping[str, Any], vocab: int | None) -> None:
+    """eos_token_id (an id or a list of them; null: none) within the vocabulary: generation stops
+    at it, and the engine keeps token ids as int32."""
+    value = cfg.get("eos_token_id")
+    hi = INT32_MAX if vocab is None else vocab - 1
+    for v in [] if value is None else value if isinstance(value, list) else [value]:
+        if not is_int(v) or not 0 <= v <= hi:
+            raise ModelConfigError(f"config field 'eos_token_id' must be a token id in [0, {hi:,}]"
+                                   f"{'' if vocab is None else ' (below vocab_size)'} or a list of them, "
+                                   f"got {_show(value)}")
+
+
 def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
     value = cfg.get(key) or []
     if not isinstance(value, list):
@@ -106,39 +135,53 @@ def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
     return [check_int(v, f"config field {key!r}[{i}]", 0, None, ModelConfigError) for i, v in enumerate(value)]
 
 
-def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: str | None = None) -> ModelConfig:
+def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: str | None = None, *,
+                   source: str | None = None) -> ModelConfig:
     """ModelConfig from a Hugging Face config (a folder, a config.json, or its dict).
 
     dtype overrides the checkpoint's `dtype` / `torch_dtype` (e.g. "float32" for tests).
     Absent fields take transformers' defaults for that model_type; num_key_value_heads defaults
     to num_attention_heads, and an explicit head_dim wins over hidden_size // num_attention_heads.
+    A field that breaks a rule is a ModelConfigError that starts with `source` (default: the
+    config.json's path; a dict has none unless given), as kvjax.errors.InputFileError does.
     """
     cfg = load_hf_config(path_or_dict)
+    name = None
+    if not isinstance(path_or_dict, Mapping):  # the checkpoint folder's name
+        path = os.fspath(path_or_dict)
+        is_dir = os.path.isdir(path)
+        name = os.path.basename(os.path.abspath(path if is_dir else os.path.dirname(path) or "."))
+        source = source or (os.path.join(path, "config.json") if is_dir else path)
+    try:
+        return _parse(cfg, dtype, name)
+    except (ModelConfigError, RopeError) as e:
+        raise ModelConfigError(f"{source}: {e}" if source else str(e)) from None
+
+
+def _parse(cfg: Mapping[str, Any], dtype: str | None, name: str | None) -> ModelConfig:
     model_type = cfg.get("model_type")
     if not model_type:
         raise ModelConfigError("config is missing the field 'model_type'")
     if model_type not in MODEL_TYPES:
         raise ModelConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
     heads = _int(cfg, "num_attention_heads")
-    name = model_type
-    if not isinstance(path_or_dict, Mapping):  # the checkpoint folder's name
-        path = os.path.abspath(os.fspath(path_or_dict))
-        name = os.path.basename(path if os.path.isdir(path) else os.path.dirname(path))
     gemma = model_type in ("gemma", "gemma2", "gemma3_text")
     act_key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"  # Gemma 2/3 name it so
     if not isinstance(cfg.get(act_key, ""), str):
         raise ModelConfigError(f"config field {act_key!r} must be a string, got {_show(cfg[act_key])}")
+    vocab = _int(cfg, "vocab_size", None)
+    _check_eos(cfg, vocab)
     common = dict(
-        model_type=model_type, vocab_size=_int(cfg, "vocab_size", None), hidden_size=_int(cfg, "hidden_size"),
+        model_type=model_type, vocab_size=vocab, hidden_size=_int(cfg, "hidden_size"),
         intermediate_size=_int(cfg, "intermediate_size", None),
         num_layers=_int(cfg, "num_hidden_layers", hi=MAX_LAYERS),  # per-layer tables are built from it
         num_heads=heads, num_kv_heads=_int(cfg, "num_key_value_heads", heads),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096 if model_type == "deepseek_v3" else 2048),
         rms_norm_eps=_number(cfg, "rms_norm_eps", ModelConfigError, default=1e-6),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", gemma),  # Gemma ties by default
         hidden_act=cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu"),
         dtype=dtype or _dtype(cfg),
-        name=name)
+        name=name or model_type)
     try:
         if model_type in MLA_TYPES:
             return _mla(cfg, common)
@@ -163,17 +206,17 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
             raise ModelConfigError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
                                    "the config needs an explicit head_dim")
         head_dim = hidden // heads
-    bias = bool(cfg.get("attention_bias", model_type == "gpt_oss"))
+    bias = _bool(cfg, "attention_bias", model_type == "gpt_oss")
     qkv_bias, o_bias = (True, False) if model_type in ("qwen2", "qwen2_moe") else (bias, bias)
     window, sliding = None, ()
     if model_type in ("mistral", "mixtral", "phi3") and cfg.get("sliding_window") is not None:
         window, sliding = _int(cfg, "sliding_window"), tuple(range(layers))
-    elif model_type.startswith(("qwen2", "qwen3")) and cfg.get("use_sliding_window"):
+    elif model_type.startswith(("qwen2", "qwen3")) and _bool(cfg, "use_sliding_window", False):
         window = _int(cfg, "sliding_window", 4096)
         first_sliding = _int(cfg, "max_window_layers", 28, lo=0)
         sliding = _sliding_layers(cfg, layers, lambda i: i >= first_sliding)
     elif model_type in _LAYER_PATTERNS and (cfg.get("sliding_window", 0) is not None):
-        if cfg.get("use_bidirectional_attention"):
+        if _bool(cfg, "use_bidirectional_attention", False):
             raise ModelConfigError(f"{model_type} config: use_bidirectional_attention makes it an encoder "
                                    "(transformers halves its window), not a causal decoder")
         default_window, period_key, default_period = _LAYER_PATTERNS[model_type]
@@ -201,7 +244,7 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
                      final_logit_softcap=_nullable(cfg, "final_logit_softcapping", final_cap))
     return ModelConfig(
         **common, head_dim=head_dim, rope=rope, qkv_bias=qkv_bias, o_bias=o_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+        mlp_bias=_bool(cfg, "mlp_bias", False) if model_type == "llama" else False,
         qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), moe_layers=moe,
         sliding_window=window if sliding else None, sliding_layers=sliding, **extra)
 
@@ -269,11 +312,11 @@ def _mla(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
     if model_type == "deepseek_v2":
         layout = "complex"
     else:
-        layout = "interleaved" if cfg.get("rope_interleave", True) else "half"
+        layout = "interleaved" if _bool(cfg, "rope_interleave", True) else "half"
     # transformers builds a MoE block for every layer index >= first_k_dense_replace.
     first_dense = _int(cfg, "first_k_dense_replace", 0 if model_type == "deepseek_v2" else 3, lo=0)
-    bias = bool(cfg.get("attention_bias", False))
-    mlp_bias = bool(cfg.get("mlp_bias", False)) if model_type == "deepseek_v2" else False
+    bias = _bool(cfg, "attention_bias", False)
+    mlp_bias = _bool(cfg, "mlp_bias", False) if model_type == "deepseek_v2" else False
     return ModelConfig(
         **common, rope=rope_from_hf(cfg, layout=layout), qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias,
         q_lora_rank=_int(cfg, "q_lora_rank", None) if "q_lora_rank" in cfg else 1536,  # null: no q LoRA

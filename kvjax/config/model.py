@@ -37,6 +37,10 @@ LAYOUTS = ("half", "interleaved", "complex")
 
 
 MAX_LAYERS = 2**16  # configs build per-layer tables (MoE, sliding layers); no model has a tenth of this
+# The smallest positive normal float32: a smaller rms_norm_eps is 0 (or flushed to 0) where the norm
+# runs, and an all-zero hidden state then divides 0 by 0.
+MIN_EPS = 2.0**-126
+F32_MAX = (2 - 2.0**-23) * 2.0**127  # the largest finite float32
 
 
 class ModelConfigError(SpecError):
@@ -78,6 +82,9 @@ class RopeConfig:
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise RopeError(f"unknown rope layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if not isinstance(self.rope_type, str):
+            raise RopeError(f"rope_type must be a string, got {self.rope_type!r}")
+        self._check_domains()
         if self.rope_type == "llama3" and None in (self.factor, self.low_freq_factor, self.high_freq_factor,
                                                     self.original_max_position_embeddings):
             raise RopeError("llama3 rope needs factor, low_freq_factor, high_freq_factor and "
@@ -86,6 +93,42 @@ class RopeConfig:
             raise RopeError("linear rope needs a factor")
         if self.rope_type == "yarn" and not self.original_max_position_embeddings:
             raise RopeError("yarn rope needs original_max_position_embeddings")
+
+    def _check_domains(self) -> None:
+        """Each parameter within the domain where models.rope's formulas are defined and finite in
+        float32, named as config.json names it (RopeError otherwise)."""
+        def number(name, value, ok, rule, why, optional=True):
+            if value is None and optional:
+                return
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and ok(value)):
+                raise RopeError(f"{name} must be {rule}, got {value!r}: {why}")
+
+        number("rope_theta", self.theta, lambda v: v > 1, "a finite number > 1", "the rotary frequencies θ^(-2i/d) "
+               "must fall from 1 as i grows (a tiny θ overflows them to inf in float32, and attention to NaN; yarn "
+               "divides by log θ)", optional=False)
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            number(name, getattr(self, name), lambda v: v >= MIN_EPS, "a finite number >= 2^-126",
+                   "frequencies and wavelengths are divided by it, past float32 below that")
+        number("attention_factor", self.attention_factor, lambda v: MIN_EPS <= v <= F32_MAX,
+               "a finite float32 number > 0", "it scales cos and sin")
+        if self.rope_type == "llama3" and None not in (self.low_freq_factor, self.high_freq_factor) and \
+                self.high_freq_factor <= self.low_freq_factor:
+            raise RopeError(f"high_freq_factor ({self.high_freq_factor}) must be greater than low_freq_factor "
+                            f"({self.low_freq_factor}): llama3 rope divides by their difference")
+        for name in ("beta_fast", "beta_slow"):  # transformers: `beta_fast or 32`, so 0 is the default
+            number(name, getattr(self, name), lambda v: v >= 0, "a finite number >= 0",
+                   "yarn takes the log of original_max_position_embeddings / (2π·beta); 0 or null is the default")
+        for name in ("mscale", "mscale_all_dim"):
+            number(name, getattr(self, name), lambda v: v >= 0, "a finite number >= 0",
+                   "yarn divides by 0.1·mscale·ln(factor) + 1")
+        number("partial_rotary_factor", self.partial_rotary_factor, lambda v: 0 < v <= 1, "in (0, 1]",
+               "it is the fraction of each head's dims that rotate", optional=False)
+        original = self.original_max_position_embeddings
+        if original is not None:
+            check_int(original, "original_max_position_embeddings", 1, INT32_MAX, RopeError)
+        if not isinstance(self.truncate, bool):
+            raise RopeError(f"truncate must be true or false, got {self.truncate!r}")
 
     @property
     def unsupported(self) -> str | None:
@@ -157,6 +200,14 @@ class ModelConfig:
             value = getattr(self, field)
             if value is not None and not (is_int(value) and value > 0):
                 raise ModelConfigError(f"{field} must be a positive integer or None, got {value!r}")
+        for field in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings"):
+            if not isinstance(getattr(self, field), bool):
+                raise ModelConfigError(f"{field} must be true or false, got {getattr(self, field)!r}")
+        eps = self.rms_norm_eps
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and MIN_EPS <= eps <= 1):
+            raise ModelConfigError(f"rms_norm_eps must be a number in [2^-126, 1] (below float32's smallest normal "
+                                   f"number it is 0 where the norm runs, and a zero hidden state is 0 / 0), "
+                                   f"got {eps!r}")
         for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
