@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import pathlib
 import platform
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core import kv_cache_manager as manager
-from kvjax.errors import write_text
+from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
@@ -185,7 +184,7 @@ def device_step(out: pathlib.Path, target_us: float = 100.0) -> int:
     result = {"what": "one decode step's allocation (append token + allocate_step)", **machine(),
               "target_us_at_512": target_us, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "allocator_step.json", json.dumps(result, indent=2) + "\n", "--out")
+    write_json(out / "allocator_step.json", result, "--out")
     for r in rows:
         print(f"{r['requests']:4d} requests: {r['per_call_us']:8.1f} us per jitted call, "
               f"{r['in_scan_us_per_step']:8.1f} us per step in lax.scan, {r['loop_iterations_per_step']} loop iterations")
@@ -210,7 +209,7 @@ def main(out: pathlib.Path) -> dict:
         **machine(), "rows": rows,
     }
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "allocator_bench.json", json.dumps(result, indent=2) + "\n", "--out")
+    write_json(out / "allocator_bench.json", result, "--out")
     lines = [f"# Allocator benchmark ({result['backend']}, {result['device']}, jax {result['jax']})", "",
              f"Machine: {result['cpu']}, {result['cpu_count']} cores ({result['machine']}), "
              f"python {result['python']}.", "",

@@ -37,7 +37,6 @@ experiments/results). Run: python -m kvjax.experiments.decode_bench [--model sma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -49,7 +48,7 @@ import numpy as np
 
 from kvjax import LLM, SamplingParams
 from kvjax.config.presets import preset
-from kvjax.errors import write_text
+from kvjax.errors import write_json, write_text
 from kvjax.experiments import require, results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
@@ -198,7 +197,7 @@ def _meta() -> dict:
 
 def _write(out_dir: pathlib.Path, stem: str, result: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / f"{stem}.json", json.dumps(result, indent=1, default=float), "--out")
+    write_json(out_dir / f"{stem}.json", result, "--out", indent=1, default=float)
     write_text(out_dir / f"{stem}.md", markdown, "--out")
 
 

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-from kvjax.errors import write_text
+from kvjax.errors import pyplot, save_figure, write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     result = dict(baseline=commit, current=current, machine=platform.processor() or platform.machine(),
                   cpus=os.cpu_count(), rows=rows)
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "engine_overhead.json", json.dumps(result, indent=1), "--out")
+    write_json(out / "engine_overhead.json", result, "--out", indent=1)
     table = "\n".join(markdown_table(
         ["steps/call", "baseline tok/s", "current tok/s", "ratio", "baseline wall s", "current wall s", "wall ratio",
          "same tokens"],
@@ -133,13 +133,7 @@ def main(argv=None) -> int:
 
 
 def _plot(rows: list, path: pathlib.Path, commit: str, current: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from kvjax.errors import save_figure
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["baseline_tok_s"] for r in rows], 0.4, label=commit)

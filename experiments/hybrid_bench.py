@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from kvjax.accounting import budget as bud  # noqa: E402
 from kvjax.accounting import hybrid  # noqa: E402
 from kvjax.config.presets import preset  # noqa: E402
 from kvjax.core import kv_cache_manager as manager  # noqa: E402
+from kvjax.errors import dumps, pyplot, save_figure, write_json, write_text  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 H200_GIB, BLOCK, BATCHED, BATCHES = "141", 16, 8192, 2
@@ -95,7 +95,7 @@ def capacity() -> list[dict]:
                              "max_concurrency": round(gp.max_concurrency, 2), "kv_cache_tokens": gp.kv_cache_tokens,
                              "admitted_arithmetic": gp.admitted, "admitted_allocator": got,
                              "agree": got == gp.admitted, "seconds": round(time.time() - t0, 1)})
-                print(json.dumps(rows[-1]), flush=True)
+                print(dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -140,7 +140,7 @@ def step_times(window: int, contexts: list[int], batch: int, reps: int) -> dict:
                 best[kind] = min(best[kind], time.perf_counter() - t0)
         for kind in models:
             out[kind].append(best[kind])
-        print(json.dumps({"context": ctx, **{k: round(v * 1e3, 3) for k, v in best.items()}}), flush=True)
+        print(dumps({"context": ctx, **{k: round(v * 1e3, 3) for k, v in best.items()}}), flush=True)
     return out
 
 
@@ -180,7 +180,7 @@ def prefix_hits(quick: bool) -> dict:
         out[kind] = {"num_blocks": num_blocks, "groups": len(groups), "prefix_hit_tokens": s.prefix_hit_tokens,
                      "prefix_queried_tokens": s.prefix_queried_tokens, "preemptions": s.preemptions,
                      "outputs": [r.output for r in run.results]}
-        print(json.dumps({k: v for k, v in {"kv": kind, **out[kind]}.items() if k != "outputs"}), flush=True)
+        print(dumps({k: v for k, v in {"kv": kind, **out[kind]}.items() if k != "outputs"}), flush=True)
     out["same_tokens"] = out["hybrid"].pop("outputs") == out["all full"].pop("outputs")
     return out
 
@@ -205,10 +205,10 @@ def main(argv=None) -> int:
               "seconds": round(time.time() - t0, 1), "command": "python experiments/hybrid_bench.py"
               + (" --quick" if args.quick else "") + (" --skip-capacity" if args.skip_capacity else "")}
     OUT.mkdir(exist_ok=True)
-    (OUT / "hybrid_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(OUT / "hybrid_bench.json", result, "--out")
     _markdown(result)
     _plot(result)
-    print(json.dumps(result["decode"]))
+    print(dumps(result["decode"]))
     return 0 if all(r["agree"] for r in cap) else 1
 
 
@@ -240,15 +240,11 @@ def _markdown(r: dict) -> None:
                     [[k, h[k]["groups"], h[k]["num_blocks"], h[k]["prefix_hit_tokens"], h[k]["prefix_queried_tokens"],
                       h[k]["preemptions"]] for k in ("hybrid", "all full")]), "",
               f"greedy tokens the same both ways: {'yes' if h['same_tokens'] else 'NO'}", ""]
-    (OUT / "hybrid_bench.md").write_text("\n".join(lines))
+    write_text(OUT / "hybrid_bench.md", "\n".join(lines), "--out")
 
 
 def _plot(r: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     d = r["decode"]
     for kind, ms in d["step_ms"].items():
@@ -265,7 +261,8 @@ def _plot(r: dict) -> None:
                 title=f"(a) {rows[0]['model'] if rows else ''} on one H200")
     axes[1].legend()
     fig.tight_layout()
-    fig.savefig(OUT / "hybrid_bench.png", dpi=110)
+    save_figure(fig, OUT / "hybrid_bench.png", "--out", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 import platform
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 from kvjax.attention.pallas_decode import paged_decode, paged_decode_reference
 from kvjax.attention.pallas_mla import mla_paged_decode, mla_paged_decode_reference
 from kvjax.attention.tiles import default_mla_tiles, default_tiles
-from kvjax.errors import write_text
+from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
@@ -227,7 +226,7 @@ def _row_cells(r: dict) -> list:
 
 def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / "kernel_bench.json", json.dumps({**meta, "rows": rows, "summary": checks}, indent=2), "--out")
+    write_json(out_dir / "kernel_bench.json", {**meta, "rows": rows, "summary": checks}, "--out")
     lines = [f"# Decode kernel bandwidth ({meta['device']}, {'tiny interpret mode' if meta['tiny'] else 'compiled'})",
              "", f"copy bandwidth: {meta['copy_gbps']:.1f} GB/s (read + write of {meta['copy_bytes'] / GiB:.3g} GiB)",
              "", *markdown_table(["model", "kv dtype", "batch", "context", "impl", "µs", "KV MiB", "GB/s",

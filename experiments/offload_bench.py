@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from kvjax import LLM, SamplingParams
-from kvjax.errors import save_figure
+from kvjax.errors import pyplot, save_figure
 from kvjax.experiments import results_dir
 from kvjax.experiments.decode_bench import _meta, _write
 from kvjax.markdown import markdown_table
@@ -154,11 +154,7 @@ def _policy(row: dict) -> str | None:
 
 
 def plot(r: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     off = r["rows"][0]
     for policy, marker in (("lru", "o"), ("arc", "s")):

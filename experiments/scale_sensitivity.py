@@ -24,7 +24,6 @@ case: |K| far above 448 at unit scale) shows when calibration wins.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax.data import CALIB, HELDOUT, PROSE  # noqa: E402
+from kvjax.errors import pyplot, save_figure, write_json, write_text  # noqa: E402
 from kvjax.evaluation.metrics import Tally, compare  # noqa: E402
 from kvjax.evaluation.scoring import prefill_layout, windows  # noqa: E402
 from kvjax.quant import formats as quant  # noqa: E402
@@ -185,10 +185,7 @@ def _markdown(results: list[dict]) -> str:
 
 
 def _plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.2 * len(results)), squeeze=False)
     for r, (ax_kl, ax_f) in zip(results, axes):
         unit = r["rows"][0]
@@ -211,7 +208,7 @@ def _plot(results: list[dict], path: Path) -> None:
                  ylabel="fraction (rel. error: mean)", title="what the scale does to K and V")
         ax_f.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, "--out", dpi=110)
     plt.close(fig)
 
 
@@ -233,8 +230,8 @@ def main(argv=None) -> dict:
         results.append(run_model("small-gqa", outliers=True, **kw))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale_sensitivity.json").write_text(json.dumps(dict(results=results), indent=1))
-    (out / "scale_sensitivity.md").write_text(_markdown(results))
+    write_json(out / "scale_sensitivity.json", dict(results=results), "--out", indent=1)
+    write_text(out / "scale_sensitivity.md", _markdown(results), "--out")
     _plot(results, out / "scale_sensitivity.png")
     log(f"wrote {out}/scale_sensitivity.{{md,json,png}}")
     return dict(results=results)

@@ -20,7 +20,6 @@ It needs optax (`pip install 'kvjax[train]'`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -29,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import write_json
+from kvjax.errors import dumps, write_json
 from kvjax.evaluation.scoring import next_token_nll, sequence_logits, windows
 from kvjax.experiments import corpus, require
 from kvjax.models import build_model, from_hf_config, init_params
@@ -140,7 +139,7 @@ def main(argv=None) -> None:
     for name in (["gqa", "mla"] if args.model == "both" else [args.model]):
         report = train(name, args.steps, args.batch, args.seq_len, args.lr, args.seed, args.log_every, args.out,
                        heldout)
-        print(json.dumps(report, indent=2))
+        print(dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import random
 import sys
@@ -172,15 +171,16 @@ def main(argv=None) -> int:
     v = _vllm(args.vllm_src, args.deps)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from kvjax.core.replay import iter_trace
+    from kvjax.errors import dumps, write_json, write_text
 
     rng, t0 = random.Random(args.seed), time.time()
     ops_run, layouts = 0, {}
     for i in range(args.traces):
         ops, want = random_trace(rng, v, args.hybrid_only)
-        got = [out for out, _ in iter_trace(json.dumps(op) for op in ops)]
+        got = [out for out, _ in iter_trace(dumps(op) for op in ops)]
         for k in range(1, len(ops)):
             if got[k] != want[k]:
-                print(f"trace {i}, op {k}: {json.dumps(ops[k])}\ninit: {json.dumps(ops[0])}")
+                print(f"trace {i}, op {k}: {dumps(ops[k])}\ninit: {dumps(ops[0])}")
                 for key in want[k]:
                     if want[k][key] != got[k].get(key):
                         print(f"  {key}: vLLM {want[k][key]}  kvjax {got[k].get(key)}")
@@ -191,15 +191,15 @@ def main(argv=None) -> int:
     result = {"vllm": "0.33.0", "traces": args.traces, "ops": ops_run, "seed": args.seed, "identical": True,
               "layouts": layouts, "seconds": round(time.time() - t0, 1)}
     OUT.mkdir(exist_ok=True)
-    (OUT / "vllm_replay_reference.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(OUT / "vllm_replay_reference.json", result, "--out")
     rows = "\n".join(f"| {k} | {n} |" for k, n in sorted(layouts.items()))
-    (OUT / "vllm_replay_reference.md").write_text(
+    write_text(OUT / "vllm_replay_reference.md",
         "# kvjax replay against vLLM 0.33's KVCacheManager\n\n"
         f"`python experiments/vllm_replay_reference.py --vllm-src ... --deps ... --traces {args.traces} "
         f"--seed {args.seed}`: {args.traces} random traces, {ops_run} ops, the state after every op identical "
         "(each group's hit, new and whole block table, free queue, ref counts, cached blocks, num_free, usage).\n\n"
-        f"| groups | traces |\n|---|---:|\n{rows}\n")
-    print(json.dumps(result))
+        f"| groups | traces |\n|---|---:|\n{rows}\n", "--out")
+    print(dumps(result))
     return 0
 
 

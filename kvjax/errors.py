@@ -16,7 +16,9 @@ What is checked before any work, so that a refused command has written nothing:
 
 Every output is then written by `write_file` (`write_text`, `write_json`, `save_figure`): to a
 temporary file beside the target, renamed into place only when complete, so that a failure while
-writing (a full disk) is one line and leaves the old file, or none, and no partial one.
+writing (a full disk) is one line and leaves the old file, or none, and no partial one; a symlink
+at the name is replaced, never followed. Several files are committed together (`output_folder`);
+JSON is `dumps`'s (strict: NaN and ±Infinity as null); plots come from `pyplot()`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import json
 import math
 import numbers
 import os
+import shutil
 import stat
 import tempfile
 from typing import IO, Any, Iterator
@@ -188,9 +191,11 @@ def check_input_file(path: str | os.PathLike, what: str) -> str:
 
 
 def decode_utf8(data: bytes, path: str | os.PathLike, what: str) -> str:
-    """UTF-8 text, or an InputFileError naming the line and column of the first bad byte."""
+    """UTF-8 text, or an InputFileError naming the line and column of the first bad byte. A leading
+    byte-order mark (Windows editors write one) is no part of the text: dropped, as "utf-8-sig"
+    reads, so that it becomes no prompt token and no JSON error."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
@@ -228,6 +233,32 @@ def loads(text: str) -> Any:
     if _depth(obj) > MAX_JSON_DEPTH:
         raise KvjaxError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return obj
+
+
+def dumps(obj: Any, indent: int | None = None, default=None, **kw) -> str:
+    """`obj` as strict JSON, the one JSON writer of every command and experiment (--json, write_json).
+    JSON has no NaN or Infinity (Python's json writes literals that jq or JavaScript refuse): every
+    non-finite float, Python's or NumPy's, becomes null. NumPy scalars and arrays become numbers and
+    lists; any other object goes through `default` (its result mapped the same way), else TypeError.
+    kw go to json.dumps (sort_keys, ...), always with allow_nan=False, so nothing slips past."""
+    return json.dumps(_finite(obj, default), indent=indent, allow_nan=False, **kw)
+
+
+def _finite(value: Any, default=None) -> Any:
+    """`value` with non-finite floats as None and NumPy values as Python ones (see dumps)."""
+    if isinstance(value, (str, bool, int)) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v, default) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, default) for v in value]
+    if hasattr(value, "tolist") and type(value).__module__ == "numpy":  # a NumPy scalar or array
+        return _finite(value.tolist(), default)
+    if default is not None:
+        return _finite(default(value), default)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def parse_json(text: str, path: str | os.PathLike, what: str, line: int | None = None) -> Any:
@@ -279,23 +310,36 @@ def json_type(value: Any) -> str:
 # Output paths
 # --------------------------------------------------------------------------------------------
 def check_output_file(path: str | os.PathLike, flag: str) -> str:
-    """An output file that `write_file` can write, checked before any work: the path that will be
-    written (symlinks resolved, so a dangling link names its target) is not a folder, a FIFO or a
-    device, and its folder exists and takes a new file (a probe file, removed at once). Nothing is
-    created at the path itself, so a command refused later leaves nothing behind."""
+    """An output file that `write_file` can write, checked before any work: the path is not a
+    folder, a FIFO or a device (a symlink is fine: write_file replaces it), and its folder exists
+    and takes a new file (a probe file, removed at once). Nothing is created at the path itself,
+    so a command refused later leaves nothing behind."""
     path = _nonempty(path, flag)
-    target = os.path.realpath(path)
-    if os.path.isdir(target):
-        raise OutputPathError(f"{flag} {path!r} is a folder; give a file name")
-    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):  # opening a FIFO would block
-        raise OutputPathError(f"{flag} {path!r} is {file_kind(os.stat(target).st_mode)}, not a regular file")
-    folder = os.path.dirname(target)
+    _old_mode(path, flag)
+    folder = os.path.realpath(os.path.dirname(path) or ".")
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
         raise OutputPathError(f"{flag} {path!r}: the folder {folder!r} does not exist")
     _probe(folder, f"{flag} {path!r} cannot be written")
     return path
+
+
+def _old_mode(path: str, flag: str) -> int | None:
+    """The permission bits of the regular file at `path`, which an output replaces; None when
+    there is none, or a symlink (replaced itself, its target never touched). A folder, a FIFO
+    (opening it would block) or a device is never replaced: OutputPathError."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # no such file, or a folder on the way that is none: the folder checks say which
+        return None
+    if stat.S_ISLNK(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        raise OutputPathError(f"{flag} {path!r} is a folder; give a file name")
+    if not stat.S_ISREG(mode):
+        raise OutputPathError(f"{flag} {path!r} is {file_kind(mode)}, not a regular file")
+    return stat.S_IMODE(mode)
 
 
 def _nonempty(path: str | os.PathLike, flag: str) -> str:
@@ -320,14 +364,14 @@ def write_file(path: str | os.PathLike, flag: str, binary: bool = False) -> Iter
     target, which replaces the target (os.replace) only when everything was written and synced.
     A write that fails (a full disk, a quota, a file-size limit) or any exception leaves the
     target as it was and no temporary file behind; an OSError becomes one OutputPathError
-    naming `flag` and the path. The target is the path with symlinks resolved (the link stays);
-    a new file gets the usual mode (0666 less the umask), a replaced one keeps its mode."""
+    naming `flag` and the path. A symlink at the path is replaced by the new file, never
+    followed: a link planted in an output folder cannot send a write outside it (the folders
+    above the name are the caller's path, followed as given). A new file gets the usual mode
+    (0666 less the umask), a replaced regular file keeps its mode."""
     path = os.fspath(path)
-    target = os.path.realpath(path)
-    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):  # never replace a FIFO or a device
-        raise OutputPathError(f"{flag} {path!r} is {file_kind(os.stat(target).st_mode)}, not a regular file")
+    mode = _old_mode(path, flag)
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.",
                                    suffix=".part")
     except OSError as e:
         raise OutputPathError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
@@ -336,8 +380,8 @@ def write_file(path: str | os.PathLike, flag: str, binary: bool = False) -> Iter
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask())
-        os.replace(tmp, target)
+        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
+        os.replace(tmp, path)  # rename(2) replaces the name: a symlink there goes, its target stays
     except OSError as e:
         raise OutputPathError(f"{flag} {path!r}: writing failed: {e.strerror or e}") from None
     finally:
@@ -352,10 +396,9 @@ def write_text(path: str | os.PathLike, text: str, flag: str) -> None:
 
 
 def write_json(path: str | os.PathLike, obj: Any, flag: str, indent: int | None = 2, **kw) -> None:
-    """`obj` as a JSON file at `path` (see write_file); kw go to json.dump."""
-    with write_file(path, flag) as fh:
-        json.dump(obj, fh, indent=indent, **kw)
-        fh.write("\n")
+    """`obj` as a JSON file at `path` (see write_file), written by `dumps` (strict JSON: NaN and
+    ±Infinity as null); kw go to dumps."""
+    write_text(path, dumps(obj, indent=indent, **kw) + "\n", flag)
 
 
 def save_figure(fig, path: str | os.PathLike, flag: str, **kw) -> None:
@@ -383,3 +426,74 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> str:
         raise OutputPathError(f"{flag} {path!r}: {probe!r} is a file, not a folder")
     _probe(probe, f"{flag} {path!r}: {probe!r} is not writable")
     return path
+
+
+@contextlib.contextmanager
+def output_folder(out: str | os.PathLike, flag: str = "--out") -> Iterator[str]:
+    """Several outputs committed together: yields a new staging folder for the command's files; when
+    the block ends without an exception they are renamed into `out` (created if need be), else the
+    staging folder goes and `out` keeps the previous run's files whole (no new plot beside an old
+    REPORT.md). The staging folder (`.kvjax-staging-*`) lies inside `out`, so the renames never cross
+    a filesystem. Every name is checked before the first move: a symlink at a file's name is replaced,
+    never followed; a symlinked folder between `out` and a file is refused, naming it (it could lead
+    outside `out`); `out` itself may be a symlink, the user's own path. Replaced files keep their mode."""
+    out = os.fspath(out)
+    created = not os.path.lexists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        stage = tempfile.mkdtemp(dir=out, prefix=".kvjax-staging-")
+    except OSError as e:
+        raise OutputPathError(f"{flag} {out!r} cannot be written: {e.strerror or e}") from None
+    try:
+        yield stage
+        _commit(stage, out, flag)
+    except BaseException as e:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)  # made for this run, it holds nothing else
+        if isinstance(e, OutputPathError):  # the file named as the user knows it, not its staging copy
+            raise OutputPathError(str(e).replace(os.path.join(stage, ""), os.path.join(out, ""))) from None
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _commit(stage: str, out: str, flag: str) -> None:
+    """Move every file under `stage` to the same relative name under `out` (see output_folder)."""
+    moves = [(os.path.join(folder, name), os.path.relpath(os.path.join(folder, name), stage))
+             for folder, _, names in os.walk(stage) for name in sorted(names)]
+    modes = {}
+    for _, rel in moves:  # every check before the first move: a refusal leaves `out` as it was
+        parts = rel.split(os.sep)
+        for i in range(1, len(parts)):
+            above = os.path.join(out, *parts[:i])
+            if os.path.islink(above):
+                raise OutputPathError(f"{flag} {out!r}: {above!r} is a symlink; kvjax writes only inside {flag}")
+        modes[rel] = _old_mode(os.path.join(out, rel), flag)
+    try:
+        for src, rel in moves:
+            os.makedirs(os.path.dirname(os.path.join(out, rel)), exist_ok=True)
+            if modes[rel] is not None:
+                os.chmod(src, modes[rel])
+            os.replace(src, os.path.join(out, rel))
+    except OSError as e:
+        raise OutputPathError(f"{flag} {out!r}: moving the outputs into place failed: {e.strerror or e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Caches
+# --------------------------------------------------------------------------------------------
+def cache_dir() -> str:
+    """kvjax's cache folder: $KVJAX_CACHE, else $XDG_CACHE_HOME/kvjax, else ~/.cache/kvjax."""
+    return os.environ.get("KVJAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvjax")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, the one way kvjax imports matplotlib: its config and font
+    cache go to cache_dir()/matplotlib, not into HOME, unless the user set MPLCONFIGDIR (read when
+    matplotlib is first imported: a process that imported it before keeps its own)."""
+    os.environ.setdefault("MPLCONFIGDIR", os.path.join(cache_dir(), "matplotlib"))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt

@@ -21,16 +21,15 @@ small-mla and full for every other model.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
 from kvjax.commands import accuracy_lab as lab
-from kvjax.commands.accuracy_lab import pyplot, save_plot
+from kvjax.commands.accuracy_lab import save_plot
 from kvjax.commands.common import add_progress_flag, progress_enabled
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import (UsageError, check_input_file, check_output_dir, float_arg, int_arg, write_json,
-                          write_text)
+from kvjax.errors import (UsageError, check_input_file, check_output_dir, dumps, float_arg, int_arg, output_folder,
+                          pyplot, write_json, write_text)
 from kvjax.markdown import markdown_table
 from kvjax.progress import Phases
 
@@ -295,25 +294,29 @@ def plot_amax(res: dict, path: str) -> None:
 
 def write_outputs(res: dict, out_dir: str) -> dict:
     """accuracy_<model>[_outliers].{json,md,png} in out_dir, plus the full suite's
-    _positions.png, _layers.png and _amax.png when measured; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"accuracy_{os.path.basename(res['model'].rstrip('/'))}"
-                        + ("_outliers" if res["outlier_channels"] else ""))
-    paths = {"json": stem + ".json", "md": stem + ".md", "png": stem + ".png"}
-    write_json(paths["json"], res, "--out")
-    write_text(paths["md"], markdown(res), "--out")
-    plot(res, paths["png"])
-    for key, fn, needs in (("positions", plot_positions, "long"), ("layers", plot_layers, "sensitivity"),
-                           ("amax", plot_amax, "outliers")):
-        if needs in res:
-            paths[key] = f"{stem}_{key}.png"
-            fn(res, paths[key])
+    _positions.png, _layers.png, _amax.png and _tradeoff.png when measured, moved into out_dir
+    together (kvjax.errors.output_folder: a failure midway leaves the previous run's files whole);
+    returns their paths."""
+    stem = f"accuracy_{os.path.basename(res['model'].rstrip('/'))}" + ("_outliers" if res["outlier_channels"] else "")
+    names = {"json": f"{stem}.json", "md": f"{stem}.md", "png": f"{stem}.png"}
+    plots = [(key, fn) for key, fn, needs in (("positions", plot_positions, "long"),
+                                              ("layers", plot_layers, "sensitivity"), ("amax", plot_amax, "outliers"))
+             if needs in res]
+    names.update((key, f"{stem}_{key}.png") for key, _ in plots)
     if "passkey" in res or "long" in res:
-        from kvjax.evaluation.tradeoff import table
+        names["tradeoff"] = f"{stem}_tradeoff.png"
+    with output_folder(out_dir) as stage:
+        at = lambda key: os.path.join(stage, names[key])  # noqa: E731
+        write_json(at("json"), res, "--out")
+        write_text(at("md"), markdown(res), "--out")
+        plot(res, at("png"))
+        for key, fn in plots:
+            fn(res, at(key))
+        if "tradeoff" in names:
+            from kvjax.evaluation.tradeoff import table
 
-        paths["tradeoff"] = f"{stem}_tradeoff.png"
-        lab.plot_tradeoff(res, table(res), paths["tradeoff"])
-    return paths
+            lab.plot_tradeoff(res, table(res), at("tradeoff"))
+    return {key: os.path.join(out_dir, name) for key, name in names.items()}
 
 
 def run_from_args(args) -> dict:
@@ -333,5 +336,5 @@ def run_from_args(args) -> dict:
 
 def run(args) -> int:
     res = run_from_args(args)
-    print(json.dumps(res, indent=2) if args.json else markdown(res) + "\nwrote " + ", ".join(res["outputs"].values()))
+    print(dumps(res, indent=2) if args.json else markdown(res) + "\nwrote " + ", ".join(res["outputs"].values()))
     return 0

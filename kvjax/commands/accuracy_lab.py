@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.errors import save_figure
+from kvjax.errors import pyplot, save_figure
 from kvjax.markdown import markdown_table
-
-
-def pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def save_plot(plt, fig, path: str) -> None:

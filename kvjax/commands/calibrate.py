@@ -8,10 +8,9 @@ mode, the windows calibrated on, and the scales themselves (as in the file).
 """
 from __future__ import annotations
 
-import json
 
 from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
-from kvjax.errors import UsageError, check_input_file, check_output_file, int_arg
+from kvjax.errors import UsageError, check_input_file, check_output_file, dumps, int_arg
 from kvjax.progress import Phases
 from kvjax.quant.kv_formats import FP8_FORMATS
 
@@ -56,9 +55,9 @@ def run(args) -> int:
         scales = calibrate(loaded.config, loaded.module, loaded.params, toks, args.format, args.mode)
     scales.save(args.out)
     if args.json:
-        print(json.dumps(dict(out=args.out, model=args.model, format=args.format, mode=args.mode,
-                              layers=loaded.config.num_layers, windows=len(toks), seq_len=args.seq_len,
-                              scales=scales.to_json()), indent=1))
+        print(dumps(dict(out=args.out, model=args.model, format=args.format, mode=args.mode,
+                         layers=loaded.config.num_layers, windows=len(toks), seq_len=args.seq_len,
+                         scales=scales.to_json()), indent=1))
     else:
         print(f"wrote {args.format} {args.mode} scales for {loaded.config.num_layers} layers from {len(toks)} "
               f"windows of {args.seq_len} tokens to {args.out}")

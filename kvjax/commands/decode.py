@@ -43,7 +43,6 @@ starts cold) and every step of the measured run is timed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
 
@@ -52,7 +51,7 @@ from kvjax.commands.prompts import build_requests, read_prompts, refused_output,
 from kvjax.config.scheduler import check_host_tier
 from kvjax.engine.arg_utils import EngineArgs
 from kvjax.engine.cli_args import add_engine_flags, as_flags
-from kvjax.errors import INT32_MAX, KvjaxError, UsageError, float_arg, int_arg
+from kvjax.errors import INT32_MAX, KvjaxError, UsageError, dumps, float_arg, int_arg
 from kvjax.progress import Phases
 
 PROMPT_LEN = 32  # --prompt-len's default (given with --prompts, it would be ignored)
@@ -140,7 +139,7 @@ def run(args) -> int:
     summary = _with_refused(outs.summary, len(refused) * base.n)
     config = _config_json(args, llm, base)
     if args.json:
-        print(json.dumps({"config": config, "outputs": rows, "summary": summary.to_json()}, indent=1))
+        print(dumps({"config": config, "outputs": rows, "summary": summary.to_json()}, indent=1))
     else:
         print(format_run(rows, summary, config))
     return 0

@@ -10,7 +10,8 @@ Flags take vLLM's engine-arg names wherever vLLM has the concept (--kv-cache-dty
 --enable-prefix-caching, --max-num-seqs, --max-model-len, --tensor-parallel-size / -tp, ...),
 one name per concept in every command; kvjax's own flags keep kvjax names (--scales,
 --steps-per-call, --device-memory-gib, ...). A flag's old kvjax name is refused with one line
-naming the new one (`RENAMED`). With --json every command prints JSON (replay: one object a line).
+naming the new one (`RENAMED`). With --json every command prints JSON (replay: one object a line),
+strict JSON from kvjax.errors.dumps: a NaN or infinite number is null, never a NaN literal.
 
 Bad input exits with status 2 and one line naming the bad value, never a traceback.
 Subcommands that need JAX import it lazily, so `plan` and `tables` start instantly.

@@ -30,14 +30,13 @@ terminal.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 from kvjax.accounting import budget as bud
 from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
 from kvjax.config.engine import resolve_kv_spec, resolve_max_model_len
 from kvjax.engine.cli_args import add_engine_flags, as_flags
-from kvjax.errors import KvjaxError, UsageError
+from kvjax.errors import KvjaxError, UsageError, dumps
 from kvjax.progress import Phases
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
@@ -78,7 +77,7 @@ def run(args) -> int:
     _ask_for_cpu_devices(args.tensor_parallel_size)
     with Phases("memory", 5, progress_enabled(args)) as phases:
         report = measure(args, phases)
-    print(json.dumps(report, indent=1) if args.json else render(report))
+    print(dumps(report, indent=1) if args.json else render(report))
     return 0
 
 

@@ -20,7 +20,6 @@ plan's defaults and help. Nothing here imports JAX, so the command starts at onc
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any, Sequence
 
 from kvjax.accounting import budget as bud
@@ -31,7 +30,7 @@ from kvjax.config.hf import from_hf_config
 from kvjax.config.presets import PRESETS, preset
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import UsageError, int_arg, save_figure
+from kvjax.errors import UsageError, dumps, int_arg, pyplot, save_figure
 
 
 def add_parser(sub) -> None:
@@ -236,7 +235,7 @@ def run(args) -> int:
         out["warnings"] = warnings
         if inputs["kv_label"]:
             out["spec"]["kv_dtype"] = inputs["kv_label"]
-        print(json.dumps(out, indent=2))
+        print(dumps(out, indent=2))
     else:
         print(format_plan(result, inputs["title"], warnings, inputs["kv_label"]))
         if groups:
@@ -344,10 +343,7 @@ def _host_rows(pl: bud.Plan) -> list[tuple[str, str, str]]:
 
 
 def _plot_concurrency(inputs: dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     contexts = [2**k for k in range(10, 18)]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for dtype in ("bf16", "fp8"):

@@ -10,7 +10,6 @@ number.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -18,7 +17,7 @@ import jax
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core.replay import Replay, ReplayError, bounded_lines, host_lists, iter_trace
-from kvjax.errors import check_input_file
+from kvjax.errors import check_input_file, dumps
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             for out, replay in iter_trace(bounded_lines(f)):
                 if args.show and args.json:
                     out = dict(out, drawing=draw(replay))
-                print(json.dumps(out), flush=not text_drawing)
+                print(dumps(out), flush=not text_drawing)
                 if text_drawing:
                     print(draw(replay), flush=True)
         except ReplayError as e:

@@ -8,10 +8,10 @@ rows. Nothing here imports JAX, so the command starts at once.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvjax.accounting import budget as bud
+from kvjax.errors import dumps
 from kvjax.markdown import markdown_table
 
 
@@ -47,7 +47,7 @@ def run(args) -> int:
 
     t1, t2 = tables.table1(), tables.table2()
     if args.json:
-        print(json.dumps({"table1": t1, "table2": t2}, indent=2))
+        print(dumps({"table1": t1, "table2": t2}, indent=2))
     else:
         print("Table 1 — KV bytes per token (GiB = 1024³)\n")
         print(table1_markdown(t1))

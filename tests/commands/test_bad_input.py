@@ -525,6 +525,24 @@ def test_the_python_api_refuses_special_files_too(tmp_path):
             reader()
 
 
+def test_a_byte_order_mark_is_no_part_of_a_prompt_or_a_json_file(tmp_path):
+    """Windows editors start UTF-8 files with U+FEFF; it was read as the first prompt's first
+    three byte tokens (and a JSON file holding one was refused)."""
+    from kvjax.commands.prompts import read_prompts
+    from kvjax.errors import read_json
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "p.txt").write_bytes(bom + b"hello\r\nworld\n")
+    (tmp_path / "p.JSONL").write_bytes(bom + b'{"prompt": "hi"}\n{"tokens": [1, 2]}\n')
+    (tmp_path / "c.json").write_bytes(bom + b'{"a": 1}')
+    assert [r["prompt"] for r in read_prompts(str(tmp_path / "p.txt"))] == ["hello", "world"]
+    assert [(r["prompt"], r["tokens"]) for r in read_prompts(str(tmp_path / "p.JSONL"))] == [("hi", None),
+                                                                                           (None, [1, 2])]
+    assert read_json(tmp_path / "c.json", "config") == {"a": 1}
+    (tmp_path / "mid.txt").write_bytes(b"a" + bom + b"b\n")  # only a leading one is a mark: inside, it is text
+    assert read_prompts(str(tmp_path / "mid.txt"))[0]["prompt"] == "a\ufeffb"
+
+
 def test_text_prompts_split_on_newlines_only_and_jsonl_in_any_case(tmp_path):
     from kvjax.commands.prompts import read_prompts
 
@@ -663,7 +681,7 @@ def test_a_full_stdout_is_one_line(command, tmp_path):
     assert proc.stderr == f"kvjax {command[0]}: error: cannot write to standard output: No space left on device\n"
 
 
-def test_write_file_replaces_atomically_keeps_links_and_modes(tmp_path):
+def test_write_file_replaces_atomically_replaces_links_and_keeps_modes(tmp_path):
     from kvjax.errors import OutputPathError, write_file, write_text
 
     target = tmp_path / "out.md"
@@ -680,15 +698,18 @@ def test_write_file_replaces_atomically_keeps_links_and_modes(tmp_path):
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.md"]
     write_text(target, "new", "--out")
     assert target.read_text() == "new" and os.stat(target).st_mode & 0o777 == 0o600  # a replaced file keeps its mode
+    (tmp_path / "real.md").write_text("the link's target")
+    os.chmod(tmp_path / "real.md", 0o600)
     link = tmp_path / "link.md"
-    os.symlink("real.md", link)  # dangling: the write creates the link's target, the link stays
+    os.symlink("real.md", link)  # replaced by the new file, never followed: its target stays as it was
     old_mask = os.umask(0o022)
     try:
-        write_text(link, "through the link", "--out")
+        write_text(link, "not through the link", "--out")
     finally:
         os.umask(old_mask)
-    assert os.path.islink(link) and (tmp_path / "real.md").read_text() == "through the link"
-    assert os.stat(tmp_path / "real.md").st_mode & 0o777 == 0o644  # a new file: 0666 less the umask
+    assert not os.path.islink(link) and link.read_text() == "not through the link"
+    assert (tmp_path / "real.md").read_text() == "the link's target"
+    assert os.stat(link).st_mode & 0o777 == 0o644  # a new file: 0666 less the umask, not the target's mode
     fifo = tmp_path / "fifo.md"
     os.mkfifo(fifo)  # never opened (it would block) nor replaced by a file
     with pytest.raises(OutputPathError, match="'.*fifo.md' is a FIFO"):
