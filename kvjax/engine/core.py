@@ -62,7 +62,6 @@ from kvjax.core.sched.scheduler import Scheduler, SchedulerError
 from kvjax.engine import processor, sampling
 from kvjax.engine import steps as device
 from kvjax.engine.outputs import EngineRun, RequestResult, token_logprobs
-from kvjax.engine.processor import find_stop_string
 from kvjax.engine.sampling import SamplingParams
 from kvjax.engine.metrics import EngineMetrics, FinishedRequest
 from kvjax.engine.stats import RunStats, Summary
@@ -89,6 +88,8 @@ class _Active:
     text_chars: int = 0  # characters of its output's text at the last stop-string check
     scheduled: float | None = None  # when it was first scheduled (vLLM's scheduled_ts; not moved by preemption)
     last_token: float | None = None  # when its last tokens came out
+    cut: int | None = None  # its output's length when the model's logits stopped being finite ("error")
+
 
 
 # ----------------------------------------------------------------------------------- the engine
@@ -268,17 +269,18 @@ class Engine:
             self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
             sched.loads_done(plan)
         if plan.is_decode:
-            steps, used, finished = self._decode_call(sched, plan)
+            steps, used, finished, chosen = self._decode_call(sched, plan)
         else:
-            (steps, finished), used = self._ragged_call(sched, plan), [self.usable_blocks - sched.num_free_blocks()]
-        finished += self._stop_strings(sched, plan, finished)
+            steps, finished, chosen = self._ragged_call(sched, plan)
+            used = [self.usable_blocks - sched.num_free_blocks()]
+        finished += self._output_checks(sched, plan, chosen, finished)
         if host is not None:  # blocks this step computed in full, copied out without waiting
             stores = sched.take_stores()
             host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
         now, changed, prompts, ttfts, itls = time.perf_counter(), [], [0, 0], [], []
         for rid, do in zip(plan.req_ids, plan.sample):
             a = self._active[rid]
-            res, out = a.result, sched.output(rid)
+            res, out = a.result, sched.output(rid)[:a.cut]
             res.new_tokens = len(out) - len(res.output) if do else 0
             if res.new_tokens:
                 res.output += out[len(res.output):]
@@ -291,7 +293,9 @@ class Engine:
                 res.last_token_s, a.last_token = now - a.arrival, now
                 changed.append(res)
         for rid in finished:
-            self._close(rid, now)
+            res = self._close(rid, now)
+            if res.new_tokens == 0:  # finished without a token in this step (an "error" before its first)
+                changed.append(res)
         self.last_step_tokens = sum(r.new_tokens for r in changed)
         self.metrics.record_latencies(ttfts, itls)
         self.metrics.record_step(num_running=len(sched.running), num_waiting=len(sched.waiting),
@@ -314,7 +318,9 @@ class Engine:
         now = time.perf_counter() if now is None else now
         a, req = self._active.pop(rid), self.scheduler.forget(rid)
         res = a.result
-        res.output, res.preemptions = list(req.output), req.num_preemptions
+        res.output, res.preemptions = list(req.output[:a.cut]), req.num_preemptions
+        if a.cut is not None and res.logprobs is not None:
+            del res.logprobs[a.cut:]
         res.finish_reason = res.finish_reason or req.finish_reason
         if res.stop_reason is None and req.finish_reason == "stop" and (
                 not self.eos_token_ids or req.output[-1] != self.eos_token_ids[0]):
@@ -390,26 +396,21 @@ class Engine:
             raise EngineError("end_run without begin_run")
         return run.summary(self)
 
-    def _stop_strings(self, sched: Scheduler, plan: StepPlan, finished: list[str]) -> list[str]:
-        """vLLM's stop-string check after each sampled token: a stop string in the text ends the
-        request ("stop", stop_reason the string; also after a length finish), the text cut before
-        it (after it with include_stop_str_in_output). Returns the requests it finished."""
+    def _output_checks(self, sched: Scheduler, plan: StepPlan, chosen: np.ndarray, finished: list[str]) -> list[str]:
+        """The host's checks on each request that sampled in this step (kvjax.engine.processor):
+        a non-finite next-token distribution ("error"; chosen f32[steps, B]: the sampled tokens'
+        log-probabilities), then a stop string ("stop"; also after a length finish). Returns the
+        requests they finished; one that finished anyway takes their reason."""
         ended = []
-        for rid, do in zip(plan.req_ids, plan.sample):
-            a = self._active[rid]
-            if not do or not a.params.stop or (rid in finished and sched.finish_reason(rid) == "stop"):
+        for rid, row, do in zip(plan.req_ids, plan.rows, plan.sample):
+            a, output = self._active[rid], sched.output(rid)
+            if not do:
                 continue
-            # One token came since the last check (a request with stop strings decodes one step
-            # per device call), so the new characters start where the last check's text ended.
-            text = processor.detokenize(self.tokenizer, sched.output(rid), a.params)
-            start, a.text_chars = a.text_chars, len(text)
-            hit = find_stop_string(text, start, a.params.stop, a.params.include_stop_str_in_output)
-            if hit is None:
-                continue
-            a.result.text, a.result.stop_reason = hit
-            a.result.finish_reason = "stop"
-            if rid not in finished:
-                sched.finish_request(rid, "stop")
+            reason = processor.non_finite(a, output, chosen[:, row])
+            if reason is None and a.params.stop and not (rid in finished and sched.finish_reason(rid) == "stop"):
+                reason = processor.stop_string(a, output, self.tokenizer)
+            if reason is not None and rid not in finished:
+                sched.finish_request(rid, reason)
                 ended.append(rid)
         return ended
 
@@ -434,7 +435,7 @@ class Engine:
         if res.logprobs is not None:
             res.logprobs += token_logprobs(sampled, row, steps, self.num_logprobs(self._active[rid].params))
 
-    def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str]]:
+    def _ragged_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str], np.ndarray]:
         cfg, z = self.config, self.config.block_size
         total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
@@ -457,9 +458,9 @@ class Engine:
         for rid, row, do in zip(plan.req_ids, rows, plan.sample):
             if do:
                 self._record(rid, jax.tree.map(lambda x: x[None], sampled), row, 0)
-        return 1, sched.update(plan, sampled.tokens[rows])
+        return 1, sched.update(plan, sampled.tokens[rows]), sampled.logprobs[None]
 
-    def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[int], list[str]]:
+    def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[int], list[str], np.ndarray]:
         cfg, z, k = self.config, self.config.block_size, self.config.steps_per_call
         b = cfg.max_num_seqs
         # A step that preempted skipped admission (vLLM does too): the next one may admit. Stop
@@ -485,7 +486,7 @@ class Engine:
         finished, (out, steps, used) = sched.decode_steps(plan, run)
         for rid, row in zip(plan.req_ids, rows):
             self._record(rid, out, row, slice(0, steps))
-        return steps, [int(u) for u in used[:steps]], finished
+        return steps, [int(u) for u in used[:steps]], finished, out.logprobs
 
 
 def _table_width(plan: StepPlan, tokens: int, z: int) -> int:

@@ -1,11 +1,15 @@
 """Requests on their way in and out (vLLM V1's `vllm/v1/engine/processor.py` and its detokenizer's
 stop strings): what fails a request alone, as vLLM's engine fails one request and runs the
-others, and where a stop string ends one.
+others, and the checks after a step that end one: a next-token distribution that is not finite,
+a stop string.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Sequence
+
+import numpy as np
 
 from kvjax.engine.sampling import SamplingParams
 from kvjax.math_utils import cdiv
@@ -86,3 +90,36 @@ def find_stop_string(text: str, start: int, stops, include: bool) -> tuple[str, 
         return None
     at, s = min(hits)
     return (text[:at + len(s)] if include else text[:at]), s
+
+
+def non_finite(active, output: Sequence[int], chosen) -> str | None:
+    """vLLM's finish reason "error" for a request whose next-token distribution stopped being
+    finite (NaN or infinite logits: NaN weights, a degenerate config), seen as a non-finite
+    log-probability of a token it sampled in this step (chosen f32[steps], this request's row of
+    them; output: its tokens, this step's included). The tokens from that one on are dropped
+    (`active.cut`: never reported) and a warning names the request. → "error" or None."""
+    done = len(active.result.output)
+    bad = np.flatnonzero(~np.isfinite(chosen[:len(output) - done]))
+    if not len(bad):
+        return None
+    active.cut, active.result.finish_reason = done + int(bad[0]), "error"
+    logging.getLogger("kvjax").warning("request %s: the model's logits for output token %d are not finite (NaN or "
+                                       "infinite); it ends with finish_reason 'error'", active.result.request_id,
+                                       active.cut)
+    return "error"
+
+
+def stop_string(active, output: Sequence[int], tokenizer) -> str | None:
+    """vLLM's stop-string check after each sampled token: a stop string in the text ends the
+    request ("stop", stop_reason the string), the text cut before it (after it with
+    include_stop_str_in_output). One token came since the last check (a request with stop
+    strings decodes one step per device call), so the new characters start where the last
+    check's text ended (`active.text_chars`). → "stop" or None."""
+    params = active.params
+    text = detokenize(tokenizer, output, params)
+    start, active.text_chars = active.text_chars, len(text)
+    hit = find_stop_string(text, start, params.stop, params.include_stop_str_in_output)
+    if hit is None:
+        return None
+    (active.result.text, active.result.stop_reason), active.result.finish_reason = hit, "stop"
+    return "stop"
