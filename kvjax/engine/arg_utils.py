@@ -368,15 +368,20 @@ def eviction_policy(config: dict | None, size) -> str:
 
 
 def read_template(template: str) -> str:
-    """A chat template given as its text or as a file holding it (vLLM's chat_template): a string
-    without "{" names a file, which must exist (a missing file is an error, never a template)."""
+    """A chat template given as a file holding it or as its text (vLLM's `_load_chat_template`):
+    a path to an existing file is read (the template then names the file in its errors); any
+    other string holding "{", "}" or a newline is the template itself; anything else looks like
+    a path and is refused as a missing file (never rendered as a template)."""
     if not isinstance(template, str) or not template:
         raise LLMError(f"chat_template must be a template or a file, got {template!r:.80}")
-    if "{" in template:
-        return template
     from kvjax.errors import decode_utf8, read_bytes
+    from kvjax.models.template_sandbox import ChatTemplate
 
-    return decode_utf8(read_bytes(template, "chat template"), template, "chat template")
+    if os.path.isfile(template):
+        return ChatTemplate(decode_utf8(read_bytes(template, "chat template"), template, "chat template"), template)
+    if any(c in template for c in "{}\n"):
+        return template
+    raise LLMError(f"chat template {template!r:.200} looks like a file path, but there is no such file")
 
 
 __all__ = ["AsyncEngineArgs", "EngineArgs", "EngineError", "LLMError"]

@@ -65,3 +65,14 @@ def test_sampling_params_from_a_generator(llm):
     # any iterable of SamplingParams, one per prompt, as vLLM's Sequence
     outs = llm.generate(["a", "b"], (SamplingParams(max_tokens=n, temperature=0.0) for n in (1, 3)), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 3]
+
+
+def test_chat_template_read_as_vllm_reads_it(llm, tmp_path):
+    # vLLM's _load_chat_template: an existing file first (even with braces in its path), else text with
+    # "{", "}" or a newline is the template, else a missing file
+    path = tmp_path / "t{1}.jinja"
+    path.write_text("F:{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    out, = llm.chat(HI, SP, chat_template=str(path), use_tqdm=False)
+    assert out.prompt == "F:hi"
+    out, = llm.chat(HI, SP, chat_template="literal }\nno variables", use_tqdm=False)
+    assert out.prompt == "literal }\nno variables"

@@ -22,12 +22,13 @@ ARGS = dict(num_gpu_blocks_override=96, max_num_seqs=4, use_tqdm_on_load=False)
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
-def _requests(seed: int, n: int = 10):
-    """n prompts of 8-40 byte tokens with greedy and seeded sampling parameters, 4-10 tokens each."""
+def _requests(seed: int, n: int = 6):
+    """n prompts of 8-40 byte tokens with greedy and seeded sampling parameters, 4-8 tokens each
+    (more requests than max_num_seqs: some wait while others run)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 256, int(rng.integers(8, 40))).tolist() for _ in range(n)]
-    params = [SamplingParams(max_tokens=int(rng.integers(4, 11)), temperature=0.0) if i % 2 else
-              SamplingParams(max_tokens=int(rng.integers(4, 11)), temperature=0.8, seed=seed * 100 + i)
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 9)), temperature=0.0) if i % 2 else
+              SamplingParams(max_tokens=int(rng.integers(4, 9)), temperature=0.8, seed=seed * 100 + i)
               for i in range(n)]
     return prompts, params
 

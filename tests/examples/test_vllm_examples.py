@@ -439,8 +439,6 @@ def test_skip_sliding_window_on_a_model_with_windows(gemma3_tiny):
     for i in range(config.num_hidden_layers):
         assert spec.layer_dtype(i).name == ("fp32" if i in sliding else "fp8_e4m3")
         assert str(cache.layers[cache.slot_of(i)].k.dtype) == ("float32" if i in sliding else "float8_e4m3fn")
-    out, = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
-    assert len(out.outputs[0].token_ids) == 3
 
 
 # ----------------------------------------------------------------------------------- the slow set
