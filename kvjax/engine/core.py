@@ -401,12 +401,12 @@ class Engine:
         a non-finite next-token distribution ("error"; chosen f32[steps, B]: the sampled tokens'
         log-probabilities), then a stop string ("stop"; also after a length finish). Returns the
         requests they finished; one that finished anyway takes their reason."""
-        ended = []
+        ended, suspect = [], not np.isfinite(chosen).all()  # one test a step; per request when it fails
         for rid, row, do in zip(plan.req_ids, plan.rows, plan.sample):
-            a, output = self._active[rid], sched.output(rid)
-            if not do:
+            if not do or not (suspect or self._active[rid].params.stop):
                 continue
-            reason = processor.non_finite(a, output, chosen[:, row])
+            a, output = self._active[rid], sched.output(rid)
+            reason = processor.non_finite(a, output, chosen[:, row]) if suspect else None
             if reason is None and a.params.stop and not (rid in finished and sched.finish_reason(rid) == "stop"):
                 reason = processor.stop_string(a, output, self.tokenizer)
             if reason is not None and rid not in finished:
