@@ -138,3 +138,26 @@ def test_random_ops_equal_a_list_of_the_queue(seed):
         assert list(np.asarray(pool.ref_cnt)) == ref
         assert [b for b in range(p) if pool.has_hash[b]] == [b for b in range(p) if hashed[b]]
     block_pool.check_invariants(pool)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_finds_the_oldest_block_of_each_hash_as_a_scan_does(seed):
+    # lookup's sorted binary search against a plain scan of every block (the dict lookup vLLM does):
+    # equal lane-0 values with other lane-1 values, one hash in several blocks (the oldest wins),
+    # blocks of another group or holding no hash, and hashes cached nowhere
+    rng = np.random.default_rng(seed)
+    p, a = int(rng.integers(2, 300)), int(rng.integers(1, 200))
+    lanes = rng.integers(0, 6, (p, 2)).astype(np.uint32)  # few values: many collisions, in one lane or both
+    has_hash = rng.random(p) < 0.7
+    group = rng.integers(0, 2, p).astype(np.int32)
+    cached_at = rng.permutation(p).astype(np.int32)
+    pool = block_pool.init(p)
+    pool = pool.replace(block_hash=jnp.asarray(lanes), has_hash=jnp.asarray(has_hash),
+                        cached_group=jnp.asarray(group), cached_at=jnp.asarray(cached_at))
+    queries = rng.integers(0, 7, (a, 2)).astype(np.uint32)
+    for g in (0, 1):
+        blocks, found = block_pool.lookup(pool, jnp.asarray(queries), g)
+        for q, b, f in zip(queries, np.asarray(blocks), np.asarray(found)):
+            holders = [i for i in range(p) if has_hash[i] and group[i] == g and (lanes[i] == q).all()]
+            assert bool(f) == bool(holders)
+            assert b == (min(holders, key=lambda i: cached_at[i]) if holders else 0)

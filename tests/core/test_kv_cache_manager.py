@@ -283,3 +283,39 @@ def test_allocate_step_equals_allocate_slots_in_order_on_random_batches():
         assert list(np.asarray(ok)) == oks, (trial, reqs, nums)
         assert same(got, want), trial
         pool.check_invariants(got)
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The most elements of any value a jaxpr (and every jaxpr inside it) computes."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            most = max(most, int(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    most = max(most, _largest_intermediate(getattr(inner, "jaxpr", inner)))
+    return most
+
+
+def test_no_op_builds_a_table_of_every_hash_against_every_block():
+    # at kvjax replay's documented limits (65,536 blocks, 2**20 tokens a request), each op's work
+    # grows with the pool and the request, never with their product: no value of A x P elements
+    # (a lookup comparing each of a request's 65,536 hashes with each block took 10 s an op)
+    p, z, m = 2**16, 16, 2**16
+    state = pool.init(p, z, 4, m)
+    tokens = np.zeros(m * z, np.int32)
+    key = np.zeros(2, np.uint32)
+    ops = {
+        "add_request": lambda s: pool.add_request(s, 0, tokens, 100, False, key),
+        "get_computed_blocks": lambda s: pool.get_computed_blocks(s, 0),
+        "allocate_slots": lambda s: pool.allocate_slots(s, 0, 100),
+        "append_tokens": lambda s: pool.append_tokens(s, 0, tokens, 3),
+        "free": lambda s: pool.free(s, 0),
+        "remove_request": lambda s: pool.remove_request(s, 0),
+    }
+    bound = 4 * (p + m * z)  # a few values of the pool's or the request's size
+    for name, op in ops.items():
+        most = _largest_intermediate(jax.make_jaxpr(op)(state).jaxpr)
+        assert most <= bound, (name, most, bound)
