@@ -6,19 +6,15 @@ accuracy evaluation and the benchmarks all generate through it.
 One engine step is vLLM V1's `EngineCore.step`: the scheduler plans which requests run and
 how many tokens each computes (`kvjax.core.sched.scheduler`, with the block pool's allocation,
 prefix-cache hits and preemption by recompute), the model runs the plan over the KV cache,
-a token is sampled for every request whose last token was computed (`kvjax.engine.sampling`, each
-request with its own `SamplingParams`), and the scheduler takes the tokens back, finishing
-requests that sampled a stop token (EOS unless ignored, or one of stop_token_ids) or reached
-their length; the engine then checks stop strings in the detokenized text.
+a token is sampled for every request whose last token was computed (`kvjax.engine.sampling`), and
+the scheduler takes the tokens back, finishing requests that sampled a stop token or reached
+their length; the engine then checks (kvjax.engine.processor) stop strings in the text and that
+the logits were finite. Every public method is one unit (kvjax.utils.atomic: locked, Ctrl-C held).
 
 The engine lives as long as its owner (`kvjax.LLM`), as vLLM's engine core does: one scheduler,
-block pool, prefix cache and host tier serve every `generate` call (a second call's shared
-prefix hits the blocks the first cached, until `reset_prefix_cache`). A prompt's n samples
+block pool, prefix cache and host tier serve every call, until `reset_prefix_cache`. A prompt's n samples
 (SamplingParams.n, vLLM's parallel sampling) are n requests: the first caches the prompt's full
 blocks and the others hit them, so they are held once with ref_cnt n.
-
-Chunked prefill is on by default, as in vLLM V1 (the step's budget, `max_num_batched_tokens`,
-defaults to 2048; without chunked prefill, to at least max_model_len).
 
 Rows. Like vLLM's persistent batch (`gpu_input_batch.InputBatch`), every running request keeps
 one row of the step's batch (B = max_num_seqs rows) from admission until it finishes or is
@@ -37,9 +33,7 @@ copies out the blocks the tier newly took (`Scheduler.take_stores`), without wai
 
 Tensor parallelism (`tensor_parallel_size` > 1, vLLM's): the params and the paged cache are
 placed on a one-axis mesh with kvjax.worker.sharding's rules (column / row split, pages by kv heads)
-and the same jitted steps run on them; XLA's partitioner splits the work and inserts the
-all-reduces. The pool state is replicated on every rank, as every vLLM worker holds the same
-block tables.
+and the same jitted steps run on them, the pool replicated (every vLLM worker holds the tables).
 
 The engine never prints (`generate` takes a progress callback) and imports nothing from
 `models/`: the model is any Flax module called as kvjax.worker.model_runner.forward calls it.
@@ -137,6 +131,7 @@ class Engine:
         self.host_pages = offload.HostPages(sched.num_host_blocks, self.cache) if sched.num_host_blocks else None
         self._next_request = 0  # request numbers: the random stream of unseeded requests
         self._batch = BatchCall()  # generate's bookkeeping
+        self._rows_cache = None  # (plan's requests and rows, their SamplingRows): _sampling_rows
         self._active: dict[str, _Active] = {}  # the unfinished requests, by id
         self._run: RunStats | None = None  # a run's Summary being collected (begin_run, generate)
         self.last_step_tokens = 0  # tokens the last step generated
@@ -219,6 +214,7 @@ class Engine:
         res = RequestResult(request_id, len(prompt), [], None if params.logprobs is None else [])
         key = sampling.request_key(self.config.seed, self._next_request, params.seed)
         self._next_request += 1
+        self._rows_cache = None  # an id may come back with other params
         self._active[request_id] = _Active(params, key, res, time.perf_counter() if arrival_time is None
                                            else arrival_time)
         if self._run is not None:
@@ -415,14 +411,23 @@ class Engine:
         return ended
 
     def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> sampling.SamplingRows:
-        """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused)."""
-        b = self.config.max_num_seqs
+        """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused).
+        The same requests in the same rows get the same rows as the step before, on the device
+        already, unless one of them reads its output (penalties, bad words)."""
+        key = (plan.req_ids, tuple(rows))
+        if self._rows_cache is not None and self._rows_cache[0] == key:
+            return self._rows_cache[1]
+        b, sched = self.config.max_num_seqs, self.scheduler
         params, keys, prompts, outputs = [None] * b, [None] * b, [()] * b, [()] * b
         for rid, row in zip(plan.req_ids, rows):
-            a = self._active[rid]
-            params[row], keys[row] = a.params, a.key
-            prompts[row], outputs[row] = self.scheduler.prompt(rid), self.scheduler.output(rid)
-        return sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
+            params[row], keys[row], prompts[row], outputs[row] = (self._active[rid].params, self._active[rid].key,
+                                                                  sched.prompt(rid), sched.output(rid))
+        built = sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
+        reads_output = any(p is not None and (p.has_penalties or p.bad_words_token_ids) for p in params)
+        if self.mesh is None:
+            built = jax.device_put(built)
+        self._rows_cache = None if reads_output else (key, built)
+        return built
 
     def _plan_logprobs(self, plan: StepPlan) -> int:
         """The step's static J: the most log-probabilities any of its requests asks for, bucketed."""
