@@ -490,8 +490,9 @@ def cache_dir() -> str:
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend, the one way kvjax imports matplotlib: its config and font
-    cache go to cache_dir()/matplotlib, not into HOME, unless the user set MPLCONFIGDIR (read when
-    matplotlib is first imported: a process that imported it before keeps its own)."""
+    cache go to cache_dir()/matplotlib (kvjax's one cache folder, ~/.cache/kvjax unless KVJAX_CACHE or
+    XDG_CACHE_HOME says otherwise), not to matplotlib's own ~/.matplotlib or ~/.config/matplotlib,
+    unless the user set MPLCONFIGDIR (read when matplotlib is first imported)."""
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(cache_dir(), "matplotlib"))
     import matplotlib
     matplotlib.use("Agg")

@@ -18,11 +18,15 @@ Subcommands that need JAX import it lazily, so `plan` and `tables` start instant
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import errno
+import gc
 import importlib
 import os
+import signal
 import sys
+import threading
 from typing import Sequence
 
 from kvjax.errors import KvjaxError, UsageError, one_line
@@ -107,6 +111,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _keep_interrupts() -> None:
+    """Ctrl-C must stop the command whenever it comes. Python drops an exception raised inside a
+    garbage-collector callback ("Exception ignored in ..."), and JAX runs one at every collection
+    (`_xla_gc_callback`, often while it loads): a KeyboardInterrupt raised there would be lost and
+    the command would run on. So SIGINT gets a handler (where Python's default one is in place)
+    that raises KeyboardInterrupt as Python's does, except inside a gc callback, where it asks
+    for the signal again a moment later, outside it."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def interrupt(signum, frame):
+        callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+        f = frame
+        while f is not None:
+            if f.f_code in callbacks:
+                threading.Timer(0.01, _thread.interrupt_main).start()  # runs this handler again
+                return
+            f = f.f_back
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. The bad-input contract lives here, once for every command: a KvjaxError
     (kvjax.errors; every reader and validator raises one) is printed as one line
@@ -115,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prints one line and exits 130; a closed stdout (a pipe whose reader left) exits 141 silently.
     Anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _keep_interrupts()
     command = next((a for a in argv if not a.startswith("-")), None)
     known = command in _MODULE_COMMANDS
     prog = f"kvjax{' ' + command if known else ''}"

@@ -48,8 +48,8 @@ agreed on. An `append` first frees the blocks its windows no longer see, and tho
 if the allocation is refused (vLLM's order). A trace without "groups" prints what it always did.
 
 Bad input (malformed or non-UTF-8 lines, JSON nested deeper than 32 levels, unknown op or
-key, unknown request, double free, a token that is not a non-negative int32, a pool over
-65,536 blocks or 2**20 tokens per request, a host tier over 4,096 blocks, an unknown
+key, unknown request, double free, a token that is not a non-negative int32, a line over 1 MiB
+(so one op carries at most ~150,000 tokens), a pool over 65,536 blocks or 2**20 tokens per request, a host tier over 4,096 blocks, an unknown
 host_policy, a host tier without prefix caching, a malformed group) stops the replay with a ReplayError naming
 the line number.
 """

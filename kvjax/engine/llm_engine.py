@@ -238,6 +238,9 @@ class LLMEngine:
         nothing, while requests hold blocks, unless reset_running_requests, which first preempts
         every running request (it recomputes when next scheduled); reset_connector also empties
         the host tier."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(value, bool):
+                raise LLMError(f"{name} must be True or False, got {value!r:.40}")
         return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_tokenizer(self):

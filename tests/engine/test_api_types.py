@@ -32,6 +32,8 @@ CASES = {
     "beam_search params an int": (lambda llm: llm.beam_search(["a"], 5), ["BeamSearchParams", "int"]),
     "score_windows 1-d": (lambda llm: llm.score_windows([1, 2, 3]), ["token_windows", "(3,)"]),
     "score_windows batch_size 0": (lambda llm: llm.score_windows([[1, 2]], batch_size=0), ["batch_size", "0"]),
+    "reset_prefix_cache of a string": (lambda llm: llm.reset_prefix_cache("yes"), ["reset_running_requests", "yes"]),
+    "reset_connector a list": (lambda llm: llm.reset_prefix_cache(reset_connector=[1]), ["reset_connector", "[1]"]),
     "a missing chat template file": (lambda llm: llm.chat(HI, chat_template="/missing/file.jinja"),
                                      ["/missing/file.jinja"]),
 }
