@@ -219,3 +219,15 @@ def test_priority_policy_preempts_the_least_important_running_request():
             preempted = list(plan.preempted)
             sched.update(plan, model(plan))
         assert preempted == [victim], policy
+
+
+def test_token_range_is_the_slice_of_prompt_and_output():
+    from kvjax.core.sched.request import Request
+
+    rng = random.Random(0)
+    for _ in range(500):
+        req = Request("r", [rng.randrange(9) for _ in range(rng.randrange(6))], 5,
+                      output=[rng.randrange(9) for _ in range(rng.randrange(6))])
+        start = rng.randrange(req.num_tokens + 2)
+        end = rng.randrange(start, req.num_tokens + 3)
+        assert req.token_range(start, end) == (req.prompt + req.output)[start:end]

@@ -29,6 +29,12 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without joining prompt and output first (a step reads a few tokens of
+        a long request)."""
+        p = len(self.prompt)
+        return self.prompt[start:min(end, p)] + self.output[max(start - p, 0):max(end - p, 0)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

@@ -475,7 +475,7 @@ class Scheduler:
         tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
             np.zeros((0, groups, self.max_blocks), np.int32)
         seq_lens = np.array([step.starts[r.req_id] for r in reqs], np.int32) + nums  # in the cache after the step
-        token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.tokens[e - n:e]], np.int32)
+        token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.token_range(e - n, e)], np.int32)
         stop_ids = np.full((len(reqs), pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
         for i, r in enumerate(reqs):
             stop_ids[i, :len(r.stop_ids)] = sorted(r.stop_ids)
