@@ -4,6 +4,7 @@
     kvjax tables   SPEC Tables 1 and 2 recomputed from the formulas
     kvjax replay   drive the functional block pool from a JSONL trace, one JSON state per op
     kvjax decode | calibrate | accuracy | memory | report   (kvjax.commands.*: these run models)
+    kvjax serve    an OpenAI-compatible HTTP server over AsyncLLM (vLLM's `vllm serve`)
 
 Flags take vLLM's engine-arg names wherever vLLM has the concept (--kv-cache-dtype,
 --gpu-memory-utilization, --num-gpu-blocks-override, --kv-cache-memory-bytes,
@@ -43,6 +44,7 @@ _MODULE_COMMANDS = {
     "accuracy": ("kvjax.commands.accuracy", "fp8 / int8 KV against bf16: perplexity, KL, agreement"),
     "memory": ("kvjax.commands.memory", "size the cache from a profiled budget; analytic vs measured bytes"),
     "report": ("kvjax.commands.report", "the end-to-end report on the built-in small models"),
+    "serve": ("kvjax.commands.serve", "an OpenAI-compatible HTTP server (vLLM's `vllm serve`)"),
 }
 
 _VLLM = "vLLM's name"
