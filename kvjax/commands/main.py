@@ -5,6 +5,7 @@
     kvjax replay   drive the functional block pool from a JSONL trace, one JSON state per op
     kvjax decode | calibrate | accuracy | memory | report   (kvjax.commands.*: these run models)
     kvjax serve    an OpenAI-compatible HTTP server over AsyncLLM (vLLM's `vllm serve`)
+    kvjax bench serve   online serving latency and throughput (vLLM's `vllm bench serve`)
 
 Flags take vLLM's engine-arg names wherever vLLM has the concept (--kv-cache-dtype,
 --gpu-memory-utilization, --num-gpu-blocks-override, --kv-cache-memory-bytes,
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import contextlib
 import errno
 import gc
 import importlib
@@ -45,6 +47,7 @@ _MODULE_COMMANDS = {
     "memory": ("kvjax.commands.memory", "size the cache from a profiled budget; analytic vs measured bytes"),
     "report": ("kvjax.commands.report", "the end-to-end report on the built-in small models"),
     "serve": ("kvjax.commands.serve", "an OpenAI-compatible HTTP server (vLLM's `vllm serve`)"),
+    "bench": ("kvjax.commands.bench", "benchmarks with vLLM's definitions: `kvjax bench serve`"),
 }
 
 _VLLM = "vLLM's name"
@@ -113,27 +116,42 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _keep_interrupts() -> None:
+@contextlib.contextmanager
+def _interrupts_kept():
     """Ctrl-C must stop the command whenever it comes. Python drops an exception raised inside a
     garbage-collector callback ("Exception ignored in ..."), and JAX runs one at every collection
     (`_xla_gc_callback`, often while it loads): a KeyboardInterrupt raised there would be lost and
-    the command would run on. So SIGINT gets a handler (where Python's default one is in place)
-    that raises KeyboardInterrupt as Python's does, except inside a gc callback, where it asks
-    for the signal again a moment later, outside it."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    the command would run on. So, while the command runs, SIGINT gets a handler (where Python's
+    default one is in place) that raises KeyboardInterrupt as Python's does, except inside a gc
+    callback, where it asks for the signal again a moment later, outside it. On leaving, a request
+    still on its way is cancelled and the old handler is back (main() may run in a host process)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
         return
+    again: list[threading.Timer] = []
 
     def interrupt(signum, frame):
         callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
         f = frame
         while f is not None:
             if f.f_code in callbacks:
-                threading.Timer(0.01, _thread.interrupt_main).start()  # runs this handler again
+                again.append(threading.Timer(0.01, _thread.interrupt_main))  # runs this handler again
+                again[-1].daemon = True
+                again[-1].start()
                 return
             f = f.f_back
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, lambda signum, frame: None)  # a request already sent lands here
+        for timer in again:
+            timer.cancel()
+            timer.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,7 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     prints one line and exits 130; a closed stdout (a pipe whose reader left) exits 141 silently.
     Anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    _keep_interrupts()
+    with _interrupts_kept():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     known = command in _MODULE_COMMANDS
     prog = f"kvjax{' ' + command if known else ''}"

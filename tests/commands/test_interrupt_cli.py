@@ -26,12 +26,13 @@ def test_a_sigint_inside_a_gc_callback_is_raised_after_it():
 
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a test runner may differ)
-        cli._keep_interrupts()
-        gc.callbacks.append(callback)
-        with pytest.raises(KeyboardInterrupt):
-            gc.collect()
-            time.sleep(2)  # the interrupt comes again a moment later, outside the callback
-        assert fired
+        with cli._interrupts_kept():
+            gc.callbacks.append(callback)
+            with pytest.raises(KeyboardInterrupt):
+                gc.collect()
+                time.sleep(2)  # the interrupt comes again a moment later, outside the callback
+            assert fired
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the old handler is back
     finally:
         if callback in gc.callbacks:
             gc.callbacks.remove(callback)
