@@ -14,12 +14,12 @@ import urllib.request
 
 import openai
 import pytest
-import uvicorn
 
-from kvjax import LLM, AsyncEngineArgs, AsyncLLM, SamplingParams
+from serving import serving
+
+from kvjax import LLM, SamplingParams
 from kvjax.commands.main import build_parser
 from kvjax.commands.serve import resolve_model
-from kvjax.entrypoints.openai.api_server import build_app
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -31,19 +31,8 @@ MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user",
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**COMMON))
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    end = time.time() + 60
-    while not srv.started:
-        assert time.time() < end and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield engine, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(30)
-    engine.shutdown()
+    with serving(**COMMON) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,415 @@
+"""`kvjax bench serve`: online serving latency and throughput, with `vllm bench serve`'s definitions
+(vLLM 0.33, vllm/benchmarks/serve.py and datasets/).
+
+    requests  a `random` dataset: token-id prompts of seeded lengths (random_requests)
+    arrivals  all at once (request_rate inf), else gamma intervals (request_intervals), scaled so
+              the n-th arrives at n / request_rate (arrival_times, as vLLM's get_request)
+    targets   an AsyncLLM in this process (InProcessTarget) or an OpenAI-compatible server's
+              streaming /v1/completions (HTTPTarget); --max-concurrency caps requests in flight
+    metrics   calculate_metrics, vLLM's: per request TTFT (first token), TPOT = (latency - TTFT) /
+              (output_len - 1), every inter-token gap (ITL), E2EL = latency; reported in ms
+
+Times are time.perf_counter seconds: a request's start_time when it is sent, ttft at its first
+output with tokens, an itl entry at each later output, latency at the last.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+MS = 1000.0  # seconds → milliseconds
+METRICS = ("ttft", "tpot", "itl", "e2el")
+METRIC_NAMES = {"ttft": ("TTFT", "Time to First Token"),
+                "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+                "itl": ("ITL", "Inter-token Latency"),
+                "e2el": ("E2EL", "End-to-end Latency")}
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's SLO keys
+
+
+@dataclass
+class SampleRequest:
+    """One benchmark request: its prompt as token ids and the tokens to generate."""
+    prompt_token_ids: list[int]
+    prompt_len: int
+    expected_output_len: int
+
+
+@dataclass
+class RequestFuncOutput:
+    """What one request measured (vLLM's RequestFuncOutput), in seconds."""
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0                                 # send → first output with tokens
+    itl: list[float] = field(default_factory=list)    # gaps between later outputs
+    latency: float = 0.0                              # send → last output
+    start_time: float = 0.0                           # time.perf_counter() at send
+    generated_text: str = ""
+    error: str = ""
+
+
+@dataclass
+class BenchmarkMetrics:
+    """vLLM's BenchmarkMetrics (the fields kvjax computes); *_ms lists hold (percentile, value)."""
+    completed: int
+    failed: int
+    total_input: int
+    total_output: int
+    request_throughput: float
+    request_goodput: float
+    output_throughput: float
+    total_token_throughput: float
+    max_output_tokens_per_s: float
+    max_concurrent_requests: int
+    stats: dict[str, dict[str, Any]]  # metric → {"mean", "median", "std", "percentiles": [(p, ms)]}
+
+
+# ---------------------------------------------------------------- metrics
+
+def _stats(values: list[float], percentiles: Sequence[float]) -> dict[str, Any]:
+    """mean / median / std / percentiles in ms; an empty list counts as [0] (vLLM's `values or 0`)."""
+    v = values or 0
+    return {"mean": float(np.mean(v)) * MS, "median": float(np.median(v)) * MS, "std": float(np.std(v)) * MS,
+            "percentiles": [(p, float(np.percentile(v, p)) * MS) for p in percentiles]}
+
+
+def calculate_metrics(outputs: Sequence[RequestFuncOutput], dur_s: float, percentiles: Sequence[float] = (99,),
+                      goodput: dict[str, float] | None = None) -> tuple[BenchmarkMetrics, list[int]]:
+    """vLLM's calculate_metrics → (metrics, each request's output length, 0 for a failed one).
+
+    goodput: SLOs in ms by key ("ttft", "tpot", "e2el"); a completed request is good when every
+    SLO given is >= its value (a request of <= 1 output token has TPOT 0 here)."""
+    output_lens: list[int] = []
+    total_input = completed = good = 0
+    ttfts: list[float] = []
+    tpots: list[float] = []       # requests with > 1 output token only (the TPOT statistics)
+    all_tpots: list[float] = []   # every completed request, 0 for <= 1 token (for goodput)
+    itls: list[float] = []
+    e2els: list[float] = []
+    for o in outputs:
+        if not o.success:
+            output_lens.append(0)
+            continue
+        n = o.output_tokens or 1  # vLLM without a tokenizer: a success that counted no tokens is one
+        output_lens.append(n)
+        total_input += o.prompt_len
+        tpot = 0.0
+        if n > 1:
+            tpot = (o.latency - o.ttft) / (n - 1)
+            tpots.append(tpot)
+        all_tpots.append(tpot)
+        itls += o.itl
+        ttfts.append(o.ttft)
+        e2els.append(o.latency)
+        completed += 1
+
+    if goodput:
+        by_key = {"ttft": ttfts, "tpot": all_tpots, "e2el": e2els}
+        keys = [k for k in GOODPUT_METRICS if k in goodput]
+        slos = [goodput[k] / MS for k in keys]
+        for values in zip(*(by_key[k] for k in keys)):
+            good += all(s >= v for s, v in zip(slos, values))
+
+    # vLLM's peaks: one-second buckets from the first successful start; a request counts as
+    # concurrent in every bucket from its start's to its end's, a token in its arrival's bucket.
+    max_tokens_per_s, max_concurrent = 0.0, 0
+    ok = [o for o in outputs if o.success]
+    if ok:
+        t0 = min(o.start_time for o in ok)
+        buckets = int(np.ceil(max(o.start_time + o.latency for o in ok) - t0)) + 1
+        tokens = np.zeros(buckets)
+        concurrent = np.zeros(buckets)
+        for o in ok:
+            t = o.start_time + o.ttft
+            times = [t]
+            for gap in o.itl:
+                t += gap
+                times.append(t)
+            for t in times:
+                b = int(t - t0)
+                if 0 <= b < buckets:
+                    tokens[b] += 1
+            for b in range(int(o.start_time - t0), int(o.start_time + o.latency - t0) + 1):
+                concurrent[b] += 1
+        max_tokens_per_s, max_concurrent = float(tokens.max()), int(concurrent.max())
+
+    total_output = sum(output_lens)
+    metrics = BenchmarkMetrics(
+        completed=completed, failed=len(outputs) - completed, total_input=total_input, total_output=total_output,
+        request_throughput=completed / dur_s, request_goodput=good / dur_s,
+        output_throughput=total_output / dur_s, total_token_throughput=(total_input + total_output) / dur_s,
+        max_output_tokens_per_s=max_tokens_per_s, max_concurrent_requests=max_concurrent,
+        stats={"ttft": _stats(ttfts, percentiles), "tpot": _stats(tpots, percentiles),
+               "itl": _stats(itls, percentiles), "e2el": _stats(e2els, percentiles)})
+    return metrics, output_lens
+
+
+# ---------------------------------------------------------------- arrivals
+
+def request_intervals(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """n gaps (s) before each request: 0 for rate inf; 1/rate for burstiness inf; else
+    gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate, coefficient of variation
+    1/sqrt(burstiness) (burstiness 1 is a Poisson process; < 1 burstier, > 1 more even)."""
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be positive, got {burstiness}")
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be positive, got {request_rate}")
+    if math.isinf(request_rate):
+        return np.zeros(n)
+    if math.isinf(burstiness):
+        return np.full(n, 1.0 / request_rate)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Each request's send time (s after the start): the cumulative intervals, rescaled as vLLM's
+    get_request does so that the last is at n / request_rate (steadier throughput across seeds)."""
+    t = np.cumsum(request_intervals(n, request_rate, burstiness, seed))
+    if n and t[-1] != 0:
+        t = t * (n / request_rate / t[-1])
+    return t
+
+
+# ---------------------------------------------------------------- the random dataset
+
+def random_requests(n: int, input_len: int, output_len: int, *, range_ratio: float = 0.0, prefix_len: int = 0,
+                    vocab_size: int, special_ids: Sequence[int] = (), seed: int = 0) -> list[SampleRequest]:
+    """vLLM's RandomDataset, as token ids: input and output lengths uniform over the integers in
+    [floor(len*(1-r)), ceil(len*(1+r))] (output at least 1), a shared prefix of prefix_len random
+    tokens, then request i's tokens allowed[(offset_i + i + arange(len_i)) % len(allowed)], where
+    allowed is the vocabulary less special_ids. numpy's default_rng(seed), draws in vLLM's order.
+    (vLLM also decodes and re-encodes the text prompt; kvjax sends the ids, so lengths are exact.)"""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    in_lo, in_hi = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
+    out_lo = max(math.floor(output_len * (1 - range_ratio)), 1)
+    out_hi = max(math.ceil(output_len * (1 + range_ratio)), 1)
+    if prefix_len + in_lo < 1:
+        raise ValueError("--random-input-len is too small: a prompt needs at least one token")
+    input_lens = rng.integers(in_lo, in_hi + 1, size=n)
+    output_lens = rng.integers(out_lo, out_hi + 1, size=n)
+    offsets = rng.integers(0, vocab_size, size=n)
+    allowed = np.array(sorted(set(range(vocab_size)) - set(special_ids)))
+    prefix = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist() if prefix_len > 0 else []
+    out = []
+    for i in range(n):
+        ids = prefix + allowed[(offsets[i] + i + np.arange(input_lens[i])) % len(allowed)].tolist()
+        out.append(SampleRequest(ids, len(ids), int(output_lens[i])))
+    return out
+
+
+# ---------------------------------------------------------------- targets
+
+class InProcessTarget:
+    """Requests to an AsyncLLM in this process, streamed with RequestOutputKind.DELTA."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._next = 0
+
+    async def __call__(self, req: SampleRequest) -> RequestFuncOutput:
+        from kvjax.engine.sampling_params import RequestOutputKind, SamplingParams
+
+        params = SamplingParams(max_tokens=req.expected_output_len, ignore_eos=True, temperature=0.0,
+                                output_kind=RequestOutputKind.DELTA)
+        self._next += 1
+        out = RequestFuncOutput(prompt_len=req.prompt_len)
+        text: list[str] = []
+        st = most_recent = time.perf_counter()
+        out.start_time = st
+        try:
+            async for ro in self.engine.generate({"prompt_token_ids": req.prompt_token_ids}, params,
+                                                 f"bench-{self._next}"):
+                now = time.perf_counter()
+                c = ro.outputs[0]
+                if not c.token_ids:
+                    continue
+                if out.output_tokens == 0:
+                    out.ttft = now - st
+                else:
+                    out.itl.append(now - most_recent)
+                most_recent = now
+                out.output_tokens += len(c.token_ids)
+                text.append(c.text)
+            out.latency = most_recent - st
+            out.generated_text = "".join(text)
+            out.success = out.output_tokens > 0
+            if not out.success:
+                out.error = "no tokens were generated"
+        except Exception as e:  # noqa: BLE001 (a failed request is a result, as in vLLM)
+            out.error = f"{type(e).__name__}: {e}"
+        return out
+
+
+class HTTPTarget:
+    """Requests to an OpenAI-compatible server's /v1/completions with stream=true (vLLM's
+    openai-completions backend): the prompt as token ids, max_tokens = output length, ignore_eos,
+    temperature 0. Neither httpx nor aiohttp is in kvjax's environment, so each request is
+    urllib's, read in a worker thread; the timestamps are taken in that thread as chunks arrive.
+    Output tokens: the stream's usage when a chunk carries one, else one per content chunk (the
+    kvjax server sends one chunk per engine step, one token each)."""
+
+    def __init__(self, base_url: str, model: str, timeout: float = 6 * 3600):
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.timeout = timeout
+
+    async def __call__(self, req: SampleRequest) -> RequestFuncOutput:
+        return await asyncio.to_thread(self._post, req)
+
+    def _post(self, req: SampleRequest) -> RequestFuncOutput:
+        body = {"model": self.model, "prompt": req.prompt_token_ids, "max_tokens": req.expected_output_len,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        out = RequestFuncOutput(prompt_len=req.prompt_len)
+        text: list[str] = []
+        chunks, usage_tokens = 0, None
+        http = urllib.request.Request(self.url, data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+        st = most_recent = time.perf_counter()
+        out.start_time = st
+        try:
+            with urllib.request.urlopen(http, timeout=self.timeout) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"].get("message", chunk["error"]))
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+                    if not chunk.get("choices"):
+                        continue
+                    if chunks == 0:
+                        out.ttft = now - st
+                    else:
+                        out.itl.append(now - most_recent)
+                    most_recent = now
+                    chunks += 1
+                    text.append(chunk["choices"][0].get("text") or "")
+            out.latency = most_recent - st
+            out.generated_text = "".join(text)
+            out.output_tokens = usage_tokens if usage_tokens is not None else chunks
+            out.success = chunks > 0
+            if not out.success:
+                out.error = "the stream carried no completion"
+        except Exception as e:  # noqa: BLE001 (a failed request is a result, as in vLLM)
+            detail = e.read().decode(errors="replace")[:200] if hasattr(e, "read") else ""
+            out.error = f"{type(e).__name__}: {e} {detail}".strip()
+        return out
+
+
+# ---------------------------------------------------------------- the run
+
+async def benchmark(target, requests: Sequence[SampleRequest], *, request_rate: float = math.inf,
+                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0
+                    ) -> tuple[list[RequestFuncOutput], float]:
+    """Send every request at its arrival time (at most max_concurrency in flight) → (outputs in
+    request order, duration s from the first send to the last finish)."""
+    times = arrival_times(len(requests), request_rate, burstiness, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(req):
+        if sem is None:
+            return await target(req)
+        async with sem:
+            return await target(req)
+
+    start = time.perf_counter()
+    tasks = []
+    for req, t in zip(requests, times):
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    outputs = await asyncio.gather(*tasks)
+    return list(outputs), time.perf_counter() - start
+
+
+def result_dict(metrics: BenchmarkMetrics, outputs: Sequence[RequestFuncOutput], output_lens: list[int],
+                duration: float, percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"),
+                goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    """vLLM's result JSON (its keys; the per-request lists as vLLM saves them)."""
+    result: dict[str, Any] = {
+        "duration": duration, "completed": metrics.completed, "failed": metrics.failed,
+        "total_input_tokens": metrics.total_input, "total_output_tokens": metrics.total_output,
+        "request_throughput": metrics.request_throughput,
+        "request_goodput": metrics.request_goodput if goodput else None,
+        "output_throughput": metrics.output_throughput, "total_token_throughput": metrics.total_token_throughput,
+        "input_lens": [o.prompt_len for o in outputs], "output_lens": output_lens,
+        "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
+        "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
+        "max_output_tokens_per_s": metrics.max_output_tokens_per_s,
+        "max_concurrent_requests": metrics.max_concurrent_requests,
+    }
+    for m in METRICS:
+        if m not in percentile_metrics:
+            continue
+        s = metrics.stats[m]
+        result[f"mean_{m}_ms"], result[f"median_{m}_ms"], result[f"std_{m}_ms"] = s["mean"], s["median"], s["std"]
+        for p, value in s["percentiles"]:
+            result[f"p{p_word(p)}_{m}_ms"] = value
+    return result
+
+
+def p_word(p: float) -> str:
+    """vLLM's percentile key: 99 → "99", 99.9 → "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def run_benchmark(target, requests: Sequence[SampleRequest], *, request_rate: float = math.inf,
+                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                  percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"), percentiles: Sequence[float] = (99,),
+                  goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    """Run the benchmark to the end (its own event loop) → vLLM's result dict."""
+    outputs, duration = asyncio.run(benchmark(target, requests, request_rate=request_rate, burstiness=burstiness,
+                                              max_concurrency=max_concurrency, seed=seed))
+    metrics, output_lens = calculate_metrics(outputs, duration, percentiles, goodput)
+    return result_dict(metrics, outputs, output_lens, duration, percentile_metrics, goodput)
+
+
+# vLLM's table: (label, result key, format)
+_TABLE_ROWS = (("Successful requests:", "completed", ""), ("Failed requests:", "failed", ""),
+               ("Maximum request concurrency:", "max_concurrency", ""), ("Benchmark duration (s):", "duration", ".2f"),
+               ("Total input tokens:", "total_input_tokens", ""), ("Total generated tokens:", "total_output_tokens", ""),
+               ("Request throughput (req/s):", "request_throughput", ".2f"),
+               ("Request goodput (req/s):", "request_goodput", ".2f"),
+               ("Output token throughput (tok/s):", "output_throughput", ".2f"),
+               ("Peak output token throughput (tok/s):", "max_output_tokens_per_s", ".2f"),
+               ("Peak concurrent requests:", "max_concurrent_requests", ".2f"),
+               ("Total token throughput (tok/s):", "total_token_throughput", ".2f"))
+
+
+def format_table(result: dict[str, Any], percentile_metrics: Sequence[str], percentiles: Sequence[float],
+                 title: str = "Serving Benchmark Result") -> str:
+    """vLLM's printed table, from the result dict."""
+    lines = ["{s:{c}^{n}}".format(s=f" {title} ", n=50, c="=")]
+    rowf = "{:<40} {:<10.2f}".format
+    for label, key, fmt in _TABLE_ROWS:  # a row whose value is None (no --max-concurrency, no --goodput) is left out
+        if result.get(key) is not None:
+            lines.append(("{:<40} {:<10" + fmt + "}").format(label, result[key]))
+    for m in METRICS:
+        if m not in percentile_metrics:
+            continue
+        name, header = METRIC_NAMES[m]
+        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        lines.append(rowf(f"Mean {name} (ms):", result[f"mean_{m}_ms"]))
+        lines.append(rowf(f"Median {name} (ms):", result[f"median_{m}_ms"]))
+        for p in percentiles:
+            lines.append(rowf(f"P{p_word(p)} {name} (ms):", result[f"p{p_word(p)}_{m}_ms"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
