@@ -171,19 +171,14 @@ class LLM:
         """Generate the assistant's reply to one conversation or a list of them (vLLM `LLM.chat`):
         each is a list of {"role", "content"} messages, rendered with chat_template (default the
         LLM's: the checkpoint's, or LLM(chat_template=...)) as transformers renders it
-        (models.tokenizer.render_chat). Other arguments as `generate`."""
-        from kvjax.models.tokenizer import render_chat
-
+        (LLMEngine.render_chat). Other arguments as `generate`."""
         template = read_template(chat_template) if chat_template is not None else self.llm_engine.chat_template
         if not template:
             raise LLMError(f"model {self.model.name!r} has no chat template: pass chat_template=")
         conversations = _conversations(messages)
-        tok = self.tokenizer
-        variables = dict(bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
-        variables.update(_template_kwargs(chat_template_kwargs))
-        prompts = [render_chat(template, list(c), add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, tools=tools, **variables)
-                   for c in conversations]
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       tools=tools, **_template_kwargs(chat_template_kwargs))
+        prompts = [self.llm_engine.render_chat(c, template, **options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
 
     def beam_search(self, prompts, params, **kwargs):

@@ -246,6 +246,17 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def render_chat(self, messages, template: str | None = None, **options) -> str:
+        """One conversation as the prompt text LLM.chat and `kvjax serve` generate from:
+        models.tokenizer.render_chat with `template` (default this engine's chat template) and the
+        tokenizer's bos_token / eos_token as template variables; options: add_generation_prompt,
+        continue_final_message, tools, and more template variables."""
+        from kvjax.models.tokenizer import render_chat
+
+        tok = self.tokenizer
+        variables = {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "", **options}
+        return render_chat(template or self.chat_template, list(messages), **variables)
+
     def get_metrics(self):
         """vLLM's metrics over the engine's life (kvjax.engine.metrics: Counter, Gauge, Histogram, Vector)."""
         return self.engine.metrics.snapshot()

@@ -19,7 +19,6 @@ started is sent as one `data: {"error": ...}` chunk before [DONE], as vLLM does.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import AsyncIterator
@@ -32,6 +31,7 @@ from kvjax.engine.async_llm import AsyncLLM
 from kvjax.engine.metrics import CONTENT_TYPE
 from kvjax.engine.outputs import RequestOutput
 from kvjax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvjax.errors import dumps
 
 
 class _HTTPError(Exception):
@@ -145,16 +145,11 @@ def _now() -> int:
 
 
 def _render_chat(engine: AsyncLLM, messages: list[dict]) -> str:
-    """The conversation as LLM.chat renders it (the engine's chat template, the tokenizer's bos/eos)."""
-    from kvjax.models.tokenizer import render_chat
-
-    template = engine.llm_engine.chat_template
-    if not template:
+    """The conversation as LLM.chat renders it (LLMEngine.render_chat: the engine's chat template)."""
+    if not engine.llm_engine.chat_template:
         raise _HTTPError(400, f"model {engine.vllm_config.model!r} has no chat template: serve it with "
                               "--chat-template", "messages")
-    tok = engine.tokenizer
-    return render_chat(template, messages, add_generation_prompt=True, bos_token=tok.bos_token or "",
-                       eos_token=tok.eos_token or "")
+    return engine.llm_engine.render_chat(messages, add_generation_prompt=True)
 
 
 async def _final_outputs(gens) -> list[RequestOutput]:
@@ -258,10 +253,10 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def events():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {dumps(chunk)}\n\n"
         except Exception as e:  # noqa: BLE001 (the status is sent already: the error goes in the stream)
             status, message, param = _error_of(e)
-            yield f"data: {json.dumps(_error_body(status, message, param))}\n\n"
+            yield f"data: {dumps(_error_body(status, message, param))}\n\n"
         finally:
             await chunks.aclose()  # a client that left: its generators close, AsyncLLM aborts their requests
         yield "data: [DONE]\n\n"
