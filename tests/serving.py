@@ -1,10 +1,16 @@
 """A `kvjax serve` app on a free loopback port in a thread, for the tests that talk HTTP to it
-(tests/entrypoints/, tests/benchmarks/)."""
+(tests/entrypoints/, tests/benchmarks/), and what those tests ask of it: plain HTTP, raw sockets a
+test can close mid-reply, and whether the engine is idle again (every block free)."""
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import threading
 import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
 
 
 @contextlib.contextmanager
@@ -29,3 +35,53 @@ def serving(**engine_args):
         srv.should_exit = True
         thread.join(30)
         engine.shutdown()
+
+
+def http(url: str, body: dict | None = None) -> tuple[int, dict[str, str], str]:
+    """(status, headers, text) of a GET (body None) or a JSON POST, any status."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def post_raw(base: str, path: str, body: dict) -> socket.socket:
+    """A JSON POST sent on a socket of its own, the reply left unread (the caller reads or closes it)."""
+    url = urlsplit(base)
+    sock = socket.create_connection((url.hostname, url.port), timeout=60)
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def read_events(sock: socket.socket, count: int) -> bytes:
+    """Read a streamed reply until `count` server-sent events (`data: ...`) have come; what came."""
+    got = b""
+    while got.count(b"data: ") < count:
+        more = sock.recv(65536)
+        assert more, f"the server closed the stream after {got.count(b'data: ')} events: {got[-300:]!r}"
+        got += more
+    return got
+
+
+def wait_idle(engine, timeout: float = 10.0) -> None:
+    """Within timeout: no request left in the engine, every usable block free."""
+    core, end = engine.llm_engine.engine, time.time() + timeout
+    while True:
+        idle = (not engine.llm_engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+                and core.scheduler.num_free_blocks() == core.usable_blocks)
+        if idle:
+            return
+        assert time.time() < end, (f"a request is still running or holds blocks: "
+                                   f"{core.scheduler.num_free_blocks()} of {core.usable_blocks} blocks free")
+        time.sleep(0.02)
+
+
+def finished_count(engine, reason: str) -> int:
+    """How many sequences the engine has finished for this reason (vllm:request_success{finished_reason})."""
+    return sum(m.value for m in engine.get_metrics()
+               if m.name == "vllm:request_success" and m.labels.get("finished_reason") == reason)

@@ -246,7 +246,7 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def render_chat(self, messages, template: str | None = None, **options) -> str:
+    def render_chat(self, messages, template: str | None = None, /, **options) -> str:
         """One conversation as the prompt text LLM.chat and `kvjax serve` generate from:
         models.tokenizer.render_chat with `template` (default this engine's chat template) and the
         tokenizer's bos_token / eos_token as template variables; options: add_generation_prompt,

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
-from serving import serving
+from serving import http, serving, wait_idle
 
 from kvjax import LLM, SamplingParams
 from kvjax.commands.main import build_parser
@@ -49,29 +46,6 @@ def llm():
 def greedy(llm):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
-
-
-def _http(url: str, body: dict | None = None) -> tuple[int, dict[str, str], str]:
-    """(status, headers, text) of a GET (body None) or a JSON POST, any status."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, dict(r.headers), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode()
-
-
-def _assert_idle(engine, timeout=5.0):
-    """Within timeout: no request left in the engine, every block free."""
-    core, end = engine.llm_engine.engine, time.time() + timeout
-    while True:
-        idle = (not engine.llm_engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
-                and core.scheduler.num_free_blocks() == core.usable_blocks)
-        if idle:
-            return
-        assert time.time() < end, "a request is still running or holds blocks"
-        time.sleep(0.02)
 
 
 def _stream_text(client, prompt, **kw):
@@ -147,7 +121,7 @@ def test_chat_without_a_template_is_a_bad_request(server, client, monkeypatch):
 
 def test_errors_have_openai_shape(server, client):
     engine, base = server
-    status, _, text = _http(base + "/v1/completions", dict(model="small-gqa", prompt="x", temperature=-1))
+    status, _, text = http(base + "/v1/completions", dict(model="small-gqa", prompt="x", temperature=-1))
     assert status == 400
     err = json.loads(text)["error"]
     assert set(err) == {"message", "type", "param", "code"} and "temperature" in err["message"]
@@ -155,18 +129,18 @@ def test_errors_have_openai_shape(server, client):
         client.completions.create(model="small-gqa", prompt="x", temperature=-1)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="x")
-    status, _, _ = _http(base + "/v1/completions", dict(model="small-gqa", prompt="x", stream=True, temperature=-1))
+    status, _, _ = http(base + "/v1/completions", dict(model="small-gqa", prompt="x", stream=True, temperature=-1))
     assert status == 400  # checked before the stream starts
-    status, _, text = _http(base + "/v1/completions", dict(model="small-gqa"))  # no prompt
+    status, _, text = http(base + "/v1/completions", dict(model="small-gqa"))  # no prompt
     assert status == 400 and "prompt" in json.loads(text)["error"]["message"]
-    _assert_idle(engine)
+    wait_idle(engine)
 
 
 def test_health_models_and_metrics(server, client):
     base = server[1]
-    assert _http(base + "/health")[0] == 200
+    assert http(base + "/health")[0] == 200
     assert [m.id for m in client.models.list().data] == ["small-gqa"]
-    status, headers, text = _http(base + "/metrics")
+    status, headers, text = http(base + "/metrics")
     assert status == 200 and "vllm:prompt_tokens" in text and headers["content-type"].startswith("text/plain")
 
 
@@ -192,7 +166,7 @@ def test_a_client_that_leaves_a_stream_frees_its_request(server, client):
         pass
     assert engine.llm_engine.has_unfinished_requests()
     stream.close()
-    _assert_idle(engine)
+    wait_idle(engine)
 
 
 def test_serve_command_line():
