@@ -1,13 +1,15 @@
 """`kvjax bench serve`: online serving latency and throughput, with `vllm bench serve`'s definitions
 (vLLM 0.33, vllm/benchmarks/serve.py and datasets/).
 
-    requests  a `random` dataset: token-id prompts of seeded lengths (random_requests)
+    requests  vLLM's datasets as token-id prompts (kvjax.benchmarks.datasets: random,
+              prefix_repetition, sharegpt, and kvjax's corpus)
     arrivals  all at once (request_rate inf), else gamma intervals (request_intervals), scaled so
               the n-th arrives at n / request_rate (arrival_times, as vLLM's get_request)
     targets   an AsyncLLM in this process (InProcessTarget) or an OpenAI-compatible server's
               streaming /v1/completions (HTTPTarget); --max-concurrency caps requests in flight
     metrics   calculate_metrics, vLLM's: per request TTFT (first token), TPOT = (latency - TTFT) /
               (output_len - 1), every inter-token gap (ITL), E2EL = latency; reported in ms
+    progress  vLLM's tqdm bar over completed requests, on stderr (disable_tqdm turns it off)
 
 Times are time.perf_counter seconds: a request's start_time when it is sent, ttft at its first
 output with tokens, an itl entry at each later output, latency at the last.
@@ -17,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+
+from kvjax.benchmarks.datasets import SampleRequest, random_requests  # noqa: F401  (re-exported: the old names)
 
 MS = 1000.0  # seconds → milliseconds
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -31,14 +36,6 @@ METRIC_NAMES = {"ttft": ("TTFT", "Time to First Token"),
                 "itl": ("ITL", "Inter-token Latency"),
                 "e2el": ("E2EL", "End-to-end Latency")}
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's SLO keys
-
-
-@dataclass
-class SampleRequest:
-    """One benchmark request: its prompt as token ids and the tokens to generate."""
-    prompt_token_ids: list[int]
-    prompt_len: int
-    expected_output_len: int
 
 
 @dataclass
@@ -178,35 +175,6 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
     return t
 
 
-# ---------------------------------------------------------------- the random dataset
-
-def random_requests(n: int, input_len: int, output_len: int, *, range_ratio: float = 0.0, prefix_len: int = 0,
-                    vocab_size: int, special_ids: Sequence[int] = (), seed: int = 0) -> list[SampleRequest]:
-    """vLLM's RandomDataset, as token ids: input and output lengths uniform over the integers in
-    [floor(len*(1-r)), ceil(len*(1+r))] (output at least 1), a shared prefix of prefix_len random
-    tokens, then request i's tokens allowed[(offset_i + i + arange(len_i)) % len(allowed)], where
-    allowed is the vocabulary less special_ids. numpy's default_rng(seed), draws in vLLM's order.
-    (vLLM also decodes and re-encodes the text prompt; kvjax sends the ids, so lengths are exact.)"""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    rng = np.random.default_rng(seed)
-    in_lo, in_hi = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
-    out_lo = max(math.floor(output_len * (1 - range_ratio)), 1)
-    out_hi = max(math.ceil(output_len * (1 + range_ratio)), 1)
-    if prefix_len + in_lo < 1:
-        raise ValueError("--random-input-len is too small: a prompt needs at least one token")
-    input_lens = rng.integers(in_lo, in_hi + 1, size=n)
-    output_lens = rng.integers(out_lo, out_hi + 1, size=n)
-    offsets = rng.integers(0, vocab_size, size=n)
-    allowed = np.array(sorted(set(range(vocab_size)) - set(special_ids)))
-    prefix = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist() if prefix_len > 0 else []
-    out = []
-    for i in range(n):
-        ids = prefix + allowed[(offsets[i] + i + np.arange(input_lens[i])) % len(allowed)].tolist()
-        out.append(SampleRequest(ids, len(ids), int(output_lens[i])))
-    return out
-
-
 # ---------------------------------------------------------------- targets
 
 class InProcessTarget:
@@ -315,27 +283,41 @@ class HTTPTarget:
 # ---------------------------------------------------------------- the run
 
 async def benchmark(target, requests: Sequence[SampleRequest], *, request_rate: float = math.inf,
-                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0
-                    ) -> tuple[list[RequestFuncOutput], float]:
+                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                    disable_tqdm: bool = False) -> tuple[list[RequestFuncOutput], float]:
     """Send every request at its arrival time (at most max_concurrency in flight) → (outputs in
-    request order, duration s from the first send to the last finish)."""
+    request order, duration s from the first send to the last finish). Unless disable_tqdm, a
+    tqdm bar on stderr counts the requests completed, as vLLM's does (stdout stays the caller's)."""
     times = arrival_times(len(requests), request_rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    pbar = None
+    if not disable_tqdm:
+        from tqdm import tqdm
+
+        pbar = tqdm(total=len(requests), file=sys.stderr, dynamic_ncols=True)
 
     async def one(req):
         if sem is None:
-            return await target(req)
-        async with sem:
-            return await target(req)
+            out = await target(req)
+        else:
+            async with sem:
+                out = await target(req)
+        if pbar is not None:
+            pbar.update(1)
+        return out
 
     start = time.perf_counter()
     tasks = []
-    for req, t in zip(requests, times):
-        delay = start + t - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    outputs = await asyncio.gather(*tasks)
+    try:
+        for req, t in zip(requests, times):
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        outputs = await asyncio.gather(*tasks)
+    finally:
+        if pbar is not None:
+            pbar.close()
     return list(outputs), time.perf_counter() - start
 
 
@@ -374,10 +356,10 @@ def p_word(p: float) -> str:
 def run_benchmark(target, requests: Sequence[SampleRequest], *, request_rate: float = math.inf,
                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                   percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"), percentiles: Sequence[float] = (99,),
-                  goodput: dict[str, float] | None = None) -> dict[str, Any]:
+                  goodput: dict[str, float] | None = None, disable_tqdm: bool = False) -> dict[str, Any]:
     """Run the benchmark to the end (its own event loop) → vLLM's result dict."""
     outputs, duration = asyncio.run(benchmark(target, requests, request_rate=request_rate, burstiness=burstiness,
-                                              max_concurrency=max_concurrency, seed=seed))
+                                              max_concurrency=max_concurrency, seed=seed, disable_tqdm=disable_tqdm))
     metrics, output_lens = calculate_metrics(outputs, duration, percentiles, goodput)
     return result_dict(metrics, outputs, output_lens, duration, percentile_metrics, goodput)
 

@@ -1,6 +1,7 @@
 """`kvjax bench serve` (kvjax.benchmarks.serve, kvjax.commands.bench): vLLM's metric definitions
 checked on hand-timed outputs worked out by hand; the arrival process's moments; the random
-dataset; a run in-process and the same prompts over HTTP against `kvjax serve` in a thread."""
+dataset; a run in-process (its progress bar on stderr) and the same prompts over HTTP against
+`kvjax serve` in a thread. The other datasets: test_datasets.py, test_bench_datasets_cli.py."""
 from __future__ import annotations
 
 import json
@@ -153,13 +154,15 @@ def test_in_process_and_http(server, capsys):
     tok = engine.get_tokenizer()
     reqs = random_requests(6, 16, 4, vocab_size=tok.vocab_size, special_ids=tok.all_special_ids, seed=0)
     local = run_benchmark(InProcessTarget(engine), reqs, percentile_metrics=("ttft", "tpot", "itl", "e2el"))
+    out, err = capsys.readouterr()
+    assert out == "" and "6/6" in err  # vLLM's progress bar over completed requests, on stderr only
     assert (local["completed"], local["failed"], local["total_input_tokens"]) == (6, 0, 96)
     assert local["total_output_tokens"] == 24 and local["output_lens"] == [4] * 6
     assert all(t > 0 for t in local["ttfts"]) and all(len(itl) == 3 for itl in local["itls"])
     assert 1 <= local["max_concurrent_requests"] <= 6 and local["mean_e2el_ms"] >= local["mean_ttft_ms"] > 0
 
-    remote = run_benchmark(HTTPTarget(url, "small-gqa"), reqs, max_concurrency=2)
-    assert remote["errors"] == [""] * 6
+    remote = run_benchmark(HTTPTarget(url, "small-gqa"), reqs, max_concurrency=2, disable_tqdm=True)
+    assert remote["errors"] == [""] * 6 and capsys.readouterr().err == ""
     assert (remote["completed"], remote["total_input_tokens"], remote["total_output_tokens"]) == (6, 96, 24)
     assert all(t > 0 for t in remote["ttfts"])
 
