@@ -58,7 +58,7 @@ from kvjax.engine import steps as device
 from kvjax.engine.outputs import EngineRun, RequestResult, token_logprobs
 from kvjax.engine.sampling import SamplingParams
 from kvjax.engine.metrics import EngineMetrics, FinishedRequest
-from kvjax.engine.stats import RunStats, Summary
+from kvjax.engine.stats import RunStats, StepLog, Summary
 from kvjax.errors import INT32_MAX, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
@@ -134,6 +134,7 @@ class Engine:
         self._rows_cache = None  # (plan's requests and rows, their SamplingRows): _sampling_rows
         self._active: dict[str, _Active] = {}  # the unfinished requests, by id
         self._run: RunStats | None = None  # a run's Summary being collected (begin_run, generate)
+        self.step_log: StepLog | None = None  # set one to record every step (kvjax bench serve, experiments)
         self.last_step_tokens = 0  # tokens the last step generated
         self.metrics = EngineMetrics(config.model, config.max_model_len)  # vLLM's, over the engine's life
 
@@ -299,13 +300,9 @@ class Engine:
                                  prefix_cache_queries=queried, prefix_cache_hits=hits,
                                  num_preemptions=sched.num_preemptions - preemptions, num_prompt_tokens=prompts[0],
                                  num_cached_prompt_tokens=prompts[1], num_generation_tokens=self.last_step_tokens)
-        if self._run is not None:
-            prefill = np.flatnonzero(plan.prefill)
-            decode_tokens = plan.num_requests * steps - len(prefill) if plan.is_decode else \
-                plan.num_requests - len(prefill)
-            self._run.admissions(plan)
-            self._run.call(time.perf_counter() - t0, steps, used,
-                           prefill_tokens=int(sum(plan.num_scheduled[i] for i in prefill)), decode_tokens=decode_tokens)
+        for observer in (self._run, self.step_log):  # a run's Summary, a per-step record (kvjax.engine.stats)
+            if observer is not None:
+                observer.observe(self, plan, t0, time.perf_counter(), steps, used, sched.num_preemptions - preemptions)
         return changed
 
     def _close(self, rid: str, now: float | None = None) -> RequestResult:

@@ -95,25 +95,25 @@ class RunStats:
         self.results = []  # the RequestResults of the requests added during the run (Engine.add_request)
         self._compile_start = self._compile_mark = COMPILE_S[0]
 
-    def admissions(self, plan) -> None:
-        """Count the prefix-cache lookups of the requests a plan (kvjax.core.sched.output.StepPlan) admitted."""
-        for i in np.flatnonzero(plan.admitted):
+    def observe(self, engine, plan, t0: float, t1: float, steps: int, used: list[int], preempted: int) -> None:
+        """One engine step (Engine.step): plan ran as `steps` model steps in t1 - t0 seconds, with
+        used[k] blocks out of the free queue during step k; preempted requests this step."""
+        for i in np.flatnonzero(plan.admitted):  # the prefix-cache lookups of the requests it admitted
             self.queried += int(plan.num_tokens[i])
             self.hits += int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
-
-    def call(self, seconds: float, steps: int, used: list[int], *, prefill_tokens: int, decode_tokens: int) -> None:
+        prefill, decode = scheduled_tokens(plan, steps)
         compiled, self._compile_mark = COMPILE_S[0] > self._compile_mark, COMPILE_S[0]
         self.calls += 1
         self.blocks += used
-        self.prefill_tokens += prefill_tokens
-        self.decode_tokens += decode_tokens
+        self.prefill_tokens += prefill
+        self.decode_tokens += decode
         if compiled:
             self.untimed_calls += 1
             return
-        self.latencies += [seconds / steps] * steps
-        timed = self.prefill_timed if prefill_tokens else self.decode_timed
-        timed[0] += prefill_tokens or decode_tokens
-        timed[1] += seconds
+        self.latencies += [(t1 - t0) / steps] * steps
+        timed = self.prefill_timed if prefill else self.decode_timed
+        timed[0] += prefill or decode
+        timed[1] += t1 - t0
 
     def summary(self, engine) -> Summary:
         """The run's Summary over the requests added during it (kvjax.engine.outputs.RequestResult)."""
@@ -139,3 +139,70 @@ class RunStats:
             peak_blocks_used=max(self.blocks, default=0), usable_blocks=self.usable,
             preemptions=sched.num_preemptions - self.preemptions, blocks_in_use=tuple(self.blocks),
             ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)), **tier)
+
+
+def scheduled_tokens(plan, steps: int) -> tuple[int, int]:
+    """(prefill, decode) tokens a step computed: prefill the scheduled tokens of the requests in
+    prefill (prompts, chunks, recomputation), decode one per other request per model step."""
+    prefill = np.flatnonzero(plan.prefill)
+    decode = plan.num_requests - len(prefill)
+    return int(plan.num_scheduled[prefill].sum()), decode * steps if plan.is_decode else decode
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """The scheduler's view of one engine step (`StepLog`). Times are time.perf_counter seconds."""
+
+    start: float
+    end: float
+    steps: int  # model steps in the call (a decode plan's device loop runs up to steps_per_call)
+    num_scheduled: int  # requests the step computed tokens for
+    num_running: int  # the scheduler's queues after the step
+    num_waiting: int
+    num_preempted: int  # requests preempted while planning it
+    blocks_in_use: int  # the most blocks out of the free queue during it
+    tokens_held: int  # positions in the cache after it, of the requests it ran and those still running
+    prefill_tokens: int  # computed for prompts and recomputation (scheduled_tokens)
+    decode_tokens: int
+    recomputed_tokens: int  # within prefill_tokens: positions a preempted request had computed before
+    compiled: bool  # JAX traced or compiled during it (its time is not the step's own)
+    preempted: tuple[str, ...] = ()  # the requests it preempted
+
+
+class StepLog:
+    """Every engine step's StepRecord, in order (set `Engine.step_log = StepLog()`; the engine
+    thread appends). Recomputed tokens: for each request, the highest position it has had
+    computed (its high-water mark, kept here); a step that computes positions below it after a
+    preemption freed them recomputes them (positions found in the prefix cache or loaded from the
+    host tier are not computed, so not counted). recompute tax = recomputed / (prefill + decode).
+    Tail waste after a step: blocks_in_use × block size − tokens_held (prefix caching off: with it,
+    shared and cached blocks are counted once and tokens_held counts each request's own)."""
+
+    def __init__(self):
+        self.records: list[StepRecord] = []
+        self._high: dict[str, int] = {}  # request id → positions computed at most (seq_len reached)
+        self._held: dict[str, int] = {}  # request id → positions in the cache after its last step
+        self._compile_mark = COMPILE_S[0]
+
+    def observe(self, engine, plan, t0: float, t1: float, steps: int, used: list[int], preempted: int) -> None:
+        recomputed = 0
+        for i, rid in enumerate(plan.req_ids):
+            start, end = int(plan.seq_lens[i] - plan.num_scheduled[i]), int(plan.seq_lens[i])
+            high = self._high.get(rid, 0)
+            recomputed += max(0, min(end, high) - start)
+            self._held[rid] = end + (steps - 1 if plan.is_decode else 0)
+            self._high[rid] = max(high, self._held[rid])
+        prefill, decode = scheduled_tokens(plan, steps)
+        sched = engine.scheduler
+        compiled, self._compile_mark = COMPILE_S[0] > self._compile_mark, COMPILE_S[0]
+        self.records.append(StepRecord(
+            start=t0, end=t1, steps=steps, num_scheduled=plan.num_requests, num_running=len(sched.running),
+            num_waiting=len(sched.waiting), num_preempted=preempted, blocks_in_use=max(used),
+            tokens_held=sum(self._held.get(r, 0) for r in {*plan.req_ids, *(r.req_id for r in sched.running)}),
+            prefill_tokens=prefill, decode_tokens=decode, recomputed_tokens=recomputed, compiled=compiled,
+            preempted=tuple(plan.preempted)))
+        for rid in [r for r in self._high if r not in sched.requests]:  # finished: forget its marks
+            del self._high[rid], self._held[rid]
+
+    def to_json(self) -> list[dict]:
+        return [dataclasses.asdict(r) for r in self.records]
