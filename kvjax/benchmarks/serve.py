@@ -178,11 +178,24 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
 # ---------------------------------------------------------------- targets
 
 class InProcessTarget:
-    """Requests to an AsyncLLM in this process, streamed with RequestOutputKind.DELTA."""
+    """Requests to an AsyncLLM in this process, streamed with RequestOutputKind.DELTA. With
+    record_steps, `begin()` (benchmark calls it after the warm-up) puts a fresh StepLog
+    (kvjax.engine.stats) on the engine, which records the scheduler's view of every step until
+    `end()`; `scheduler_view` sums it up."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, record_steps: bool = False):
         self.engine = engine
         self._next = 0
+        self.record_steps, self.steps = record_steps, None
+
+    def begin(self) -> None:
+        if self.record_steps:
+            from kvjax.engine.stats import StepLog
+
+            self.steps = self.engine.llm_engine.engine.step_log = StepLog()
+
+    def end(self) -> None:
+        self.engine.llm_engine.engine.step_log = None
 
     async def __call__(self, req: SampleRequest) -> RequestFuncOutput:
         from kvjax.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -284,12 +297,23 @@ class HTTPTarget:
 
 async def benchmark(target, requests: Sequence[SampleRequest], *, request_rate: float = math.inf,
                     burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                    disable_tqdm: bool = False) -> tuple[list[RequestFuncOutput], float]:
+                    disable_tqdm: bool = False, num_warmups: int = 0) -> tuple[list[RequestFuncOutput], float]:
     """Send every request at its arrival time (at most max_concurrency in flight) → (outputs in
     request order, duration s from the first send to the last finish). Unless disable_tqdm, a
-    tqdm bar on stderr counts the requests completed, as vLLM's does (stdout stays the caller's)."""
+    tqdm bar on stderr counts the requests completed, as vLLM's does (stdout stays the caller's).
+    num_warmups: vLLM's warm-up first, that many copies of the first request at once (at most
+    max_concurrency in flight), untimed; then the target's `begin()`, if it has one."""
     times = arrival_times(len(requests), request_rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    if num_warmups > 0 and requests:
+        async def warm():
+            if sem is None:
+                return await target(requests[0])
+            async with sem:
+                return await target(requests[0])
+        await asyncio.gather(*(warm() for _ in range(num_warmups)))
+    if hasattr(target, "begin"):
+        target.begin()
     pbar = None
     if not disable_tqdm:
         from tqdm import tqdm
@@ -353,15 +377,40 @@ def p_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
+def scheduler_view(log) -> dict[str, Any]:
+    """A StepLog summed up (kvjax's additions to vLLM's result): the peaks of running and waiting
+    requests and of blocks in use, preemptions, tokens computed and recomputed, the recompute tax
+    (recomputed / computed), and every step's record under "scheduler_steps"."""
+    recs = log.records
+    computed = sum(r.prefill_tokens + r.decode_tokens for r in recs)
+    recomputed = sum(r.recomputed_tokens for r in recs)
+    peak = lambda f: max((getattr(r, f) for r in recs), default=0)  # noqa: E731
+    return {"engine_steps": len(recs), "peak_running_requests": peak("num_running"),
+            "peak_waiting_requests": peak("num_waiting"), "peak_blocks_in_use": peak("blocks_in_use"),
+            "preemptions": sum(r.num_preempted for r in recs), "computed_tokens": computed,
+            "recomputed_tokens": recomputed, "recompute_tax": recomputed / computed if computed else 0.0,
+            "scheduler_steps": log.to_json()}
+
+
 def run_benchmark(target, requests: Sequence[SampleRequest], *, request_rate: float = math.inf,
                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                   percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"), percentiles: Sequence[float] = (99,),
-                  goodput: dict[str, float] | None = None, disable_tqdm: bool = False) -> dict[str, Any]:
-    """Run the benchmark to the end (its own event loop) → vLLM's result dict."""
-    outputs, duration = asyncio.run(benchmark(target, requests, request_rate=request_rate, burstiness=burstiness,
-                                              max_concurrency=max_concurrency, seed=seed, disable_tqdm=disable_tqdm))
+                  goodput: dict[str, float] | None = None, disable_tqdm: bool = False,
+                  num_warmups: int = 0) -> dict[str, Any]:
+    """Run the benchmark to the end (its own event loop) → vLLM's result dict, with the
+    scheduler's view (scheduler_view) when the target recorded the steps."""
+    try:
+        outputs, duration = asyncio.run(benchmark(target, requests, request_rate=request_rate, burstiness=burstiness,
+                                                  max_concurrency=max_concurrency, seed=seed,
+                                                  disable_tqdm=disable_tqdm, num_warmups=num_warmups))
+    finally:
+        if hasattr(target, "end"):
+            target.end()
     metrics, output_lens = calculate_metrics(outputs, duration, percentiles, goodput)
-    return result_dict(metrics, outputs, output_lens, duration, percentile_metrics, goodput)
+    result = result_dict(metrics, outputs, output_lens, duration, percentile_metrics, goodput)
+    if getattr(target, "steps", None) is not None:
+        result.update(scheduler_view(target.steps))
+    return result
 
 
 # vLLM's table: (label, result key, format)
@@ -373,7 +422,10 @@ _TABLE_ROWS = (("Successful requests:", "completed", ""), ("Failed requests:", "
                ("Output token throughput (tok/s):", "output_throughput", ".2f"),
                ("Peak output token throughput (tok/s):", "max_output_tokens_per_s", ".2f"),
                ("Peak concurrent requests:", "max_concurrent_requests", ".2f"),
-               ("Total token throughput (tok/s):", "total_token_throughput", ".2f"))
+               ("Total token throughput (tok/s):", "total_token_throughput", ".2f"),
+               # in-process only: the scheduler's view (scheduler_view)
+               ("Peak running requests (scheduler):", "peak_running_requests", ""),
+               ("Preemptions:", "preemptions", ""), ("Recompute tax:", "recompute_tax", ".4f"))
 
 
 def format_table(result: dict[str, Any], percentile_metrics: Sequence[str], percentiles: Sequence[float],

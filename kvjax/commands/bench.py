@@ -8,7 +8,9 @@
 Without --base-url the engine is built here from the engine flags (kvjax.engine.cli_args, as
 `kvjax serve` takes them) and its tokenizer tokenizes the dataset; with it, requests go to that
 server's streaming /v1/completions, and a dataset of text is tokenized with --tokenizer (else
---model) as vLLM's client does. Definitions, arrivals, targets: kvjax.benchmarks.serve; the
+--model) as vLLM's client does. In-process, the result also has the scheduler's view of every
+step after the warm-up (kvjax.engine.stats.StepLog: running, waiting, preempted, blocks in use,
+recomputed tokens; peaks, preemptions and the recompute tax in the table). Definitions, arrivals, targets: kvjax.benchmarks.serve; the
 datasets: kvjax.benchmarks.datasets; --plot-dir's figures: kvjax.benchmarks.plots. Every file and
 flag is checked before the engine is built or a request is sent.
 """
@@ -73,6 +75,9 @@ def add_parser(sub) -> None:
     s.add_argument("--seed", type=int_arg(0), default=0,
                    help="the dataset's and the arrivals' seed (0); the engine keeps its own default")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar (it is drawn on stderr)")
+    s.add_argument("--num-warmups", type=int_arg(0), default=0,
+                   help="warm-up requests first (copies of the first request, untimed; in-process they "
+                        "compile the engine's steps) (0)")
     s.add_argument("--plot-dir", default=None, metavar="DIR",
                    help="kvjax: also draw latency_cdf.png (TTFT, TPOT, ITL, E2EL) and throughput.png "
                         "(output tokens per second over the run) into DIR")
@@ -247,7 +252,7 @@ def run(args) -> int:
         except KvjaxError as e:
             raise UsageError(as_flags(str(e))) from None
         engine = AsyncLLM.from_engine_args(engine_args)
-        target = B.InProcessTarget(engine)
+        target = B.InProcessTarget(engine, record_steps=True)
         tok = engine.get_tokenizer()
     vocab = args.vocab_size or (tok.vocab_size if tok is not None else 256)
     special = list(getattr(tok, "all_special_ids", ()))
@@ -256,7 +261,7 @@ def run(args) -> int:
         result = B.run_benchmark(target, requests, request_rate=args.request_rate, burstiness=args.burstiness,
                                  max_concurrency=args.max_concurrency, seed=args.seed,
                                  percentile_metrics=metrics, percentiles=percentiles, goodput=goodput,
-                                 disable_tqdm=args.disable_tqdm)
+                                 disable_tqdm=args.disable_tqdm, num_warmups=args.num_warmups)
     finally:
         if engine is not None:
             engine.shutdown()

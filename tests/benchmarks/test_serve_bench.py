@@ -153,13 +153,19 @@ def test_in_process_and_http(server, capsys):
     engine, url = server
     tok = engine.get_tokenizer()
     reqs = random_requests(6, 16, 4, vocab_size=tok.vocab_size, special_ids=tok.all_special_ids, seed=0)
-    local = run_benchmark(InProcessTarget(engine), reqs, percentile_metrics=("ttft", "tpot", "itl", "e2el"))
+    local = run_benchmark(InProcessTarget(engine, record_steps=True), reqs, num_warmups=2,
+                          percentile_metrics=("ttft", "tpot", "itl", "e2el"))
     out, err = capsys.readouterr()
     assert out == "" and "6/6" in err  # vLLM's progress bar over completed requests, on stderr only
     assert (local["completed"], local["failed"], local["total_input_tokens"]) == (6, 0, 96)
     assert local["total_output_tokens"] == 24 and local["output_lens"] == [4] * 6
     assert all(t > 0 for t in local["ttfts"]) and all(len(itl) == 3 for itl in local["itls"])
     assert 1 <= local["max_concurrent_requests"] <= 6 and local["mean_e2el_ms"] >= local["mean_ttft_ms"] > 0
+    # the scheduler's view, after the warm-up: a roomy pool computes each prompt and output token once
+    # (the last output token is sampled, never computed), never preempts, and runs max_num_seqs at most
+    assert local["computed_tokens"] == 6 * (16 + 4 - 1) and local["recomputed_tokens"] == local["preemptions"] == 0
+    assert 1 <= local["peak_running_requests"] <= 4 and engine.llm_engine.engine.step_log is None
+    assert sum(s["decode_tokens"] for s in local["scheduler_steps"]) == 6 * 3
 
     remote = run_benchmark(HTTPTarget(url, "small-gqa"), reqs, max_concurrency=2, disable_tqdm=True)
     assert remote["errors"] == [""] * 6 and capsys.readouterr().err == ""
@@ -173,3 +179,17 @@ def test_in_process_and_http(server, capsys):
     r = json.loads(capsys.readouterr().out)
     assert (r["completed"], r["total_output_tokens"], r["num_prompts"]) == (3, 6, 3)
     assert r["request_goodput"] > 0 and "p99_itl_ms" in r and r["backend"] == "openai"
+
+
+def test_in_process_tight_pool_reports_its_recompute_tax(capsys):
+    """A pool of 5 usable blocks of 16 for requests of 28 + 8 tokens (3 blocks each at the end): two
+    are admitted with 2 blocks each and cannot both grow, so one is preempted and recomputed (no prefix
+    caching, which would serve its freed blocks back). Every
+    token computed is needed once or recomputed: recomputed = computed - sum(prompt + output - 1)."""
+    assert main(["bench", "serve", "--model", "small-gqa", "--num-gpu-blocks-override", "6", "--max-num-seqs", "4",
+                 "--num-prompts", "4", "--random-input-len", "28", "--random-output-len", "8", "--json", "--no-enable-prefix-caching",
+                 "--disable-tqdm"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["completed"] == 4 and r["preemptions"] > 0 and r["peak_blocks_in_use"] <= 5
+    assert r["recomputed_tokens"] == r["computed_tokens"] - 4 * (28 + 8 - 1) > 0
+    assert r["recompute_tax"] == r["recomputed_tokens"] / r["computed_tokens"]
