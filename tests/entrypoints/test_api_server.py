@@ -12,9 +12,9 @@ import threading
 import openai
 import pytest
 
-from serving import http, serving, wait_idle
+from serving import http, wait_idle
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
 from kvjax.commands.main import build_parser
 from kvjax.commands.serve import resolve_model
 
@@ -26,26 +26,7 @@ PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:", "The key
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with serving(**COMMON) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(**COMMON)
-
-
-@pytest.fixture(scope="module")
-def greedy(llm):
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
-    return [o.outputs[0].text for o in outs]
+# server, client, llm, greedy: tests/entrypoints/conftest.py (from COMMON and PROMPTS)
 
 
 def _stream_text(client, prompt, **kw):

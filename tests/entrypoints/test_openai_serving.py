@@ -17,9 +17,9 @@ import jinja2
 import openai
 import pytest
 
-from serving import finished_count, http, post_raw, read_events, serving, wait_idle
+from serving import finished_count, http, post_raw, read_events, wait_idle
 
-from kvjax import LLM, SamplingParams
+from kvjax import SamplingParams
 from kvjax.engine.outputs import Logprob
 from kvjax.entrypoints.openai.protocol import ChatCompletionRequest
 from kvjax.entrypoints.openai.serving_chat import chat_logprobs
@@ -34,26 +34,7 @@ MESSAGES = [{"role": "user", "content": "Sort it."}]
 M = "small-gqa"
 
 
-@pytest.fixture(scope="module")
-def server():
-    with serving(**COMMON) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(**COMMON)
-
-
-@pytest.fixture(scope="module")
-def greedy(llm):
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
-    return [o.outputs[0].text for o in outs]
+# server, client, llm, greedy: tests/entrypoints/conftest.py (from COMMON and PROMPTS)
 
 
 def _render(messages, **variables) -> str:
