@@ -225,11 +225,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
 
             with GGUFFile(path) as gguf:  # one read of the header for config, weights and tokenizer
                 config = config or gguf.config(dtype)
-                ids = gguf.special_ids()  # each a token id of the file's vocabulary, or None
-                tokenizer = Tokenizer(backend=gguf.tokenizer(), eos_token_id=ids["eos"], bos_token_id=ids["bos"],
-                                      pad_token_id=ids["padding"], unk_token_id=ids["unknown"],
-                                      source=f"GGUF file {path!r}")
-                template = gguf.chat_template
+                tokenizer, template = _gguf_tokenizer(gguf, path), gguf.chat_template
                 params = load_params(gguf, config)
                 stages.start("build")
                 return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer,
@@ -237,11 +233,40 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
         config = config or load_model_config(path, dtype=dtype)
         # the small files first: a bad id, tokenizer or template is refused before the weights are read
         eos = eos_token_ids(path, config.vocab_size)
-        tokenizer, template = Tokenizer(path, eos_token_id=eos[0] if eos else None), chat_template(path)
+        tokenizer, template = _folder_tokenizer(path, eos), chat_template(path)
         params = load_params(path, config)
         stages.start("build")
         return LoadedModel(name_or_dir, config, build_model(config, attn_impl=attn_impl), params, tokenizer, eos,
                            path, template)
+
+
+def load_tokenizer(name_or_dir: str) -> Tokenizer:
+    """The tokenizer of what `name_or_dir` names, without its weights, built as load_model builds
+    it: a preset's byte vocabulary, a GGUF's vocabulary with its special ids, a folder's
+    tokenizer.json (or byte vocabulary) with config.json's primary EOS. What vLLM's bench client
+    loads (`--tokenizer`, else the model) to count a remote server's tokens."""
+    from kvjax.models.loader import is_gguf
+
+    if name_or_dir.startswith("preset:"):
+        load_model_config(name_or_dir)  # an unknown preset is refused, naming it
+        return Tokenizer()
+    path = resolve_model(name_or_dir)
+    if is_gguf(path):
+        from kvjax.models.gguf import GGUFFile
+
+        with GGUFFile(path) as gguf:
+            return _gguf_tokenizer(gguf, path)
+    return _folder_tokenizer(path, eos_token_ids(path, load_model_config(path).vocab_size))
+
+
+def _gguf_tokenizer(gguf, path: str) -> Tokenizer:
+    ids = gguf.special_ids()  # each a token id of the file's vocabulary, or None
+    return Tokenizer(backend=gguf.tokenizer(), eos_token_id=ids["eos"], bos_token_id=ids["bos"],
+                     pad_token_id=ids["padding"], unk_token_id=ids["unknown"], source=f"GGUF file {path!r}")
+
+
+def _folder_tokenizer(path: str, eos: tuple[int, ...]) -> Tokenizer:
+    return Tokenizer(path, eos_token_id=eos[0] if eos else None)
 
 
 # --------------------------------------------------------------------------------------------

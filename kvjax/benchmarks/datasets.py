@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -223,28 +223,3 @@ def corpus_requests(text: str, n: int, input_len: int, output_len: int, tokenize
         out.append(SampleRequest(prompt, len(prompt), int(output_lens[i])))
     return out
 
-
-# ---------------------------------------------------------------- the client's tokenizer
-
-def load_tokenizer(name: str) -> Any:
-    """The tokenizer of what a --model names (models.hub), without its weights, built as
-    models.hub.load_model builds it: a preset's byte vocabulary, a GGUF's vocabulary with its
-    special ids, a folder's tokenizer.json (or byte vocabulary) with config.json's primary EOS.
-    The tokenizer vLLM's bench client loads (`--tokenizer`, else the model) for a remote server."""
-    from kvjax.models.hub import eos_token_ids, load_model_config, resolve_model
-    from kvjax.models.loader import is_gguf
-    from kvjax.models.tokenizer import Tokenizer
-
-    if name.startswith("preset:"):
-        load_model_config(name)  # an unknown preset is refused, naming it
-        return Tokenizer()
-    path = resolve_model(name)
-    if is_gguf(path):
-        from kvjax.models.gguf import GGUFFile
-
-        with GGUFFile(path) as gguf:
-            ids = gguf.special_ids()
-            return Tokenizer(backend=gguf.tokenizer(), eos_token_id=ids["eos"], bos_token_id=ids["bos"],
-                             pad_token_id=ids["padding"], unk_token_id=ids["unknown"], source=f"GGUF file {path!r}")
-    eos = eos_token_ids(path, load_model_config(path).vocab_size)
-    return Tokenizer(path, eos_token_id=eos[0] if eos else None)

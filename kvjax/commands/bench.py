@@ -188,7 +188,7 @@ def _check_dataset(args):
 def _client_tokenizer(args):
     """With --base-url, the tokenizer of --tokenizer, else of --model, loaded without weights;
     None where none is needed (a synthetic dataset and no --tokenizer)."""
-    from kvjax.benchmarks.datasets import load_tokenizer
+    from kvjax.models.hub import load_tokenizer
 
     if args.tokenizer is None and args.dataset_name not in ("sharegpt", "corpus"):
         return None

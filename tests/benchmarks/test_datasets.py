@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvjax.benchmarks.datasets import (corpus_requests, load_corpus, load_sharegpt, load_tokenizer, oversample,
+from kvjax.benchmarks.datasets import (corpus_requests, load_corpus, load_sharegpt, oversample,
                                        prefix_repetition_requests, random_requests, sharegpt_requests)
 from kvjax.data import PROSE
 from kvjax.errors import KvjaxError
@@ -199,15 +199,6 @@ def test_corpus_refuses(tmp_path):
     empty.write_text("  \n", encoding="utf-8")
     with pytest.raises(KvjaxError, match="empty"):
         load_corpus(str(empty))
-
-
-def test_load_tokenizer_is_the_models():
-    tok = load_tokenizer("small-gqa")
-    assert tok.is_bytes and tok.vocab_size == 256 and tok.encode("héllo") == list("héllo".encode())
-    assert load_tokenizer("preset:tiny").is_bytes
-    for name in ("nope", "preset:nope"):
-        with pytest.raises(KvjaxError, match="nope"):
-            load_tokenizer(name)
 
 
 def test_the_hand_counts():

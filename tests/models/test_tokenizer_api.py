@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, processors, trainers
 from tokenizers import models as tok_models
 
+from kvjax.errors import KvjaxError
 from kvjax.models import hub
 from kvjax.models.tokenizer import Tokenizer
 
@@ -102,9 +103,21 @@ def test_a_gguf_through_the_loader_matches_transformers(vocab, tmp_path, add_bos
     loaded = hub.load_model(path)
     theirs = tf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
     _same_as_transformers(loaded.tokenizer, theirs)
+    _same_as_transformers(hub.load_tokenizer(path), theirs)  # without the weights: the same tokenizer
     assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_id) == (1, 2)  # write_gguf's ids
     assert (loaded.tokenizer.encode("a")[0] == 1) == add_bos  # a BOS only where the GGUF adds one
     assert loaded.tokenizer.encode("a", add_special_tokens=False)[0] != 1
+
+
+def test_load_tokenizer_without_weights():
+    """hub.load_tokenizer (what bench serve's client tokenizes with) on a registry name and a
+    preset: the byte vocabulary, by hand; a name that names nothing is refused, naming it."""
+    tok = hub.load_tokenizer("small-gqa")
+    assert tok.is_bytes and tok.vocab_size == 256 and tok.encode("héllo") == list("héllo".encode())
+    assert hub.load_tokenizer("preset:tiny").is_bytes
+    for name in ("nope", "preset:nope"):
+        with pytest.raises(KvjaxError, match="nope"):
+            hub.load_tokenizer(name)
 
 
 def test_the_byte_vocabulary_by_hand():
