@@ -162,17 +162,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     prints one line and exits 130; a closed stdout (a pipe whose reader left) exits 141 silently.
     Anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    with _interrupts_kept():
-        return _main(argv)
-
-
-def _main(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
-    known = command in _MODULE_COMMANDS
-    prog = f"kvjax{' ' + command if known else ''}"
+    prog = f"kvjax{' ' + command if command in _MODULE_COMMANDS else ''}"
+    said = []
+    try:
+        with _interrupts_kept():
+            return _main(argv, prog, said)
+    except KeyboardInterrupt:
+        # Ctrl-C (or the gc-deferred one, _interrupts_kept) landing after _main returned, before the
+        # handlers are swapped back: still the one line and the shell's status, never a traceback.
+        if not said:
+            print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str], prog: str, said: list) -> int:
+    """main's contract; `said` gets an entry once the interrupted line is printed."""
     try:
         refuse_renamed(argv)
-        args = build_parser(command if known else None).parse_args(argv)
+        args = build_parser(prog.partition(" ")[2] or None).parse_args(argv)
         status = importlib.import_module(_MODULE_COMMANDS[args.command][0]).run(args)
         sys.stdout.flush()  # a write to stdout that fails (a full disk) fails here, inside the contract
         return status
@@ -181,6 +189,7 @@ def _main(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
         print(f"{prog}: interrupted", file=sys.stderr)
+        said.append(True)
         return 130
     except BrokenPipeError:  # `kvjax ... | head`: the reader left; stop quietly, as a Unix tool does
         _drop_stdout()

@@ -4,6 +4,7 @@ garbage-collector callback used to be dropped by Python and the command ran to t
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import signal
 import subprocess
@@ -51,3 +52,26 @@ def test_ctrl_c_while_the_command_starts(delay):
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and err.strip().splitlines()[-1] == "kvjax decode: interrupted", (p.returncode, err)
     assert out == ""
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_an_interrupt_while_the_handlers_are_swapped_back_is_one_line_and_130(monkeypatch, capsys, when):
+    """A Ctrl-C processed after the command returned but before _interrupts_kept put Python's
+    handler back (the gc-deferred one, landing late) must not escape main as a traceback (exit -2):
+    main prints the one line (once, also when the command itself was interrupted) and returns 130."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def late():
+        yield
+        raise KeyboardInterrupt  # as a pending SIGINT would, on leaving
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_interrupts_kept", late)
+    if when == "during":
+        monkeypatch.setattr(importlib.import_module("kvjax.commands.plan"), "run", interrupted)
+    assert cli.main(["plan", "--model", "llama-3-8b"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err.count("kvjax plan: interrupted") == 1 and err[-1] == "kvjax plan: interrupted", err
