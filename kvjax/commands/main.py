@@ -167,13 +167,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     said = []
     try:
         with _interrupts_kept():
-            return _main(argv, prog, said)
+            status = _main(argv, prog, said)
     except KeyboardInterrupt:
         # Ctrl-C (or the gc-deferred one, _interrupts_kept) landing after _main returned, before the
         # handlers are swapped back: still the one line and the shell's status, never a traceback.
         if not said:
             print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        status = 130
+    if status == 130:
+        _forget_escaped_interrupt()
+    return status
+
+
+def _forget_escaped_interrupt() -> None:
+    """CPython notes a KeyboardInterrupt that escapes code run through its PyRun_* API (C
+    extensions evaluate Python that way, JAX's among them) and, at exit, kills the process with
+    SIGINT (status -2) even though kvjax caught the interrupt and returns 130. Running an empty
+    string through that API resets the note (pythonrun.c run_eval_code_obj), so the status is
+    ours. Other Pythons have no such note, or no pythonapi: nothing to do."""
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except (ImportError, AttributeError, OSError):
+        pass
 
 
 def _main(argv: list[str], prog: str, said: list) -> int:
