@@ -241,7 +241,7 @@ class GGUFFile(TensorSource):
         experts = m("expert_count", 0, lo=0)
         if experts:
             raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.expert_count is {experts}, a "
-                                        "mixture-of-experts model, which kvjax's models do not implement")
+                                        "mixture-of-experts model, whose expert tensors this reader does not map")
         if "rope_freqs.weight" in self._tensors:
             raise GGUFArchitectureError(
                 f"GGUF file {self.where!r} has rope_freqs.weight, llama.cpp's per-dimension rope frequency factors "

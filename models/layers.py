@@ -1,4 +1,4 @@
-"""The decoder the model families share: RMSNorm, gated MLP, pre-norm block, causal LM head.
+"""The decoder the model families share: RMSNorm, pre-norm block, causal LM head (the gated MLP: models.mlp).
 
 Structure and parameter names follow transformers' `LlamaForCausalLM` / `DeepseekV3ForCausalLM`
 (`model.layers.{i}.self_attn…`, `input_layernorm`, `post_attention_layernorm`, `mlp.{gate,up,
@@ -10,11 +10,11 @@ step is `(tokens, metadata, cache) -> (logits, cache)`, a pure function that jit
 the cache to. What differs between the families is named by class attributes of `CausalLM`:
 the attention module (`attention_cls`), the block (`layer_cls`), the norm (`norm_cls`) and
 whether embeddings are scaled by sqrt(hidden_size) (`scale_embeddings`, Gemma). Each layer's
-attention knows its index, so it reads its own sliding window and RoPE from the config.
+attention knows its index, so it reads its own sliding window and RoPE from the config; a layer in
+`config.moe_layers` has a mixture-of-experts block (models.moe.MoE) where the others have the MLP.
 """
 from __future__ import annotations
 
-import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -23,6 +23,8 @@ import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.config.model import ModelConfig, ModelConfigError
+from kvjax.models.mlp import MLP, dense  # the families' modules import dense from here too
+from kvjax.models.moe import MoE
 from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, PagedCache
 
 # Model types whose config kvjax parses (to size their KV cache) but whose decoder differs
@@ -30,18 +32,15 @@ from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, Pag
 _OTHER_DECODERS = {
     "gemma": "Gemma's RMSNorm scales by (1 + weight) and its embeddings by sqrt(hidden_size)",
     "phi3": "Phi-3 checkpoints store fused qkv_proj and gate_up_proj weights",
-    "gpt_oss": "gpt-oss's attention sinks and mixture-of-experts MLPs",
+    "gpt_oss": "gpt-oss's attention sinks and its MXFP4 expert weights; its MoE math is models.moe's",
 }
 GEMMA_TYPES = ("gemma2", "gemma3_text")  # built by models.gemma
 
-# The MLP's gate activation by config name: silu (SwiGLU; Llama, Qwen, Mistral, DeepSeek) and
-# gelu_pytorch_tanh (GeGLU with torch's tanh approximation; Gemma 2 / 3).
-ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True)}
 _FAMILY_ACT = {"silu": "silu / SwiGLU", "gelu_pytorch_tanh": "gelu_pytorch_tanh / GeGLU"}
 
 
 class UnsupportedModelError(ModelConfigError):
-    """A checkpoint feature kvjax's models do not implement (MoE layers, fused weights, ...)."""
+    """A checkpoint feature kvjax's models do not implement (fused weights, attention sinks, ...)."""
 
 
 def check_supported(config: ModelConfig) -> None:
@@ -51,10 +50,6 @@ def check_supported(config: ModelConfig) -> None:
     them can still size a KV cache; only building a model refuses them.
     """
     who = config.name or config.model_type
-    if config.moe_layers:
-        raise UnsupportedModelError(
-            f"{who}: layer {config.moe_layers[0]} is a mixture-of-experts layer "
-            f"(MoE layers {list(config.moe_layers)}); kvjax's decoder implements dense MLPs only")
     if config.model_type in _OTHER_DECODERS:
         raise UnsupportedModelError(f"{who}: model_type {config.model_type!r} is not implemented "
                                     f"({_OTHER_DECODERS[config.model_type]})")
@@ -74,7 +69,9 @@ def check_supported(config: ModelConfig) -> None:
     for rope in (config.rope, config.rope_local):
         if rope is not None and rope.unsupported:
             raise UnsupportedModelError(f"{who}: {rope.unsupported}")
-    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(config, f) is None]
+    dense_layers = len(config.moe_layers) < config.num_layers  # a model of MoE layers only needs no intermediate_size
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(config, f) is None
+               and (f == "vocab_size" or dense_layers)]
     if missing:
         raise UnsupportedModelError(f"{who}: the config gives no {' and '.join(missing)}, which building "
                                     "the model needs")
@@ -83,11 +80,6 @@ def check_supported(config: ModelConfig) -> None:
 def softcap(x: jax.Array, cap: float) -> jax.Array:
     """Gemma's tanh soft-capping: cap · tanh(x / cap), smooth and within (-cap, cap)."""
     return cap * jnp.tanh(x / cap)
-
-
-def dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.Dense:
-    dtype = jnp.dtype(config.dtype)
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 class Attention(nn.Module):
@@ -132,17 +124,6 @@ class RMSNorm(nn.Module):
         return weight * rms_normalized(x, self.eps).astype(x.dtype)
 
 
-class MLP(nn.Module):
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] → [T, D]
-        c = self.config
-        gate = dense(c, c.intermediate_size, c.mlp_bias, "gate_proj")(x)
-        up = dense(c, c.intermediate_size, c.mlp_bias, "up_proj")(x)
-        return dense(c, c.hidden_size, c.mlp_bias, "down_proj")(ACTIVATIONS[c.hidden_act](gate) * up)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with the config's sandwich norms
     (Gemma 2 / 3) every sublayer's output is normalized too, before it joins the residual."""
@@ -163,12 +144,13 @@ class DecoderLayer(nn.Module):
 
         h = norm("input_layernorm")(x)  # [T, D]
         h, pages = self.attention_cls(c, self.attn_impl, self.layer, name="self_attn")(h, md, pages)
+        mlp = MoE(c, name="mlp") if self.layer in c.moe_layers else MLP(c, name="mlp")
         if c.sandwich_norms:
             x = x + norm("post_attention_layernorm")(h)
-            h = MLP(c, name="mlp")(norm("pre_feedforward_layernorm")(x))
+            h = mlp(norm("pre_feedforward_layernorm")(x))
             return x + norm("post_feedforward_layernorm")(h), pages
         x = x + h
-        return x + MLP(c, name="mlp")(norm("post_attention_layernorm")(x)), pages
+        return x + mlp(norm("post_attention_layernorm")(x)), pages
 
 
 class CausalLM(nn.Module):

@@ -9,8 +9,11 @@ tensors under the same Hugging Face names and layout.
 Either way the tensors come from a models.tensors.TensorSource (Hugging Face names, torch
 layout), and one filler, `load_params`, walks the Flax tree: `hf_name` maps each Flax path to
 its Hugging Face name (the one place that mapping lives), the tensor is checked against the
-shape the Flax model expects, cast to the model dtype and transposed where Flax's Dense keeps
-[in, out] and torch's Linear [out, in].
+shape the Flax model expects, cast to the dtype the model declares for it (the model dtype;
+DeepSeek's MoE router float32, as transformers keeps it) and transposed where Flax's Dense keeps
+[in, out] and torch's Linear [out, in]. A MoE layer's experts are one stacked Flax array per
+projection, [E, in, out]: `expert_tensors` names the per-expert tensors a checkpoint holds (or
+transformers 5's fused ones), and `save_checkpoint` writes the per-expert form.
 
 Refused, each with its own exception class (models.tensors: CheckpointError subclasses, all
 ValueError):
@@ -125,23 +128,31 @@ def load_params(source: TensorSource | str | os.PathLike, config: ModelConfig) -
             return load_params(opened, config)
     available = set(source.names())
     expected = param_shapes(build_model(config))
-    dtype = jnp.dtype(config.dtype)
     mem.check_fits(f"the {config.dtype} weights of {source.where!r}", mem.tree_bytes(expected))
     used = set()
 
-    def load(path, leaf):
-        name, transpose = hf_name(path)
-        want = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+    def read(name, want, alternative=None):
+        """The tensor `name` (or, when the checkpoint lacks it, `alternative`) after checking its shape."""
+        if name not in available and alternative in available:
+            name = alternative
         if name not in available:
-            raise MissingTensorError(f"checkpoint {source.where!r} has no tensor {name!r} "
+            also = f" or {alternative!r}" if alternative else ""
+            raise MissingTensorError(f"checkpoint {source.where!r} has no tensor {name!r}{also} "
                                      f"(expected shape {list(want)})")
         found = source.shape(name)
-        if found != want:
+        if found != tuple(want):
             raise ShapeMismatchError(f"tensor {name!r} in {source.origin(name)}: expected shape "
                                      f"{list(want)}, found {list(found)}")
-        array = source.read(name)
         used.add(name)
-        return jnp.asarray(array.T if transpose else array, dtype=dtype)
+        return source.read(name)
+
+    def load(path, leaf):  # each leaf in the dtype the model declares (the model dtype; DeepSeek's router f32)
+        expert = _expert_leaf(path)
+        if expert is not None:
+            return jnp.asarray(_read_experts(read, available, config, *expert, leaf.shape), dtype=leaf.dtype)
+        name, transpose = hf_name(path, config)
+        array = read(name, tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape), _fused_name(name))
+        return jnp.asarray(array.T if transpose else array, dtype=leaf.dtype)
 
     params = jax.tree_util.tree_map_with_path(load, expected)
     extra = sorted(name for name in available if name not in used and not _ignorable(name, config))
@@ -157,25 +168,92 @@ def save_checkpoint(folder: str | os.PathLike, hf_config: dict, params: dict) ->
     `load_checkpoint` and transformers' `from_pretrained` read: the inverse of `load_params`."""
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    # the names of MoE weights depend on the family and the expert count
+    config = from_hf_config(hf_config) if any(_expert_leaf(path) for path, _ in leaves) else None
     tensors = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        name, transpose = hf_name(path)
+    for path, leaf in leaves:
         array = np.asarray(leaf)
+        expert = _expert_leaf(path)
+        if expert is not None:  # one [out, in] tensor per expert and projection, as checkpoints hold them
+            per_expert, _ = expert_tensors(config, *expert)
+            for e, names in enumerate(per_expert):
+                for name, part in zip(names, np.split(array[e], len(names), axis=1)):
+                    tensors[name] = np.ascontiguousarray(part.T)
+            continue
+        name, transpose = hf_name(path, config)
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     with write_file(os.path.join(folder, SAFETENSORS), "checkpoint", binary=True) as fh:
         fh.write(save(tensors, metadata={"format": "pt"}))
     write_json(os.path.join(folder, "config.json"), hf_config, "checkpoint", sort_keys=True)
 
 
-def hf_name(path) -> tuple[str, bool]:
-    """Flax parameter path → (Hugging Face tensor name, whether the HF tensor is transposed)."""
+def hf_name(path, config: ModelConfig | None = None) -> tuple[str, bool]:
+    """Flax parameter path → (Hugging Face tensor name, whether the HF tensor is transposed).
+
+    Not for the stacked expert weights (`expert_tensors`). Mixtral's MoE block is HF's
+    `block_sparse_moe` (its router `block_sparse_moe.gate`), kvjax's `mlp` as in every family."""
     keys = [getattr(p, "key", str(p)) for p in path]
     *modules, leaf = keys
     if modules and re.fullmatch(r"layers_\d+", modules[0]):
         modules[0] = "layers." + modules[0].split("_")[1]
+        if config is not None and config.model_type == "mixtral" and modules[1:2] == ["mlp"]:
+            modules[1] = "block_sparse_moe"
     prefix = "" if modules[0] == "lm_head" else "model."
-    suffix = "bias" if leaf == "bias" else "weight"  # kernel, embedding, weight
+    suffix = leaf if leaf == "e_score_correction_bias" else "bias" if leaf == "bias" else "weight"  # kernel, embedding
     return prefix + ".".join(modules + [suffix]), leaf == "kernel"
+
+
+# ---- MoE experts: one stacked Flax array per layer and projection --------------------------------
+def _expert_leaf(path) -> tuple[int, str] | None:
+    """(layer, leaf) of a stacked expert weight (`layers_{i}/mlp/experts/{leaf}`), else None."""
+    keys = [getattr(p, "key", str(p)) for p in path]
+    if len(keys) == 4 and re.fullmatch(r"layers_\d+", keys[0]) and keys[1:3] == ["mlp", "experts"]:
+        return int(keys[0].split("_")[1]), keys[3]
+    return None
+
+
+def expert_tensors(config: ModelConfig, layer: int, leaf: str) -> tuple[list[list[str]], str]:
+    """How a checkpoint stores the stacked expert weight `leaf` of `layer` ([E, in, out] in Flax):
+    (for each expert, the [out_part, in] tensors whose transposes, side by side, make its [in, out]
+    slice; the name of transformers 5's fused [E, out, in] tensor).
+
+    Real checkpoints, and transformers 5.24's save_pretrained for Mixtral, Qwen2/3-MoE and DeepSeek,
+    hold one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, Mixtral
+    `block_sparse_moe.experts.{e}.w1` (gate) / `w3` (up) / `w2` (down)); transformers 5 concatenates them
+    when it loads (conversion_mapping.py: gate then up along the output axis) into `mlp.experts.gate_up_proj`
+    [E, 2I, D] and `mlp.experts.down_proj` [E, D, I], the form a checkpoint saved from its state dict has."""
+    if leaf not in ("gate_up_proj", "down_proj"):
+        raise CheckpointError(f"{config.model_type}: expert parameter {leaf!r} has no Hugging Face mapping "
+                              "(gpt-oss's expert biases and MXFP4 blocks are not loaded yet)")
+    if config.model_type == "mixtral":
+        prefix, parts = f"model.layers.{layer}.block_sparse_moe.experts", {"gate_up_proj": ("w1", "w3"),
+                                                                          "down_proj": ("w2",)}
+    else:
+        prefix, parts = f"model.layers.{layer}.mlp.experts", {"gate_up_proj": ("gate_proj", "up_proj"),
+                                                             "down_proj": ("down_proj",)}
+    per_expert = [[f"{prefix}.{e}.{part}.weight" for part in parts[leaf]] for e in range(config.moe.num_experts)]
+    return per_expert, f"model.layers.{layer}.mlp.experts.{leaf}"
+
+
+def _read_experts(read, available: set, config: ModelConfig, layer: int, leaf: str, shape) -> np.ndarray:
+    """The stacked [E, in, out] array of an expert leaf from either form `expert_tensors` names; `read(name,
+    shape)` checks and reads one tensor. Per-expert tensors are preferred when both forms are present
+    (the fused ones are then named as unused)."""
+    per_expert, fused = expert_tensors(config, layer, leaf)
+    experts, n_in, n_out = shape
+    width = n_out // len(per_expert[0])  # of one part: gate or up, or down
+    if per_expert[0][0] not in available:
+        if fused in available:  # transformers 5's [E, out, in]
+            return np.swapaxes(read(fused, (experts, n_out, n_in)), 1, 2)
+        read(per_expert[0][0], (width, n_in), alternative=fused)  # neither form: MissingTensorError naming both
+    return np.stack([np.concatenate([read(name, (width, n_in)).T for name in names], axis=1)  # [in, out]
+                     for names in per_expert])
+
+
+def _fused_name(name: str) -> str | None:
+    """Mixtral's router under transformers 5's name (`mlp.gate`), for checkpoints in its fused form."""
+    return name.replace(".block_sparse_moe.", ".mlp.") if ".block_sparse_moe." in name else None
 
 
 def _check_folder(folder: str) -> None:

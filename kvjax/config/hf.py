@@ -4,7 +4,8 @@
 for absent fields) for every model type whose KV cache kvjax can size: the Llama family (llama,
 mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3 and the MoE variants qwen2_moe, qwen3_moe,
 mixtral, gpt_oss; GQA from MQA to MHA) and the MLA family (deepseek_v2, deepseek_v3, kimi_k2;
-multi-head latent attention, arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`.
+multi-head latent attention, arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`;
+the MoE families' routing fields become a `MoEConfig` (`ModelConfig.moe`) beside the MoE layer indices.
 
 What the Flax decoder does not implement is parsed and recorded, never dropped; a field that
 cannot be read raises `ModelConfigError` naming it, its value and the file, at load rather than
@@ -19,7 +20,8 @@ import math
 import os
 from typing import Any, Mapping
 
-from kvjax.config.model import MAX_LAYERS, MLA_TYPES, MODEL_TYPES, ModelConfig, ModelConfigError, RopeConfig, RopeError
+from kvjax.config.model import (MAX_LAYERS, MLA_TYPES, MODEL_TYPES, SCORING_FUNCS, TOPK_METHODS, ModelConfig,
+                                ModelConfigError, MoEConfig, RopeConfig, RopeError)
 from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int, read_json_object
 
 
@@ -207,7 +209,11 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
                                    "the config needs an explicit head_dim")
         head_dim = hidden // heads
     bias = _bool(cfg, "attention_bias", model_type == "gpt_oss")
-    qkv_bias, o_bias = (True, False) if model_type in ("qwen2", "qwen2_moe") else (bias, bias)
+    qkv_bias, o_bias = (bias, bias)
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif model_type == "qwen2_moe":  # Qwen2MoeConfig.qkv_bias (default true); o_proj never has one
+        qkv_bias, o_bias = _bool(cfg, "qkv_bias", True), False
     window, sliding = None, ()
     if model_type in ("mistral", "mixtral", "phi3") and cfg.get("sliding_window") is not None:
         window, sliding = _int(cfg, "sliding_window"), tuple(range(layers))
@@ -227,7 +233,7 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         moe = tuple(range(layers))
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         # transformers: a sparse block where the layer is not in mlp_only_layers and (i + 1) % step == 0.
-        experts = _int(cfg, "num_experts", 60 if model_type == "qwen2_moe" else 128, lo=0)
+        experts = _num_experts(cfg, model_type, lo=0)
         step, dense = _int(cfg, "decoder_sparse_step", 1), set(_int_list(cfg, "mlp_only_layers"))
         moe = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
     else:
@@ -246,6 +252,7 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         **common, head_dim=head_dim, rope=rope, qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=_bool(cfg, "mlp_bias", False) if model_type == "llama" else False,
         qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), moe_layers=moe,
+        moe=_moe(cfg, model_type) if moe else None,
         sliding_window=window if sliding else None, sliding_layers=sliding, **extra)
 
 
@@ -322,4 +329,65 @@ def _mla(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
         q_lora_rank=_int(cfg, "q_lora_rank", None) if "q_lora_rank" in cfg else 1536,  # null: no q LoRA
         kv_lora_rank=_int(cfg, "kv_lora_rank"),
         qk_nope_head_dim=_int(cfg, "qk_nope_head_dim"), qk_rope_head_dim=_int(cfg, "qk_rope_head_dim"),
-        v_head_dim=_int(cfg, "v_head_dim"), moe_layers=tuple(range(first_dense, layers)))
+        v_head_dim=_int(cfg, "v_head_dim"), moe_layers=tuple(range(first_dense, layers)),
+        moe=_moe(cfg, model_type) if first_dense < layers else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture-of-experts layers
+# --------------------------------------------------------------------------------------------
+# Each family's name for its routed expert count (transformers' attribute_map accepts the others), with
+# its config class's default.
+_EXPERTS = {"mixtral": (("num_local_experts", "num_experts"), 8),
+            "gpt_oss": (("num_local_experts", "num_experts"), 128),
+            "qwen2_moe": (("num_experts",), 60), "qwen3_moe": (("num_experts", "num_local_experts"), 128),
+            "deepseek_v2": (("n_routed_experts", "num_experts"), 64),
+            "deepseek_v3": (("n_routed_experts", "num_local_experts"), 256),
+            "kimi_k2": (("n_routed_experts", "num_local_experts"), 256)}
+
+
+def _num_experts(cfg: Mapping[str, Any], model_type: str, lo: int = 1) -> int:
+    """The routed expert count under whichever of the family's names the file uses; two that disagree are refused."""
+    names, default = _EXPERTS[model_type]
+    given = {name: _int(cfg, name, lo=lo) for name in names if cfg.get(name) is not None}
+    if len(set(given.values())) > 1:
+        raise ModelConfigError(f"config fields {' and '.join(f'{k!r} ({v})' for k, v in given.items())} both name "
+                               "the routed expert count and disagree")
+    return next(iter(given.values()), default)
+
+
+def _moe(cfg: Mapping[str, Any], model_type: str) -> MoEConfig:
+    """The MoEConfig of a config.json: each field as the family's transformers config class reads it,
+    absent ones with its defaults. DeepSeek's scoring_func and topk_method, which real configs name and
+    transformers 5's DeepSeek models hard-code (V2: softmax; V3: sigmoid and noaux_tc), and V2's
+    norm_topk_prob, which its transformers model ignores, are read as vLLM reads them; absent, they take
+    what transformers hard-codes."""
+    experts = _num_experts(cfg, model_type)
+    if model_type == "mixtral":  # always renormalised; the experts are intermediate_size wide
+        return MoEConfig(experts, _int(cfg, "num_experts_per_tok", 2), _int(cfg, "intermediate_size", 14336),
+                         norm_topk_prob=True)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        qwen2 = model_type == "qwen2_moe"
+        shared = _int(cfg, "shared_expert_intermediate_size", 5632) if qwen2 else 0
+        return MoEConfig(experts, _int(cfg, "num_experts_per_tok", 4 if qwen2 else 8),
+                         _int(cfg, "moe_intermediate_size", 1408 if qwen2 else 768),
+                         norm_topk_prob=_bool(cfg, "norm_topk_prob", False), shared_intermediate_size=shared,
+                         shared_expert_gate=qwen2, f32_weights=False)
+    if model_type == "gpt_oss":
+        return MoEConfig(experts, _int(cfg, "num_experts_per_tok", 4), _int(cfg, "intermediate_size", 2880),
+                         scoring_func="topk_softmax", router_bias=True, expert_bias=True, activation="clamped_swiglu",
+                         swiglu_alpha=_number(cfg, "swiglu_alpha", ModelConfigError, default=1.702),
+                         swiglu_limit=_number(cfg, "swiglu_limit", ModelConfigError, default=7.0), f32_weights=False)
+    v2 = model_type == "deepseek_v2"
+    method = cfg.get("topk_method") or ("greedy" if v2 else "noaux_tc")
+    scoring = cfg.get("scoring_func") or ("softmax" if v2 else "sigmoid")
+    for key, value, allowed in (("topk_method", method, TOPK_METHODS), ("scoring_func", scoring, SCORING_FUNCS[:2])):
+        if value not in allowed:
+            raise ModelConfigError(f"config field {key!r} must be one of {', '.join(allowed)}, got {_show(value)}")
+    inter = _int(cfg, "moe_intermediate_size", 1407 if v2 else 2048)
+    return MoEConfig(
+        experts, _int(cfg, "num_experts_per_tok", ... if v2 else 8), inter, scoring_func=scoring, topk_method=method,
+        n_group=_int(cfg, "n_group", 1 if v2 else 8), topk_group=_int(cfg, "topk_group", 1 if v2 else 4),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", not v2),
+        routed_scaling_factor=_number(cfg, "routed_scaling_factor", ModelConfigError, default=1.0 if v2 else 2.5),
+        shared_intermediate_size=_int(cfg, "n_shared_experts", 2 if v2 else 1, lo=0) * inter, router_f32=True)

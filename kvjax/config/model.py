@@ -6,14 +6,16 @@ parameter count behind the weight estimates of `kvjax plan` / `kvjax tables`, an
 decoder that `models.build_model` builds. It is built from a Hugging Face config.json by
 kvjax.config.hf, or taken by name from kvjax.config.presets.
 
-- What the Flax decoder does not implement (MoE layers, Gemma 1, phi3's fused weights, other
-  rope types) is recorded, never dropped: the KV arithmetic does not need
+- What the Flax decoder does not implement (Gemma 1, phi3's fused weights, gpt-oss's attention,
+  other rope types) is recorded, never dropped: the KV arithmetic does not need
   it, and `models.layers.check_supported` refuses it by name when a model is built. What cannot
   even be described (a non-positive size, heads not divisible, an unknown dtype or model_type)
   raises `ModelConfigError` here.
 - `RopeConfig` is the rotary embedding's parameters; `models.rope` holds its math.
-- MODEL_TYPES (the GQA and MLA families), DTYPES, ROPE_TYPES and LAYOUTS are the values these
-  dataclasses accept.
+- `MoEConfig` is the routing and expert shapes of the mixture-of-experts layers (`moe_layers`);
+  `models.moe` holds their math.
+- MODEL_TYPES (the GQA and MLA families), DTYPES, ROPE_TYPES, LAYOUTS, SCORING_FUNCS, TOPK_METHODS
+  and EXPERT_ACTIVATIONS are the values these dataclasses accept.
 
 Nothing here overwrites a value a caller gave: `head_dim` is whatever the config says (Qwen3
 has head_dim × heads ≠ hidden_size), and derived values are properties. Plain Python, no JAX,
@@ -34,6 +36,16 @@ MODEL_TYPES = GQA_TYPES + MLA_TYPES
 DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; each is also a kv dtype alias (kvjax.quant.kv_formats)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the ones models.rope computes
 LAYOUTS = ("half", "interleaved", "complex")
+# How router logits become the scores top-k chooses from (MoEConfig.scoring_func): softmax over all
+# experts (Mixtral, Qwen-MoE, DeepSeek-V2), an independent sigmoid per expert (DeepSeek-V3), or
+# top-k of the raw logits then a softmax over those k (gpt-oss).
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+# How the k experts are chosen (DeepSeek's `topk_method`): plain top-k; top-k within the topk_group
+# groups of highest max score (DeepSeek-V2); the same with groups ranked by the sum of their top-2
+# scores after adding e_score_correction_bias, which steers the choice but not the weights (DeepSeek-V3).
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# An expert's gated activation: silu(gate) · up, or gpt-oss's clamped (up + 1) · gate · σ(α·gate)
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 MAX_LAYERS = 2**16  # configs build per-layer tables (MoE, sliding layers); no model has a tenth of this
@@ -141,6 +153,105 @@ class RopeConfig:
 
 
 # --------------------------------------------------------------------------------------------
+# Mixture-of-experts layers
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The routing and the experts of a model's MoE layers, as config.json names them.
+
+    Every token's router logits (one per routed expert) become scores (`scoring_func`); `top_k`
+    experts are chosen (`topk_method`, over `n_group` groups of which `topk_group` may be used); the
+    chosen scores are renormalised to sum to 1 (`norm_topk_prob`) and multiplied by
+    `routed_scaling_factor`; the layer returns Σ weight · expert(x) over the k, plus the shared
+    experts every token passes through. kvjax.config.hf fills it per family with transformers'
+    defaults:
+
+        family        scores        choice                          weights                  shared
+        Mixtral       softmax       greedy                          renormalised             -
+        Qwen2-MoE     softmax       greedy                          norm_topk_prob           1 × σ(gate(x))
+        Qwen3-MoE     softmax       greedy                          norm_topk_prob           -
+        DeepSeek-V2   softmax       greedy / group_limited_greedy   × routed_scaling_factor  n_shared_experts
+        DeepSeek-V3   sigmoid       noaux_tc (groups, bias)         norm, × scaling factor   n_shared_experts
+        gpt-oss       topk_softmax  greedy on the logits            softmax over the k       -
+
+    The two dtype flags say where transformers runs the router in float32 when the model is bf16:
+    `router_f32` keeps the router weight in float32 and takes the logits from float32 inputs
+    (DeepSeek: `_keep_in_fp32_modules_strict`); `f32_weights` multiplies the expert outputs by
+    float32 weights (Mixtral, DeepSeek) instead of weights cast back to the model dtype (Qwen, gpt-oss).
+    """
+
+    num_experts: int  # E, routed experts
+    top_k: int  # k, experts per token
+    intermediate_size: int  # I, each routed expert's MLP width
+    scoring_func: str = "softmax"  # one of SCORING_FUNCS
+    topk_method: str = "greedy"  # one of TOPK_METHODS
+    n_group: int = 1  # expert groups (E / n_group experts each)
+    topk_group: int = 1  # groups a token may choose from
+    norm_topk_prob: bool = False  # renormalise the k chosen scores to sum to 1
+    routed_scaling_factor: float = 1.0  # the k weights × this (after renormalising)
+    shared_intermediate_size: int = 0  # the shared expert MLP's width (0: none); DeepSeek: n_shared_experts × I
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared output × sigmoid(shared_expert_gate(x))
+    router_bias: bool = False  # gpt-oss
+    expert_bias: bool = False  # gpt-oss: biases on each expert's gate/up and down projections
+    activation: str = "swiglu"  # one of EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate · sigmoid(alpha · gate)
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate ≤ limit, |up| ≤ limit
+    router_f32: bool = False
+    f32_weights: bool = True
+
+    def __post_init__(self):
+        for name, lo in (("num_experts", 1), ("top_k", 1), ("intermediate_size", 1), ("n_group", 1),
+                         ("topk_group", 1), ("shared_intermediate_size", 0)):
+            check_int(getattr(self, name), f"MoE {name}", lo, INT32_MAX, ModelConfigError)
+        for name, allowed in (("scoring_func", SCORING_FUNCS), ("topk_method", TOPK_METHODS),
+                              ("activation", EXPERT_ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ModelConfigError(f"MoE {name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in ("norm_topk_prob", "shared_expert_gate", "router_bias", "expert_bias", "router_f32",
+                     "f32_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelConfigError(f"MoE {name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and MIN_EPS <= value <= F32_MAX):
+                raise ModelConfigError(f"MoE {name} must be a finite float32 number > 0, got {value!r}")
+        e, k, groups = self.num_experts, self.top_k, self.n_group
+        if k > e:
+            raise ModelConfigError(f"MoE top_k {k} (num_experts_per_tok) exceeds the {e} routed experts")
+        if e % groups:
+            raise ModelConfigError(f"MoE n_group {groups} does not divide the {e} routed experts")
+        if self.topk_group > groups:
+            raise ModelConfigError(f"MoE topk_group {self.topk_group} exceeds n_group {groups}")
+        if self.topk_method != "greedy" and k > self.topk_group * (e // groups):
+            raise ModelConfigError(f"MoE top_k {k} exceeds the {self.topk_group * (e // groups)} experts in "
+                                   f"topk_group {self.topk_group} of {groups} groups of {e // groups}")
+        if self.topk_method == "noaux_tc" and e // groups < 2:
+            raise ModelConfigError(f"MoE noaux_tc ranks groups by their top-2 scores: groups of {e // groups} "
+                                   f"expert ({e} experts, n_group {groups}) cannot be ranked")
+        if self.shared_expert_gate and not self.shared_intermediate_size:
+            raise ModelConfigError("MoE shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
+        if self.scoring_func == "topk_softmax" and self.topk_method != "greedy":
+            raise ModelConfigError(f"MoE topk_softmax scoring chooses greedily from the logits, not by "
+                                   f"{self.topk_method!r}")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the choice is limited to topk_group of n_group groups (else plain top-k)."""
+        return self.topk_method != "greedy" and self.topk_group < self.n_group
+
+    def layer_params(self, hidden_size: int, mlp_bias: bool = False) -> int:
+        """Parameters of one MoE layer as transformers counts them: router (+ bias), every expert's
+        gate/up/down (+ biases), the shared expert (its Linears take the model's mlp_bias) and its gate.
+        DeepSeek-V3's e_score_correction_bias is a buffer, not a parameter."""
+        d, e, i, s = hidden_size, self.num_experts, self.intermediate_size, self.shared_intermediate_size
+        router = e * d + self.router_bias * e
+        experts = e * 3 * d * i + self.expert_bias * e * (2 * i + d)
+        shared = (3 * d * s + mlp_bias * (2 * s + d)) if s else 0
+        return router + experts + shared + self.shared_expert_gate * d
+
+
+# --------------------------------------------------------------------------------------------
 # The config
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -175,15 +286,14 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    moe_layers: tuple[int, ...] = ()  # recorded so that models.layers.check_supported can refuse them by name
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts (models.moe); others dense
+    moe: MoEConfig | None = None  # their routing and experts: set exactly when moe_layers is
     sliding_window: int | None = None  # W of the sliding layers: a query at q sees keys q - W < k <= q
     sliding_layers: tuple[int, ...] = ()
     dtype: str = "float32"  # params and activations
     name: str = ""  # a preset's key or the checkpoint folder's name
     title: str = ""  # how tables and `kvjax plan` print the model ("Llama-3-8B")
-    # MoE parameter counts are not derived here (experts, shared experts, routers differ by
-    # family): a preset of an MoE model carries its published count.
-    published_params: int | None = None
+    published_params: int | None = None  # a model card's round count, preferred to the counted one (num_params)
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -217,6 +327,20 @@ class ModelConfig:
             raise ModelConfigError(f"num_kv_heads {self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.dtype not in DTYPES:
             raise ModelConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        layers = self.moe_layers
+        if not isinstance(layers, tuple) or not all(is_int(i) and 0 <= i < self.num_layers for i in layers) \
+                or list(layers) != sorted(set(layers)):
+            raise ModelConfigError(f"moe_layers must be increasing layer indices in [0, {self.num_layers}), "
+                                   f"got {layers!r}")
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ModelConfigError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+        if layers and self.moe is None:
+            raise ModelConfigError(f"moe_layers {list(layers)} need a MoEConfig (moe) describing their experts")
+        if self.moe is not None and not layers:
+            raise ModelConfigError("a MoEConfig (moe) needs moe_layers, the layers it describes")
 
     @property
     def is_mla(self) -> bool:
@@ -268,20 +392,20 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameters of the whole model: `published_params` when set, else counted from the shapes
-        of a dense decoder (embedding, attention incl. MLA projections and norms, gated MLP, the
-        layer RMSNorms (four a layer in Gemma 2 / 3) and the final one, lm_head unless tied), as
-        transformers' `num_parameters()`."""
+        """Parameters of the whole model, as transformers' `num_parameters()` counts them:
+        `published_params` when set, else counted from the shapes: embedding, attention (MLA
+        projections and norms; gpt-oss's per-head sinks), the gated MLP of a dense layer or the MoE
+        block of a MoE layer (MoEConfig.layer_params: every expert resident), the layer RMSNorms
+        (four a layer in Gemma 2 / 3) and the final one, lm_head unless tied."""
         if self.published_params is not None:
             return self.published_params
         who = self.name or self.model_type
-        if self.moe_layers:
-            raise ModelConfigError(f"{who}: MoE layers {list(self.moe_layers)} are not counted here; "
-                                   "give published_params")
-        missing = [f for f in ("vocab_size", "intermediate_size") if getattr(self, f) is None]
+        dense_layers = self.num_layers - len(self.moe_layers)
+        missing = [f for f in ("vocab_size", "intermediate_size") if getattr(self, f) is None
+                   and (f == "vocab_size" or dense_layers)]
         if missing:
             raise ModelConfigError(f"{who}: counting parameters needs {' and '.join(missing)}")
-        d, n, i = self.hidden_size, self.num_heads, self.intermediate_size
+        d, n = self.hidden_size, self.num_heads
         if self.is_mla:
             qk, rank, rope = self.qk_head_dim, self.kv_lora_rank, self.qk_rope_head_dim
             q = self.q_lora_rank
@@ -294,7 +418,13 @@ class ModelConfig:
             h, qkv = self.head_dim, (n + 2 * self.num_kv_heads) * self.head_dim
             attn = d * qkv + self.qkv_bias * qkv  # q_proj, k_proj, v_proj
             attn += n * h * d + self.o_bias * d + self.qk_norm * 2 * h  # o_proj, q_norm and k_norm
-        mlp = 3 * d * i + self.mlp_bias * (2 * i + d)
-        layer = attn + mlp + (4 if self.sandwich_norms else 2) * d  # + input_layernorm, post_attention_layernorm
+            attn += n if self.model_type == "gpt_oss" else 0  # one attention sink logit per head
+        norms = (4 if self.sandwich_norms else 2) * d  # input_layernorm, post_attention_layernorm (+ Gemma's two)
+        total = self.num_layers * (attn + norms)
+        if dense_layers:
+            i = self.intermediate_size
+            total += dense_layers * (3 * d * i + self.mlp_bias * (2 * i + d))
+        if self.moe is not None:
+            total += len(self.moe_layers) * self.moe.layer_params(d, self.mlp_bias)
         embed = self.vocab_size * d
-        return embed + self.num_layers * layer + d + (0 if self.tie_word_embeddings else embed)
+        return embed + total + d + (0 if self.tie_word_embeddings else embed)

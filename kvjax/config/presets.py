@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.config.hf import from_hf_config
-from kvjax.config.model import ModelConfig, ModelConfigError, RopeConfig
+from kvjax.config.model import ModelConfig, ModelConfigError, MoEConfig, RopeConfig
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
              max_position_embeddings=256)
@@ -54,7 +54,9 @@ PRESETS: dict[str, ModelConfig] = {
         rope=RopeConfig("yarn", theta=10000.0, layout="interleaved", factor=40.0,
                         original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                         mscale_all_dim=1.0),
-        moe_layers=tuple(range(3, 61)), name="deepseek-v3", title="DeepSeek-V3", published_params=671_000_000_000),
+        moe_layers=tuple(range(3, 61)), name="deepseek-v3", title="DeepSeek-V3", published_params=671_000_000_000,
+        moe=MoEConfig(256, 8, 2048, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                      norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=2048, router_f32=True)),
 }
 
 
@@ -127,10 +129,10 @@ _PUBLISHED = {"gemma-3-27b": _GEMMA3_27B_TEXT, "gemma-3-270m": _GEMMA3_270M, "ge
 HF_CONFIGS: dict[str, dict[str, Any]] = {name: {**OMITTED_DEFAULTS[name], **cfg} for name, cfg in _PUBLISHED.items()}
 _TITLES = {"gemma-3-27b": "Gemma-3-27B", "gemma-3-270m": "Gemma-3-270M", "gemma-2-9b": "Gemma-2-9B",
            "gpt-oss-20b": "gpt-oss-20b", "gpt-oss-120b": "gpt-oss-120b", "mistral-7b-v0.1": "Mistral-7B-v0.1"}
-# Every gpt-oss layer is MoE, which num_params does not count: the total parameter counts of OpenAI's
-# model cards, https://huggingface.co/openai/gpt-oss-20b ("21B parameters with 3.6B active") and
-# https://huggingface.co/openai/gpt-oss-120b ("117B parameters with 5.1B active"); arXiv:2508.10925,
-# Table 1, gives 20.91B and 116.83B. The weights budget counts them at --weight-dtype (bf16 by
+# The total parameter counts of OpenAI's model cards, https://huggingface.co/openai/gpt-oss-20b ("21B
+# parameters with 3.6B active") and https://huggingface.co/openai/gpt-oss-120b ("117B parameters with 5.1B
+# active"); arXiv:2508.10925, Table 1, gives 20.91B and 116.83B, as num_params counts them when these are
+# taken away (20,914,757,184 and 116,829,156,672). The weights budget counts them at --weight-dtype (bf16 by
 # default), which is more than the MXFP4 checkpoints' 12.8 / 60.8 GiB (--weights-gib for those).
 _PUBLISHED_PARAMS = {"gpt-oss-20b": 21_000_000_000, "gpt-oss-120b": 117_000_000_000}
 

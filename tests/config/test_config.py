@@ -161,10 +161,15 @@ def test_hf_bad_files(tmp_path):
 
 
 def test_num_params_needs_what_it_counts():
-    with pytest.raises(ModelConfigError, match=r"MoE layers \[3, 4"):
-        preset("deepseek-v3").replace(published_params=None).num_params
     with pytest.raises(ModelConfigError, match="counting parameters needs vocab_size and intermediate_size"):
         from_hf_config(QWEN3_ODD).num_params
+
+
+def test_moe_models_are_counted_with_every_expert():
+    # DeepSeek-V3 without its published round count: every routed expert of the 58 MoE layers resident
+    # (tests/config/test_moe_config.py checks the count against transformers' num_parameters() of tiny models)
+    counted = preset("deepseek-v3").replace(published_params=None).num_params
+    assert abs(counted - PUBLISHED_PARAMS["deepseek-v3"]) < 1e-4 * PUBLISHED_PARAMS["deepseek-v3"]
 
 
 # ---- every model type kvjax sizes: parsed, features recorded, refused only when built ---------
@@ -207,9 +212,12 @@ def test_every_sized_model_type_parses_and_records_its_features():
     assert partial.rope.partial_rotary_factor == 0.75
 
 
+GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 256,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}
+
+
 @pytest.mark.parametrize("cfg, feature", [
-    (MIXTRAL, r"layer 0 is a mixture-of-experts layer"),
-    (QWEN2_MOE, r"layer 1 is a mixture-of-experts layer"),
+    (GPT_OSS, r"model_type 'gpt_oss' is not implemented \(gpt-oss's attention sinks"),
     (GEMMA_7B, r"model_type 'gemma' is not implemented \(Gemma's RMSNorm"),
     ({**PHI3_128K, "sliding_window": None}, r"model_type 'phi3' is not implemented \(Phi-3 .* fused qkv_proj"),
     ({**LLAMA3_8B, "hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(only silu / SwiGLU\)"),
@@ -223,6 +231,12 @@ def test_unbuildable_features_are_refused_by_name_when_building(cfg, feature):
     config.kv_spec()
     with pytest.raises(UnsupportedModelError, match=feature):
         check_supported(config)
+
+
+def test_moe_models_are_not_refused():
+    from kvjax.models.layers import check_supported  # imports JAX: only here
+    for cfg in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, KIMI_K2, DEEPSEEK_V3_JSON):
+        check_supported(from_hf_config(cfg))
 
 
 def test_inv_freq_refuses_a_rope_it_cannot_compute():
@@ -322,5 +336,5 @@ def test_sliding_configs_parse_and_what_does_not_build():
     with pytest.raises(ModelConfigError, match="'layer_types' must list 'sliding_attention' or 'full_attention' for "
                                                "each of the 4 layers"):
         from_hf_config({**SLIDING_CONFIGS[3][1], "layer_types": ["full_attention", "chunked_attention"] * 2})
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+    with pytest.raises(UnsupportedModelError, match="gpt-oss's attention sinks"):  # its MoE alone would build
         build_model(from_hf_config(SLIDING_CONFIGS[4][1]))

@@ -126,12 +126,22 @@ def _deepseek_config(**changes):
     return {**cfg, **changes}
 
 
-def test_moe_layers_are_refused_by_index():
-    config = from_hf_config(_deepseek_config())
+def test_moe_layers_build_and_gpt_oss_is_refused():
+    """MoE layers build (tests/models/test_moe.py checks them against transformers); gpt-oss, whose
+    attention is not built, is refused by name."""
+    from kvjax.models import param_shapes
+
+    config = from_hf_config(_deepseek_config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             n_group=2, topk_group=1))
     assert config.moe_layers == (2, 3)
-    with pytest.raises(UnsupportedModelError, match=r"layer 2 is a mixture-of-experts layer \(MoE layers \[2, 3\]\)"):
-        build_model(config)
+    shapes = param_shapes(build_model(config))
+    assert set(shapes["layers_1"]["mlp"]) == {"gate_proj", "up_proj", "down_proj"}  # dense below first_k_dense_replace
+    assert shapes["layers_2"]["mlp"]["experts"]["gate_up_proj"].shape == (8, 64, 64)  # [E, D, 2I]
     build_model(from_hf_config(_deepseek_config(first_k_dense_replace=4)))  # all dense: fine
+    gpt_oss = from_hf_config(dict(model_type="gpt_oss", vocab_size=128, hidden_size=64, intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt_oss' is not implemented \(gpt-oss's attention"):
+        build_model(gpt_oss)
 
 
 def test_sliding_window_builds_and_unknown_configs_are_refused():
