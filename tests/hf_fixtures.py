@@ -87,7 +87,13 @@ SLIDING_CASES = ("mistral-window", "qwen2-window", "qwen3-window", "gemma2", "ge
 
 def make_hf_model(name: str, seed: int = 0):
     """A random-init transformers model for case `name` (eval mode, eager attention, fp32)."""
-    config, cls = _config(name)
+    return random_model(*_config(name), seed)
+
+
+def random_model(config, cls, seed: int = 0):
+    """cls(config) in eval mode with eager attention, seeded; its norm weights and biases are moved
+    off their initial 1 / 0 (a test must not pass because a norm is the identity), and so is a
+    DeepSeek-V3 router's e_score_correction_bias buffer (zeros would never change a choice)."""
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(config).eval()
@@ -95,6 +101,9 @@ def make_hf_model(name: str, seed: int = 0):
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight") or pname.endswith(".bias"):
                 p.add_(0.3 * torch.randn_like(p))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
     return model
 
 

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
-from hf_fixtures import BASE  # noqa: E402
+from hf_fixtures import BASE, random_model  # noqa: E402
 
 ROUTED = dict(num_experts_per_tok=2)
 MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
@@ -61,18 +61,7 @@ def moe_config(name: str):
 
 def make_moe_model(name: str, seed: int = 0):
     """A random-init transformers MoE model for case `name` (eval mode, eager attention, fp32)."""
-    config, cls = moe_config(name)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight") or pname.endswith(".bias"):
-                p.add_(0.3 * torch.randn_like(p))
-        for bname, b in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn_like(b))
-    return model
+    return random_model(*moe_config(name), seed)
 
 
 def moe_blocks(model) -> dict[int, torch.nn.Module]:
