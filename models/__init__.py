@@ -19,6 +19,7 @@ from kvjax.config.model import ModelConfig, ModelConfigError
 from kvjax.config.presets import PRESETS, preset
 from kvjax.models.deepseek import DeepseekForCausalLM
 from kvjax.models.gemma import GemmaForCausalLM
+from kvjax.models.gpt_oss import GptOssForCausalLM
 from kvjax.models.layers import GEMMA_TYPES, CausalLM, UnsupportedModelError, check_supported
 from kvjax.models.llama import LlamaForCausalLM
 from kvjax.worker.paged_cache import PagedCache
@@ -34,6 +35,8 @@ def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
         return DeepseekForCausalLM(config, attn_impl)
     if config.model_type in GEMMA_TYPES:
         return GemmaForCausalLM(config, attn_impl)
+    if config.model_type == "gpt_oss":
+        return GptOssForCausalLM(config, attn_impl)
     return LlamaForCausalLM(config, attn_impl)
 
 
@@ -61,6 +64,6 @@ def _dummy_inputs(config: ModelConfig):
     return jnp.zeros((1,), jnp.int32), md, PagedCache.create(config.kv_spec(), 2, 1)
 
 
-__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "GemmaForCausalLM", "LlamaForCausalLM", "ModelConfig",
-           "ModelConfigError", "UnsupportedModelError", "build_model", "from_hf_config", "init_params",
+__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
+           "ModelConfig", "ModelConfigError", "UnsupportedModelError", "build_model", "from_hf_config", "init_params",
            "param_shapes", "preset"]

@@ -32,15 +32,14 @@ from kvjax.worker.paged_cache import ContiguousCache, LayerPages, LayerRows, Pag
 _OTHER_DECODERS = {
     "gemma": "Gemma's RMSNorm scales by (1 + weight) and its embeddings by sqrt(hidden_size)",
     "phi3": "Phi-3 checkpoints store fused qkv_proj and gate_up_proj weights",
-    "gpt_oss": "gpt-oss's attention sinks and its MXFP4 expert weights; its MoE math is models.moe's",
 }
-GEMMA_TYPES = ("gemma2", "gemma3_text")  # built by models.gemma
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # built by models.gemma (gpt_oss by models.gpt_oss)
 
 _FAMILY_ACT = {"silu": "silu / SwiGLU", "gelu_pytorch_tanh": "gelu_pytorch_tanh / GeGLU"}
 
 
 class UnsupportedModelError(ModelConfigError):
-    """A checkpoint feature kvjax's models do not implement (fused weights, attention sinks, ...)."""
+    """A checkpoint feature kvjax's models do not implement (fused weights, rope types, ...)."""
 
 
 def check_supported(config: ModelConfig) -> None:

@@ -8,7 +8,8 @@ n // (N / K) (MHA: K = N; MQA: K = 1), softmax scale head_dim^-0.5.
 Sliding windows are per layer (`ModelConfig.layer_windows`): a query at position q sees keys
 q - W < k <= q (transformers' `sliding_window_overlay`). Mistral slides on every layer; Qwen2 /
 Qwen3 with `use_sliding_window` on the layers transformers' `layer_types` marks, those from
-`max_window_layers` on. models.gemma reuses this attention with Gemma's norm, scale and caps.
+`max_window_layers` on. models.gemma reuses this attention with Gemma's norm, scale and caps, and
+models.gpt_oss with its per-head attention sinks (`GQAAttention.attention_sinks`).
 
 Unlike transformers, the new K/V are first written into this layer's pages through the step's
 slot mapping, and attention then reads every key, this step's included, back from the pages
@@ -54,8 +55,12 @@ class GQAAttention(Attention):
         pages = write_step(pages, md, key, value)
         scale = (c.query_pre_attn_scalar or h) ** -0.5  # Gemma: query_pre_attn_scalar, not head_dim
         out = paged_attention(q, pages, md, scale=scale, impl=self.attn_impl, window=c.layer_windows[self.layer],
-                              softcap=c.attn_logit_softcap)  # [T, N, H]
+                              sinks=self.attention_sinks(), softcap=c.attn_logit_softcap)  # [T, N, H]
         return dense(c, c.hidden_size, c.o_bias, "o_proj")(out.reshape(tokens, n * h)), pages
+
+    def attention_sinks(self) -> jax.Array | None:
+        """The layer's attention-sink logits f32[N], or None: none here (models.gpt_oss learns one per head)."""
+        return None
 
 
 class LlamaForCausalLM(CausalLM):

@@ -13,7 +13,10 @@ shape the Flax model expects, cast to the dtype the model declares for it (the m
 DeepSeek's MoE router float32, as transformers keeps it) and transposed where Flax's Dense keeps
 [in, out] and torch's Linear [out, in]. A MoE layer's experts are one stacked Flax array per
 projection, [E, in, out]: `expert_tensors` names the per-expert tensors a checkpoint holds (or
-transformers 5's fused ones), and `save_checkpoint` writes the per-expert form.
+transformers 5's fused ones), and `save_checkpoint` writes the per-expert form. gpt-oss stores its
+experts fused and [E, in, out] already, with the gate and up columns interleaved and biases beside
+them, in bfloat16 (save_pretrained) or MXFP4 (the released checkpoints: models.mxfp4); `_gpt_oss_experts`
+reads either form into models.moe's contiguous [gate | up] halves.
 
 Refused, each with its own exception class (models.tensors: CheckpointError subclasses, all
 ValueError):
@@ -43,7 +46,7 @@ from kvjax.accounting import memory as mem
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfig
 from kvjax.errors import KvjaxError, check_input_file, file_kind, one_line, read_json_object, write_file, write_json
-from kvjax.models import build_model, param_shapes
+from kvjax.models import build_model, mxfp4, param_shapes
 from kvjax.models.gguf import GGUFFile
 from kvjax.models.tensors import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
                                   TensorSource, UnexpectedTensorError)
@@ -148,6 +151,8 @@ def load_params(source: TensorSource | str | os.PathLike, config: ModelConfig) -
 
     def load(path, leaf):  # each leaf in the dtype the model declares (the model dtype; DeepSeek's router f32)
         expert = _expert_leaf(path)
+        if expert is not None and config.model_type == "gpt_oss":
+            return jnp.asarray(_gpt_oss_experts(read, available, *expert, leaf.shape, leaf.dtype), dtype=leaf.dtype)
         if expert is not None:
             return jnp.asarray(_read_experts(read, available, config, *expert, leaf.shape), dtype=leaf.dtype)
         name, transpose = hf_name(path, config)
@@ -175,6 +180,10 @@ def save_checkpoint(folder: str | os.PathLike, hf_config: dict, params: dict) ->
     for path, leaf in leaves:
         array = np.asarray(leaf)
         expert = _expert_leaf(path)
+        if expert is not None and config.model_type == "gpt_oss":  # fused [E, in, out], gate/up interleaved
+            tensors[f"model.layers.{expert[0]}.mlp.experts.{expert[1]}"] = np.ascontiguousarray(
+                interleave(array) if expert[1].startswith("gate_up_proj") else array)
+            continue
         if expert is not None:  # one [out, in] tensor per expert and projection, as checkpoints hold them
             per_expert, _ = expert_tensors(config, *expert)
             for e, names in enumerate(per_expert):
@@ -200,7 +209,7 @@ def hf_name(path, config: ModelConfig | None = None) -> tuple[str, bool]:
         if config is not None and config.model_type == "mixtral" and modules[1:2] == ["mlp"]:
             modules[1] = "block_sparse_moe"
     prefix = "" if modules[0] == "lm_head" else "model."
-    suffix = leaf if leaf == "e_score_correction_bias" else "bias" if leaf == "bias" else "weight"  # kernel, embedding
+    suffix = leaf if leaf in ("e_score_correction_bias", "sinks", "bias") else "weight"  # kernel, embedding
     return prefix + ".".join(modules + [suffix]), leaf == "kernel"
 
 
@@ -224,8 +233,7 @@ def expert_tensors(config: ModelConfig, layer: int, leaf: str) -> tuple[list[lis
     when it loads (conversion_mapping.py: gate then up along the output axis) into `mlp.experts.gate_up_proj`
     [E, 2I, D] and `mlp.experts.down_proj` [E, D, I], the form a checkpoint saved from its state dict has."""
     if leaf not in ("gate_up_proj", "down_proj"):
-        raise CheckpointError(f"{config.model_type}: expert parameter {leaf!r} has no Hugging Face mapping "
-                              "(gpt-oss's expert biases and MXFP4 blocks are not loaded yet)")
+        raise CheckpointError(f"{config.model_type}: expert parameter {leaf!r} has no Hugging Face mapping")
     if config.model_type == "mixtral":
         prefix, parts = f"model.layers.{layer}.block_sparse_moe.experts", {"gate_up_proj": ("w1", "w3"),
                                                                           "down_proj": ("w2",)}
@@ -249,6 +257,40 @@ def _read_experts(read, available: set, config: ModelConfig, layer: int, leaf: s
         read(per_expert[0][0], (width, n_in), alternative=fused)  # neither form: MissingTensorError naming both
     return np.stack([np.concatenate([read(name, (width, n_in)).T for name in names], axis=1)  # [in, out]
                      for names in per_expert])
+
+
+def _gpt_oss_experts(read, available: set, layer: int, leaf: str, shape, dtype) -> np.ndarray:
+    """gpt-oss's stacked expert leaf (`gate_up_proj` [E, D, 2I], `down_proj` [E, I, D] or their biases [E, 2I],
+    [E, D]) from transformers' fused tensor of that name or, for the two projections, from MXFP4
+    `{name}_blocks` u8[E, out, in / 32, 16] and `{name}_scales` u8[E, out, in / 32], dequantized to dtype
+    as transformers does (models.mxfp4). The checkpoint interleaves the gate and up columns (transformers'
+    `gate_up[..., ::2]`, `gate_up[..., 1::2]`); models.moe wants them as two halves."""
+    name = f"model.layers.{layer}.mlp.experts.{leaf}"
+    gate_up = leaf.startswith("gate_up_proj")
+    if name not in available and f"{name}_blocks" in available and not leaf.endswith("_bias"):
+        experts, n_in, n_out = shape
+        if n_in % mxfp4.BLOCK:
+            raise CheckpointError(f"{name}_blocks: MXFP4 packs the input dim in groups of {mxfp4.BLOCK}, and "
+                                  f"{n_in} is not a multiple")
+        blocks = read(f"{name}_blocks", (experts, n_out, n_in // mxfp4.BLOCK, mxfp4.BLOCK // 2))
+        scales = read(f"{name}_scales", (experts, n_out, n_in // mxfp4.BLOCK))
+        if gate_up:  # the packed output rows are the interleaved axis: reorder them, a quarter of the bytes
+            blocks, scales = deinterleave(blocks, axis=1), deinterleave(scales, axis=1)
+        return mxfp4.unpack_experts(blocks, scales, np.dtype(dtype))  # [E, in, out]
+    array = read(name, tuple(shape), None if leaf.endswith("_bias") else f"{name}_blocks")  # missing: names both
+    return deinterleave(array) if gate_up else array
+
+
+def deinterleave(array: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Columns gate_0, up_0, gate_1, up_1, … along `axis` (2I long) → [gate_0 … gate_{I-1} | up_0 … up_{I-1}]."""
+    evens, odds = (np.take(array, np.arange(start, array.shape[axis], 2), axis=axis) for start in (0, 1))
+    return np.concatenate([evens, odds], axis=axis)
+
+
+def interleave(array: np.ndarray) -> np.ndarray:
+    """The inverse of `deinterleave`: [gate | up] halves → gate_0, up_0, gate_1, up_1, …"""
+    gate, up = np.split(array, 2, axis=-1)
+    return np.stack([gate, up], axis=-1).reshape(array.shape)
 
 
 def _fused_name(name: str) -> str | None:

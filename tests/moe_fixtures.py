@@ -12,6 +12,10 @@ experts, top-2, and real MoE layers beside dense ones where the family has both:
     deepseek-v3        sigmoid, noaux_tc with a nonzero e_score_correction_bias, 4 groups / best 2,
                        norm_topk_prob, routed_scaling_factor 2.5, a shared expert; 3 layers
 
+and gpt-oss (`make_gpt_oss_model`): top-k of the biased router logits then softmax over the k, expert biases,
+the clamped SwiGLU, on every layer, beside attention with per-head sinks, q/k/v/o biases, YaRN RoPE and
+sliding layers alternating with full ones (window GPT_OSS_WINDOW, 4 layers: 0 and 2 slide).
+
 Weights as tests/hf_fixtures.py draws them (initializer_range 0.15; norm weights and biases
 perturbed), and DeepSeek-V3's e_score_correction_bias (a buffer transformers initialises to 0) drawn
 with std 0.2, about the spread of the sigmoid scores, so that it changes which experts win.
@@ -67,3 +71,32 @@ def make_moe_model(name: str, seed: int = 0):
 def moe_blocks(model) -> dict[int, torch.nn.Module]:
     """The MoE blocks of a transformers model by layer index (Mixtral's is `mlp` in transformers 5 too)."""
     return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+
+
+GPT_OSS_WINDOW = 5  # tokens a sliding layer sees: a few blocks of 4, so the tests' sequences outrun it
+
+
+def gpt_oss_config(**changes):
+    """A tiny GptOssConfig: 4 layers alternating sliding (window GPT_OSS_WINDOW) and full, 4 query heads over 2
+    kv heads of 16 dims, 8 experts of width 32, top-2, transformers' default YaRN RoPE (factor 32 over 4096
+    positions, θ 150000, truncate false); float32."""
+    return tf.GptOssConfig(**{**BASE, "num_hidden_layers": 4, "intermediate_size": 32, "num_key_value_heads": 2,
+                              "head_dim": 16, "num_local_experts": 8, "sliding_window": GPT_OSS_WINDOW,
+                              "dtype": "float32", **ROUTED, **changes})
+
+
+def make_gpt_oss_model(seed: int = 0, **changes):
+    """A random-init transformers GptOssForCausalLM (eval mode, eager attention, fp32) with norm weights, every
+    bias and the attention sinks perturbed: the sinks drawn with std 1, the spread of the attention scores, so
+    that they take a visible share of each softmax."""
+    config = gpt_oss_config(**changes)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = tf.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight") or pname.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+            elif pname.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
+    return model

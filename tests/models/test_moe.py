@@ -19,7 +19,7 @@ loaded with kvjax's loader from what save_pretrained wrote:
   expert tensors of transformers 5's in-memory state dict.
 
 gpt-oss's routing and expert math (MoE on a gpt_oss config) equals transformers' GptOssMLP on random
-weights big enough for the SwiGLU clamp to bite.
+weights big enough for the SwiGLU clamp to bite (the whole model: tests/models/test_gpt_oss.py).
 """
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_a_missing_expert_is_named(case, tmp_path):
         load_checkpoint(tmp_path / "broken", dtype="float32")
 
 
-# ---- gpt-oss: the routing and expert math only (its attention is not built) ----------------------------
+# ---- gpt-oss: the routing and expert math alone, with the clamp biting (the model: test_gpt_oss.py) ----
 def test_gpt_oss_mlp_matches_transformers():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
