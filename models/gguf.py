@@ -1,11 +1,10 @@
-"""A llama, gemma2 or gemma3 GGUF file (llama.cpp's format) read as a Hugging Face checkpoint.
+"""A llama, gemma2, gemma3, qwen2moe or qwen3moe GGUF file (llama.cpp's format) read as a HF checkpoint.
 
-GGUF (llama.cpp `docs/gguf.md`) is one file: a header of typed key-value metadata (the model's
-hyper-parameters under `{architecture}.*`, its tokenizer under `tokenizer.ggml.*`), then tensor
-infos (name, dims in ggml order — innermost first —, ggml type, offset) and the tensor data,
-many of them block-quantized (Q8_0: 32 int8 values and one f16 scale per block; Q4_1: 32 4-bit
-values, an f16 scale and an f16 minimum; ...). It is read with the `gguf` library (llama.cpp's
-own Python package): `GGUFReader` for the layout, `gguf.quants.dequantize` for the values.
+GGUF (llama.cpp `docs/gguf.md`) is one file: a header of typed key-value metadata (the model's hyper-parameters
+under `{architecture}.*`, its tokenizer under `tokenizer.ggml.*`), then tensor infos (name, dims in ggml order —
+innermost first —, ggml type, offset) and the tensor data, many of them block-quantized (Q8_0: 32 int8 values and
+one f16 scale per block; Q4_1: 32 4-bit values, an f16 scale and an f16 minimum; ...). It is read with the `gguf`
+library (llama.cpp's own Python package): `GGUFReader` for the layout, `gguf.quants.dequantize` for the values.
 
 `GGUFFile` turns one into what models.loader reads from a Hugging Face folder, the way
 transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`,
@@ -29,6 +28,7 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
   `rope.freq_base_swa`), softmax scale head_dim^-0.5 but hidden / heads for the 27B models (or
   `attention.scale`), gemma2's soft-caps 50 and 30, no attention soft-cap on gemma3. A file
   without `attention.sliding_window` is refused;
+- mixture-of-experts files (qwen2moe, qwen3moe, llama with experts: Mixtral): models.gguf_moe;
 - `tokenizer()`: the byte-level BPE of `tokenizer.ggml.model = gpt2` rebuilt with the
   `tokenizers` library from the file's tokens and merges (models.gguf_tokenizer), exactly as
   transformers' `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it
@@ -40,12 +40,12 @@ that checks its type and range, naming key, value and file; special token ids mu
 vocabulary (`special_ids`: 0xFFFFFFFF too); the chat template is a ChatTemplate naming the file.
 
 Refused, each with its own GGUFError subclass (a models.tensors.CheckpointError, so a ValueError):
-not a GGUF file, one truncated or corrupt, or a metadata value of the wrong type or range
-(GGUFFormatError); an architecture other than these three, or a feature kvjax's models do not
-implement — experts, per-layer head counts, rope scaling other than linear, llama.cpp's `rope_freqs`
-(GGUFArchitectureError); a tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf
-library does not know (GGUFTensorTypeError); a tokenizer model other than gpt2, a pre-tokenizer whose
-split models.gguf_tokenizer does not reproduce, or a vocabulary it cannot build (GGUFTokenizerError).
+not a GGUF file, one truncated or corrupt, or a metadata value of the wrong type or range (GGUFFormatError);
+an architecture other than these, or a feature kvjax's models do not implement — per-layer head counts, rope
+scaling other than linear, llama.cpp's `rope_freqs` (GGUFArchitectureError); a tensor type `gguf.quants.dequantize`
+cannot dequantize, or one the gguf library does not know (GGUFTensorTypeError); a tokenizer model other than
+gpt2, a pre-tokenizer whose split models.gguf_tokenizer does not reproduce, or a vocabulary it cannot build
+(GGUFTokenizerError).
 """
 from __future__ import annotations
 
@@ -58,11 +58,12 @@ import numpy as np
 
 from kvjax.config.model import MAX_LAYERS, MIN_EPS
 from kvjax.errors import INT32_MAX, KvjaxError, check_input_file, is_int, one_line
+from kvjax.models import gguf_moe
 from kvjax.models.gguf_tokenizer import PRE_SPLITS, byte_level_bpe
 from kvjax.models.template_sandbox import ChatTemplate
 from kvjax.models.tensors import CheckpointError, TensorSource
 
-ARCHITECTURES = {"llama": "llama", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # GGUF's name → model_type
+ARCHITECTURES = {"llama": "llama", "gemma2": "gemma2", "gemma3": "gemma3_text", **gguf_moe.ARCHITECTURES}
 GEMMA = ("gemma2", "gemma3")
 MAGIC = b"GGUF"
 SPECIAL_IDS = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.{name}_token_id
@@ -92,7 +93,7 @@ class GGUFFormatError(GGUFError):
 
 
 class GGUFArchitectureError(GGUFError):
-    """An architecture other than llama / gemma2 / gemma3, or a feature kvjax's models do not implement."""
+    """An architecture models.gguf does not read, or a feature kvjax's models do not implement."""
 
 
 class GGUFTensorTypeError(GGUFError):
@@ -128,7 +129,7 @@ class GGUFFile(TensorSource):
                 raise GGUFTensorTypeError(
                     f"GGUF file {path!r}: tensor {names[0]!r} has ggml type {qtype.name}, which gguf "
                     f"{_version()} cannot dequantize ({len(names)} tensor(s) of that type)")
-        self._tensors = {hf_tensor_name(t.name, self.architecture): t for t in self._reader.tensors}
+        self._tensors = gguf_moe.group(self._reader.tensors, self.architecture, hf_tensor_name)  # HF name → parts
 
     # ------------------------------------------------------------------ metadata
     def meta(self, key: str, default: Any = ...) -> Any:
@@ -238,10 +239,6 @@ class GGUFFile(TensorSource):
                 raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.{key} is per layer "
                                             f"({value[:4]}...); kvjax's models have one head count for all layers")
         heads, kv_heads = m("attention.head_count"), m("attention.head_count_kv", None)
-        experts = m("expert_count", 0, lo=0)
-        if experts:
-            raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.expert_count is {experts}, a "
-                                        "mixture-of-experts model, whose expert tensors this reader does not map")
         if "rope_freqs.weight" in self._tensors:
             raise GGUFArchitectureError(
                 f"GGUF file {self.where!r} has rope_freqs.weight, llama.cpp's per-dimension rope frequency factors "
@@ -280,8 +277,7 @@ class GGUFFile(TensorSource):
         for key in ("bos", "eos"):
             if ids[key] is not None:
                 cfg[f"{key}_token_id"] = ids[key]
-        if arch in GEMMA:
-            cfg.update(self._gemma_config(m, cfg))
+        cfg.update(self._gemma_config(m, cfg) if arch in GEMMA else gguf_moe.moe_config(self, arch, cfg))
         return cfg
 
     def _gemma_config(self, m, cfg: dict) -> dict:
@@ -346,17 +342,21 @@ class GGUFFile(TensorSource):
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # ggml dims are innermost first
+        if (shape := gguf_moe.torch_shape(name, [tuple(map(int, t.shape[::-1])) for t in self._tensors[name]])) is None:
+            raise GGUFFormatError(f"GGUF file {self.where!r}: {self.origin(name)} do not fit side by side as {name!r}")
+        return shape
 
     def read(self, name: str) -> np.ndarray:
         """f32 values of one tensor in torch's layout (attn_q / attn_k un-permuted, see the module docstring)."""
+        return gguf_moe.join(name, [self._read_one(t) for t in self._tensors[name]])
+
+    def _read_one(self, t) -> np.ndarray:
         import gguf
 
-        t = self._tensors[name]
-        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))  # ggml's dims reversed
         arch = self.architecture
-        if arch in GEMMA:
-            return values - 1 if t.name.endswith("norm.weight") else values  # stored as 1 + w
+        if arch != "llama":  # llama.cpp permutes only a llama's q and k (LlamaModel); gemma's norms are 1 + w
+            return values - 1 if arch in GEMMA and t.name.endswith("norm.weight") else values
         if ".attn_q." in t.name:
             values = unpermute_rotary(values, self.meta_int(f"{arch}.attention.head_count"))
         elif ".attn_k." in t.name:
@@ -365,8 +365,8 @@ class GGUFFile(TensorSource):
         return values
 
     def origin(self, name: str) -> str:
-        t = self._tensors[name]
-        return f"{os.path.basename(self.where)} ({t.name}, {t.tensor_type.name})"
+        parts = " + ".join(f"{t.name}, {t.tensor_type.name}" for t in self._tensors[name])
+        return f"{os.path.basename(self.where)} ({parts})"
 
     def close(self) -> None:
         self._tensors, self._reader = {}, None  # drops the memory map
@@ -421,7 +421,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     names = GEMMA_BLOCK_NAMES if architecture in GEMMA else BLOCK_NAMES
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
-    return gguf_name
+    return (match and gguf_moe.block_name(match.group(1), f"{match.group(2)}.{suffix}")) or gguf_name
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:

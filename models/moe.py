@@ -36,6 +36,7 @@ Parameters of a MoE layer, `layers_{i}/mlp/...` (Hugging Face names in models.lo
     gate/kernel                  [D, E]      router (gpt-oss: router/kernel and router/bias [E])
     gate/e_score_correction_bias f32[E]      topk_method noaux_tc: added to the scores to choose only
     experts/gate_up_proj         [E, D, 2I]  columns [0, I) the gate projection, [I, 2I) the up projection
+                                             (under tensor parallelism: MoEConfig.gate_up_blocks blocks)
     experts/down_proj            [E, I, D]
     experts/gate_up_proj_bias    [E, 2I]     gpt-oss (expert_bias)
     experts/down_proj_bias       [E, D]      gpt-oss
@@ -122,13 +123,20 @@ def _limit_to_groups(choice: jax.Array, moe: MoEConfig) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 def activate(h: jax.Array, moe: MoEConfig) -> jax.Array:
     """[..., 2I] gate and up projections → [..., I]: silu(gate) · up, or gpt-oss's clamped SwiGLU
-    (gate ≤ limit, |up| ≤ limit, then (up + 1) · gate · σ(alpha · gate))."""
-    gate, up = jnp.split(h, 2, axis=-1)
+    (gate ≤ limit, |up| ≤ limit, then (up + 1) · gate · σ(alpha · gate)).
+
+    The 2I columns are `moe.gate_up_blocks` blocks [gate_b | up_b] (1: transformers' all-gate-then-up),
+    and block b's I / blocks outputs are columns b·I/blocks onward of the result. Under tensor
+    parallelism each rank holds one block, so its gate and up meet on the rank, with no communication."""
+    blocks = h.reshape(*h.shape[:-1], moe.gate_up_blocks, 2, -1)  # [..., b, 2, I/b]
+    gate, up = blocks[..., 0, :], blocks[..., 1, :]  # [..., b, I/b] each
     if moe.activation == "swiglu":
-        return nn.silu(gate) * up
-    gate = jnp.minimum(gate, moe.swiglu_limit)
-    up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
+        out = nn.silu(gate) * up
+    else:
+        gate = jnp.minimum(gate, moe.swiglu_limit)
+        up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+        out = (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
+    return out.reshape(*h.shape[:-1], -1)  # [..., I]
 
 
 def experts_ragged(x: jax.Array, ids: jax.Array, w: dict, moe: MoEConfig) -> jax.Array:

@@ -139,8 +139,9 @@ def _leaf_maker(shape: tuple[int, ...], dtype: str, sharding):
 
 
 def _load_params(folder, config, layout, shardings, shapes, seed: int):
-    """The weights, placed by `shardings` (checkpoint: loaded onto the default device, kv heads
-    repeated for tp > K, then put in their shards; preset: random, made in place)."""
+    """The weights, placed by `shardings` (checkpoint: loaded onto the default device, rewritten for
+    the tp model (kv heads repeated for tp > K, MoE gate/up blocks), then put in their shards;
+    preset: random, made in place)."""
     import jax
 
     from kvjax.models.loader import load_params
@@ -148,7 +149,7 @@ def _load_params(folder, config, layout, shardings, shapes, seed: int):
 
     if folder is None:
         return _random_params(shapes, shardings, seed)
-    params = shd.replicate_kv_heads(load_params(folder, config), layout, config.head_dim or 0)
+    params = shd.tp_params(load_params(folder, config), config, layout)
     return jax.device_put(params, shardings)  # the unsharded tree is dropped on return
 
 
@@ -184,9 +185,12 @@ class _Setup:
         self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
         self.mesh = shd.make_mesh(args.tensor_parallel_size)
         self.devices = list(self.mesh.devices.flat)
-        # tp > K: the model runs with each kv head repeated (kvjax.worker.sharding), the same function.
-        self.model = build_model(self.config if self.layout.head_replicas == 1 else
-                                 self.config.replace(num_kv_heads=self.layout.cache_kv_heads))
+        # tp > K: the model runs with each kv head repeated, and a MoE model with its experts' gate/up
+        # columns in one block a rank (kvjax.worker.sharding.tp_model_config): the same function.
+        try:
+            self.model = build_model(shd.tp_model_config(self.config, self.layout))
+        except shd.ShardingError as e:
+            raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: {e}") from None
         self.shapes = param_shapes(self.model)
         self.param_shardings = shd.param_shardings(self.shapes, self.mesh)
         self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(self.config))))

@@ -7,7 +7,9 @@ The model comes from a SPEC simulator group, a kvjax.config.presets preset, a Hu
 config.json, or --kind with its shape flags; the arithmetic is kvjax.accounting.budget.plan:
 bytes per token, block and request, the budget (ceil(device memory × gpu_memory_utilization)
 minus weights, activations and CUDA graphs, or --kv-cache-memory-bytes), blocks and
-concurrency, and the host tier of --kv-offloading-size. It prints one row per quantity
+concurrency, and the host tier of --kv-offloading-size. A preset's or a config.json's parameters are counted from
+its shapes (kvjax.config.model.ModelConfig.num_params: every expert of a MoE model resident, as vLLM keeps
+them) and give the weights at --weight-dtype unless --weights-gib or --params-b says. It prints one row per quantity
 (`format_plan`, which `kvjax report` prints too), or with --json one object; --plot draws
 concurrency against context for bf16 and fp8 KV. A model with sliding-window layers (a preset's or
 a config.json's) also gets vLLM's hybrid KV cache beside its fallback that caches every layer as
@@ -27,6 +29,7 @@ from kvjax.accounting import hybrid
 from kvjax.commands.common import check_plot_file
 from kvjax.config.engine import resolve_kv_dtype
 from kvjax.config.hf import from_hf_config
+from kvjax.config.model import ModelConfigError
 from kvjax.config.presets import PRESETS, preset
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.engine.cli_args import add_engine_flags
@@ -137,7 +140,8 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         raise UsageError(f"choose one model source, got --{' and --'.join(f.replace('_', '-') for f in model_flags)}")
     _check_plan_flags(args)
     kv_dtype = args.kv_cache_dtype or g.get("kv_dtype", "auto")
-    params = None
+    params = config = None
+    uncounted = ""  # why a config.json's parameters could not be counted
     windows: tuple = ()
     if args.preset or (g and not model_flags):
         config = preset(args.preset or g["preset"])
@@ -148,6 +152,10 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         config = from_hf_config(args.hf_config)
         spec, windows = config.kv_spec(resolve_kv_dtype(kv_dtype, config.dtype)), config.layer_windows
         title = spec.name
+        try:  # every expert of a MoE model counts: vLLM keeps them all resident
+            params = config.num_params
+        except ModelConfigError as e:  # a file that sizes the KV cache but not the weights (no vocab_size)
+            uncounted = f" ({e})"
     elif args.kind:
         # a model given by its shapes has no dtype of its own: its weights are bf16 (--weight-dtype's default)
         spec, title = _manual_spec(args, resolve_kv_dtype(kv_dtype, "bfloat16")), f"custom {args.kind.upper()}"
@@ -175,7 +183,7 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         weights = bud.weight_bytes(params, weight_dtype)
     else:
         weights = 0
-        warnings.append("no --weights-gib or --params-b: weights counted as 0")
+        warnings.append(f"no --weights-gib or --params-b: weights counted as 0{uncounted}")
     util_flag = args.gpu_memory_utilization
     if util_flag is not None:
         bud.utilization(util_flag, "--gpu-memory-utilization")  # named by its flag before plan() checks it again
@@ -191,7 +199,9 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         if not windows and getattr(args, flag[2:].replace("-", "_")) is not None:
             raise UsageError(f"{flag} sizes a sliding window's blocks; {title} has no sliding-window layers, so it "
                              "would be ignored")
-    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows, kw=dict(
+    weights_from = f"{params:,} parameters × {weight_dtype}" if counted and args.params_b is None else None
+    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows,
+                params=params, moe=config is not None and config.moe is not None, weights_from=weights_from, kw=dict(
         context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
         block_size=args.block_size,
         total_bytes=None if device is None else bud.gib(device, "--device-memory-gib"),
@@ -232,25 +242,34 @@ def run(args) -> int:
         if groups:
             out["hybrid"] = {name: _group_json(gp) for name, gp in zip(("hybrid", "all_full"), groups)}
         out["model"] = inputs["title"]
+        out["params"] = inputs["params"]
         out["warnings"] = warnings
         if inputs["kv_label"]:
             out["spec"]["kv_dtype"] = inputs["kv_label"]
         print(dumps(out, indent=2))
     else:
-        print(format_plan(result, inputs["title"], warnings, inputs["kv_label"]))
+        print(format_plan(result, inputs["title"], warnings, inputs["kv_label"], params=inputs["params"],
+                          moe=inputs["moe"], weights_from=inputs["weights_from"]))
         if groups:
             print("\n" + format_hybrid(*groups))
     return 0
 
 
-def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str | None = None) -> str:
+def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str | None = None, *,
+                params: int | None = None, moe: bool = False, weights_from: str | None = None) -> str:
     """The human readout: one row per quantity, exact bytes beside 1024-based units. kv_label: the kv dtype
-    as the user spelled it (default: the spec's format name)."""
+    as the user spelled it (default: the spec's format name); params: the model's counted parameters (a row
+    of its own; moe: every expert counted); weights_from: how the weights row was computed from them."""
     h = bud.human_bytes
     s = pl.spec
     rows: list[tuple[str, str, str]] = [
         ("model", title, f"{s.kind.upper()}, L={s.num_layers}, Hkv/rank={s.num_kv_heads}, D={s.head_dim}, "
                          f"f={s.factor}, kv dtype {kv_label or s.kv_dtype}" + (f", tp={pl.tp}" if pl.tp > 1 else "")),
+    ]
+    if params is not None:
+        rows.append(("parameters", f"{params / 1e9:,.2f} billion", f"{params:,}" + (", every expert resident" if moe
+                                                                                      else "")))
+    rows += [
         ("KV bytes / token", h(pl.bytes_per_token), f"{pl.bytes_per_token:,} B"),
         ("KV bytes / block", h(pl.bytes_per_block), f"{pl.bytes_per_block:,} B = {pl.block_size} tokens"),
         ("KV bytes / request", h(pl.kv_bytes_per_request), f"{pl.kv_bytes_per_request:,} B = {pl.context:,} tokens"),
@@ -259,8 +278,7 @@ def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str
         if pl.requested_bytes is not None:
             rows += [("GPU memory", h(pl.total_bytes), f"{pl.total_bytes:,} B" + (" (pooled)" if pl.pooled else "")),
                      ("requested", h(pl.requested_bytes), f"ceil(GPU × {float(pl.util):g}) = {pl.requested_bytes:,} B"),
-                     ("weights", h(pl.weights_bytes), f"{pl.weights_bytes:,} B" + (f" (1/{pl.tp} per rank)"
-                                                                                 if pl.tp > 1 and not pl.pooled else "")),
+                     ("weights", h(pl.weights_bytes), f"{pl.weights_bytes:,} B" + _weights_note(pl, weights_from)),
                      ("activations", h(pl.activations_bytes), f"{pl.activations_bytes:,} B"),
                      ("CUDA graphs", h(pl.cudagraph_bytes), f"{pl.cudagraph_bytes:,} B")]
         rows += [
@@ -279,6 +297,14 @@ def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str
     lines = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows]
     lines += [f"warning: {x}" for x in warnings]
     return "\n".join(lines)
+
+
+def _weights_note(pl: bud.Plan, weights_from: str | None) -> str:
+    """How the weights row came about: from the parameters (" = N parameters × bf16"), and a rank's share."""
+    split = pl.tp > 1 and not pl.pooled
+    if weights_from:
+        return f" = {weights_from}" + (f" ÷ {pl.tp} ranks" if split else "")
+    return f" (1/{pl.tp} per rank)" if split else ""
 
 
 def _hybrid(pl: bud.Plan, windows, args) -> tuple[hybrid.GroupPlan, hybrid.GroupPlan] | None:

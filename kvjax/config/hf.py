@@ -28,18 +28,21 @@ from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int, read_json_obj
 # --------------------------------------------------------------------------------------------
 # RoPE parameters
 # --------------------------------------------------------------------------------------------
-def rope_from_hf(cfg: Mapping[str, Any], layout: str = "half") -> RopeConfig:
+def rope_from_hf(cfg: Mapping[str, Any], layout: str = "half", default_theta: float = 10000.0,
+                 default: Mapping[str, Any] | None = None) -> RopeConfig:
     """RopeConfig from a config.json dict: `rope_parameters` (transformers 5) or the older
-    `rope_scaling` + `rope_theta`. Every key that changes the rotation is kept; each is type-checked
-    (RopeError naming the key)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    `rope_scaling` + `rope_theta`, else `default` (the config class's own rope parameters), with
+    rope_theta `default_theta` where none is given. Every key that changes the rotation is kept;
+    each is type-checked (RopeError naming the key)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or default or {}
     if not isinstance(params, Mapping):
         raise RopeError(f"rope_parameters / rope_scaling must be an object, got {_show(params)}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if not isinstance(rope_type, str):
         raise RopeError(f"rope_type must be a string, got {_show(rope_type)}")
     num = lambda key, **kw: _number(params, key, RopeError, **kw)  # noqa: E731
-    theta = _number(params, "rope_theta", RopeError, default=_number(cfg, "rope_theta", RopeError, default=10000.0))
+    theta = _number(params, "rope_theta", RopeError,
+                    default=_number(cfg, "rope_theta", RopeError, default=default_theta))
     partial = num("partial_rotary_factor", default=_number(cfg, "partial_rotary_factor", RopeError, default=1.0))
     original = None
     if rope_type in ("llama3", "yarn"):
@@ -241,6 +244,8 @@ def _gqa(cfg: Mapping[str, Any], common: dict) -> ModelConfig:
     extra = {}
     if model_type == "gemma3_text":
         rope, extra["rope_local"] = _gemma3_ropes(cfg)
+    elif model_type == "gpt_oss":  # GptOssConfig's defaults: YaRN ×32 over 4096 positions, θ 150000
+        rope = rope_from_hf(cfg, layout="half", default_theta=150000.0, default=_GPT_OSS_ROPE)
     else:
         rope = rope_from_hf(cfg, layout="half")
     if model_type in _GEMMA_SCALARS:
@@ -299,6 +304,8 @@ def _gemma3_ropes(cfg: Mapping[str, Any]) -> tuple[RopeConfig, RopeConfig]:
 _LAYER_PATTERNS = {"gemma2": (4096, None, 2), "gemma3_text": (4096, "sliding_window_pattern", 6),
                    "gpt_oss": (128, None, 2)}
 _HEAD_DIM = {"gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}  # transformers' defaults (not hidden / heads)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 
 
 def _sliding_layers(cfg: Mapping[str, Any], layers: int, slides) -> tuple[int, ...]:

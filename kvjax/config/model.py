@@ -6,9 +6,9 @@ parameter count behind the weight estimates of `kvjax plan` / `kvjax tables`, an
 decoder that `models.build_model` builds. It is built from a Hugging Face config.json by
 kvjax.config.hf, or taken by name from kvjax.config.presets.
 
-- What the Flax decoder does not implement (Gemma 1, phi3's fused weights, gpt-oss's attention,
-  other rope types) is recorded, never dropped: the KV arithmetic does not need
-  it, and `models.layers.check_supported` refuses it by name when a model is built. What cannot
+- What the Flax decoder does not implement (Gemma 1, phi3's fused weights, other rope types)
+  is recorded, never dropped: the KV arithmetic does not need it, and
+  `models.layers.check_supported` refuses it by name when a model is built. What cannot
   even be described (a non-positive size, heads not divisible, an unknown dtype or model_type)
   raises `ModelConfigError` here.
 - `RopeConfig` is the rotary embedding's parameters; `models.rope` holds its math.
@@ -198,10 +198,15 @@ class MoEConfig:
     swiglu_limit: float = 7.0  # clamped_swiglu: gate ≤ limit, |up| ≤ limit
     router_f32: bool = False
     f32_weights: bool = True
+    # How experts/gate_up_proj's 2I columns are laid out, not what the model computes: that many blocks
+    # [gate_b | up_b] of 2I / gate_up_blocks columns. 1 is transformers' (all gate columns, then all up);
+    # tensor parallelism runs with one block per rank (kvjax.worker.sharding.tp_model_config), so that
+    # each rank's contiguous slice of the columns holds its share of both halves.
+    gate_up_blocks: int = 1
 
     def __post_init__(self):
         for name, lo in (("num_experts", 1), ("top_k", 1), ("intermediate_size", 1), ("n_group", 1),
-                         ("topk_group", 1), ("shared_intermediate_size", 0)):
+                         ("topk_group", 1), ("shared_intermediate_size", 0), ("gate_up_blocks", 1)):
             check_int(getattr(self, name), f"MoE {name}", lo, INT32_MAX, ModelConfigError)
         for name, allowed in (("scoring_func", SCORING_FUNCS), ("topk_method", TOPK_METHODS),
                               ("activation", EXPERT_ACTIVATIONS)):
@@ -229,6 +234,9 @@ class MoEConfig:
         if self.topk_method == "noaux_tc" and e // groups < 2:
             raise ModelConfigError(f"MoE noaux_tc ranks groups by their top-2 scores: groups of {e // groups} "
                                    f"expert ({e} experts, n_group {groups}) cannot be ranked")
+        if self.intermediate_size % self.gate_up_blocks:
+            raise ModelConfigError(f"MoE gate_up_blocks {self.gate_up_blocks} does not divide the experts' "
+                                   f"intermediate_size {self.intermediate_size}")
         if self.shared_expert_gate and not self.shared_intermediate_size:
             raise ModelConfigError("MoE shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
         if self.scoring_func == "topk_softmax" and self.topk_method != "greedy":

@@ -1,10 +1,13 @@
 """The preset registry: `PRESETS` by name, and `preset(name)`.
 
-Tiny configs for tests (GQA, MHA, MQA and MLA), the published configs of SPEC Tables 1-2
-(Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables, and models with
-sliding-window layers for the hybrid KV cache (Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1): each a
-`kvjax.config.model.ModelConfig`. The hybrid ones are their config.json files (`HF_CONFIGS`) read
-by `kvjax.config.hf.from_hf_config`, so a preset and the real file parse the same. Plain Python, no JAX.
+Tiny configs for tests (GQA, MHA, MQA and MLA, and two mixture-of-experts ones), the published configs
+of SPEC Tables 1-2 (Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables, models
+with sliding-window layers for the hybrid KV cache (Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1), and
+mixture-of-experts models (DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss): each a
+`kvjax.config.model.ModelConfig`. The hybrid and MoE ones are their config.json files (`HF_CONFIGS`,
+`MOE_CONFIGS`) read by `kvjax.config.hf.from_hf_config`, so a preset and the real file parse the same.
+Every published preset's parameter count is counted from its shapes (`ModelConfig.num_params`, every
+expert resident), never looked up. Plain Python, no JAX.
 """
 from __future__ import annotations
 
@@ -17,6 +20,27 @@ _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2
              max_position_embeddings=256)
 _TINY_MLA = dict(_TINY, model_type="deepseek_v3", num_kv_heads=4, q_lora_rank=32, kv_lora_rank=16,
                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope=RopeConfig(layout="interleaved"))
+# Tiny mixture-of-experts models: Qwen3-MoE's shape (every layer MoE, q/k norms, top-2 of 8 renormalised,
+# no shared expert) and DeepSeek-V3's (MLA, layer 0 dense as first_k_dense_replace says, sigmoid scores
+# with noaux_tc over 4 groups of which 2 are used, one shared expert). Each expert is 32 wide, so TP 2 and
+# 4 split it (kvjax.worker.sharding).
+_TINY_QWEN3_MOE = MoEConfig(8, 2, 32, norm_topk_prob=True, f32_weights=False)
+_TINY_V3_MOE = MoEConfig(8, 2, 32, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+                         norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=32, router_f32=True)
+# https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json, its model fields (token ids, auto_map,
+# quantization_config and the like left out; num_nextn_predict_layers 1, the 14B multi-token-prediction
+# module that the checkpoint adds, is not part of the decoder): 671B parameters, as the model card says.
+_DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 # Llama 3.1's rope scaling and 128K context: Llama 3 has the same shapes and parameter counts at
 # 8K, and SPEC group C plans Llama-3-70B at 128K.
 _LLAMA31_ROPE = RopeConfig("llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -29,6 +53,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mha": ModelConfig("llama", num_kv_heads=4, head_dim=16, name="tiny-mha", **_TINY),
     "tiny-mqa": ModelConfig("llama", num_kv_heads=1, head_dim=16, name="tiny-mqa", **_TINY),
     "tiny-mla": ModelConfig(name="tiny-mla", **_TINY_MLA),
+    "tiny-moe": ModelConfig("qwen3_moe", num_kv_heads=2, head_dim=16, qk_norm=True, moe_layers=(0, 1),
+                            moe=_TINY_QWEN3_MOE, name="tiny-moe", **_TINY),
+    "tiny-moe-mla": ModelConfig(moe_layers=(1,), moe=_TINY_V3_MOE, name="tiny-moe-mla", **_TINY_MLA),
     "llama-2-7b": ModelConfig(
         "llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
         num_kv_heads=32, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16",
@@ -46,17 +73,7 @@ PRESETS: dict[str, ModelConfig] = {
         "llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
         rope=RopeConfig(theta=100000.0), dtype="bfloat16", name="smollm2-135m", title="SmolLM2-135M"),
-    # 671B parameters in the main model (the HF checkpoint adds a 14B multi-token-prediction module).
-    "deepseek-v3": ModelConfig(
-        "deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61, num_heads=128,
-        num_kv_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, dtype="bfloat16",
-        rope=RopeConfig("yarn", theta=10000.0, layout="interleaved", factor=40.0,
-                        original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
-                        mscale_all_dim=1.0),
-        moe_layers=tuple(range(3, 61)), name="deepseek-v3", title="DeepSeek-V3", published_params=671_000_000_000,
-        moe=MoEConfig(256, 8, 2048, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
-                      norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=2048, router_f32=True)),
+    "deepseek-v3": from_hf_config(_DEEPSEEK_V3).replace(name="deepseek-v3", title="DeepSeek-V3"),
 }
 
 
@@ -129,16 +146,56 @@ _PUBLISHED = {"gemma-3-27b": _GEMMA3_27B_TEXT, "gemma-3-270m": _GEMMA3_270M, "ge
 HF_CONFIGS: dict[str, dict[str, Any]] = {name: {**OMITTED_DEFAULTS[name], **cfg} for name, cfg in _PUBLISHED.items()}
 _TITLES = {"gemma-3-27b": "Gemma-3-27B", "gemma-3-270m": "Gemma-3-270M", "gemma-2-9b": "Gemma-2-9B",
            "gpt-oss-20b": "gpt-oss-20b", "gpt-oss-120b": "gpt-oss-120b", "mistral-7b-v0.1": "Mistral-7B-v0.1"}
-# The total parameter counts of OpenAI's model cards, https://huggingface.co/openai/gpt-oss-20b ("21B
-# parameters with 3.6B active") and https://huggingface.co/openai/gpt-oss-120b ("117B parameters with 5.1B
-# active"); arXiv:2508.10925, Table 1, gives 20.91B and 116.83B, as num_params counts them when these are
-# taken away (20,914,757,184 and 116,829,156,672). The weights budget counts them at --weight-dtype (bf16 by
-# default), which is more than the MXFP4 checkpoints' 12.8 / 60.8 GiB (--weights-gib for those).
-_PUBLISHED_PARAMS = {"gpt-oss-20b": 21_000_000_000, "gpt-oss-120b": 117_000_000_000}
+# gpt-oss counts 20,914,757,184 and 116,829,156,672 parameters (num_params), arXiv:2508.10925 Table 1's
+# 20.91B and 116.83B, the model cards' "21B" and "117B" (https://huggingface.co/openai/gpt-oss-20b, -120b).
+# The weights budget counts them at --weight-dtype (bf16 by default), which is more than the MXFP4
+# checkpoints' 12.8 / 60.8 GiB (--weights-gib for those).
+PRESETS.update({name: from_hf_config(cfg).replace(name=name, title=_TITLES[name]) for name, cfg in HF_CONFIGS.items()})
 
-PRESETS.update({name: from_hf_config(cfg).replace(name=name, title=_TITLES[name],
-                                                  published_params=_PUBLISHED_PARAMS.get(name))
-                for name, cfg in HF_CONFIGS.items()})
+
+# ---- mixture-of-experts models: their config.json files, parsed ------------------------------------
+# The published files' model fields, as above; every field the parser reads is in the file (nothing
+# omitted), and the counts below are num_params (tests/config/test_moe_presets.py checks each against
+# the model card's total at the card's rounding).
+# https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json: MLA without q LoRA, 64 routed
+# experts (top 6, softmax, not renormalised) and 2 shared ones in every layer but the first;
+# 15,706,484,224 parameters, the card's "15.7B".
+_DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+    "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: 48 layers, every one MoE (128 experts of
+# width 768, top 8, renormalised), 32 query heads over 4 kv heads of 128 dims; 30,532,122,624 parameters,
+# the card's "30.5B".
+_QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": False, "hidden_act": "silu",
+    "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+# https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json: 8 experts of width 14336 in
+# every layer, top 2; 46,702,792,704 parameters, the "46.7B total parameters" of Mistral's announcement
+# (https://mistral.ai/news/mixtral-of-experts).
+_MIXTRAL_8X7B = {
+    "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "sliding_window": None, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# The config.json of each MoE preset (gpt-oss's are in HF_CONFIGS, with the sliding-window models).
+MOE_CONFIGS: dict[str, dict[str, Any]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
+                                          "qwen3-30b-a3b": _QWEN3_30B_A3B, "mixtral-8x7b": _MIXTRAL_8X7B}
+_MOE_TITLES = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B"}
+PRESETS.update({name: from_hf_config(MOE_CONFIGS[name]).replace(name=name, title=title)
+                for name, title in _MOE_TITLES.items()})
 
 
 def preset(name: str) -> ModelConfig:

@@ -97,8 +97,9 @@ class Engine:
         create_engine_config, then EngineConfig.with_num_blocks): the engine reads every value
         from it and derives none. tokenizer: anything with decode(ids) → str (results' text, stop
         strings). With tensor_parallel_size > 1 the params and KV pages are placed on a mesh
-        (kvjax.worker.sharding); with more ranks than kv heads, `model` and `params` must already
-        carry the repeated heads (sharding.replicate_kv_heads), as kvjax.engine.llm_engine does.
+        (kvjax.worker.sharding); `model` and `params` must already be the TP model's
+        (sharding.tp_model_config, sharding.tp_params: kv heads repeated when ranks outnumber them,
+        MoE gate/up columns one block a rank), as kvjax.engine.llm_engine does.
         eos_token_ids: the first is the primary EOS (its stop has stop_reason None; the others act
         as stop_token_ids, as in vLLM)."""
         if config.scheduler_config is None:

@@ -96,7 +96,8 @@ class LLMEngine:
     def _place(self, config: EngineConfig):
         """(module, params, mesh) the engine runs: the loaded model on one device, or with
         tensor_parallel_size > 1 its params on a mesh (kvjax.worker.sharding: Megatron's column /
-        row split, the KV pages by kv heads), each kv head repeated when ranks outnumber kv heads."""
+        row split, the KV pages by kv heads, each expert's intermediate width), each kv head
+        repeated when ranks outnumber kv heads and the experts' gate/up columns in one block a rank."""
         tp = config.tensor_parallel_size
         if tp == 1:
             return self.model.module, self.model.params, None
@@ -108,13 +109,15 @@ class LLMEngine:
         except shd.ShardingError as e:
             raise LLMError(f"tensor_parallel_size={tp}: {e}") from None
         module, params = self.model.module, self.model.params
-        if layout.head_replicas > 1:
+        try:
+            run_config = shd.tp_model_config(self.model.config, layout)
+        except shd.ShardingError as e:
+            raise LLMError(f"tensor_parallel_size={tp}: {e}") from None
+        if run_config is not self.model.config:
             from kvjax.models import build_model
 
-            model_config = self.model.config
-            module = build_model(model_config.replace(num_kv_heads=layout.cache_kv_heads),
-                                 attn_impl=config.attention_backend)
-            params = shd.replicate_kv_heads(params, layout, model_config.head_dim)
+            module = build_model(run_config, attn_impl=config.attention_backend)
+            params = shd.tp_params(params, self.model.config, layout)
         return module, shd.shard_params(params, mesh), mesh
 
     @staticmethod

@@ -12,7 +12,11 @@ keeps the cache in the shardings `cache_shardings` gives.
     q/k/v projections, MLA q_b_proj / kv_b_proj, MLP gate/up   column parallel: split the output
                                                                 (head / intermediate) axis
     o_proj, MLP down_proj                                       row parallel: split the input axis
-    embeddings, lm_head, norms, MLA q_a_proj / kv_a_proj        replicated
+    MoE experts/gate_up_proj [E, D, 2I] (+ bias [E, 2I])        column parallel: split each expert's I
+    MoE experts/down_proj [E, I, D]                             row parallel: split each expert's I
+    shared experts' gate/up/down_proj                           as a dense MLP's
+    embeddings, lm_head, norms, MLA q_a_proj / kv_a_proj,       replicated
+    MoE router (gate, e_score_correction_bias), down_proj_bias
     GQA/MHA KV pages [P, Z, K, H]                               split over kv heads (axis K)
     MLA latent pages [P, Z, C]                                  replicated on every rank
 
@@ -29,6 +33,22 @@ head axis (tp heads) splits evenly, one head per rank. Build the model from the 
 The MLA latent is one vector per token shared by all heads, so every rank keeps the whole
 latent cache (SPEC: TP does not shrink per-device MLA KV); its per-head projections are split.
 
+Mixture-of-experts layers split as vLLM 0.33's FusedMoE does without expert parallelism
+(`fused_moe/routed_experts.py` `_load_w13` / `_load_w2`, `config.py`
+`intermediate_size_per_partition = intermediate_size // tp_size`): every rank holds every expert,
+each cut to I / tp of its intermediate width — w13 (gate and up) column parallel, w2 (down) row
+parallel — so each rank computes its slice of every chosen expert's MLP and one all-reduce sums
+the partial down projections (GSPMD puts it right after them: kvjax rounds each expert's output to
+the model dtype before weighting, as transformers does, so the sum cannot move past the weighted
+combine as vLLM's does). The router runs whole on every rank; shared experts are dense MLPs. vLLM
+loads gate (w1) and up (w3) into its w13 one shard at a time, rank r taking rows r·I/tp onward of
+each; here the two sit side by side in one [E, D, 2I] tensor, and a split of its last axis would
+give rank 0 gate columns only. So under TP the model runs with `MoEConfig.gate_up_blocks = tp`
+(`tp_model_config`) and its gate_up_proj columns reordered into tp blocks [gate_r | up_r]
+(`block_gate_up`): rank r's contiguous slice is block r, both halves of its share, and down_proj's
+rows r·I/tp onward, split in their natural order, are the ones block r's activations multiply.
+`tp_params` applies both rewrites (repeated kv heads, gate/up blocks) to checkpoint weights.
+
 Axes: the kvjax package docstring's legend.
 """
 from __future__ import annotations
@@ -42,6 +62,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax.config.model import ModelConfig
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError, check_int
 from kvjax.worker.paged_cache import LatentPages, PagedCache
@@ -54,6 +75,10 @@ AXIS = "tp"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
+# The stacked routed experts (models.moe.Experts, module "experts"): leaf → its PartitionSpec. Each
+# expert's intermediate axis I is split; down_proj_bias is added after the reduction, so it is whole.
+EXPERTS = {"gate_up_proj": P(None, None, AXIS), "gate_up_proj_bias": P(None, AXIS), "down_proj": P(None, AXIS, None)}
+GATE_UP = ("gate_up_proj", "gate_up_proj_bias")  # the leaves whose last axis is [gate | up]
 
 
 class ShardingError(KvjaxError):
@@ -134,6 +159,8 @@ def param_partition(path, ndim: int) -> P:
     """The PartitionSpec of one parameter, from its Flax path (`layers_3/self_attn/q_proj/kernel`)."""
     keys = _keys(path)
     module, leaf = (keys[-2], keys[-1]) if len(keys) >= 2 else ("", keys[-1])
+    if module == "experts":
+        return EXPERTS.get(leaf, P())
     if module in COLUMN_PARALLEL:
         return P(None, AXIS) if leaf == "kernel" else P(AXIS)  # kernel [in, out]; bias [out]
     if module in ROW_PARALLEL and leaf == "kernel":
@@ -182,6 +209,54 @@ def replicate_kv_heads(params: Any, layout: TPLayout, head_dim: int) -> Any:
         return xp.repeat(heads, r, axis=-2).reshape(*leaf.shape[:-1], k * r * head_dim)
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def block_gate_up(params: Any, blocks: int) -> Any:
+    """Reorder every MoE gate_up_proj's (and its bias's) last axis from transformers' [gate | up] into
+    `blocks` blocks [gate_b | up_b]: [..., 2I] → [..., blocks, 2, I / blocks] order, flattened.
+
+    Column c·I/b + j of gate (c-th block, j-th in it) moves to c·2I/b + j, up's to c·2I/b + I/b + j;
+    the identity when blocks = 1. The result feeds a model built with MoEConfig.gate_up_blocks =
+    blocks (tp_model_config). Works on host or device arrays."""
+    if blocks == 1:
+        return params
+
+    def one(path, leaf):
+        keys = _keys(path)
+        if len(keys) < 2 or keys[-2] != "experts" or keys[-1] not in GATE_UP:
+            return leaf
+        width = leaf.shape[-1]
+        if width % (2 * blocks):
+            raise ShardingError(f"{'/'.join(keys)} {tuple(leaf.shape)}: {width} gate/up columns do not split into "
+                                f"{blocks} blocks of gate and up")
+        xp = np if isinstance(leaf, np.ndarray) else jax.numpy
+        halves = leaf.reshape(*leaf.shape[:-1], 2, blocks, width // (2 * blocks))  # [..., 2, b, I/b]
+        return xp.swapaxes(halves, -3, -2).reshape(leaf.shape)  # [..., b, 2, I/b] → [..., 2I]
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def tp_model_config(config: ModelConfig, layout: TPLayout) -> ModelConfig:
+    """The config of the model that runs on `layout.tp` ranks: the same function as `config`'s, with
+    each kv head repeated `layout.head_replicas` times and, for a MoE model, the experts' gate/up
+    columns in tp blocks. `config` itself when neither applies (tp 1, a dense model with tp ≤ K)."""
+    changes: dict[str, Any] = {}
+    if layout.head_replicas > 1:
+        changes["num_kv_heads"] = layout.cache_kv_heads
+    if config.moe is not None and layout.tp > 1:
+        if config.moe.intermediate_size % layout.tp:
+            raise ShardingError(f"the experts' intermediate_size {config.moe.intermediate_size} does not split "
+                                f"over tp {layout.tp} (vLLM: intermediate_size_per_partition = I / tp)")
+        changes["moe"] = dataclasses.replace(config.moe, gate_up_blocks=layout.tp)
+    return config.replace(**changes) if changes else config
+
+
+def tp_params(params: Any, config: ModelConfig, layout: TPLayout) -> Any:
+    """Checkpoint weights of `config` rewritten for the model of tp_model_config(config, layout):
+    kv heads repeated (replicate_kv_heads), gate/up columns blocked (block_gate_up). Not yet placed:
+    shard_params does that."""
+    params = replicate_kv_heads(params, layout, config.head_dim or 0)
+    return block_gate_up(params, layout.tp) if config.moe is not None else params
 
 
 def replicate_scales(scales, layout: TPLayout):

@@ -1,4 +1,5 @@
-"""`kvjax memory` on tiny checkpoints written here: the JSON report, the table, the errors.
+"""`kvjax memory` on tiny checkpoints written here and on the tiny MoE presets: the JSON report, the
+table, the errors.
 
 On CPU every measured row must equal its analytic value to the byte (the CPU client counts
 exact nbytes), and the block count must be the budget arithmetic of kvjax.accounting.budget applied to
@@ -141,6 +142,37 @@ def test_preset_random_weights_runs_on_cpu(capsys):
     _check_exact(report)
     assert report["model"] == "preset:tiny-mla" and report["kv_dtype"] == "fp8_e4m3"
     assert report["total_bytes"] == bud.gib("0.004")
+
+
+# Hand counts of the tiny MoE presets' parameters (kvjax.config.presets), as (split over tp, whole on every rank).
+# tiny-moe (Qwen3-MoE's shape), 2 layers, each: q, o [64, 64] and k, v [64, 32] (split by heads); 8 experts'
+# gate_up [64, 2 × 32] and down [32, 64] (split by each expert's width, kvjax.worker.sharding); the router
+# [64, 8], 2 norms and q/k norms of 16 (whole); embed, lm_head [128, 64] and the final norm (whole).
+# tiny-moe-mla (DeepSeek-V3's shape), 2 layers, each: q_b_proj [32, 4 × 24], kv_b_proj [16, 4 × 32], o_proj
+# [64, 64] (split); q_a_proj [64, 32], its norm 32, kv_a_proj [64, 24], its norm 16, 2 norms (whole); layer 0's
+# dense MLP 3 × 64 × 128 (split); layer 1's experts as tiny-moe's and a shared expert 3 × 64 × 32 (split),
+# router [64, 8] and the correction bias f32[8] (whole: a buffer transformers does not count, an array here).
+MOE_PARAMS = {
+    "tiny-moe": (2 * (2 * 64 * 64 + 2 * 64 * 32 + 8 * 64 * 64 + 8 * 32 * 64),
+                 2 * (64 * 8 + 2 * 64 + 2 * 16) + 2 * 128 * 64 + 64),
+    "tiny-moe-mla": (2 * (32 * 96 + 16 * 128 + 64 * 64) + 3 * 64 * 128 + 8 * 64 * 64 + 8 * 32 * 64 + 3 * 64 * 32,
+                     2 * (64 * 32 + 32 + 64 * 24 + 16 + 2 * 64) + 64 * 8 + 8 + 2 * 128 * 64 + 64),
+}
+
+
+@pytest.mark.parametrize("name, tp", [("tiny-moe", 1), ("tiny-moe", 2), ("tiny-moe-mla", 1), ("tiny-moe-mla", 4)])
+def test_moe_presets_reconcile_to_the_byte(name, tp, capsys):
+    """Mixture-of-experts presets with random weights: every row analytic == measured, and the weights row is
+    the hand count above × 4 bytes (float32) on each device, every expert resident and split over the ranks."""
+    rc, out, err = _memory(capsys, "--model", f"preset:{name}", *SMALL, "-tp", str(tp), "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    _check_exact(report)
+    _check_budget(report)
+    split, whole = MOE_PARAMS[name]
+    assert report["params"] == split + whole
+    assert report["rows"][0]["analytic"] == report["rows"][0]["measured"] == 4 * (split // tp + whole)
+    assert len(report["per_device"]) == tp
 
 
 def test_progress_bar_on_a_terminal_and_never_with_no_progress(checkpoints, capsys, monkeypatch):

@@ -19,9 +19,9 @@ KiB = 1024
 
 
 # ---- presets ---------------------------------------------------------------------------------
-# Published counts (model cards / transformers' num_parameters() of the released checkpoints).
-PUBLISHED_PARAMS = {"llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
-                    "deepseek-v3": 671_000_000_000}
+# Published counts (transformers' num_parameters() of the released checkpoints; DeepSeek-V3: its
+# model card's 671B, which tests/config/test_moe_presets.py checks at the card's rounding).
+PUBLISHED_PARAMS = {"llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_PARAMS))
@@ -29,17 +29,18 @@ def test_num_params_matches_published_counts(name):
     assert preset(name).num_params == PUBLISHED_PARAMS[name]
 
 
-def test_dense_presets_are_counted_not_looked_up():
-    for name in ("llama-2-7b", "llama-3-8b", "llama-3-70b"):
-        assert preset(name).published_params is None
+def test_presets_are_counted_not_looked_up():
+    assert [n for n, p in PRESETS.items() if p.published_params is not None] == []
 
 
 def test_preset_registry():
-    assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "llama-2-7b", "llama-3-8b",
-                                "llama-3-70b", "smollm2-135m", "deepseek-v3", "gemma-3-27b", "gemma-3-270m",
-                                "gemma-2-9b", "gpt-oss-20b", "gpt-oss-120b", "mistral-7b-v0.1"]
+    assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "tiny-moe", "tiny-moe-mla", "llama-2-7b",
+                             "llama-3-8b", "llama-3-70b", "smollm2-135m", "deepseek-v3", "gemma-3-27b",
+                             "gemma-3-270m", "gemma-2-9b", "gpt-oss-20b", "gpt-oss-120b", "mistral-7b-v0.1",
+                             "deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b"]
     assert preset("Llama-3-8B") is preset("llama-3-8b")
-    assert [preset(n).title for n in PUBLISHED_PARAMS] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B", "DeepSeek-V3"]
+    assert [preset(n).title for n in (*PUBLISHED_PARAMS, "deepseek-v3")] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B",
+                                                                            "DeepSeek-V3"]
     with pytest.raises(ModelConfigError, match="unknown model preset 'llama-9'; choose one of tiny, "):
         preset("llama-9")
 
@@ -166,10 +167,9 @@ def test_num_params_needs_what_it_counts():
 
 
 def test_moe_models_are_counted_with_every_expert():
-    # DeepSeek-V3 without its published round count: every routed expert of the 58 MoE layers resident
-    # (tests/config/test_moe_config.py checks the count against transformers' num_parameters() of tiny models)
-    counted = preset("deepseek-v3").replace(published_params=None).num_params
-    assert abs(counted - PUBLISHED_PARAMS["deepseek-v3"]) < 1e-4 * PUBLISHED_PARAMS["deepseek-v3"]
+    # DeepSeek-V3: every routed expert of the 58 MoE layers resident, the model card's 671B (tests/config/
+    # test_moe_config.py checks the count against transformers' num_parameters() of tiny models)
+    assert abs(preset("deepseek-v3").num_params - 671e9) < 1e-4 * 671e9
 
 
 # ---- every model type kvjax sizes: parsed, features recorded, refused only when built ---------
@@ -217,7 +217,6 @@ GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 1000, "hidden_size": 256, "int
 
 
 @pytest.mark.parametrize("cfg, feature", [
-    (GPT_OSS, r"model_type 'gpt_oss' is not implemented \(gpt-oss's attention sinks"),
     (GEMMA_7B, r"model_type 'gemma' is not implemented \(Gemma's RMSNorm"),
     ({**PHI3_128K, "sliding_window": None}, r"model_type 'phi3' is not implemented \(Phi-3 .* fused qkv_proj"),
     ({**LLAMA3_8B, "hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(only silu / SwiGLU\)"),
@@ -235,7 +234,7 @@ def test_unbuildable_features_are_refused_by_name_when_building(cfg, feature):
 
 def test_moe_models_are_not_refused():
     from kvjax.models.layers import check_supported  # imports JAX: only here
-    for cfg in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, KIMI_K2, DEEPSEEK_V3_JSON):
+    for cfg in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, KIMI_K2, DEEPSEEK_V3_JSON, GPT_OSS):
         check_supported(from_hf_config(cfg))
 
 
@@ -336,5 +335,5 @@ def test_sliding_configs_parse_and_what_does_not_build():
     with pytest.raises(ModelConfigError, match="'layer_types' must list 'sliding_attention' or 'full_attention' for "
                                                "each of the 4 layers"):
         from_hf_config({**SLIDING_CONFIGS[3][1], "layer_types": ["full_attention", "chunked_attention"] * 2})
-    with pytest.raises(UnsupportedModelError, match="gpt-oss's attention sinks"):  # its MoE alone would build
-        build_model(from_hf_config(SLIDING_CONFIGS[4][1]))
+    gpt_oss = build_model(from_hf_config(SLIDING_CONFIGS[4][1]))  # sinks, MoE, alternating windows of 128
+    assert type(gpt_oss).__name__ == "GptOssForCausalLM" and gpt_oss.config.layer_windows == (128, None) * 2 + (128,)

@@ -3,7 +3,7 @@ gpt-oss-20b / -120b and Mistral-7B-v0.1.
 
 The expected values are hand-copied from the published config.json files (huggingface.co/<repo>/blob/main/
 config.json; Gemma-3-27B: its text_config), with transformers' config-class defaults where a file omits a
-field, and the published parameter counts of OpenAI's model cards; none is taken from the preset code. The
+field, and gpt-oss's parameter counts of arXiv:2508.10925; none is taken from the preset code. The
 same dicts built into transformers' own config classes (Gemma3TextConfig, Gemma2Config, GptOssConfig,
 MistralConfig) give the same layer types, window and head_dim.
 """
@@ -36,9 +36,9 @@ EXPECTED = {
                        intermediate_size=14336, num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256,
                        max_position_embeddings=8192, sliding_window=4096, hidden_act="gelu_pytorch_tanh"),
     "gpt-oss-20b": dict(_GPT_OSS, title="gpt-oss-20b", num_layers=24, moe_layers=tuple(range(24)),
-                        published_params=21_000_000_000),  # "21B parameters with 3.6B active"
+                        published_params=None),  # counted: "21B parameters with 3.6B active"
     "gpt-oss-120b": dict(_GPT_OSS, title="gpt-oss-120b", num_layers=36, moe_layers=tuple(range(36)),
-                         published_params=117_000_000_000),  # "117B parameters with 5.1B active"
+                         published_params=None),  # counted: "117B parameters with 5.1B active"
     "mistral-7b-v0.1": dict(model_type="mistral", title="Mistral-7B-v0.1", vocab_size=32000, hidden_size=4096,
                             intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                             max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096, dtype="bfloat16",
@@ -71,7 +71,7 @@ SLIDING = {"gemma-3-27b": _full_every_6th(62), "gemma-3-270m": _full_every_6th(1
 
 
 def test_registry_holds_the_new_presets_by_name():
-    assert list(PRESETS)[-6:] == NEW and list(HF_CONFIGS) == NEW
+    assert list(PRESETS)[-9:-3] == NEW and list(HF_CONFIGS) == NEW
     assert [preset(n).name for n in NEW] == NEW and preset("Gemma-3-27B") is PRESETS["gemma-3-27b"]
 
 
@@ -153,8 +153,9 @@ def test_parameter_counts():
     # Gemma-2-9B: tied embeddings; q 16 × 256, k and v 8 × 256 each; four norms a layer
     assert preset("gemma-2-9b").num_params == 256000 * 3584 + 42 * (
         3584 * (4096 + 2 * 2048) + 4096 * 3584 + 3 * 3584 * 14336 + 4 * 3584) + 3584 == 9_241_705_984
-    # gpt-oss: every layer MoE, so the model cards' totals
-    assert [preset(n).num_params for n in ("gpt-oss-20b", "gpt-oss-120b")] == [21_000_000_000, 117_000_000_000]
+    # gpt-oss: every layer MoE, every expert counted: arXiv:2508.10925 Table 1's 20.91B and 116.83B, the model
+    # cards' 21B and 117B (tests/config/test_moe_presets.py checks them against transformers' own count)
+    assert [preset(n).num_params for n in ("gpt-oss-20b", "gpt-oss-120b")] == [20_914_757_184, 116_829_156_672]
 
 
 def _plan_json(*args):
@@ -164,9 +165,9 @@ def _plan_json(*args):
     return json.loads(p.stdout)
 
 
-def test_the_weights_budget_counts_published_params():
+def test_the_weights_budget_counts_every_expert():
     got = _plan_json("--preset", "gpt-oss-20b", "--device-memory-gib", "141")
-    assert got["weights_bytes"] == 2 * 21_000_000_000  # bf16
-    assert got["budget_bytes"] == got["requested_bytes"] - 42_000_000_000
+    assert got["weights_bytes"] == 2 * 20_914_757_184  # bf16
+    assert got["budget_bytes"] == got["requested_bytes"] - 2 * 20_914_757_184
     got = _plan_json("--preset", "gpt-oss-20b", "--device-memory-gib", "141", "--weight-dtype", "int4")
-    assert got["weights_bytes"] == 21_000_000_000 // 2
+    assert got["weights_bytes"] == 20_914_757_184 // 2

@@ -12,6 +12,9 @@ must be compared.
 
 The expert path is the ragged one (models.moe's default); a second run with new prompts, whose
 tokens route differently, compiles nothing: the step's shapes do not depend on the routing.
+
+With tensor_parallel_size=2 (experts split over ranks, kvjax.worker.sharding), LLM on the tiny-moe and
+tiny-moe-mla presets generates the single-device LLM's greedy tokens.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from moe_fixtures import MOE_CASES, make_moe_model
 
 from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
-from kvjax.models import build_model
+from kvjax.models import build_model, preset
 from kvjax.models.loader import load_checkpoint
 
 Z = 4
@@ -92,3 +95,20 @@ def test_matches_transformers_with_preemption(case):
     result = engine(case, num_blocks=10).generate(PROMPTS, greedy())  # 9 usable blocks for 4 rows of up to 7
     assert result.summary.preemptions > 0
     check(case, result)
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-mla"])
+def test_tensor_parallel_generates_the_single_device_tokens(name):
+    """LLM(tensor_parallel_size=2) builds the TP model (each expert's intermediate width split, gate/up
+    columns in one block a rank: kvjax.worker.sharding) and generates the single-device tokens."""
+    import kvjax
+
+    common = dict(block_size=Z, max_num_seqs=4, max_model_len=40, num_gpu_blocks_override=32, steps_per_call=8,
+                  use_tqdm_on_load=False)
+    sp = kvjax.SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    one = kvjax.LLM(f"preset:{name}", **common)
+    two = kvjax.LLM(f"preset:{name}", tensor_parallel_size=2, **common)
+    want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, sp, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, sp, use_tqdm=False)] == want
+    gate_up = two.engine.params[f"layers_{preset(name).moe_layers[-1]}"]["mlp"]["experts"]["gate_up_proj"]
+    assert gate_up.sharding.shard_shape(gate_up.shape)[-1] == preset(name).moe.intermediate_size  # 2I / 2 ranks

@@ -126,9 +126,9 @@ def _deepseek_config(**changes):
     return {**cfg, **changes}
 
 
-def test_moe_layers_build_and_gpt_oss_is_refused():
-    """MoE layers build (tests/models/test_moe.py checks them against transformers); gpt-oss, whose
-    attention is not built, is refused by name."""
+def test_moe_layers_build_with_transformers_names():
+    """MoE layers build (tests/models/test_moe.py checks them against transformers), gpt-oss's with its
+    router bias, expert biases and attention sinks (tests/models/test_gpt_oss.py)."""
     from kvjax.models import param_shapes
 
     config = from_hf_config(_deepseek_config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -139,9 +139,13 @@ def test_moe_layers_build_and_gpt_oss_is_refused():
     assert shapes["layers_2"]["mlp"]["experts"]["gate_up_proj"].shape == (8, 64, 64)  # [E, D, 2I]
     build_model(from_hf_config(_deepseek_config(first_k_dense_replace=4)))  # all dense: fine
     gpt_oss = from_hf_config(dict(model_type="gpt_oss", vocab_size=128, hidden_size=64, intermediate_size=32,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt_oss' is not implemented \(gpt-oss's attention"):
-        build_model(gpt_oss)
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_local_experts=8))
+    layer = param_shapes(build_model(gpt_oss))["layers_1"]
+    assert layer["self_attn"]["sinks"].shape == (4,) and set(layer["self_attn"]["o_proj"]) == {"kernel", "bias"}
+    assert {k: v.shape for k, v in layer["mlp"]["router"].items()} == {"kernel": (64, 8), "bias": (8,)}
+    assert {k: v.shape for k, v in layer["mlp"]["experts"].items()} == {
+        "gate_up_proj": (8, 64, 64), "gate_up_proj_bias": (8, 64), "down_proj": (8, 32, 64), "down_proj_bias": (8, 64)}
 
 
 def test_sliding_window_builds_and_unknown_configs_are_refused():
