@@ -282,11 +282,12 @@ def resolve_step_budget(max_num_batched_tokens: int | None, max_num_seqs: int, c
 
 def resolve_num_blocks(cache: CacheConfig, *, kv_cache_memory_bytes: int | None, num_gpu_blocks_override: int | None,
                        max_num_seqs: int, max_model_len: int, tensor_parallel_size: int,
-                       platform: str) -> tuple[int | None, str]:
+                       platform: str, max_num_batched_tokens: int) -> tuple[int | None, str]:
     """(P, how it was chosen when that is no budget) where no profiling is needed:
     num_gpu_blocks_override; kv_cache_memory_bytes // one rank's bytes per block (the groups'
     with sliding windows), + the null block, as vLLM; on a CPU with no utilization given, enough
-    blocks for max_num_seqs requests of max_model_len (nothing is ever preempted). (None, "")
+    blocks for max_num_seqs requests of max_model_len (nothing is ever preempted), each holding a
+    block table per KV cache group (`request_blocks`: a sliding group its window's blocks). (None, "")
     when a gpu_memory_utilization budget must be profiled (kvjax.engine.llm_engine)."""
     if num_gpu_blocks_override is not None:
         return num_gpu_blocks_override, ""
@@ -301,9 +302,14 @@ def resolve_num_blocks(cache: CacheConfig, *, kv_cache_memory_bytes: int | None,
             raise EngineError(f"kv_cache_memory_bytes={kv_cache_memory_bytes:,} holds no block of {per_block:,} bytes")
         return 1 + kv_cache_memory_bytes // per_block, ""  # vLLM: the budget's blocks, the null block among them
     if cache.gpu_memory_utilization is None and platform == "cpu":
-        return 1 + max_num_seqs * cdiv(max_model_len, z), (
-            f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × cdiv(max_model_len={max_model_len:,}, "
-            f"block_size={z}))")
+        if not cache.groups.hybrid:
+            return 1 + max_num_seqs * cdiv(max_model_len, z), (
+                f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × cdiv(max_model_len={max_model_len:,}, "
+                f"block_size={z}))")
+        per_request = request_blocks(cache.groups.windows, z, max_num_batched_tokens, max_model_len)
+        return 1 + max_num_seqs * per_request, (
+            f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × {per_request:,} blocks, a max_model_len="
+            f"{max_model_len:,} request's over its {len(cache.groups.windows)} KV cache groups)")
     return None, ""
 
 

@@ -1,6 +1,7 @@
 """The preset registry: `PRESETS` by name, and `preset(name)`.
 
-Tiny configs for tests (GQA, MHA, MQA and MLA, and two mixture-of-experts ones), the published configs
+Tiny configs for tests (GQA, MHA, MQA and MLA, and three mixture-of-experts ones: Qwen3-MoE-,
+DeepSeek-V3- and gpt-oss-shaped), the published configs
 of SPEC Tables 1-2 (Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables, models
 with sliding-window layers for the hybrid KV cache (Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1), and
 mixture-of-experts models (DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss): each a
@@ -196,6 +197,16 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {"deepseek-v3": _DEEPSEEK_V3, "deepseek
 _MOE_TITLES = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B"}
 PRESETS.update({name: from_hf_config(MOE_CONFIGS[name]).replace(name=name, title=title)
                 for name, title in _MOE_TITLES.items()})
+# gpt-oss-20b's config at the tiny models' size, float32 (random weights: `kvjax accuracy --model
+# preset:tiny-gpt-oss` and the tests): 4 layers alternating sliding (window 8) and full, 4 query heads
+# over 2 kv heads with biases and learned sinks, 8 experts top 2 of width 32 with biases and the clamped
+# SwiGLU, gpt-oss's YaRN RoPE.
+_TINY_GPT_OSS = {**_GPT_OSS_20B, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "max_position_embeddings": 256, "num_local_experts": 8, "experts_per_token": 2,
+                 "num_experts_per_tok": 2, "sliding_window": 8,
+                 "layer_types": ["sliding_attention", "full_attention"] * 2, "torch_dtype": "float32"}
+PRESETS["tiny-gpt-oss"] = from_hf_config(_TINY_GPT_OSS).replace(name="tiny-gpt-oss")
 
 
 def preset(name: str) -> ModelConfig:

@@ -206,7 +206,8 @@ class EngineArgs:
         num_blocks, why = resolve_num_blocks(cache, kv_cache_memory_bytes=kv_bytes,
                                              num_gpu_blocks_override=self.num_gpu_blocks_override,
                                              max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                             tensor_parallel_size=tp, platform=platform)
+                                             tensor_parallel_size=tp, platform=platform,
+                                             max_num_batched_tokens=config.max_num_batched_tokens)
         return config if num_blocks is None else config.with_num_blocks(num_blocks, why)
 
     def _model_config(self):

@@ -247,6 +247,9 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
 
     # Skipped layers stay at the baseline's bf16 (vLLM keeps them in the model dtype, bf16 there);
     # one pool with a row per prompt, long enough for prompt and continuation: nothing is preempted.
+    # Every layer gets its own pages (no hybrid KV cache groups, which share one page tensor among
+    # a group's layers and so cannot hold per-layer scales or skipped layers); the groups change
+    # which blocks are kept, never a logit.
     vlist = variants(config.num_layers, skip_sets, nvfp4=packs_nvfp4)
     if only is not None:
         vlist = [v for v in vlist if v["name"] == "bf16" or v["name"].split(" skip ")[0] in only]
@@ -255,6 +258,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
         llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
                                kv_cache_dtype_skip_layers=v.get("skip", ()),
                                kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
+                               disable_hybrid_kv_cache_manager=True,
                                max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8) for v in vlist}
     with phase("score"):
         tallies = _score_short(llms, eval_windows)

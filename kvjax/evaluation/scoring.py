@@ -4,7 +4,7 @@ long window chunk by chunk, each through `kvjax.worker.model_runner.forward`.
 `prefill` gives both halves of one pass, the logits and the caches it wrote; `sequence_logits`
 and `prefill_caches` (what calibration reads) are its two halves. Each sequence of a [B, S]
 batch is one prefill step over its own fresh cache (block table 1..S/Z, block 0 null), vmapped
-over B. Every query therefore attends to keys and values read back from the cache, stored in
+over B (mapped one row after another for a mixture-of-experts model). Every query therefore attends to keys and values read back from the cache, stored in
 the cache's dtype, exactly as a served prefill does (vLLM V1 writes K/V with
 `reshape_and_cache_flash` first and attention then reads the cache), so fp8 KV changes these
 logits the same way it changes a served model's. The metadata and the block tables are the
@@ -71,6 +71,10 @@ def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec | None, block_size
     def one(row):  # i32[S] → (f32[S, V], the row's cache)
         return forward(model, params, row, md, cache)
 
+    if model.config.moe is not None:
+        # jax.lax.ragged_dot (the MoE experts' grouped product, models.moe) has no batching rule
+        # for vmap yet ("vmap over any dim but 0 - NYI" in JAX 0.11): the rows run one after another.
+        return jax.lax.map(one, tokens)
     return jax.vmap(one)(tokens)
 
 

@@ -90,3 +90,19 @@ def test_skip_layers_by_layer_type_and_the_enforce_eager_rule():
                    num_gpu_blocks_override=8).create_engine_config(config)
     with pytest.raises(LLMError, match="enforce_eager=True runs one decode step per device call"):
         EngineArgs(enforce_eager=True, steps_per_call=8).create_engine_config(config)
+
+
+@pytest.mark.parametrize("max_model_len", [13, 64, 200])
+def test_the_cpu_default_pool_holds_max_num_seqs_whole_requests_of_a_hybrid_model(max_model_len):
+    """The CPU default (no utilization, no override) is enough blocks that nothing is preempted: for
+    tiny-gpt-oss (window 8, blocks of 16, a sliding and a full group) a request holds cdiv(n, 16) full
+    blocks plus, in the sliding group, at most cdiv(8 - 1 + budget, 16) + 1 blocks (window plus one
+    step's chunk) and never more than the full group's. Worked by hand here; a pool sized for one group
+    only (before) held 1 usable block for n = 13 and refused to start."""
+    seqs, budget = 3, 32
+    config = EngineArgs(model="preset:tiny-gpt-oss", block_size=16, max_num_seqs=seqs, max_model_len=max_model_len,
+                        max_num_batched_tokens=budget).create_engine_config()
+    full = -(-max_model_len // 16)
+    sliding = min(full, -(-(8 - 1 + budget) // 16) + 1)
+    assert config.num_blocks == 1 + seqs * (full + sliding)
+    assert config.scheduler_config.max_model_len == max_model_len  # the pool holds a whole request
