@@ -5,9 +5,12 @@ and for MLA latent pages (signatures in `kvjax.attention.reference`). `paged_att
 `mla_paged_attention` pick the decode form when the step's metadata is a decode step
 (`BatchMetadata.decode`) and the ragged form otherwise. "reference" is plain jnp for every
 form; "pallas" runs decode steps in the Pallas kernels (kvjax.attention.pallas_decode /
-pallas_mla) and ragged steps (prefill, mixed) in the jnp reference, since the kernels are
-decode-only. The Pallas modules import lazily, on first use. A model built without naming one
-gets `default_impl()`: "pallas" on GPU, "reference" on CPU.
+pallas_mla) and ragged steps (prefill, mixed) in jnp, since the kernels are decode-only. In
+both, a ragged step runs `tiled.ragged_attention`: the jnp reference while its f32 scores
+(B × Q × N × S) fit `tiled.REFERENCE_SCORES_BYTES`, the tiled flash-attention form
+(kvjax.attention.tiled, bounded memory) above, with a lower bound on CPU, where it is also the
+faster; its module docstring says why. The Pallas modules import lazily, on first use. A model
+built without naming one gets `default_impl()`: "pallas" on GPU, "reference" on CPU.
 
 The dispatchers take a layer's whole cache pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
@@ -32,6 +35,8 @@ from kvjax.attention import reference as ref
 from kvjax.attention.metadata import BatchMetadata, MetadataError, build_metadata, decode_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
+from kvjax.attention.tiled import (PrefillTiles, mla_paged_attention_tiled, mla_ragged_attention,
+                                   paged_attention_tiled, ragged_attention)
 from kvjax.errors import KvjaxError
 from kvjax.quant.kv_formats import kv_format
 from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
@@ -73,10 +78,9 @@ def _static_scale_only(kv_dtype: str | None) -> None:
 
 
 _IMPLS: dict[str, AttentionImpl] = {
-    "reference": AttentionImpl(paged_attention_reference, paged_decode_reference,
-                               mla_paged_attention_reference, mla_paged_decode_reference),
-    "pallas": AttentionImpl(paged_attention_reference, _pallas_decode,
-                            mla_paged_attention_reference, _pallas_mla_decode),
+    "reference": AttentionImpl(ragged_attention, paged_decode_reference, mla_ragged_attention,
+                               mla_paged_decode_reference),
+    "pallas": AttentionImpl(ragged_attention, _pallas_decode, mla_ragged_attention, _pallas_mla_decode),
 }
 IMPLS = tuple(_IMPLS)  # the names: vLLM's attention_backend, kvjax's backends
 
@@ -129,6 +133,7 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPag
     return fns.mla_ragged(q_latent, q_rope, pages.latent, md, scale=scale, **scales)
 
 
-__all__ = ["AttentionImpl", "BatchMetadata", "MetadataError", "build_metadata", "decode_metadata",
-           "get_impl", "mla_paged_attention", "mla_paged_attention_reference", "mla_paged_decode_reference",
-           "paged_attention", "paged_attention_reference", "paged_decode_reference"]
+__all__ = ["AttentionImpl", "BatchMetadata", "MetadataError", "PrefillTiles", "build_metadata", "decode_metadata",
+           "get_impl", "mla_paged_attention", "mla_paged_attention_reference", "mla_paged_attention_tiled",
+           "mla_paged_decode_reference", "mla_ragged_attention", "paged_attention", "paged_attention_reference",
+           "paged_attention_tiled", "paged_decode_reference", "ragged_attention"]
