@@ -131,3 +131,15 @@ def hf_greedy(hf, prompt, max_new: int, margin: float):
     margins = [float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.scores]
     near = [i for i, m in enumerate(margins) if m < margin]
     return tokens, (near[0] if near else max_new)
+
+
+def random_tokens(seed: int, n: int, vocab: int = 128):
+    """n token ids in [0, vocab), seeded."""
+    return np.random.RandomState(seed).randint(0, vocab, size=n).astype(np.int32)
+
+
+def random_tables(seed: int, lengths, num_blocks: int, block_size: int) -> list[list[int]]:
+    """Disjoint block tables for sequences of `lengths` tokens, drawn from a random permutation of
+    the usable blocks 1..num_blocks-1 (block 0 is the null block)."""
+    free = list(np.random.RandomState(seed).permutation(np.arange(1, num_blocks)))
+    return [[int(free.pop()) for _ in range(-(-n // block_size))] for n in lengths]

@@ -97,6 +97,7 @@ def test_matches_transformers_with_preemption(case):
     check(case, result)
 
 
+@pytest.mark.slow  # tests/worker/test_tp.py checks the same split on the model step, unmarked
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-mla"])
 def test_tensor_parallel_generates_the_single_device_tokens(name):
     """LLM(tensor_parallel_size=2) builds the TP model (each expert's intermediate width split, gate/up

@@ -89,6 +89,17 @@ def make_llama(vocab_size, tied, seed=0):
     return model
 
 
+def write_shape(w, c) -> None:
+    """The shape keys every writer here starts with, from a transformers config `c`: layers, context,
+    hidden and feed-forward widths, query and kv head counts."""
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+
+
 def write_gguf(path, model, type_of, vocab, *, arch="llama", add_bos=False, extra=(), tokenizer=("gpt2", "smollm"),
                experts=0):
     """`model`'s weights as a GGUF file; type_of(gguf name) → the ggml type to store it in;
@@ -96,12 +107,7 @@ def write_gguf(path, model, type_of, vocab, *, arch="llama", add_bos=False, extr
     c = model.config
     tokens, merges, token_types = vocab
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    write_shape(w, c)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)

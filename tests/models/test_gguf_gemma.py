@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_fixtures import hf_logits, make_hf_model
+from test_gguf import write_shape
 
 from kvjax.attention.metadata import build_metadata
 from kvjax.models import build_model
@@ -33,12 +34,7 @@ def write_gemma_gguf(path, model, *, scale=True, window=True, **meta):
     c = model.config
     arch = "gemma2" if c.model_type == "gemma2" else "gemma3"
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    write_shape(w, c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)

@@ -30,7 +30,7 @@ import torch
 import transformers as tf
 from hf_fixtures import hf_logits, save_hf_model
 from moe_fixtures import make_moe_model, moe_config
-from test_gguf import llama_permute
+from test_gguf import llama_permute, write_shape
 
 from kvjax.attention.metadata import build_metadata
 from kvjax.models import build_model
@@ -80,12 +80,7 @@ def write_moe_gguf(path, model, name, *, expert_type=Q.F32, widths=True, cut_up=
     arch = ARCH[name]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    write_shape(w, c)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(head_dim)

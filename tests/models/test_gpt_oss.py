@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from hf_fixtures import hf_logits, save_hf_model
+from hf_fixtures import hf_logits, random_tables, random_tokens, save_hf_model
 from moe_fixtures import GPT_OSS_WINDOW, gpt_oss_config, make_gpt_oss_model
 from safetensors.numpy import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -88,14 +88,11 @@ def case(tmp_path_factory):
     return Case(hf, folder, config, params, make_step(model), make_step(model))
 
 
-def _tokens(seed, n):
-    return np.random.RandomState(seed).randint(0, 128, size=n).astype(np.int32)
+_tokens = random_tokens
 
 
 def _tables(seed, lengths):
-    """Disjoint block tables drawn from a random permutation of the usable blocks 1..P-1."""
-    free = list(np.random.RandomState(seed).permutation(np.arange(1, NUM_BLOCKS)))
-    return [[int(free.pop()) for _ in range(-(-n // BLOCK))] for n in lengths]
+    return random_tables(seed, lengths, NUM_BLOCKS, BLOCK)
 
 
 # ---- the config and the parameters ----------------------------------------------------------------

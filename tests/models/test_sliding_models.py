@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers as tf
-from hf_fixtures import SLIDING_CASES, hf_logits, make_hf_model, save_hf_model
+from hf_fixtures import SLIDING_CASES, hf_logits, make_hf_model, random_tables, random_tokens, save_hf_model
 
 from kvjax.attention.metadata import build_metadata, decode_metadata
 from kvjax.config.hf import from_hf_config
@@ -82,14 +82,11 @@ def case(request, tmp_path_factory):
     return Case(request.param, hf, config, params, make_step(model), make_step(model))
 
 
-def _tokens(seed, n):
-    return np.random.RandomState(seed).randint(0, 128, size=n).astype(np.int32)
+_tokens = random_tokens
 
 
 def _tables(seed, lengths):
-    """Disjoint block tables drawn from a random permutation of the usable blocks 1..P-1."""
-    free = list(np.random.RandomState(seed).permutation(np.arange(1, NUM_BLOCKS)))
-    return [[int(free.pop()) for _ in range(-(-n // BLOCK))] for n in lengths]
+    return random_tables(seed, lengths, NUM_BLOCKS, BLOCK)
 
 
 # ---- what the configs say -------------------------------------------------------------------------
