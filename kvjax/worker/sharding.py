@@ -12,6 +12,7 @@ keeps the cache in the shardings `cache_shardings` gives.
     q/k/v projections, MLA q_b_proj / kv_b_proj, MLP gate/up   column parallel: split the output
                                                                 (head / intermediate) axis
     o_proj, MLP down_proj                                       row parallel: split the input axis
+    gpt-oss attention sinks f32[N] (self_attn/sinks)            split over query heads, as q_proj's
     MoE experts/gate_up_proj [E, D, 2I] (+ bias [E, 2I])        column parallel: split each expert's I
     MoE experts/down_proj [E, I, D]                             row parallel: split each expert's I
     shared experts' gate/up/down_proj                           as a dense MLP's
@@ -75,6 +76,10 @@ AXIS = "tp"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
+# Per-query-head parameters [N] of an attention module: split like q_proj's output heads (contiguous, rank r
+# holding heads r·N/tp onward; query heads are never repeated, only kv heads are), so each rank's attention
+# sees the sink logits of its own heads.
+QUERY_HEAD_PARAMS = ("sinks",)
 # The stacked routed experts (models.moe.Experts, module "experts"): leaf → its PartitionSpec. Each
 # expert's intermediate axis I is split; down_proj_bias is added after the reduction, so it is whole.
 EXPERTS = {"gate_up_proj": P(None, None, AXIS), "gate_up_proj_bias": P(None, AXIS), "down_proj": P(None, AXIS, None)}
@@ -161,6 +166,8 @@ def param_partition(path, ndim: int) -> P:
     module, leaf = (keys[-2], keys[-1]) if len(keys) >= 2 else ("", keys[-1])
     if module == "experts":
         return EXPERTS.get(leaf, P())
+    if module == "self_attn" and leaf in QUERY_HEAD_PARAMS:
+        return P(AXIS)
     if module in COLUMN_PARALLEL:
         return P(None, AXIS) if leaf == "kernel" else P(AXIS)  # kernel [in, out]; bias [out]
     if module in ROW_PARALLEL and leaf == "kernel":

@@ -11,6 +11,9 @@
   every expert's gate_up_proj is its I / tp slice of the gate and of the up half (vLLM's w1 / w3
   shards) and of down_proj its I / tp rows, the router is whole on every rank, the shared expert is
   split as a dense MLP, and the compiled step gathers no weight (no all-gather, no all-to-all).
+  The tiny-gpt-oss preset (4 query heads over 2 kv heads, so tp 4 repeats each kv head; sliding layers,
+  biased router and experts, random nonzero sinks) passes the same checks, and each rank holds the
+  sinks of its own query heads (rank r: heads r·N/tp onward, q_proj's output split).
 """
 from __future__ import annotations
 
@@ -169,13 +172,16 @@ def _moe_params(config):
     about the sigmoid scores' spread, so that it changes which experts win."""
     params = init_params(build_model(config), jax.random.key(0))
     for i in config.moe_layers:
-        gate = params[f"layers_{i}"]["mlp"]["gate"]
+        gate = params[f"layers_{i}"]["mlp"].get("gate", {})
         if "e_score_correction_bias" in gate:
             gate["e_score_correction_bias"] = 0.2 * jax.random.normal(jax.random.key(i), (config.moe.num_experts,))
+        attn = params[f"layers_{i}"]["self_attn"]
+        if "sinks" in attn:  # gpt-oss: Flax starts the sinks at 0; std 1 gives them a visible share of each softmax
+            attn["sinks"] = jax.random.normal(jax.random.key(100 + i), attn["sinks"].shape)
     return params
 
 
-@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-mla"])
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-mla", "tiny-gpt-oss"])
 def test_moe_decode_agrees_across_tp_with_experts_split(name):
     config = preset(name)
     params = _moe_params(config)
@@ -198,10 +204,18 @@ def test_moe_decode_agrees_across_tp_with_experts_split(name):
         assert np.argmax(got[-1], -1).tolist() == np.argmax(want[-1], -1).tolist()
 
         # Every rank holds its slice of each expert: gate and up columns r·I/tp onward, down_proj rows the same.
-        moe, whole = sharded[layer]["mlp"], params[layer]["mlp"]
+        moe, whole, whole_attn = sharded[layer]["mlp"], params[layer]["mlp"], params[layer]["self_attn"]
         gate_up, down = moe["experts"]["gate_up_proj"], moe["experts"]["down_proj"]
         assert gate_up.sharding.spec == P(None, None, "tp") and down.sharding.spec == P(None, "tp", None)
-        assert moe["gate"]["kernel"].sharding.spec == P()
+        router = moe["router" if "router" in moe else "gate"]  # gpt-oss's router, the others' gate
+        assert all(leaf.sharding.spec == P() for leaf in jax.tree_util.tree_leaves(router))
+        if "sinks" in whole_attn:  # each rank: the sinks of its own query heads, as q_proj's output columns
+            sinks, n = sharded[layer]["self_attn"]["sinks"], config.num_heads
+            assert sinks.sharding.spec == P("tp")
+            for shard in sinks.addressable_shards:
+                r = list(mesh.devices.flat).index(shard.device)
+                np.testing.assert_array_equal(np.asarray(shard.data),
+                                              np.asarray(whole_attn["sinks"])[r * n // tp:(r + 1) * n // tp])
         original = np.asarray(whole["experts"]["gate_up_proj"])  # [E, D, 2I]: gate | up
         devices = list(mesh.devices.flat)
         for shard in gate_up.addressable_shards:
