@@ -144,8 +144,13 @@ def with_variant(kw, name, rng):
     return {**kw, **extra}
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # MHA, GQA (group 2), MQA
-@pytest.mark.parametrize("window", WINDOWS)
+# The default run covers each head layout and each window once (the README's "every check once");
+# the rest of the grid is marked slow.
+QUICK_GRID = {(None, 2), (1, 1), (3, 4), (2 * Z + 1, 2), (64, 1)}
+
+
+@pytest.mark.parametrize("window, kv_heads", [  # kv_heads 4, 2, 1: MHA, GQA (group 2), MQA
+    pytest.param(w, k, marks=() if (w, k) in QUICK_GRID else pytest.mark.slow) for w in WINDOWS for k in (4, 2, 1)])
 def test_gqa_mqa_mha_every_window_and_variant(kv_heads, window):
     q, k_pages, v_pages, md, kw = gqa_case(kv_heads, window)
     rng = np.random.default_rng(kv_heads)
@@ -160,7 +165,7 @@ def test_gqa_mqa_mha_every_window_and_variant(kv_heads, window):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
                                  "fp8_per_token_head", "nvfp4"])
-@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("window", [None, pytest.param(3, marks=pytest.mark.slow)])  # windows: the test above
 def test_every_page_format(fmt, window):
     """Each tile is dequantized by the reference's own gather_dequant: the same values, the same output."""
     q, k_pages, v_pages, md, kw = gqa_case(2, window, fmt, seed=1)
