@@ -106,13 +106,10 @@ class LLMEngine:
         try:
             layout = shd.tp_layout(config.cache_config.kv_spec, tp)
             mesh = shd.make_mesh(tp)
-        except shd.ShardingError as e:
-            raise LLMError(f"tensor_parallel_size={tp}: {e}") from None
-        module, params = self.model.module, self.model.params
-        try:
             run_config = shd.tp_model_config(self.model.config, layout)
         except shd.ShardingError as e:
             raise LLMError(f"tensor_parallel_size={tp}: {e}") from None
+        module, params = self.model.module, self.model.params
         if run_config is not self.model.config:
             from kvjax.models import build_model
 
