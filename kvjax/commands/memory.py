@@ -188,12 +188,15 @@ class _Setup:
         # tp > K: the model runs with each kv head repeated, and a MoE model with its experts' gate/up
         # columns in one block a rank (kvjax.worker.sharding.tp_model_config): the same function.
         try:
-            self.model = build_model(shd.tp_model_config(self.config, self.layout))
+            run_config = shd.tp_model_config(self.config, self.layout)
         except shd.ShardingError as e:
             raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: {e}") from None
+        self.model = build_model(run_config)
         self.shapes = param_shapes(self.model)
         self.param_shardings = shd.param_shardings(self.shapes, self.mesh)
-        self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(param_shapes(build_model(self.config))))
+        # the checkpoint's own parameter count: traced again only where the TP model differs (repeated kv heads)
+        unsplit = self.shapes if run_config is self.config else param_shapes(build_model(self.config))
+        self.num_params = sum(x.size for x in jax.tree_util.tree_leaves(unsplit))
         self.weights_per_device = mem.shard_bytes(self.shapes, self.param_shardings)
         mem.check_fits(f"the {self.config.dtype} weights of {self.name} ({self.num_params:,} parameters"
                        + (f", tp {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + ")",
