@@ -4,13 +4,14 @@ An implementation supplies four functions, the ragged and decode forms for MHA/G
 and for MLA latent pages (signatures in `kvjax.attention.reference`). `paged_attention` and
 `mla_paged_attention` pick the decode form when the step's metadata is a decode step
 (`BatchMetadata.decode`) and the ragged form otherwise. "reference" is plain jnp for every
-form; "pallas" runs decode steps in the Pallas kernels (kvjax.attention.pallas_decode /
-pallas_mla) and ragged steps (prefill, mixed) in jnp, since the kernels are decode-only. In
-both, a ragged step runs `tiled.ragged_attention`: the jnp reference while its f32 scores
-(B × Q × N × S) fit `tiled.REFERENCE_SCORES_BYTES`, the tiled flash-attention form
-(kvjax.attention.tiled, bounded memory) above, with a lower bound on CPU, where it is also the
-faster; its module docstring says why. The Pallas modules import lazily, on first use. A model
-built without naming one gets `default_impl()`: "pallas" on GPU, "reference" on CPU.
+form, its ragged steps (prefill, mixed) through `tiled.ragged_attention`: the jnp reference
+while its f32 scores (B × Q × N × S) fit `tiled.REFERENCE_SCORES_BYTES`, the tiled
+flash-attention form (kvjax.attention.tiled, bounded memory) above, with a lower bound on CPU,
+where it is also the faster; its module docstring says why. "pallas" runs decode steps in the
+Pallas decode kernels (kvjax.attention.pallas_decode / pallas_mla) and ragged steps in the
+ragged paged-attention kernel (kvjax.attention.pallas_ragged), all of them read from the pages
+in tiles. The Pallas modules import lazily, on first use. A model built without naming one
+gets `default_impl()`: "pallas" on GPU, "reference" on CPU (where Pallas runs interpreted).
 
 The dispatchers take a layer's whole cache pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
@@ -61,6 +62,21 @@ def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_
                         v_scale=v_scale, window=window, sinks=sinks, softcap=softcap, kv_dtype=kv_dtype)
 
 
+def _pallas_ragged(q, k_pages, v_pages, md, *, scale, k_scale=None, v_scale=None, window=None, sinks=None,
+                   softcap=None, kv_dtype=None):
+    from kvjax.attention.pallas_ragged import ragged_paged_attention
+
+    return ragged_paged_attention(q, k_pages, v_pages, md, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                                  window=window, sinks=sinks, softcap=softcap, kv_dtype=kv_dtype)
+
+
+def _pallas_mla_ragged(q_latent, q_rope, latent_pages, md, *, scale, latent_scale=None, kv_dtype=None):
+    from kvjax.attention.pallas_ragged import mla_ragged_paged_attention
+
+    return mla_ragged_paged_attention(q_latent, q_rope, latent_pages, md, scale=scale, latent_scale=latent_scale,
+                                      kv_dtype=kv_dtype)
+
+
 def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale=None,
                        kv_dtype=None):
     from kvjax.attention.pallas_mla import mla_paged_decode
@@ -80,7 +96,7 @@ def _static_scale_only(kv_dtype: str | None) -> None:
 _IMPLS: dict[str, AttentionImpl] = {
     "reference": AttentionImpl(ragged_attention, paged_decode_reference, mla_ragged_attention,
                                mla_paged_decode_reference),
-    "pallas": AttentionImpl(ragged_attention, _pallas_decode, mla_ragged_attention, _pallas_mla_decode),
+    "pallas": AttentionImpl(_pallas_ragged, _pallas_decode, _pallas_mla_ragged, _pallas_mla_decode),
 }
 IMPLS = tuple(_IMPLS)  # the names: vLLM's attention_backend, kvjax's backends
 

@@ -56,8 +56,8 @@ So on CPU the bound is low, 16 MiB: below it a layer's attention takes at most ~
 tiled form would save a few of them while adding compile time (the test suite's tiny models stay
 there); above it the tiled form is faster and bounded. Elsewhere (a GPU) it is 256 MiB, a memory bound only: there the
 reference's one batched matmul costs a few kernel launches where the tiled loops cost a few per
-tile, and the tiled form's speed on a GPU is not measured yet (the Pallas kernel of issue 40 is
-meant to replace both there). Decode steps (one query per sequence) keep the decode forms, which
+tile, and the tiled form's speed on a GPU is not measured yet (there the "pallas" implementation runs ragged
+steps in kvjax.attention.pallas_ragged's kernel instead). Decode steps (one query per sequence) keep the decode forms, which
 read only their own context.
 """
 from __future__ import annotations

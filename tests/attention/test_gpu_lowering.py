@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax.attention.metadata import decode_metadata
+from kvjax.attention.metadata import BatchMetadata, build_metadata, decode_metadata
 from kvjax.attention.pallas_decode import paged_decode
 from kvjax.attention.pallas_mla import mla_paged_decode
+from kvjax.attention.pallas_ragged import mla_ragged_paged_attention, ragged_paged_attention
 from kvjax.attention.tiles import default_mla_tiles, default_tiles
 from kvjax.models import build_model, init_params, preset
 from kvjax.worker.paged_cache import PagedCache
@@ -120,3 +121,80 @@ def test_default_model_decode_step_lowers_for_cuda(name, monkeypatch):
                             S((batch,), jnp.int32), cache)
     kernel = "kvjax_mla_paged_decode" if config.is_mla else "kvjax_paged_decode"
     assert [k.split("_h")[0] for k in triton_kernels(module)] == [kernel]
+
+
+def ragged_metadata(tokens: int, seqs: int, max_blocks: int, max_query_len: int) -> BatchMetadata:
+    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+    return BatchMetadata(i32(tokens), i32(tokens), i32(tokens), S((tokens,), jnp.bool_), i32(seqs, max_blocks),
+                         i32(seqs), i32(seqs), i32(seqs), max_query_len=max_query_len)
+
+
+RAGGED_FORMATS = {"bf16": (jnp.bfloat16, None), "e4m3": (jnp.float8_e4m3fn, "fp8_e4m3"),
+                  "e5m2": (jnp.float8_e5m2, "fp8_e5m2"), "int8": (jnp.int8, "int8_per_token_head"),
+                  "fp8-token": (jnp.float8_e4m3fn, "fp8_per_token_head"), "nvfp4": (jnp.uint8, "nvfp4")}
+
+
+RAGGED_SHAPES = [(1, 64, 16, None, None), (4, 128, 16, 4096, 30.0), (7, 64, 64, None, 50.0), (8, 128, 1, 128, None)]
+
+
+@pytest.mark.parametrize("kv, shape", [  # the default run: each format once, the shapes in turn
+    pytest.param(kv, shape, marks=() if i % len(RAGGED_SHAPES) == j else pytest.mark.slow)
+    for i, kv in enumerate(RAGGED_FORMATS) for j, shape in enumerate(RAGGED_SHAPES)])
+def test_ragged_kernel_lowers_for_cuda(kv, shape):
+    """The ragged prefill kernel on every page format it dequantizes, group sizes that need padding,
+    pages of 1 to 64 positions, windows, soft-capping and sinks (merged outside the kernel)."""
+    group, head_dim, block_size, window, softcap = shape
+    tokens, seqs, kv_heads, blocks, max_blocks = 256, 4, 2, 40, 32
+    dtype, fmt = RAGGED_FORMATS[kv]
+    width = head_dim // 2 + head_dim // 16 if kv == "nvfp4" else head_dim
+    page = S((blocks, block_size, kv_heads, width), dtype)
+    scale = None if fmt is None else S((blocks, block_size, kv_heads) if "per_token" in fmt else (kv_heads,),
+                                       jnp.float32)
+
+    def fn(q, k, v, md, k_scale, v_scale, sinks):
+        return ragged_paged_attention(q, k, v, md, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                                      window=window, sinks=sinks, softcap=softcap, kv_dtype=fmt, interpret=False)
+
+    module = lower_for_cuda(fn, S((tokens, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                            ragged_metadata(tokens, seqs, max_blocks, 128), scale, scale,
+                            S((kv_heads * group,), jnp.float32))
+    (kernel,) = triton_kernels(module)
+    assert kernel.startswith(f"kvjax_ragged_paged_attention_{'nvfp4' if kv == 'nvfp4' else 'gqa'}_q")
+
+
+@pytest.mark.parametrize("fmt", [None, pytest.param("fp8_e4m3", marks=pytest.mark.slow), "int8_per_token_head"])
+def test_mla_ragged_kernel_lowers_for_cuda(fmt):
+    tokens, seqs, heads, rank, rope, block_size, blocks, max_blocks = 128, 3, 16, 512, 64, 16, 24, 8
+    dtype = {None: jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "int8_per_token_head": jnp.int8}[fmt]
+    scale = None if fmt is None else S((blocks, block_size) if "per_token" in fmt else (rank + rope,), jnp.float32)
+
+    def fn(q_latent, q_rope, latent, md, latent_scale):
+        return mla_ragged_paged_attention(q_latent, q_rope, latent, md, scale=0.07, latent_scale=latent_scale,
+                                          kv_dtype=fmt, interpret=False)
+
+    module = lower_for_cuda(fn, S((tokens, heads, rank), jnp.bfloat16), S((tokens, heads, rope), jnp.bfloat16),
+                            S((blocks, block_size, rank + rope), dtype), ragged_metadata(tokens, seqs, max_blocks, 64),
+                            scale)
+    (kernel,) = triton_kernels(module)
+    assert kernel.startswith("kvjax_ragged_paged_attention_mla_q")
+
+
+@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-mla", marks=pytest.mark.slow)])
+def test_default_model_prefill_step_lowers_for_cuda(name, monkeypatch):
+    """A whole prefill step (two prompts) of a model built without naming an attn_impl, as on a GPU
+    backend: every layer's attention is the ragged Triton kernel, nothing of the jnp forms."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    config = preset(name).replace(dtype="bfloat16")
+    model = build_model(config)
+    params = init_params(model, jax.random.key(0))
+    block_size = 16
+    cache = PagedCache.create(config.kv_spec("fp8_e4m3"), 9, block_size)
+    md = build_metadata([0, 0], [40, 23], [[1, 2, 3], [4, 5]], block_size=block_size, max_tokens=64, max_seqs=2,
+                        max_blocks_per_seq=4)
+
+    def step(params, tokens, md, cache):
+        return model.apply({"params": params}, tokens, md, cache)
+
+    module = lower_for_cuda(step, params, S((64,), jnp.int32), md, cache)
+    kind = "mla" if config.is_mla else "gqa"
+    assert {k.split("_q")[0] for k in triton_kernels(module)} == {f"kvjax_ragged_paged_attention_{kind}"}
