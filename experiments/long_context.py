@@ -1,4 +1,4 @@
-"""Long-context prefill attention in bounded memory: compiled temporaries and CPU time, old vs tiled.
+"""Long-context prefill attention in bounded memory: compiled temporaries and time, old vs tiled vs kernel.
 
 (a) Temporaries. One attention layer's ragged prefill (one sequence, a chunk of C new tokens that
     ends at the context length S, pages of 16) in Llama-3-8B's shape (32 query heads, 8 kv heads,
@@ -6,9 +6,15 @@
     2,048 and 8,192 tokens, for each KV page format (bf16, fp8_e4m3 with per-head scales,
     int8_per_token_head, nvfp4): XLA's `memory_analysis().temp_size_in_bytes` of the compiled
     program for the old reference (kvjax.attention.reference.paged_attention_reference) and the
-    tiled form (kvjax.attention.tiled.paged_attention_tiled, default tiles). Programs are lowered
-    on ShapeDtypeStructs, so nothing is allocated: a 128K context's pages never exist here.
-    The issue's acceptance: Llama-3-8B, an 8,192-token chunk over 32K, under 1 GiB tiled.
+    tiled form (kvjax.attention.tiled.paged_attention_tiled, default tiles), and for the Pallas
+    kernel (kvjax.attention.pallas_ragged.ragged_paged_attention): on a GPU the compiled kernel's
+    program; on CPU, where the kernel only runs interpreted, the program around it with the
+    pallas_call replaced by an opaque host callback of the same inputs and outputs — what XLA
+    plans in device memory for the kernel's step (its q tiles, block tables, partial outputs,
+    the scattered result), the kernel's own working set being per program in SRAM and
+    registers. Programs are lowered on ShapeDtypeStructs, so nothing is allocated: a 128K
+    context's pages never exist here. The issue's acceptance: Llama-3-8B, an 8,192-token chunk
+    over 32K, under 1 GiB tiled and with the kernel.
 (b) CPU time. The old reference and the tiled form side by side in one run, at shapes both can
     run on this machine (SmolLM2-135M's 9/3/64 heads up to 4K tokens, Llama-3-8B's 32/8/128 up to
     2K, prompts, chunks over a cached prefix, batches of short prompts, a mixed prefill + decode
@@ -16,19 +22,27 @@
     kvjax.attention's dispatcher picks there (`tiled.use_tiled` on this backend).
 (c) Tiles. The tiled form's time at a few (q_tile, kv_tokens) sizes on two of (b)'s shapes: where
     `PrefillTiles`' defaults come from.
+(d) GPU only (`--gpu`, run by experiments/gpu_check.sh): the kernel, the tiled form and the old
+    reference (where its scores fit) timed on Llama-3-8B's shape, bf16 and fp8 pages, a 2,048-token
+    chunk at the end of 8K, 32K and 128K contexts: milliseconds, achieved TFLOP/s (4·C·N·H
+    multiply-adds per visible position) and GB/s of K/V pages read, with a time budget.
 
 Writes long_context.json and long_context.md to --out (default $OUT, else experiments/results).
 
     python experiments/long_context.py            # all three (a few minutes on 2 cores)
     python experiments/long_context.py --quick    # a small subset, for a smoke test
+    python experiments/long_context.py --gpu      # on a GPU: (a) for Llama-3-8B and (d)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import os
 import platform
 import time
+from unittest import mock
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -36,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvjax.attention import tiled  # noqa: E402
+from kvjax.attention import pallas_ragged, tiled  # noqa: E402
 from kvjax.attention.metadata import BatchMetadata, build_metadata  # noqa: E402
 from kvjax.attention.reference import paged_attention_reference  # noqa: E402
 from kvjax.attention.tiled import PrefillTiles, paged_attention_tiled  # noqa: E402
@@ -62,7 +76,8 @@ SMOLLM2 = Shape("SmolLM2-135M", 9, 3, 64)
 FORMATS = ("bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4")
 CONTEXTS = (8192, 32768, 131072)
 CHUNKS = (512, 2048, 8192)
-IMPLS = {"old": paged_attention_reference, "tiled": paged_attention_tiled}
+IMPLS = {"old": paged_attention_reference, "tiled": paged_attention_tiled,
+         "kernel": functools.partial(pallas_ragged.ragged_paged_attention, interpret=False)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,9 +115,23 @@ def temp_bytes(impl: str, shape: Shape, fmt: str, chunk: int, context: int) -> t
         return fn(q, k, v, md, scale=shape.head_dim ** -0.5, k_scale=ks, v_scale=vs,
                   kv_dtype=None if fmt == "bf16" else fmt)
 
-    memory = jax.jit(step).lower(q, page, page, scale, scale, metadata_struct(chunk, context)).compile() \
-        .memory_analysis()
+    stub = impl == "kernel" and jax.default_backend() != "gpu"
+    with mock.patch.object(pallas_ragged.pl, "pallas_call", stubbed_pallas_call) if stub else contextlib.nullcontext():
+        memory = jax.jit(step).lower(q, page, page, scale, scale, metadata_struct(chunk, context)).compile() \
+            .memory_analysis()
     return memory.temp_size_in_bytes, memory.argument_size_in_bytes
+
+
+def stubbed_pallas_call(kernel, *, out_shape, **_):
+    """A pallas_call that XLA sees as an opaque op (a host callback) of the kernel's per-step inputs
+    (meta, tables, logit scales, q tiles; the pages it reads in place are left out) and its outputs:
+    what remains of the program is what XLA plans around the kernel."""
+    shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape)
+
+    def call(meta, tables, logit_scale, *rest):
+        return list(jax.pure_callback(lambda *a: tuple(np.zeros(s.shape, s.dtype) for s in shapes), shapes, meta,
+                                      tables, logit_scale, rest[0]))
+    return call
 
 
 def pages_as_bits_bytes(shape: Shape, fmt: str, context: int) -> int:
@@ -128,7 +157,7 @@ def temporaries(shapes, formats, contexts, chunks, log) -> list[dict]:
                     row["ratio"] = round(row["old_temp_bytes"] / row["tiled_temp_bytes"], 1)
                     rows.append(row)
                     log(f"{shape.name} {fmt} S={context} C={chunk}: old {row['old_temp_bytes'] / GiB:.2f} GiB, "
-                        f"tiled {row['tiled_temp_bytes'] / GiB:.3f} GiB")
+                        f"tiled {row['tiled_temp_bytes'] / GiB:.3f} GiB, kernel {row['kernel_temp_bytes'] / GiB:.3f} GiB")
     return rows
 
 
@@ -167,8 +196,8 @@ def best_seconds(fns: dict, args, repeats: int) -> dict:
     return best
 
 
-def jitted(impl, shape: Shape, tiles: PrefillTiles | None = None):
-    kw = {} if tiles is None else dict(tiles=tiles)
+def jitted(impl, shape: Shape, tiles: PrefillTiles | None = None, **kw):
+    kw = kw if tiles is None else dict(kw, tiles=tiles)
     return jax.jit(lambda q, k, v, md: IMPLS[impl](q, k, v, md, scale=shape.head_dim ** -0.5, **kw))
 
 
@@ -196,11 +225,11 @@ def speed(cases, repeats: int, log) -> list[dict]:
         row = dict(model=shape.name, step=label, tokens=sum(n for _, n in seqs), sequences=len(seqs),
                    old_scores_bytes=tiled.reference_scores_bytes(md, shape.heads, Z),
                    default=("tiled" if tiled.use_tiled(md, shape.heads, Z) else "old"))
-        fns = {impl: jitted(impl, shape) for impl in IMPLS}
+        fns = {impl: jitted(impl, shape) for impl in ("old", "tiled")}  # the kernel runs interpreted on CPU
         np.testing.assert_allclose(*(np.asarray(fn(q, k, v, md), np.float32) for fn in fns.values()),
                                    rtol=2 ** -7, atol=2 ** -7)  # one bf16 ulp: the same attention
         best = best_seconds(fns, (q, k, v, md), repeats)
-        row["old_ms"], row["tiled_ms"] = (round(best[impl] * 1e3, 2) for impl in IMPLS)
+        row["old_ms"], row["tiled_ms"] = (round(best[impl] * 1e3, 2) for impl in fns)
         row["old_over_tiled"] = round(row["old_ms"] / row["tiled_ms"], 2)
         rows.append(row)
         log(f"{shape.name} {label}: old {row['old_ms']} ms, tiled {row['tiled_ms']} ms")
@@ -222,15 +251,59 @@ def tile_sweep(cases, sizes, repeats: int, log) -> list[dict]:
     return rows
 
 
+def gpu_step(shape: Shape, fmt: str, chunk: int, context: int, seed=0):
+    """One sequence's last `chunk` tokens at `context`, random on the device: (q, k, v, md, kw)."""
+    blocks = context // Z
+    perm = np.random.default_rng(seed).permutation(np.arange(1, blocks + 1))
+    md = build_metadata([context - chunk], [chunk], [perm.tolist()], block_size=Z, max_tokens=chunk, max_seqs=1,
+                        max_blocks_per_seq=blocks, max_query_len=chunk)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    page = (blocks + 1, Z, shape.kv_heads, shape.head_dim)
+    k, v = (jax.random.normal(key, page, jnp.bfloat16) for key in keys[:2])
+    kw = {}
+    if fmt == "fp8_e4m3":
+        k, v = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
+        kw = dict(k_scale=jnp.full(shape.kv_heads, 0.5, jnp.float32), v_scale=jnp.full(shape.kv_heads, 0.5, jnp.float32),
+                  kv_dtype=fmt)
+    q = jax.random.normal(keys[2], (chunk, shape.heads, shape.head_dim), jnp.bfloat16)
+    return q, k, v, md, kw
+
+
+def gpu_speed(formats, contexts, chunk: int, repeats: int, budget_s: float, log) -> list[dict]:
+    """(d): kernel, tiled and old (its f32 scores under 16 GiB) on the GPU, with a time budget."""
+    rows, t0 = [], time.perf_counter()
+    shape = LLAMA_8B
+    for fmt in formats:
+        for context in contexts:
+            if time.perf_counter() - t0 > budget_s:
+                log(f"time budget of {budget_s} s spent: {fmt} S={context} skipped")
+                continue
+            q, k, v, md, kw = gpu_step(shape, fmt, chunk, context)
+            impls = ["kernel", "tiled"] + (["old"] if chunk * shape.heads * context * 4 <= 16 * GiB else [])
+            fns = {impl: jitted(impl, shape, **kw) for impl in impls}
+            best = best_seconds(fns, (q, k, v, md), repeats)
+            flops = 4 * chunk * shape.heads * shape.head_dim * (context - (chunk - 1) / 2)  # QK and PV, causal
+            kv_bytes = 2 * context * shape.kv_heads * shape.head_dim * jnp.dtype(k.dtype).itemsize
+            row = dict(model=shape.name, format=fmt, context=context, chunk=chunk)
+            for impl, seconds in best.items():
+                row[f"{impl}_ms"] = round(seconds * 1e3, 3)
+                row[f"{impl}_tflops"] = round(flops / seconds / 1e12, 1)
+                row[f"{impl}_kv_gbps"] = round(kv_bytes / seconds / 1e9, 1)
+            rows.append(row)
+            log(f"{fmt} S={context} C={chunk}: " + ", ".join(f"{i} {row[f'{i}_ms']} ms" for i in impls))
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 def acceptance(rows: list[dict]) -> dict | None:
-    """Llama-3-8B, bf16, an 8,192-token chunk over 32K: the tiled form under 1 GiB."""
+    """Llama-3-8B, bf16, an 8,192-token chunk over 32K: the tiled form and the kernel under 1 GiB."""
     for r in rows:
         if (r["model"], r["format"], r["context"], r["chunk"]) == (LLAMA_8B.name, "bf16", 32768, 8192):
             return dict(old_gib=round(r["old_temp_bytes"] / GiB, 2), tiled_gib=round(r["tiled_temp_bytes"] / GiB, 3),
-                        under_1_gib=r["tiled_temp_bytes"] < GiB)
+                        kernel_gib=round(r["kernel_temp_bytes"] / GiB, 3),
+                        under_1_gib=max(r["tiled_temp_bytes"], r["kernel_temp_bytes"]) < GiB)
     return None
 
 
@@ -238,25 +311,45 @@ def render(result: dict) -> str:
     def gib(b):
         return f"{b / GiB:,.2f}" if b >= GiB / 10 else f"{b / GiB:.3f}"
 
-    lines = ["# Long-context prefill attention: old reference vs tiled", "",
+    lines = ["# Long-context prefill attention: old reference vs tiled vs the Pallas kernel", "",
              f"`{result['command']}` ({result['machine']}, {result['seconds']} s)", ""]
     acc = result["acceptance"]
     if acc:
         lines += [f"Acceptance (issue 40): Llama-3-8B, bf16 pages, an 8,192-token chunk over 32K needs "
-                  f"**{acc['tiled_gib']} GiB** of temporaries tiled (old reference: {acc['old_gib']} GiB): "
+                  f"**{acc['tiled_gib']} GiB** of temporaries tiled and **{acc['kernel_gib']} GiB** with the kernel "
+                  f"(old reference: {acc['old_gib']} GiB): "
                   f"{'met' if acc['under_1_gib'] else 'missed'} (< 1 GiB).", ""]
-    lines += ["## (a) Compiled temporaries of one layer's prefill (XLA memory_analysis, CPU)", "",
+    kernel_note = ("the compiled kernel's program" if result["backend"] == "gpu" else
+                   "the program around the kernel, the pallas_call stubbed by an opaque host callback of its inputs "
+                   "and outputs (it runs only interpreted on CPU): what XLA plans in device memory for the step; the "
+                   "kernel's own working set is per program, in SRAM and registers")
+    lines += [f"## (a) Compiled temporaries of one layer's prefill (XLA memory_analysis, {result['backend']})", "",
               "One sequence, a chunk of C new tokens ending at context S, pages of 16, bf16 queries. "
               "\"old scores\" is B·Q·N·S f32 (the reference's score array alone). \"pages as bits\" is the part of "
               "the tiled form's temporaries that is the CPU backend's one copy of the K/V page arrays as integers "
-              "(tiled.as_bits; bf16 and fp8 pages only); the rest is the tiles and O(C) rows. Arguments (the "
-              "pages, the queries) are not temporaries.", "",
+              "(tiled.as_bits; bf16 and fp8 pages only); the rest is the tiles and O(C) rows. \"kernel\": "
+              f"{kernel_note}. Arguments (the pages, the queries) are not temporaries.", "",
               *markdown_table(["model", "format", "S", "C", "old scores GiB", "old GiB", "tiled GiB",
-                               "of which pages as bits GiB", "old / tiled"],
+                               "of which pages as bits GiB", "kernel GiB", "old / tiled"],
                               [[r["model"], r["format"], f"{r['context']:,}", f"{r['chunk']:,}",
                                 gib(r["old_scores_bytes"]), gib(r["old_temp_bytes"]), gib(r["tiled_temp_bytes"]),
-                                gib(r["pages_as_bits_bytes"]), f"{r['ratio']:,}×"] for r in result["temporaries"]],
-                              "lllrrrrrr"), ""]
+                                gib(r["pages_as_bits_bytes"]), gib(r["kernel_temp_bytes"]), f"{r['ratio']:,}×"]
+                               for r in result["temporaries"]], "lllrrrrrrr"), ""]
+    if result.get("gpu_speed"):
+        impls = [i for i in ("kernel", "tiled", "old") if any(f"{i}_ms" in r for r in result["gpu_speed"])]
+        lines += ["## (d) GPU time of one layer's prefill attention (Llama-3-8B shape, compile excluded, best of "
+                  f"{result['repeats']})", "", "TFLOP/s counts 4·C·N·H per visible position (QK and PV, causal); "
+                  "GB/s is the K/V pages' bytes over the time. \"—\": the old reference's f32 scores would exceed "
+                  "16 GiB.", "",
+                  *markdown_table(["format", "S", "C"] + [f"{i} ms" for i in impls] + [f"{i} TFLOP/s" for i in impls]
+                                  + ["kernel KV GB/s"],
+                                  [[r["format"], f"{r['context']:,}", f"{r['chunk']:,}"]
+                                   + [f"{r[f'{i}_ms']:,}" if f"{i}_ms" in r else "—" for i in impls]
+                                   + [str(r[f"{i}_tflops"]) if f"{i}_ms" in r else "—" for i in impls]
+                                   + [str(r["kernel_kv_gbps"])] for r in result["gpu_speed"]],
+                                  "lrr" + "r" * (2 * len(impls) + 1)), ""]
+    if not result["speed"]:
+        return "\n".join(lines)
     lines += ["## (b) CPU time, old reference vs tiled (bf16 pages and queries, compile excluded, best of "
               f"{result['repeats']} calls each, taking turns)", "",
               "\"default\" is what kvjax.attention runs for that step on this backend (tiled above "
@@ -280,6 +373,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None, help="output dir (default $OUT, else ./experiments/results)")
     parser.add_argument("--quick", action="store_true", help="a small subset of every part (a smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per CPU measurement (default 5)")
+    parser.add_argument("--gpu", action="store_true", help="on a GPU: (a) for Llama-3-8B and the kernel's time (d)")
+    parser.add_argument("--time-budget", type=float, default=60.0, help="seconds for (d) (default 60)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 5)
     t0 = time.perf_counter()
@@ -287,7 +382,12 @@ def main(argv=None) -> dict:
     def log(message):
         print(f"[{time.perf_counter() - t0:6.1f} s] {message}", flush=True)
 
-    if args.quick:
+    gpu_rows = []
+    if args.gpu:
+        temps = temporaries([LLAMA_8B], ["bf16", "fp8_e4m3"], CONTEXTS, [8192], log)
+        gpu_rows = gpu_speed(["bf16", "fp8_e4m3"], CONTEXTS, 2048, repeats, args.time_budget, log)
+        speeds, tiles = [], []
+    elif args.quick:
         temps = temporaries([LLAMA_8B], ["bf16", "nvfp4"], [8192], [512], log)
         speeds = speed(QUICK_SPEED, repeats, log)
         tiles = tile_sweep([QUICK_SPEED[0]], TILE_SIZES[:2], repeats, log)
@@ -295,12 +395,13 @@ def main(argv=None) -> dict:
         temps = temporaries([LLAMA_8B, LLAMA_70B], FORMATS, CONTEXTS, CHUNKS, log)
         speeds = speed(SPEED_CASES, repeats, log)
         tiles = tile_sweep([SPEED_CASES[2], SPEED_CASES[9]], TILE_SIZES, repeats, log)
-    result = dict(command="python experiments/long_context.py" + (" --quick" if args.quick else ""),
+    result = dict(command="python experiments/long_context.py" + (" --quick" if args.quick else "")
+                  + (" --gpu" if args.gpu else ""), backend=jax.default_backend(),
                   machine=f"{os.cpu_count()} CPU cores, {platform.machine()}, jax {jax.__version__} "
                           f"{jax.default_backend()}",
                   default_tiles=dataclasses.asdict(PrefillTiles()), repeats=repeats,
                   reference_scores_bytes=dict(tiled.REFERENCE_SCORES_BYTES), acceptance=acceptance(temps),
-                  temporaries=temps, speed=speeds, tiles=tiles, seconds=round(time.perf_counter() - t0, 1))
+                  temporaries=temps, speed=speeds, tiles=tiles, gpu_speed=gpu_rows, seconds=round(time.perf_counter() - t0, 1))
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "long_context.json", result, "--out")
