@@ -9,6 +9,7 @@ import types
 import jax
 import jax.monitoring
 import jax.numpy as jnp
+import pytest
 
 from kvjax import LLM, SamplingParams
 from kvjax.distributed import cleanup_dist_env_and_memory
@@ -36,6 +37,7 @@ def _no_automatic_gc():
             gc.enable()
 
 
+@pytest.mark.slow  # 30 s; the default run frees a deleted LLM in test_compiled_steps_are_kept_and_hold_no_array_of_a_deleted_llm
 def test_a_deleted_llm_in_a_reference_cycle_is_freed():
     cleanup_dist_env_and_memory()
     before = _live()

@@ -90,8 +90,8 @@ def test_installed_kvjax_runs_beside_a_users_own_models_package(wheel, tmp_path)
 
 @pytest.mark.parametrize("blocked, argv, extra", [
     ("torch", "from kvjax.experiments import decode_bench; decode_bench.main(['--vs-transformers', '--tiny'])", "bench"),
-    ("transformers", "from kvjax.experiments import decode_bench; decode_bench.main(['--vs-transformers', '--tiny'])",
-     "bench"),
+    pytest.param("transformers", "from kvjax.experiments import decode_bench; decode_bench.main(['--vs-transformers', "
+                 "'--tiny'])", "bench", marks=pytest.mark.slow),  # the same extra as torch's
     ("optax", "from kvjax.experiments import train_small; train_small.main(['--model', 'gqa', '--steps', '1'])", "train"),
 ])
 def test_an_experiment_names_the_extra_it_needs(blocked, argv, extra, tmp_path):

@@ -256,7 +256,13 @@ class NoCachingMachine(HybridMachine):
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = settings(max_examples=20, stateful_step_count=30, **_SETTINGS)
+TestHybridMachine.settings = settings(max_examples=10, stateful_step_count=30, **_SETTINGS)
+
+
+@pytest.mark.slow
+class TestHybridMachineLong(HybridMachine.TestCase):
+    """The full run's: twice the default run's examples."""
+    settings = settings(max_examples=20, stateful_step_count=30, **_SETTINGS)
 TestSlidingFirstMachine = SlidingFirstMachine.TestCase
 TestSlidingFirstMachine.settings = settings(max_examples=10, stateful_step_count=25, **_SETTINGS)
 TestNoCachingMachine = NoCachingMachine.TestCase

@@ -11,6 +11,7 @@ import collections
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -113,6 +114,12 @@ class NoCacheMachine(PoolMachine):
 
 _fast = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPoolStateful = PoolMachine.TestCase
-TestPoolStateful.settings = settings(max_examples=80, stateful_step_count=50, **_fast)
+TestPoolStateful.settings = settings(max_examples=40, stateful_step_count=50, **_fast)
+
+
+@pytest.mark.slow
+class TestPoolStatefulLong(PoolMachine.TestCase):
+    """The full run's: twice the default run's examples."""
+    settings = settings(max_examples=80, stateful_step_count=50, **_fast)
 TestNoCacheStateful = NoCacheMachine.TestCase
 TestNoCacheStateful.settings = settings(max_examples=20, stateful_step_count=30, **_fast)

@@ -373,6 +373,7 @@ def test_host_tier_lru():
     check(run_lib(HOST_LRU), HOST_LRU_EXPECTED)
 
 
+@pytest.mark.slow  # the default run replays the host tier with LRU (test_host_tier_lru) and ARC through the command
 def test_host_tier_arc_touch_promotes_and_a_ghost_hit_moves_p():
     # 3 usable device blocks, 3 host slots, ARC.
     ops = [init(4, 4, host_blocks=3, host_policy="arc"), add("a", [7] * 9), free("a"), add("b", [5] * 5),

@@ -60,7 +60,7 @@ def numpy_beam_search(llm, prompt: list[int], width: int, max_tokens: int, lengt
 
 
 @pytest.mark.parametrize("width, max_tokens, length_penalty, ignore_eos", [
-    (2, 5, 1.0, False), (3, 4, 0.0, True), (2, 5, -0.5, False)])
+    (2, 5, 1.0, False), pytest.param(3, 4, 0.0, True, marks=pytest.mark.slow), (2, 5, -0.5, False)])
 def test_matches_a_numpy_beam_search_over_score_windows(llm, width, max_tokens, length_penalty, ignore_eos):
     params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
                               ignore_eos=ignore_eos)

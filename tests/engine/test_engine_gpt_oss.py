@@ -81,6 +81,7 @@ def check(want, result):
         assert res.output[:n] == tokens[:n], f"prompt {i} ({len(PROMPTS[i])} tokens)"
 
 
+@pytest.mark.slow  # the default run compares gpt-oss with transformers once: test_fp8_kv_pages_and_tokens
 def test_matches_transformers_with_prefix_hits(case):
     _, result = run(case)
     check(case[3], result)

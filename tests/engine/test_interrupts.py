@@ -84,6 +84,7 @@ def _interrupted(llm: LLM, prompts, params, delay: float):
         return None
 
 
+@pytest.mark.slow  # 40 s; the default run interrupts once: test_a_second_sigint_while_the_first_is_cleaned_up
 def test_sigint_at_random_moments_leaves_the_llm_as_a_fresh_one(fresh):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     llm = LLM("small-gqa", **ARGS)

@@ -18,7 +18,7 @@ def prompts(seed=0, lengths=(5, 9, 13, 3, 7, 11)):
     return [list(rng.randint(0, 128, size=n)) for n in lengths]
 
 
-@pytest.mark.parametrize("num_blocks, steps_per_call, preempts", [(10, 8, True), (64, 8, False)])
+@pytest.mark.parametrize("num_blocks, steps_per_call, preempts", [(10, 8, True), pytest.param(64, 8, False, marks=pytest.mark.slow)])
 def test_recomputed_tokens_are_what_a_run_computed_beyond_the_minimum(tiny, num_blocks, steps_per_call, preempts):
     eng = engine(tiny, num_blocks, steps_per_call=steps_per_call, enable_prefix_caching=False)
     eng.step_log = log = StepLog()

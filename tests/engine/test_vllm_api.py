@@ -161,6 +161,7 @@ def test_prompt_logprobs_match_the_engines_decode(fresh):
             assert mine_top[t].logprob == pytest.approx(engine_top[t].logprob, abs=2e-4)
 
 
+@pytest.mark.slow  # 40 s: eight teacher-forced prefills of eight lengths, and an LLM of its own
 def test_frequency_and_presence_penalties_match_a_numpy_greedy_loop(fresh):
     # penalties are additive, so argmax over log-probs minus penalties is argmax over logits minus penalties
     prompt = list(b"aaaa bbbb aaaa")
@@ -339,6 +340,7 @@ def test_each_calls_summary_counts_that_call_only():
     assert runs[0] == runs[1] and runs[0][4] > 0 and runs[0][0] == 6
 
 
+@pytest.mark.slow  # 35 s; the default run has TP 2 against TP 1 in tests/worker/test_tp.py
 @pytest.mark.parametrize("tp", [4])  # 4 > the model's 2 kv heads: each head held by 2 ranks (tests/worker/test_tp.py: tp 2)
 def test_tensor_parallel_size_decodes_the_same_tokens(tp):
     prompts = [SYSTEM + "def add(a, b):", "import os\n"]

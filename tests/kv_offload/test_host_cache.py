@@ -297,7 +297,13 @@ _fast = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestLruStateful = machine("lru", 4, 9).TestCase
 TestLruStateful.settings = settings(max_examples=80, stateful_step_count=40, **_fast)
 TestArcStateful = machine("arc", 4, 11).TestCase
-TestArcStateful.settings = settings(max_examples=120, stateful_step_count=40, **_fast)
+TestArcStateful.settings = settings(max_examples=60, stateful_step_count=40, **_fast)
+
+
+@pytest.mark.slow
+class TestArcStatefulLong(machine("arc", 4, 11).TestCase):
+    """The full run's: twice the default run's examples."""
+    settings = settings(max_examples=120, stateful_step_count=40, **_fast)
 # ARC on 2 slots: T1 is often empty, so T2 victims and B2 trims are common too.
 TestArcSmallStateful = machine("arc", 2, 6).TestCase
 TestArcSmallStateful.settings = settings(max_examples=50, stateful_step_count=40, **_fast)
