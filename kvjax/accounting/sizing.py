@@ -7,8 +7,9 @@ measured while loading (`model_memory_usage`), one profiling forward runs over
 `ceil(total × gpu_memory_utilization) − (weights + activations)` goes to KV blocks. kvjax does
 the same on JAX devices:
 
-1. `compile_profile`: the profiling step, one prefill of max_num_batched_tokens tokens (one
-   sequence, the logits of its last token), compiled from shapes alone;
+1. `compile_profile`: the profiling step, one prefill chunk of max_num_batched_tokens tokens at
+   the end of a max_model_len context (one sequence, the logits of its last token), compiled from
+   shapes alone;
 2. `run_profile`: run it once. GPU: the allocator's `peak_bytes_in_use`; CPU, which keeps no
    allocator stats: the live arrays at the call plus the compiled step's `memory_analysis()`
    temporaries and unaliased outputs. Activations = that peak − what was in use before the
@@ -20,7 +21,16 @@ kvjax.accounting.reconcile then allocates what the SizingReport planned and sets
 measured bytes; that is what `kvjax memory` prints.
 
 Unlike vLLM's dummy run, which spreads the tokens over min(tokens, max_num_seqs) requests and
-samples max_num_seqs rows, the profile is one sequence with one row of logits.
+samples max_num_seqs rows, the profile is one sequence with one row of logits. And unlike vLLM's,
+whose dummy requests start at position 0, its tokens are the last chunk of a max_model_len context,
+the worst prefill step the engine runs: kvjax's prefill attention keeps temporaries that grow with
+the context S as well as with the chunk (the reference's f32 scores B·Q·N·S; kvjax.attention.tiled),
+so a chunk at position 0 would leave them out of the peak. Its block table is as wide as
+cdiv(max_model_len, Z), its entries cycling over the profile's own cdiv(T, Z) + 1 pages (the
+attention's temporaries follow the table's width, not how many distinct pages it names, and the
+chunk's own writes land in distinct pages). max_num_batched_tokens above max_model_len keeps one
+sequence of T tokens (context T), more than the several sequences such a step really holds. On
+CPU the tiled attention's one copy of the page pool (`tiled.as_bits`) is of the profile's small pool.
 
 Tensor parallelism: pass a mesh (kvjax.worker.sharding.make_mesh) and params placed by
 kvjax.worker.sharding.param_shardings; with tp > K the model and params must already carry the
@@ -95,24 +105,28 @@ class ProfileStep:
     layout: shd.TPLayout  # the model's kv heads over the mesh's tp ranks
     block_size: int
     tokens: int  # T = max_num_batched_tokens
+    context: int  # the chunk's last position + 1: max(T, max_model_len)
     compiled: Any  # (params, ids, metadata, cache, rows) → (logits, cache), the cache donated
     xla: mem.CompiledMemory  # XLA's buffer plan of `compiled`, per device
     inputs: tuple  # (ids i32[T], BatchMetadata, logits rows i32[1]), numpy
-    cache_blocks: int  # the profile's own cache: cdiv(T, Z) blocks + the null block
+    cache_blocks: int  # the profile's own cache: cdiv(T, Z) + 1 blocks + the null block
 
     def make_cache(self):
         return shd.cache_maker(self.layout, self.cache_blocks, self.block_size)
 
 
-def _profile_inputs(vocab_size: int, tokens: int, block_size: int):
-    """One sequence of `tokens` tokens in blocks 1..cdiv(tokens, Z): (ids, metadata, logits row,
-    blocks), as host arrays, so that they reach the devices only when the profile measures them."""
-    blocks = cdiv(tokens, block_size)
-    md = build_metadata([0], [tokens], [list(range(1, blocks + 1))], block_size=block_size, max_tokens=tokens,
-                        max_seqs=1, max_blocks_per_seq=blocks)
+def _profile_inputs(vocab_size: int, tokens: int, block_size: int, context: int):
+    """One sequence's last `tokens` tokens of a `context`-token context, its table cdiv(context, Z)
+    wide with entries cycling over blocks 1..cdiv(tokens, Z) + 1 (module docstring): (ids, metadata,
+    logits row, cache blocks with the null block), as host arrays, so that they reach the devices
+    only when the profile measures them."""
+    width, pages = cdiv(context, block_size), cdiv(tokens, block_size) + 1  # + 1: an unaligned chunk's extra page
+    table = [1 + j % pages for j in range(width)]
+    md = build_metadata([context - tokens], [tokens], [table], block_size=block_size, max_tokens=tokens,
+                        max_seqs=1, max_blocks_per_seq=width)
     md = jax.tree_util.tree_map(np.array, md)  # copies: a numpy view would keep the device buffer alive
     ids = (np.arange(tokens) % vocab_size).astype(np.int32)  # i32[T]
-    return ids, md, md.logits_indices.copy(), blocks + 1
+    return ids, md, md.logits_indices.copy(), pages + 1
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -132,8 +146,11 @@ def _param_abstract(params: Any, mesh: Mesh) -> Any:
 
 def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = None,
                     block_size: int = bud.DEFAULT_BLOCK_SIZE,
-                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> ProfileStep:
-    """Compile the profiling prefill of `model` (a models.build_model decoder with a `.config`).
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    max_model_len: int | None = None) -> ProfileStep:
+    """Compile the profiling prefill of `model` (a models.build_model decoder with a `.config`):
+    max_num_batched_tokens new tokens at the end of a max_model_len context (None: no context
+    before them), the worst prefill step (module docstring).
 
     params: the parameters, or their shapes (ShapeDtypeStructs; without a sharding they are
     placed by kvjax.worker.sharding.param_shardings). On a GPU, compile before the weights are loaded:
@@ -141,15 +158,18 @@ def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = Non
     profile's peak later. mesh None: one device.
     """
     _check_positive(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+    if max_model_len is not None:
+        _check_positive(max_model_len=max_model_len)
     mesh = mesh if mesh is not None else shd.make_mesh(1)
     layout = shd.tp_layout(spec, mesh.shape[shd.AXIS])
-    ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size)
+    context = max(max_num_batched_tokens, max_model_len or 0)
+    ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size, context)
     cache_shapes = jax.eval_shape(shd.cache_maker(layout, blocks, block_size))
     whole = NamedSharding(mesh, P())
     compiled = make_step(model, mesh, cache_shapes).lower(
         _param_abstract(params, mesh), _abstract(ids, whole), _abstract(md, whole),
         _abstract(cache_shapes, shd.cache_shardings(cache_shapes, mesh)), _abstract(rows, whole)).compile()
-    return ProfileStep(mesh, layout, block_size, max_num_batched_tokens, compiled, mem.analyse(compiled),
+    return ProfileStep(mesh, layout, block_size, max_num_batched_tokens, context, compiled, mem.analyse(compiled),
                        (ids, md, rows), blocks)
 
 
@@ -158,6 +178,7 @@ class Profile:
     """One profiling run; tuples hold one value per device of the mesh, in mesh order."""
 
     tokens: int
+    context: int  # the profiled chunk's last position + 1
     how: str  # where the peak came from
     peak_bytes: tuple[int, ...]  # bytes in use at the step's peak
     base_bytes: tuple[int, ...]  # in use before its inputs arrived: weights + the profile's cache
@@ -180,7 +201,7 @@ class Profile:
         return max(self.analytic if m is None else m for m in self.measured)
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "how": self.how, "peak_bytes": list(self.peak_bytes),
+        return {"tokens": self.tokens, "context": self.context, "how": self.how, "peak_bytes": list(self.peak_bytes),
                 "base_bytes": list(self.base_bytes), "xla_temp": self.xla_temp, "xla_output": self.xla_output,
                 "xla_alias": self.xla_alias, "inputs": self.inputs,
                 "profile_cache_bytes": list(self.profile_cache_bytes), "analytic": self.analytic,
@@ -211,8 +232,8 @@ def run_profile(step: ProfileStep, params: Any) -> Profile:
     # An earlier peak (weight loading) above the profile's hides it: measured is then unknown.
     measured = [None if before is not None and peak <= before else peak - b
                 for peak, before, b in zip(peaks, peak_before, base)]
-    return Profile(step.tokens, how, tuple(peaks), tuple(base), step.xla.temp, step.xla.output, step.xla.alias,
-                   input_bytes, tuple(cache_bytes), input_bytes + extra, tuple(measured))
+    return Profile(step.tokens, step.context, how, tuple(peaks), tuple(base), step.xla.temp, step.xla.output,
+                   step.xla.alias, input_bytes, tuple(cache_bytes), input_bytes + extra, tuple(measured))
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,19 +337,21 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
                     max_num_seqs=max_num_seqs)
     if max_model_len is not None:
         _check_positive(max_model_len=max_model_len)
+    else:
+        max_model_len = min(model.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
+    context = max(max_num_batched_tokens, max_model_len)
     if step is not None:
         mesh = step.mesh if mesh is None else mesh
-        got = (step.mesh, step.layout.spec, step.block_size, step.tokens)
-        if got != (mesh, spec, block_size, max_num_batched_tokens):
+        got = (step.mesh, step.layout.spec, step.block_size, step.tokens, step.context)
+        if got != (mesh, spec, block_size, max_num_batched_tokens, context):
             raise SizingError(f"the profile step was compiled for block_size {step.block_size}, "
-                              f"max_num_batched_tokens {step.tokens} on {step.mesh.shape} devices; asked for "
-                              f"{block_size}, {max_num_batched_tokens} on {mesh.shape}, or another spec")
+                              f"max_num_batched_tokens {step.tokens} over a context of {step.context} on "
+                              f"{step.mesh.shape} devices; asked for {block_size}, {max_num_batched_tokens} over "
+                              f"{context} (max_model_len {max_model_len}) on {mesh.shape}, or another spec")
     mesh = mesh if mesh is not None else shd.make_mesh(1)
     devices = list(mesh.devices.flat)
     total_from_device = total_bytes is None
     total = device_total_bytes(devices[0]) if total_from_device else total_bytes  # fail before compiling
-    if max_model_len is None:
-        max_model_len = min(model.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
     if weights_bytes is None:
         weights = _resident_weights(params, devices)
     else:
@@ -342,7 +365,7 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
     bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total, util=util)
     if step is None:
         step = compile_profile(model, params, spec, mesh=mesh, block_size=block_size,
-                               max_num_batched_tokens=max_num_batched_tokens)
+                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
     profile = run_profile(step, params)
     # The budget of one device for the layout one rank holds: its weights are already per rank.
     plan = bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total,

@@ -6,7 +6,8 @@ read the allocator's peak, and give `ceil(total × gpu_memory_utilization) − n
 blocks. The algorithm is kvjax.accounting.sizing's; this command builds the model, loads (or creates) its
 weights while measuring the bytes they take on each device, and then:
 
-1. profile and size (`sizing.profile_and_size`): one prefill of max_num_batched_tokens tokens,
+1. profile and size (`sizing.profile_and_size`): one prefill chunk of max_num_batched_tokens
+   tokens at the end of a max_model_len context (its attention's temporaries grow with both),
    non-KV = weights + peak activations; total = the device's `bytes_limit` (GPU) or
    --device-memory-gib; kvjax.accounting.budget.plan for the layout one tensor-parallel rank holds → num_blocks;
 2. reconcile (`reconcile.reconcile`): allocate the paged cache and the block tables, and set
@@ -227,9 +228,10 @@ def measure(args, phases: Phases | None = None) -> dict:
                          f"the device's {total:,} B ({source}): no budget is left for the KV cache")
 
     # Compiled from shapes before any weight is on the device (see sizing.compile_profile).
-    say(f"compile the profiling step ({args.max_num_batched_tokens} tokens)")
+    say(f"compile the profiling step ({args.max_num_batched_tokens} tokens over {setup.max_model_len})")
     step = sizing.compile_profile(setup.model, setup.shapes, setup.spec, mesh=setup.mesh,
-                                  block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+                                  block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=setup.max_model_len)
     say("load the weights" if setup.folder is not None else "create random weights")
     start = mem.snapshot(devices)
     params = _load_params(setup.folder, setup.config, setup.layout, setup.param_shardings, setup.shapes, args.seed)
@@ -284,7 +286,8 @@ def render(r: dict) -> str:
     lines = [
         f"kvjax memory: {r['model']} ({r['model_type']}, {r['params']:,} params, {r['dtype']}), kv {r['kv_dtype']}, "
         f"block {r['block_size']}, tp {r['tp']} on {r['platform']} ({', '.join(r['devices'])})",
-        f"profile: one prefill of {r['max_num_batched_tokens']} tokens; peak from {r['profile']['how']}",
+        f"profile: one prefill chunk of {r['max_num_batched_tokens']} tokens at the end of a {r['profile']['context']}-"
+        f"token context (the worst prefill step); peak from {r['profile']['how']}",
         f"budget: total {h(r['total_bytes'])} ({r['total_source']}) × util {p['util']:g} = requested "
         f"{p['requested_bytes']:,} B − non-KV {r['non_kv_bytes']:,} B (weights {p['weights_bytes']:,} + "
         f"activations {p['activations_bytes']:,}) = {p['budget_bytes']:,} B for KV",

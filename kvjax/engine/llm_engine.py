@@ -120,7 +120,8 @@ class LLMEngine:
     @staticmethod
     def _profile_num_blocks(config: EngineConfig, module, params, mesh) -> int:
         """vLLM's sizing from a gpu_memory_utilization budget: profile the largest step the engine
-        can schedule (its token budget, or all rows prefilling max_model_len if less)."""
+        can schedule (its token budget, or all rows prefilling max_model_len if less), as the last
+        chunk of a max_model_len context (kvjax.accounting.sizing: the attention's temporaries grow with it)."""
         from kvjax.accounting.sizing import profile_and_size
 
         cache = config.cache_config
