@@ -11,7 +11,10 @@ concurrency, and the host tier of --kv-offloading-size. A preset's or a config.j
 its shapes (kvjax.config.model.ModelConfig.num_params: every expert of a MoE model resident, as vLLM keeps
 them) and give the weights at --weight-dtype unless --weights-gib or --params-b says. It prints one row per quantity
 (`format_plan`, which `kvjax report` prints too), or with --json one object; --plot draws
-concurrency against context for bf16 and fp8 KV. A model with sliding-window layers (a preset's or
+concurrency against context for bf16 and fp8 KV. Two rows marked as estimates, outside the budget, give
+one layer's prefill attention temporaries for a --max-num-batched-tokens chunk at the end of the context
+(kvjax.accounting.prefill): the tiled form kvjax runs and the untiled reference's f32 scores. A model
+with sliding-window layers (a preset's or
 a config.json's) also gets vLLM's hybrid KV cache beside its fallback that caches every layer as
 full attention (kvjax.accounting.hybrid: the groups, bytes per block, blocks, blocks per request,
 KV cache size in tokens, max concurrency). Flags the chosen model source or budget would ignore
@@ -26,12 +29,13 @@ from typing import Any, Sequence
 
 from kvjax.accounting import budget as bud
 from kvjax.accounting import hybrid
+from kvjax.accounting.prefill import PrefillTemporaries, prefill_temporaries
 from kvjax.commands.common import check_plot_file
 from kvjax.config.engine import resolve_kv_dtype
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfigError
 from kvjax.config.presets import PRESETS, preset
-from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.core.kv_cache_interface import KVSpec, SpecError
 from kvjax.engine.cli_args import add_engine_flags
 from kvjax.errors import UsageError, dumps, int_arg, pyplot, save_figure
 
@@ -61,8 +65,8 @@ def add_parser(sub) -> None:
     mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
     _engine_flags(mem, "kv_cache_memory_bytes", "tensor_parallel_size", "kv_offloading_size")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
+    _engine_flags(mem, "max_num_batched_tokens")
     hyb = p.add_argument_group("hybrid KV cache (models with sliding-window layers)")
-    _engine_flags(hyb, "max_num_batched_tokens")
     hyb.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="vLLM's default: two batches in flight (--no-async-scheduling: one)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -87,8 +91,9 @@ _ENGINE_HELPS = {
     "tensor_parallel_size": "ranks (default 1)",
     "kv_offloading_size": "host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
                           "as vLLM; 0 = no host tier",
-    "max_num_batched_tokens": "tokens per step, which a sliding window's blocks also hold while in flight (default "
-                              f"{DEFAULT_BATCHED_TOKENS}: vLLM's API server on an 80-160 GiB GPU)"}
+    "max_num_batched_tokens": "tokens per step: the prefill chunk of the attention estimate, and what a sliding "
+                              f"window's blocks also hold while in flight (default {DEFAULT_BATCHED_TOKENS}: vLLM's "
+                              "API server on an 80-160 GiB GPU)"}
 _ENGINE_DEFAULTS = {"kv_cache_dtype": None, "block_size": bud.DEFAULT_BLOCK_SIZE, "tensor_parallel_size": None}
 _ENGINE_TYPES = {"total_memory_bytes": str, "gpu_memory_utilization": str, "kv_offloading_size": str,
                  "tensor_parallel_size": int_arg(1)}
@@ -195,10 +200,9 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
     # the format's own name.
     label = None if kv_dtype == "auto" else kv_dtype
     windows = windows if any(w is not None for w in windows) else ()
-    for flag in ("--max-num-batched-tokens", "--async-scheduling"):
-        if not windows and getattr(args, flag[2:].replace("-", "_")) is not None:
-            raise UsageError(f"{flag} sizes a sliding window's blocks; {title} has no sliding-window layers, so it "
-                             "would be ignored")
+    if not windows and args.async_scheduling is not None:
+        raise UsageError("--async-scheduling sizes a sliding window's blocks; "
+                         f"{title} has no sliding-window layers, so it would be ignored")
     weights_from = f"{params:,} parameters × {weight_dtype}" if counted and args.params_b is None else None
     return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows,
                 params=params, moe=config is not None and config.moe is not None, weights_from=weights_from, kw=dict(
@@ -230,6 +234,7 @@ def _manual_spec(args, kv_dtype: str) -> KVSpec:
 def run(args) -> int:
     inputs = _resolve_plan_inputs(args)
     result = bud.plan(inputs["spec"], **inputs["kw"])
+    prefill = _prefill(inputs["spec"], result, args)
     if result.num_host_blocks == 0:
         raise UsageError(f"--kv-offloading-size {args.kv_offloading_size}: {result.host_bytes} bytes per device is "
                          f"smaller than one block of {result.bytes_per_block} bytes")
@@ -241,6 +246,7 @@ def run(args) -> int:
         out = result.to_json()
         if groups:
             out["hybrid"] = {name: _group_json(gp) for name, gp in zip(("hybrid", "all_full"), groups)}
+        out["prefill_attention"] = dict(prefill.to_json(), estimate=PREFILL_NOTE)
         out["model"] = inputs["title"]
         out["params"] = inputs["params"]
         out["warnings"] = warnings
@@ -249,17 +255,19 @@ def run(args) -> int:
         print(dumps(out, indent=2))
     else:
         print(format_plan(result, inputs["title"], warnings, inputs["kv_label"], params=inputs["params"],
-                          moe=inputs["moe"], weights_from=inputs["weights_from"]))
+                          moe=inputs["moe"], weights_from=inputs["weights_from"], prefill=prefill))
         if groups:
             print("\n" + format_hybrid(*groups))
     return 0
 
 
 def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str | None = None, *,
-                params: int | None = None, moe: bool = False, weights_from: str | None = None) -> str:
+                params: int | None = None, moe: bool = False, weights_from: str | None = None,
+                prefill: PrefillTemporaries | None = None) -> str:
     """The human readout: one row per quantity, exact bytes beside 1024-based units. kv_label: the kv dtype
     as the user spelled it (default: the spec's format name); params: the model's counted parameters (a row
-    of its own; moe: every expert counted); weights_from: how the weights row was computed from them."""
+    of its own; moe: every expert counted); weights_from: how the weights row was computed from them;
+    prefill: the prefill attention's estimated temporaries, two rows outside the budget."""
     h = bud.human_bytes
     s = pl.spec
     rows: list[tuple[str, str, str]] = [
@@ -293,10 +301,37 @@ def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str
         ]
     if pl.host_offload_bytes is not None:
         rows += _host_rows(pl)
+    if prefill is not None:
+        rows += _prefill_rows(prefill)
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows]
     lines += [f"warning: {x}" for x in warnings]
     return "\n".join(lines)
+
+
+PREFILL_NOTE = ("one layer's prefill attention temporaries on one rank, estimated from shapes "
+                "(kvjax.accounting.prefill); not in the budget, whose activations are --activations-gib")
+
+
+def _prefill(spec: KVSpec, pl: bud.Plan, args) -> PrefillTemporaries:
+    """The estimate for the whole model's `spec` (one rank's share of it under pl's TP), a chunk of
+    --max-num-batched-tokens at the end of the plan's context."""
+    tokens = args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+    try:
+        return prefill_temporaries(spec, tokens, pl.context, pl.block_size, tp=1 if pl.pooled else pl.tp)
+    except SpecError as e:
+        raise UsageError(str(e)) from None
+
+
+def _prefill_rows(p: PrefillTemporaries) -> list[tuple[str, str, str]]:
+    """Two labelled estimates, outside the budget: the tiled attention kvjax runs, and the untiled scores."""
+    h = bud.human_bytes
+    return [("prefill attn, tiled*", h(p.tiled_bytes),
+             f"{p.tiled_bytes:,} B: one layer, {p.tokens:,} new tokens over {p.positions:,} positions, {p.heads} "
+             "query heads per rank"),
+            ("untiled scores*", h(p.reference_scores_bytes),
+             f"f32 {p.tokens:,} × {p.heads} × {p.positions:,} × 4 B per score array (the reference holds two)"),
+            ("", "", "* estimates, not in the budget (its activations: --activations-gib); kvjax memory measures")]
 
 
 def _weights_note(pl: bud.Plan, weights_from: str | None) -> str:

@@ -169,9 +169,12 @@ def test_plan_shows_the_hybrid_pool_beside_the_all_full_fallback(tmp_path):
 
 
 def test_plan_refuses_hybrid_flags_for_a_model_without_windows(tmp_path):
-    code, out, err = _plan(tmp_path, {**MISTRAL, "sliding_window": None}, *MEM, "--max-num-batched-tokens", "4096")
+    code, out, err = _plan(tmp_path, {**MISTRAL, "sliding_window": None}, *MEM, "--no-async-scheduling")
     assert code == 2 and err.count("\n") == 1
-    assert "--max-num-batched-tokens sizes a sliding window's blocks" in err and "no sliding-window layers" in err
+    assert "--async-scheduling sizes a sliding window's blocks" in err and "no sliding-window layers" in err
+    # --max-num-batched-tokens also sizes the prefill attention estimate, so every model takes it
+    code, out, err = _plan(tmp_path, {**MISTRAL, "sliding_window": None}, *MEM, "--max-num-batched-tokens", "4096")
+    assert code == 0 and "4,096 new tokens" in out, err
 
 
 def _plan_preset(name, *args):
