@@ -61,12 +61,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip-counts", type=int_arg(1), nargs="+",
                     help="one skip variant per count: that many most sensitive layers in bf16 (1 3)")
     ap.add_argument("--long-windows", type=int_arg(0), help="windows of the model's context for KL by position, "
-                                                     "0 = off (basic 0, full 2)")
-    ap.add_argument("--long-chunk", type=int_arg(1), help="prefill chunk of the long windows (1024)")
+                                                     "0 = off (basic 0, full 1)")
+    ap.add_argument("--long-len", type=int_arg(2), help="tokens per long window, up to the model's context "
+                                                         "(default: its context, at most 8192)")
+    ap.add_argument("--long-chunk", type=int_arg(1), help="prefill chunk of the long windows (basic 512, full 2048)")
     ap.add_argument("--long-variants", nargs="+", help="variants scored on the long windows besides bf16, or "
                                                        "'all' (basic fp8_e4m3 unit, full all)")
     ap.add_argument("--passkey-lengths", type=int_arg(0), nargs="+",
-                    help="passkey prompt lengths, 0 = off (basic off, full 512 1024 2048)")
+                    help="passkey prompt lengths up to the model's context, 0 = off (basic off, full 1024)")
     ap.add_argument("--passkey-depths", type=float_arg(0, 1), nargs="+", help="needle depths (0.1 0.5 0.9)")
     ap.add_argument("--passkey-trials", type=int_arg(1), help="passkey trials per length × depth cell (12)")
     ap.add_argument("--passkey-per-haystack", type=int_arg(1),
@@ -94,8 +96,9 @@ def evaluate_kwargs(args) -> dict:
     given = dict(data=args.data, seq_len=args.seq_len, max_windows=args.max_windows, calib_windows=args.calib_windows,
                  outlier_map=args.outlier_map, sensitivity_windows=args.sensitivity_windows,
                  sensitivity_variant=args.sensitivity_variant, skip_counts=args.skip_counts,
-                 long_windows=args.long_windows, long_chunk=args.long_chunk, long_variants=args.long_variants,
-                 only=args.variants, passkey_lengths=args.passkey_lengths, passkey_depths=args.passkey_depths,
+                 long_windows=args.long_windows, long_len=args.long_len, long_chunk=args.long_chunk,
+                 long_variants=args.long_variants, only=args.variants, passkey_lengths=args.passkey_lengths,
+                 passkey_depths=args.passkey_depths,
                  passkey_trials=args.passkey_trials, passkey_per_haystack=args.passkey_per_haystack,
                  prompts=args.prompts, decode_tokens=args.decode_tokens)
     kw = {**defaults, **{k: v for k, v in given.items() if v is not None}}
@@ -108,6 +111,8 @@ def evaluate_kwargs(args) -> dict:
     for name in args.variants or ():
         if name not in names:
             raise UsageError(f"--variants: unknown variant {name!r}; choose from {', '.join(repr(n) for n in names)}")
+    if args.long_len is not None and not kw.get("long_windows"):
+        raise UsageError(f"--long-len {args.long_len} applies with --long-windows above 0 (it would be ignored)")
     if kw.get("passkey_lengths") == [0]:
         kw["passkey_lengths"] = ()
     elif 0 in kw.get("passkey_lengths", ()):
@@ -157,7 +162,9 @@ def _positions_markdown(res: dict) -> str:
     from kvjax.evaluation.metrics import BUCKETS
 
     long = res["long"]
-    edges = [(BUCKETS[i], BUCKETS[i + 1]) for i in range(len(BUCKETS) - 1)]
+    measured = {(b["start"], b["end"]) for v in long["variants"].values() for b in v["buckets"]}
+    measured |= {(b["start"], b["end"]) for buckets in res["positions"]["variants"].values() for b in buckets}
+    edges = [e for e in zip(BUCKETS, BUCKETS[1:]) if e in measured]  # the buckets the windows reach
     names = ["window", "variant"] + [_bucket_name(dict(start=a, end=b)) for a, b in edges] + ["all"]
     caption = (f"KL(bf16‖variant) by context position (the predicting token's position); top-1 agreement in "
                f"parentheses. Long: {long['windows']} windows of {long['seq_len']:,} tokens prefilled "

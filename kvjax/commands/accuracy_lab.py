@@ -22,12 +22,18 @@ def _rate(c: dict) -> str:
     return f"{100 * c['success']:.0f}% [{100 * c['low']:.0f}–{100 * c['high']:.0f}]"
 
 
+def _repeated(pk: dict) -> str:
+    copies = pk.get("haystack_copies", 1)  # absent from results written before the haystack could repeat
+    return f" ({pk['haystack_tokens']:,} tokens, repeated {copies} times end to start)" if copies > 1 else ""
+
+
 def passkey_markdown(res: dict) -> str:
     pk = res["passkey"]
     lengths = sorted({t["length"] for t in pk["trials"]})
     cells = sorted({(t["length"], t["depth"]) for t in pk["trials"]})
     caption = (f"Passkey retrieval (kvjax.evaluation.passkey): a five-digit number at a depth of a haystack of "
-               f"{pk['data']}, asked for at the end, answered greedily ({pk['answer_tokens']} tokens). "
+               f"{pk['data']}{_repeated(pk)}, asked for at the end, answered greedily ({pk['answer_tokens']} "
+               "tokens). "
                f"{pk['trials_per_cell']} trials per length × depth cell ({pk['per_haystack']} keys per haystack "
                f"offset), pooled over depths {', '.join(f'{d:g}' for d in pk['depths'])} below: success with its "
                f"Wilson 95% interval, then agreement with bf16's answers in parentheses.\n")

@@ -1,6 +1,7 @@
 """The preset registry: `PRESETS` by name, and `preset(name)`.
 
-Tiny configs for tests (GQA, MHA, MQA and MLA, and three mixture-of-experts ones: Qwen3-MoE-,
+Tiny configs for tests (GQA, MHA, MQA and MLA, tiny-long with 32K positions of Llama 3.1's rope
+scaling, and three mixture-of-experts ones: Qwen3-MoE-,
 DeepSeek-V3- and gpt-oss-shaped), the published configs
 of SPEC Tables 1-2 (Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables, models
 with sliding-window layers for the hybrid KV cache (Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1), and
@@ -28,6 +29,12 @@ _TINY_MLA = dict(_TINY, model_type="deepseek_v3", num_kv_heads=4, q_lora_rank=32
 _TINY_QWEN3_MOE = MoEConfig(8, 2, 32, norm_topk_prob=True, f32_weights=False)
 _TINY_V3_MOE = MoEConfig(8, 2, 32, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
                          norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=32, router_f32=True)
+# A random-weight stand-in for a long-context model (`kvjax accuracy --model preset:tiny-long`, the
+# 16K passkey and long-window tests): tiny's shapes with Llama 3.1's rope scaling stretching 4K
+# pretrained positions over 32K, and a vocabulary of 256 so that every id of the byte tokenizer a
+# preset gets (models.hub) is a token of the model.
+_TINY_LONG_ROPE = RopeConfig("llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=4096)
 # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json, its model fields (token ids, auto_map,
 # quantization_config and the like left out; num_nextn_predict_layers 1, the 14B multi-token-prediction
 # module that the checkpoint adds, is not part of the decoder): 671B parameters, as the model card says.
@@ -57,6 +64,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-moe": ModelConfig("qwen3_moe", num_kv_heads=2, head_dim=16, qk_norm=True, moe_layers=(0, 1),
                             moe=_TINY_QWEN3_MOE, name="tiny-moe", **_TINY),
     "tiny-moe-mla": ModelConfig(moe_layers=(1,), moe=_TINY_V3_MOE, name="tiny-moe-mla", **_TINY_MLA),
+    "tiny-long": ModelConfig("llama", num_kv_heads=2, head_dim=16, rope=_TINY_LONG_ROPE, name="tiny-long",
+                             **dict(_TINY, vocab_size=256, max_position_embeddings=32768)),
     "llama-2-7b": ModelConfig(
         "llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
         num_kv_heads=32, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16",

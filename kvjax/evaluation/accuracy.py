@@ -32,7 +32,8 @@ built-in byte-level ones) adds:
   text — not the held-out text, so choosing layers does not peek at what is scored —, which
   replaces the fixed skip variant by "<variant> skip <the k most sensitive layers>";
 - KL by context position in buckets (kvjax.evaluation.metrics.BUCKETS), over a long window of the
-  model's context (8,192 tokens for SmolLM2) for every variant, prefilled in chunks;
+  model's context (8,192 tokens for SmolLM2; at most `LONG_LEN` unless `long_len` asks for more, up
+  to the model's context: RoPE scaled as its config says) for every variant, prefilled in chunks;
 - passkey retrieval (kvjax.evaluation.passkey) at 1,024 tokens, 12 trials at each of three depths,
   through every variant but fp32, and free generations of 128 tokens for the first greedy
   divergence; kvjax.evaluation.tradeoff puts it all in one table beside Llama-3-70B's bytes.
@@ -72,6 +73,10 @@ FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=32, calib_wind
                   long_chunk=2048, long_variants="all", sensitivity_windows=2,
                   sensitivity_variant="fp8_e4m3 unit", skip_counts=(3,), outlier_map=True, prompts=8,
                   decode_tokens=128, passkey_lengths=(1024,), passkey_trials=12)
+# The long windows' default length where the model has more context: SmolLM2's whole 8K. Longer
+# windows (long_len, `kvjax accuracy --long-len`, up to the model's context) cost more than
+# proportionally on a CPU: every chunk attends to all the positions before it.
+LONG_LEN = 8192
 
 
 def variants(num_layers: int, skip_sets: dict[str, list[tuple[int, ...]]] | None = None,
@@ -154,7 +159,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     kv_outliers on them. sensitivity_windows > 0: measure layer_sensitivity of
     sensitivity_variant on that many calibration windows, and make one skip variant per k in
     skip_counts (its k most sensitive layers in bf16). long_windows > 0: also score that many
-    windows of long_len tokens (default the model's context, at most 8,192) with bf16 and
+    windows of long_len tokens (default the model's context, at most LONG_LEN = 8,192) with bf16 and
     long_variants ("all": every scored variant but fp32), prefilled long_chunk tokens at a time, for
     KL by context position.
     passkey_lengths: prompt lengths of the passkey task (kvjax.evaluation.passkey; empty: off), each
@@ -197,7 +202,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
         from kvjax.models.stress import inflate_k_channels
         params = inflate_k_channels(config, loaded.params, (0, 5), outlier_factor)
         loaded = loaded.replace(params=jax.tree_util.tree_map(jnp.asarray, params))
-    long_len = long_len or min(config.max_position_embeddings, BUCKETS[-1])
+    long_len = long_len or min(config.max_position_embeddings, LONG_LEN)
     if long_windows and not seq_len < long_len <= min(config.max_position_embeddings, BUCKETS[-1]):
         raise KvjaxError(f"long_len {long_len} must exceed seq_len {seq_len} and stay within the model's context "
                          f"{config.max_position_embeddings} and the last position bucket {BUCKETS[-1]}")
@@ -362,14 +367,15 @@ def _passkey_plan(loaded, data: str, lengths, depths, trials: int, per_haystack:
     """The passkey trials and the haystack, every length checked against the model and the prompt."""
     from kvjax.evaluation import passkey
 
-    haystack = loaded.tokenizer.encode_file(data)
+    text = loaded.tokenizer.encode_file(data)
+    haystack, copies = passkey.repeat_haystack(text, max(lengths))
     plan = passkey.plan_trials(len(haystack), lengths, depths, trials, per_haystack)
     if max(lengths) + passkey.ANSWER_TOKENS > loaded.config.max_position_embeddings:
         raise KvjaxError(f"passkey length {max(lengths)} and its {passkey.ANSWER_TOKENS} answer tokens exceed the "
                          f"model's maximum length {loaded.config.max_position_embeddings}")
     passkey.prompt_tokens(loaded.tokenizer, haystack, min(lengths), 0.5, 10_000, 0)  # room for a haystack
     return dict(haystack=haystack, trials=plan, data=data, depths=tuple(depths), trials_per_cell=trials,
-                per_haystack=per_haystack)
+                per_haystack=per_haystack, haystack_tokens=int(len(text)), haystack_copies=copies)
 
 
 def _passkey(loaded, vlist: list[dict], scales_for, plan: dict, block_size: int, say) -> dict:
@@ -387,4 +393,5 @@ def _passkey(loaded, vlist: list[dict], scales_for, plan: dict, block_size: int,
     out = passkey.run(llms, loaded.tokenizer, plan["haystack"], plan["trials"], progress=say)
     return dict(out, data=os.path.relpath(plan["data"]), depths=list(plan["depths"]),
                 trials_per_cell=plan["trials_per_cell"], per_haystack=plan["per_haystack"],
-                answer_tokens=passkey.ANSWER_TOKENS)
+                answer_tokens=passkey.ANSWER_TOKENS, haystack_tokens=plan["haystack_tokens"],
+                haystack_copies=plan["haystack_copies"])

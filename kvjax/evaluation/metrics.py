@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BUCKETS = (0, 128, 512, 2048, 8192)  # position bucket edges: [0, 128), [128, 512), [512, 2K), [2K, 8K)
+# Position bucket edges, each 4× the last: [0, 128), [128, 512), [512, 2K), [2K, 8K), [8K, 32K), [32K, 128K).
+# Only buckets that hold positions are reported (`Tally.buckets`): windows of 8K or less never show the last two.
+BUCKETS = (0, 128, 512, 2048, 8192, 32768, 131072)
 
 
 @jax.jit

@@ -7,6 +7,8 @@ asked for at the end; the model answers greedily through the paged cache of each
     INTRO | haystack[o : o + a] | " The secret number is 48213. " | haystack[o + a : o + n] | QUESTION
 
 with n the haystack tokens that make the prompt exactly `length` long and a = round(depth × n).
+A text shorter than the longest prompt is repeated end to start (`repeat_haystack`): the shipped
+prose is 31,818 SmolLM2 tokens, so a 32K prompt on a subword vocabulary reads part of it twice.
 The answer is the first run of digits in the continuation (the continuation itself if it has
 none); a trial succeeds when the answer is the key, and agrees with the baseline when the two
 answers are equal, right or wrong.
@@ -47,6 +49,17 @@ def prompt_tokens(tokenizer, haystack, length: int, depth: float, key: int, offs
     body = [int(t) for t in haystack[offset:offset + n]]
     at = round(depth * n)
     return pre + body[:at] + needle + body[at:] + post, len(pre) + at
+
+
+def repeat_haystack(tokens, length: int) -> tuple[np.ndarray, int]:
+    """(the haystack tokens i32[n] repeated end to start until they hold `length` tokens, the number
+    of copies). A text at least `length` long comes back as it is (one copy), so the trials of every
+    prompt it holds stay as they were."""
+    tokens = np.asarray(tokens)
+    if len(tokens) == 0:
+        raise KvjaxError("the passkey haystack text has no tokens")
+    copies = max(1, -(-length // len(tokens)))
+    return (np.tile(tokens, copies) if copies > 1 else tokens), copies
 
 
 def plan_trials(haystack_tokens: int, lengths, depths, trials: int, per_haystack: int, seed: int = 0) -> list[dict]:

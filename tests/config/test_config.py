@@ -34,8 +34,8 @@ def test_presets_are_counted_not_looked_up():
 
 
 def test_preset_registry():
-    assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "tiny-moe", "tiny-moe-mla", "llama-2-7b",
-                             "llama-3-8b", "llama-3-70b", "smollm2-135m", "deepseek-v3", "gemma-3-27b",
+    assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "tiny-moe", "tiny-moe-mla", "tiny-long",
+                             "llama-2-7b", "llama-3-8b", "llama-3-70b", "smollm2-135m", "deepseek-v3", "gemma-3-27b",
                              "gemma-3-270m", "gemma-2-9b", "gpt-oss-20b", "gpt-oss-120b", "mistral-7b-v0.1",
                              "deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-gpt-oss"]
     assert preset("Llama-3-8B") is preset("llama-3-8b")
