@@ -149,6 +149,12 @@ def scheduled_tokens(plan, steps: int) -> tuple[int, int]:
     return int(plan.num_scheduled[prefill].sum()), decode * steps if plan.is_decode else decode
 
 
+def _pairs(plan) -> int:
+    """Causal query-key pairs of a plan: Σ n·L − n(n − 1)/2 for n new tokens ending at position L."""
+    n, lens = np.asarray(plan.num_scheduled, np.int64), np.asarray(plan.seq_lens, np.int64)
+    return int(np.sum(n * lens - n * (n - 1) // 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """The scheduler's view of one engine step (`StepLog`). Times are time.perf_counter seconds."""
@@ -167,6 +173,9 @@ class StepRecord:
     recomputed_tokens: int  # within prefill_tokens: positions a preempted request had computed before
     compiled: bool  # JAX traced or compiled during it (its time is not the step's own)
     preempted: tuple[str, ...] = ()  # the requests it preempted
+    scheduled: tuple[tuple[str, int], ...] = ()  # (request id, tokens computed) in the plan's order
+    context_tokens: int = 0  # Σ the plan's seq_lens: positions its attention reads
+    attention_pairs: int = 0  # Σ n·L − n(n − 1)/2: causal query-key pairs (kvjax.simulator.cost)
 
 
 class StepLog:
@@ -200,7 +209,9 @@ class StepLog:
             num_waiting=len(sched.waiting), num_preempted=preempted, blocks_in_use=max(used),
             tokens_held=sum(self._held.get(r, 0) for r in {*plan.req_ids, *(r.req_id for r in sched.running)}),
             prefill_tokens=prefill, decode_tokens=decode, recomputed_tokens=recomputed, compiled=compiled,
-            preempted=tuple(plan.preempted)))
+            preempted=tuple(plan.preempted),
+            scheduled=tuple((rid, int(n)) for rid, n in zip(plan.req_ids, plan.num_scheduled)),
+            context_tokens=int(np.sum(plan.seq_lens, dtype=np.int64)), attention_pairs=_pairs(plan)))
         for rid in [r for r in self._high if r not in sched.requests]:  # finished: forget its marks
             del self._high[rid], self._held[rid]
 

@@ -1,0 +1,241 @@
+"""Cost models of one engine step: its features, a roofline with device presets, a fitted profile.
+
+A step's time depends on what the scheduler put in it (`StepFeatures`, read from the StepPlan):
+
+    tokens            T = prefill tokens + decode tokens, the rows every linear layer multiplies
+    prefill_tokens    prompt tokens, chunks of them and recomputation after a preemption
+    decode_tokens     one per request that decodes
+    context_tokens    Σ seq_lens: positions the step's attention reads from the KV cache (each
+                      request's K/V once per layer, as paged attention reads it)
+    attention_pairs   Σ query-key pairs, n·L − n(n − 1)/2 for n new tokens ending at position L
+                      (causal): the attention's multiply-adds per head and dimension
+
+`Roofline` (a device and a model): step time = max(bytes / bandwidth, FLOPs / peak) + the
+all-reduces of tensor parallelism + a fixed overhead per step, with
+
+    bytes  = the weights one rank holds (read once per step) + context_tokens × KV bytes per token
+             per rank (its format's: fp8 half of bf16, MLA's latent) + T × the same (written)
+    FLOPs  = 2 × active parameters per rank × T (a MoE model's routed experts count top_k of
+             num_experts) at the weights' tensor-core peak (fp8 weights: the fp8 peak), plus
+             2 × layers × heads per rank × (key dim + value dim) × attention_pairs at the bf16 peak
+    comm   = 2 all-reduces per layer of T × hidden × 2 bytes, ring: 2 (tp − 1) / tp of it over
+             the link bandwidth
+
+Device presets cite their vendors' datasheets (dense throughput, half of the with-sparsity
+figures); this CPU's numbers are measured (`measure_cpu`: a copy for bandwidth, a matmul for the
+peak). `FittedProfile` is a least-squares fit of recorded step times (`kvjax bench serve`'s step
+log) over [1, prefill_tokens, decode_tokens, context_tokens, attention_pairs]: what this machine
+really does per step. Both print their numbers (`describe`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from kvjax.errors import KvjaxError
+
+FEATURES = ("1", "prefill_tokens", "decode_tokens", "context_tokens", "attention_pairs")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFeatures:
+    """What one step computes (module docstring)."""
+
+    num_requests: int
+    prefill_tokens: int
+    decode_tokens: int
+    context_tokens: int
+    attention_pairs: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+    @classmethod
+    def from_plan(cls, plan) -> "StepFeatures":
+        """The features of a kvjax.core.sched.output.StepPlan (one model step)."""
+        n = np.asarray(plan.num_scheduled, np.int64)
+        lens = np.asarray(plan.seq_lens, np.int64)
+        prefill = np.asarray(plan.prefill, bool)
+        return cls(plan.num_requests, int(n[prefill].sum()), int((~prefill).sum()), int(lens.sum()),
+                   int((n * lens - n * (n - 1) // 2).sum()))
+
+    def vector(self) -> np.ndarray:
+        """f64 [1, prefill, decode, context, pairs]: the fitted profile's regressors."""
+        return np.array([1.0, self.prefill_tokens, self.decode_tokens, self.context_tokens, self.attention_pairs])
+
+
+# ------------------------------------------------------------------------------------- devices
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator's roofline numbers (per device)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense tensor-core peak
+    fp8_flops: float  # dense; a device without fp8 tensor cores: its bf16 peak
+    link_bytes_per_s: float  # one direction, to the other devices of a tensor-parallel group
+    memory_gib: float
+    source: str
+
+
+# Dense peaks: NVIDIA publishes "with sparsity" tensor-core figures; dense is half of them.
+DEVICES = {
+    "h100": Device("H100 SXM", 3.35e12, 989e12, 1979e12, 450e9, 80,
+                   "NVIDIA H100 datasheet: 3.35 TB/s HBM3, BF16 1,979 / FP8 3,958 TFLOPS with sparsity, "
+                   "NVLink 900 GB/s (both directions)"),
+    "h200": Device("H200 SXM", 4.8e12, 989e12, 1979e12, 450e9, 141,
+                   "NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s, BF16 1,979 / FP8 3,958 TFLOPS with "
+                   "sparsity, NVLink 900 GB/s (both directions)"),
+    "b200": Device("B200", 8.0e12, 2250e12, 4500e12, 900e9, 180,
+                   "NVIDIA DGX B200 datasheet: 1,440 GB HBM3e and 64 TB/s for 8 GPUs (8 TB/s each), "
+                   "72 PFLOPS FP8 training with sparsity for 8 (4.5 PF dense each; BF16 half of it), "
+                   "NVLink 1.8 TB/s (both directions)"),
+}
+
+
+def measure_cpu(seconds: float = 0.5) -> Device:
+    """This machine's CPU: bandwidth from copying a 256 MiB array (read + write), the peak from
+    a 1,024² f32 matmul through JAX (what the engine runs on); the best of a few repeats."""
+    import jax
+    import jax.numpy as jnp
+
+    src = np.ones(1 << 25, np.float64)  # 256 MiB
+    dst = np.empty_like(src)
+    best_copy = _best(lambda: np.copyto(dst, src), seconds)
+    a = jnp.ones((1024, 1024), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    best_mm = _best(lambda: mm(a).block_until_ready(), seconds)
+    bw, flops = 2 * src.nbytes / best_copy, 2 * 1024 ** 3 / best_mm
+    return Device("this CPU", bw, flops, flops, bw, 0, f"measured: a 256 MiB copy at {bw / 1e9:.1f} GB/s, a 1,024² "
+                                                       f"f32 matmul at {flops / 1e9:.1f} GFLOP/s")
+
+
+def _best(fn, seconds: float) -> float:
+    best, end = float("inf"), time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > end:
+            return best
+
+
+# ------------------------------------------------------------------------------------- models
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    """What a step of one model costs on one tensor-parallel rank, from its shapes."""
+
+    name: str
+    layers: int
+    heads: int  # query heads per rank
+    key_dim: int  # per head: head_dim (MLA absorbed: kv_lora_rank + qk_rope_head_dim)
+    value_dim: int  # head_dim (MLA: kv_lora_rank)
+    hidden_size: int
+    kv_bytes_per_token: int  # one rank's KV bytes per token (the format's, every layer)
+    weight_bytes: int  # one rank's weights
+    active_params: int  # per rank, per token (MoE: top_k of the routed experts)
+    fp8_weights: bool
+    tp: int
+
+    @classmethod
+    def from_config(cls, config, spec, *, weight_bytes: int, weight_dtype: str = "bf16", tp: int = 1) -> "ModelCost":
+        """config: a kvjax ModelConfig; spec: its KVSpec in the KV format asked for (whole model);
+        weight_bytes: the whole model's (kvjax plan's weights)."""
+        heads = config.num_heads // tp
+        if config.is_mla:
+            key, value = config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
+        else:
+            key = value = config.head_dim
+        return cls(config.name or config.model_type, config.num_layers, heads, key, value, config.hidden_size,
+                   spec.per_rank(tp).bytes_per_token, weight_bytes // tp, active_params(config) // tp,
+                   weight_dtype.startswith("fp8"), tp)
+
+
+def active_params(config) -> int:
+    """Parameters one token multiplies: all of a dense model's; a MoE model's without the routed
+    experts it does not visit (num_experts − top_k of them in each MoE layer)."""
+    total = config.num_params
+    moe = config.moe
+    if moe is None:
+        return total
+    d, i = config.hidden_size, moe.intermediate_size
+    unused = (moe.num_experts - moe.top_k) * (3 * d * i + moe.expert_bias * (2 * i + d))
+    return total - len(config.moe_layers) * unused
+
+
+# ------------------------------------------------------------------------------------- cost models
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """Step time of `model` on `device` (module docstring); overhead_s: a fixed cost per step
+    (scheduling, launches), an assumption, not measured."""
+
+    device: Device
+    model: ModelCost
+    overhead_s: float = 1e-3
+
+    def step_seconds(self, f: StepFeatures) -> float:
+        m, d = self.model, self.device
+        moved = m.weight_bytes + (f.context_tokens + f.tokens) * m.kv_bytes_per_token
+        linear = 2 * m.active_params * f.tokens / (d.fp8_flops if m.fp8_weights else d.bf16_flops)
+        attention = 2 * m.layers * m.heads * (m.key_dim + m.value_dim) * f.attention_pairs / d.bf16_flops
+        comm = 0.0
+        if m.tp > 1:
+            comm = m.layers * 2 * (2 * (m.tp - 1) / m.tp) * f.tokens * m.hidden_size * 2 / d.link_bytes_per_s
+        return max(moved / d.hbm_bytes_per_s, linear + attention) + comm + self.overhead_s
+
+    def describe(self) -> str:
+        d, m = self.device, self.model
+        return (f"roofline on {d.name} ({d.source}): {d.hbm_bytes_per_s / 1e12:.2f} TB/s, bf16 "
+                f"{d.bf16_flops / 1e12:,.0f} / fp8 {d.fp8_flops / 1e12:,.0f} TFLOP/s dense; {m.name} per rank of "
+                f"{m.tp}: {m.weight_bytes / 2**30:.2f} GiB of weights, {m.active_params / 1e9:.2f}B active "
+                f"parameters, {m.kv_bytes_per_token:,} KV bytes per token; overhead {self.overhead_s * 1e3:g} ms "
+                "per step (assumed)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedProfile:
+    """step seconds = coefficients · [1, prefill, decode, context, pairs], least squares over
+    recorded steps (`fit`)."""
+
+    coefficients: tuple[float, ...]
+    steps: int  # how many steps it was fitted on
+    rms_error_s: float  # its residual on them
+
+    def step_seconds(self, f: StepFeatures) -> float:
+        return max(0.0, float(np.dot(self.coefficients, f.vector())))
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepFeatures, float]]) -> "FittedProfile":
+        """samples: (features, seconds) of recorded steps; at least as many as there are features."""
+        if len(samples) < len(FEATURES):
+            raise KvjaxError(f"fitting a step profile needs at least {len(FEATURES)} recorded steps, got {len(samples)}")
+        x = np.stack([f.vector() for f, _ in samples])
+        y = np.array([s for _, s in samples], np.float64)
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of very different sizes
+        coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
+        coef = coef / scale
+        return cls(tuple(float(c) for c in coef), len(samples), float(np.sqrt(np.mean((x @ coef - y) ** 2))))
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{name} {c:.3g}" for name, c in zip(FEATURES, self.coefficients))
+        return (f"profile fitted on {self.steps} recorded steps (seconds per unit: {terms}; "
+                f"rms error {self.rms_error_s * 1e3:.2f} ms)")
+
+    def to_json(self) -> dict:
+        return {"features": list(FEATURES), "coefficients": list(self.coefficients), "steps": self.steps,
+                "rms_error_s": self.rms_error_s}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FittedProfile":
+        if list(d.get("features", [])) != list(FEATURES) or len(d.get("coefficients", [])) != len(FEATURES):
+            raise KvjaxError(f"a fitted profile has features {list(FEATURES)} and one coefficient each; got "
+                             f"{d.get('features')!r}")
+        return cls(tuple(float(c) for c in d["coefficients"]), int(d["steps"]), float(d["rms_error_s"]))

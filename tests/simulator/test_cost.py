@@ -1,0 +1,66 @@
+"""The simulator's cost models against arithmetic done by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax.config.presets import preset
+from kvjax.errors import KvjaxError
+from kvjax.simulator.cost import DEVICES, FittedProfile, ModelCost, Roofline, StepFeatures, active_params
+
+
+def test_features_of_a_plan_by_hand():
+    class Plan:  # a chunk of 5 new tokens ending at 12, two decodes at 7 and 30
+        num_requests = 3
+        num_scheduled = np.array([5, 1, 1])
+        seq_lens = np.array([12, 7, 30])
+        prefill = np.array([True, False, False])
+
+    f = StepFeatures.from_plan(Plan)
+    assert (f.prefill_tokens, f.decode_tokens, f.tokens, f.context_tokens) == (5, 2, 7, 49)
+    assert f.attention_pairs == (12 + 11 + 10 + 9 + 8) + 7 + 30  # each new token sees its position + 1 keys
+
+
+def test_roofline_of_llama_3_8b_decode_on_h200_by_hand():
+    """Llama-3-8B, bf16 weights and KV, 64 decodes at 4,096 positions each, one H200."""
+    config = preset("llama-3-8b")
+    spec = config.kv_spec("bfloat16")
+    weights = 2 * config.num_params
+    cost = Roofline(DEVICES["h200"], ModelCost.from_config(config, spec, weight_bytes=weights), overhead_s=0.0)
+    f = StepFeatures(64, 0, 64, 64 * 4096, 64 * 4096)
+    kv_token = 2 * 32 * 8 * 128 * 2  # K and V × layers × kv heads × head dim × 2 bytes = 128 KiB
+    moved = weights + (64 * 4096 + 64) * kv_token
+    flops = 2 * config.num_params * 64 / 989e12 + 2 * 32 * 32 * 256 * 64 * 4096 / 989e12
+    assert cost.step_seconds(f) == pytest.approx(max(moved / 4.8e12, flops))
+    assert moved / 4.8e12 > flops, "decode is bound by memory"
+    # TP 8 with fp8 weights: an eighth of the bytes, and two ring all-reduces per layer
+    tp8 = Roofline(DEVICES["h200"], ModelCost.from_config(config, spec, weight_bytes=config.num_params,
+                                                          weight_dtype="fp8", tp=8), overhead_s=0.0)
+    comm = 32 * 2 * (2 * 7 / 8) * 64 * 4096 * 2 / 450e9
+    assert tp8.step_seconds(f) == pytest.approx(
+        (config.num_params // 8 + (64 * 4096 + 64) * kv_token // 8) / 4.8e12 + comm)
+
+
+def test_active_parameters_of_a_moe_model():
+    config = preset("qwen3-30b-a3b")
+    moe = config.moe
+    per_expert = 3 * config.hidden_size * moe.intermediate_size
+    assert active_params(config) == config.num_params - len(config.moe_layers) * (moe.num_experts - moe.top_k) * per_expert
+    assert 3.0e9 < active_params(config) < 3.6e9  # "A3B": about 3.3B active
+    assert active_params(preset("tiny")) == preset("tiny").num_params
+
+
+def test_fitted_profile_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    truth = np.array([2e-3, 3e-5, 4e-4, 1e-7, 2e-10])
+    samples = []
+    for _ in range(40):
+        f = StepFeatures(4, int(rng.integers(0, 512)), int(rng.integers(0, 16)), int(rng.integers(0, 8192)),
+                         int(rng.integers(0, 10 ** 6)))
+        samples.append((f, float(truth @ f.vector())))
+    prof = FittedProfile.fit(samples)
+    np.testing.assert_allclose(prof.coefficients, truth, rtol=1e-6)
+    assert prof.rms_error_s < 1e-9
+    assert FittedProfile.from_json(prof.to_json()) == prof
+    with pytest.raises(KvjaxError, match="needs at least 5 recorded steps, got 2"):
+        FittedProfile.fit(samples[:2])
