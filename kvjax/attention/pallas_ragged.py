@@ -243,12 +243,12 @@ def work_items(md: BatchMetadata, q_tile: int, num_items: int):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "per_token", "rank", "group", "value_dim", "scale", "window",
-                                             "softcap", "tiles", "interpret"))
+                                             "softcap", "tiles", "interpret", "out_dtype"))
 def _ragged(q_planes, kv_arrays, md, logit_scale, out_scale, sinks, *, kind, per_token, rank, group, value_dim, scale,
-            window, softcap, tiles, interpret):
+            window, softcap, tiles, interpret, out_dtype):
     """q_planes: ([T, K, G, ·], ...) query lane planes; kv_arrays: the pages (and per-token scale
     pages) as `_kv_specs` lays them out; logit_scale f32[K] (× the softmax scale in the kernel);
-    out_scale f32[K] (MLA: f32[kv_lora_rank]); sinks f32[K, G] or None → f32 [T, K, G, Hv]."""
+    out_scale f32[K] (MLA: f32[kv_lora_rank]); sinks f32[K, G] or None → [T, K, G, Hv] in out_dtype."""
     t, kv_heads = q_planes[0].shape[:2]
     gp = pow2_bucket(group)
     tq = tiles.q_tile
@@ -298,8 +298,8 @@ def _ragged(q_planes, kv_arrays, md, logit_scale, out_scale, sinks, *, kind, per
         o = merge_splits(o[:, :, None], outs[-1][:, :, None], axis=2, sinks=sink_rows)
     o = o * (out_scale if kind == "mla" else out_scale[None, :, None, None])  # MLA: per channel; else per kv head
     o = o.reshape(num_items, kv_heads, tq, gp, -1)[:, :, :, :group].transpose(0, 2, 1, 3, 4)  # [W, Tq, K, G, Hv]
-    out = jnp.zeros((t + 1, kv_heads, group, o.shape[-1]), jnp.float32)
-    return out.at[idx].set(o, mode="drop")[:t]
+    out = jnp.zeros((t + 1, kv_heads, group, o.shape[-1]), out_dtype)  # rounded once, as the reference rounds
+    return out.at[idx].set(o.astype(out_dtype), mode="drop")[:t]
 
 
 def _compute_dtype(q_dtype, page_dtype):
@@ -385,8 +385,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out = _ragged(planes, arrays, md, k_scale, v_scale, None if sinks is None else sinks.reshape(kv_heads, group),
                   kind="nvfp4" if kind == "per_block" else "gqa", per_token=per_token, rank=0, group=group,
                   value_dim=value_dim, scale=float(scale), window=window, softcap=softcap, tiles=tiles,
-                  interpret=resolve_interpret(interpret))
-    return out.reshape(t, heads, head_dim).astype(q.dtype)
+                  interpret=resolve_interpret(interpret), out_dtype=jnp.dtype(q.dtype))
+    return out.reshape(t, heads, head_dim)
 
 
 def mla_ragged_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, md: BatchMetadata,
@@ -412,5 +412,6 @@ def mla_ragged_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pa
     arrays = (latent_pages, jnp.asarray(latent_scale, jnp.float32)) if per_token else (latent_pages,)
     out = _ragged((q[..., :rank], q[..., rank:]), arrays, md, jnp.ones((1,), jnp.float32), channel_scale[:rank],
                   None, kind="mla", per_token=per_token, rank=rank, group=heads, value_dim=(rank,),
-                  scale=float(scale), window=None, softcap=None, tiles=tiles, interpret=resolve_interpret(interpret))
-    return out.reshape(t, heads, rank).astype(q_latent.dtype)
+                  scale=float(scale), window=None, softcap=None, tiles=tiles, interpret=resolve_interpret(interpret),
+                  out_dtype=jnp.dtype(q_latent.dtype))
+    return out.reshape(t, heads, rank)
