@@ -22,16 +22,22 @@
     kvjax.attention's dispatcher picks there (`tiled.use_tiled` on this backend).
 (c) Tiles. The tiled form's time at a few (q_tile, kv_tokens) sizes on two of (b)'s shapes: where
     `PrefillTiles`' defaults come from.
+(e) SmolLM2-135M end to end on this CPU (kvjax.LLM, its real weights): prefill and decode tokens/s
+    with the ragged dispatch as shipped (tiled above `tiled.REFERENCE_SCORES_BYTES`) against the old
+    reference on every ragged step (the bound raised past any step), side by side in one process,
+    alternating, the best of the rounds: the issue's "not slower than today".
 (d) GPU only (`--gpu`, run by experiments/gpu_check.sh): the kernel, the tiled form and the old
     reference (where its scores fit) timed on Llama-3-8B's shape, bf16 and fp8 pages, a 2,048-token
     chunk at the end of 8K, 32K and 128K contexts: milliseconds, achieved TFLOP/s (4·C·N·H
     multiply-adds per visible position) and GB/s of K/V pages read, with a time budget.
 
-Writes long_context.json and long_context.md to --out (default $OUT, else experiments/results).
+Writes long_context.json and long_context.md to --out (default $OUT, else experiments/results);
+--engine long_context_engine.*, --gpu long_context_gpu.*.
 
     python experiments/long_context.py            # all three (a few minutes on 2 cores)
     python experiments/long_context.py --quick    # a small subset, for a smoke test
     python experiments/long_context.py --gpu      # on a GPU: (a) for Llama-3-8B and (d)
+    python experiments/long_context.py --engine   # (e) only
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ SMOLLM2 = Shape("SmolLM2-135M", 9, 3, 64)
 FORMATS = ("bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4")
 CONTEXTS = (8192, 32768, 131072)
 CHUNKS = (512, 2048, 8192)
+GPU_TOLERANCE = 2 ** -4  # --gpu: |kernel - tiled| on bf16 outputs of size ~1 (a few bf16 ulps at 1-2)
 IMPLS = {"old": paged_attention_reference, "tiled": paged_attention_tiled,
          "kernel": functools.partial(pallas_ragged.ragged_paged_attention, interpret=False)}
 
@@ -282,16 +289,56 @@ def gpu_speed(formats, contexts, chunk: int, repeats: int, budget_s: float, log)
             impls = ["kernel", "tiled"] + (["old"] if chunk * shape.heads * context * 4 <= 16 * GiB else [])
             fns = {impl: jitted(impl, shape, **kw) for impl in impls}
             best = best_seconds(fns, (q, k, v, md), repeats)
+            out = {impl: np.asarray(fn(q, k, v, md), np.float32) for impl, fn in fns.items() if impl != "old"}
             flops = 4 * chunk * shape.heads * shape.head_dim * (context - (chunk - 1) / 2)  # QK and PV, causal
             kv_bytes = 2 * context * shape.kv_heads * shape.head_dim * jnp.dtype(k.dtype).itemsize
-            row = dict(model=shape.name, format=fmt, context=context, chunk=chunk)
+            # the compiled kernel against the tiled form: bf16 outputs of values of size ~1
+            row = dict(model=shape.name, format=fmt, context=context, chunk=chunk,
+                       kernel_vs_tiled_max_abs=float(np.max(np.abs(out["kernel"] - out["tiled"]))))
             for impl, seconds in best.items():
                 row[f"{impl}_ms"] = round(seconds * 1e3, 3)
                 row[f"{impl}_tflops"] = round(flops / seconds / 1e12, 1)
                 row[f"{impl}_kv_gbps"] = round(kv_bytes / seconds / 1e9, 1)
             rows.append(row)
-            log(f"{fmt} S={context} C={chunk}: " + ", ".join(f"{i} {row[f'{i}_ms']} ms" for i in impls))
+            log(f"{fmt} S={context} C={chunk}: " + ", ".join(f"{i} {row[f'{i}_ms']} ms" for i in impls)
+                + f"; |kernel - tiled| <= {row['kernel_vs_tiled_max_abs']:.2e}")
     return rows
+
+
+def engine_speed(rounds: int, log, model: str = "smollm2-135m") -> list[dict]:
+    """(e): prefill / decode tokens/s of the engine, ragged dispatch as shipped vs the old reference."""
+    from kvjax import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=4, enable_prefix_caching=False,
+              use_tqdm_on_load=False)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, 10_000, 1024).tolist()} for _ in range(4)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    shipped = tiled.REFERENCE_SCORES_BYTES["cpu"]
+    rows = {name: dict(model=model, dispatch=name, prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0)
+            for name in ("shipped", "old")}
+    tokens = {}
+    try:
+        for r in range(rounds):
+            for name, bound in (("shipped", shipped), ("old", 1 << 62)):
+                tiled.REFERENCE_SCORES_BYTES["cpu"] = bound
+                jax.clear_caches()  # the engine's steps were traced under the other bound
+                llm.generate(prompts, params, use_tqdm=False)  # compiles
+                out = llm.generate(prompts, params, use_tqdm=False)
+                s = out.summary
+                row = rows[name]
+                row["prefill_tokens_per_s"] = max(row["prefill_tokens_per_s"], round(s.prefill_tokens_per_s, 1))
+                row["decode_tokens_per_s"] = max(row["decode_tokens_per_s"], round(s.decode_tokens_per_s, 1))
+                tokens[name] = [o.outputs[0].token_ids for o in out]
+                log(f"{model} round {r + 1} {name}: prefill {s.prefill_tokens_per_s:.0f} tok/s, "
+                    f"decode {s.decode_tokens_per_s:.0f} tok/s")
+    finally:
+        tiled.REFERENCE_SCORES_BYTES["cpu"] = shipped
+        jax.clear_caches()
+    same = tokens["shipped"] == tokens["old"]
+    for row in rows.values():
+        row["same_tokens"] = same
+    return list(rows.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,12 +389,26 @@ def render(result: dict) -> str:
                   "GB/s is the K/V pages' bytes over the time. \"—\": the old reference's f32 scores would exceed "
                   "16 GiB.", "",
                   *markdown_table(["format", "S", "C"] + [f"{i} ms" for i in impls] + [f"{i} TFLOP/s" for i in impls]
-                                  + ["kernel KV GB/s"],
+                                  + ["kernel KV GB/s", "max abs kernel − tiled"],
                                   [[r["format"], f"{r['context']:,}", f"{r['chunk']:,}"]
                                    + [f"{r[f'{i}_ms']:,}" if f"{i}_ms" in r else "—" for i in impls]
                                    + [str(r[f"{i}_tflops"]) if f"{i}_ms" in r else "—" for i in impls]
-                                   + [str(r["kernel_kv_gbps"])] for r in result["gpu_speed"]],
-                                  "lrr" + "r" * (2 * len(impls) + 1)), ""]
+                                   + [str(r["kernel_kv_gbps"]), f"{r['kernel_vs_tiled_max_abs']:.1e}"]
+                                   for r in result["gpu_speed"]],
+                                  "lrr" + "r" * (2 * len(impls) + 2)), ""]
+    if result.get("engine"):
+        e = {r["dispatch"]: r for r in result["engine"]}
+        lines += ["## (e) SmolLM2-135M end to end on this CPU: ragged dispatch as shipped vs the old reference", "",
+                  "kvjax.LLM on the real weights, 4 prompts of 1,024 tokens and 32 greedy tokens each, "
+                  "max_num_batched_tokens 2,048; the engine's timed steps (compile excluded), the best of "
+                  f"{result['engine_rounds']} alternating rounds. Same greedy tokens: "
+                  f"{'yes' if result['engine'][0]['same_tokens'] else 'NO'}.", "",
+                  *markdown_table(["dispatch", "prefill tok/s", "decode tok/s"],
+                                  [[r["dispatch"], f"{r['prefill_tokens_per_s']:,}", f"{r['decode_tokens_per_s']:,}"]
+                                   for r in result["engine"]]
+                                  + [["shipped / old", f"{e['shipped']['prefill_tokens_per_s'] / e['old']['prefill_tokens_per_s']:.2f}×",
+                                      f"{e['shipped']['decode_tokens_per_s'] / e['old']['decode_tokens_per_s']:.2f}×"]],
+                                  "lrr"), ""]
     if not result["speed"]:
         return "\n".join(lines)
     lines += ["## (b) CPU time, old reference vs tiled (bf16 pages and queries, compile excluded, best of "
@@ -374,6 +435,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a small subset of every part (a smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per CPU measurement (default 5)")
     parser.add_argument("--gpu", action="store_true", help="on a GPU: (a) for Llama-3-8B and the kernel's time (d)")
+    parser.add_argument("--engine", action="store_true", help="(e) only: SmolLM2-135M end to end, shipped vs old")
+    parser.add_argument("--rounds", type=int, default=3, help="(e): alternating rounds (default 3)")
     parser.add_argument("--time-budget", type=float, default=60.0, help="seconds for (d) (default 60)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 5)
@@ -382,8 +445,11 @@ def main(argv=None) -> dict:
     def log(message):
         print(f"[{time.perf_counter() - t0:6.1f} s] {message}", flush=True)
 
-    gpu_rows = []
-    if args.gpu:
+    gpu_rows, engine_rows = [], []
+    if args.engine:
+        temps, speeds, tiles = [], [], []
+        engine_rows = engine_speed(args.rounds, log)
+    elif args.gpu:
         temps = temporaries([LLAMA_8B], ["bf16", "fp8_e4m3"], CONTEXTS, [8192], log)
         gpu_rows = gpu_speed(["bf16", "fp8_e4m3"], CONTEXTS, 2048, repeats, args.time_budget, log)
         speeds, tiles = [], []
@@ -395,8 +461,10 @@ def main(argv=None) -> dict:
         temps = temporaries([LLAMA_8B, LLAMA_70B], FORMATS, CONTEXTS, CHUNKS, log)
         speeds = speed(SPEED_CASES, repeats, log)
         tiles = tile_sweep([SPEED_CASES[2], SPEED_CASES[9]], TILE_SIZES, repeats, log)
+        engine_rows = engine_speed(args.rounds, log)
     result = dict(command="python experiments/long_context.py" + (" --quick" if args.quick else "")
-                  + (" --gpu" if args.gpu else ""), backend=jax.default_backend(),
+                  + (" --gpu" if args.gpu else "") + (" --engine" if args.engine else ""),
+                  backend=jax.default_backend(), engine=engine_rows, engine_rounds=args.rounds,
                   machine=f"{os.cpu_count()} CPU cores, {platform.machine()}, jax {jax.__version__} "
                           f"{jax.default_backend()}",
                   default_tiles=dataclasses.asdict(PrefillTiles()), repeats=repeats,
@@ -404,9 +472,13 @@ def main(argv=None) -> dict:
                   temporaries=temps, speed=speeds, tiles=tiles, gpu_speed=gpu_rows, seconds=round(time.perf_counter() - t0, 1))
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "long_context.json", result, "--out")
-    write_text(out / "long_context.md", render(result) + "\n", "--out")
-    log(f"wrote {out / 'long_context.md'}")
+    stem = "long_context_engine" if args.engine else "long_context_gpu" if args.gpu else "long_context"
+    write_json(out / f"{stem}.json", result, "--out")
+    write_text(out / f"{stem}.md", render(result) + "\n", "--out")
+    log(f"wrote {out / f'{stem}.md'}")
+    bad = [r for r in gpu_rows if r["kernel_vs_tiled_max_abs"] > GPU_TOLERANCE]
+    if bad:
+        raise SystemExit(f"the compiled kernel and the tiled form differ by more than {GPU_TOLERANCE}: {bad}")
     return result
 
 
