@@ -48,6 +48,7 @@ _MODULE_COMMANDS = {
     "report": ("kvjax.commands.report", "the end-to-end report on the built-in small models"),
     "serve": ("kvjax.commands.serve", "an OpenAI-compatible HTTP server (vLLM's `vllm serve`)"),
     "bench": ("kvjax.commands.bench", "benchmarks with vLLM's definitions: `kvjax bench serve`"),
+    "simulate": ("kvjax.commands.simulate", "vLLM's scheduling on a cost model: serving latency without a model"),
 }
 
 _VLLM = "vLLM's name"

@@ -46,6 +46,14 @@ def add_parser(sub) -> None:
                                    "requested = ceil(device memory × gpu_memory_utilization); budget = requested − "
                                    "weights − activations − CUDA graphs (or --kv-cache-memory-bytes); "
                                    "blocks = budget // block bytes (block 0 is null).")
+    add_sizing_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE", help="plot max concurrency vs context for bf16 and fp8 "
+                                                  "(.png, .svg or .pdf)")
+
+
+def add_sizing_arguments(p) -> None:
+    """The model and memory flags plan reads (`_resolve_plan_inputs`); kvjax simulate takes them too."""
     src = p.add_argument_group("model (one of)")
     src.add_argument("--group", choices=sorted(bud.GROUPS), type=str.upper,
                      help="a SPEC simulator group (A, B, C); other flags override its values")
@@ -69,9 +77,6 @@ def add_parser(sub) -> None:
     hyb = p.add_argument_group("hybrid KV cache (models with sliding-window layers)")
     hyb.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="vLLM's default: two batches in flight (--no-async-scheduling: one)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE", help="plot max concurrency vs context for bf16 and fp8 "
-                                                  "(.png, .svg or .pdf)")
 
 
 DEFAULT_BATCHED_TOKENS = 8192

@@ -1,0 +1,106 @@
+"""`kvjax simulate`: `kvjax bench serve`'s workload through vLLM's scheduling, on a cost model.
+
+    kvjax simulate --preset llama-3-8b --device h200 --device-memory-gib 141 --max-model-len 8192 \\
+        --num-prompts 1000 --random-input-len 1024 --random-output-len 128 --request-rate 8
+
+The model and the memory flags are `kvjax plan`'s, read by its code, so the budget → blocks
+arithmetic is plan's: the scheduler gets plan's blocks per rank (block 0 the null block),
+--block-size, --max-model-len, --max-num-batched-tokens and --max-num-seqs. The requests are
+vLLM's random dataset (kvjax.benchmarks.datasets.random_requests) arriving as `kvjax bench
+serve`'s do (--request-rate, --burstiness, --max-concurrency, --seed). Each step's time comes
+from a cost model (kvjax.simulator.cost): the roofline of --device (h100, h200, b200 presets; cpu
+measured here) for the model and its --tensor-parallel-size, or --profile FILE, a step profile
+fitted from recorded steps. It prints the cost model's numbers, then `kvjax bench serve`'s table
+(simulated seconds), or one JSON object with --json. Simulated, not measured: the roofline
+leaves out what a real step also spends (kernel efficiency, launch gaps beyond --overhead-ms).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from kvjax.commands import plan as plan_cmd
+from kvjax.errors import UsageError, dumps, float_arg, int_arg, read_json
+
+DEVICE_NAMES = ("h100", "h200", "b200", "cpu")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="vLLM's scheduling on a cost model: serving latency without a model",
+                       description=__doc__.split("\n")[0])
+    plan_cmd.add_sizing_arguments(p)
+    w = p.add_argument_group("workload (kvjax bench serve's random dataset and arrivals)")
+    w.add_argument("--num-prompts", type=int_arg(1), default=1000, help="requests (1000)")
+    w.add_argument("--random-input-len", type=int_arg(1), default=1024, help="prompt tokens (1024)")
+    w.add_argument("--random-output-len", type=int_arg(1), default=128, help="output tokens (128)")
+    w.add_argument("--random-range-ratio", type=float_arg(0, 1), default=0.0, help="length spread in [0, 1)")
+    w.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the intervals (1: Poisson)")
+    w.add_argument("--max-concurrency", type=int_arg(1), default=None, help="requests in flight at most")
+    w.add_argument("--seed", type=int_arg(0), default=0)
+    s = p.add_argument_group("scheduler and cost")
+    s.add_argument("--max-num-seqs", type=int_arg(1), default=256, help="requests running at once (256)")
+    s.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    s.add_argument("--device", choices=DEVICE_NAMES, default="h200", help="the roofline's device (h200)")
+    s.add_argument("--overhead-ms", type=float, default=1.0, help="fixed cost per step in the roofline (1 ms)")
+    s.add_argument("--profile", metavar="FILE", help="a fitted step profile (JSON) instead of the roofline")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(plot=None)
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from kvjax.accounting import budget as bud
+    from kvjax.benchmarks.datasets import random_requests
+    from kvjax.benchmarks.serve import arrival_times, calculate_metrics, format_table, result_dict
+    from kvjax.config.hf import from_hf_config
+    from kvjax.config.presets import preset
+    from kvjax.config.scheduler import SchedulerConfig
+    from kvjax.simulator import cost
+    from kvjax.simulator.clock import simulate
+
+    if not (args.preset or args.hf_config):
+        raise UsageError("kvjax simulate needs the model's shapes: --preset NAME or --hf-config FILE")
+    if not (args.request_rate > 0) or not (args.burstiness > 0):
+        raise UsageError(f"--request-rate {args.request_rate} and --burstiness {args.burstiness} must be > 0")
+    inputs = plan_cmd._resolve_plan_inputs(args)
+    pl = bud.plan(inputs["spec"], **inputs["kw"])
+    if not pl.num_blocks or pl.num_blocks < 2:
+        raise UsageError(f"the budget leaves {pl.num_blocks} KV blocks: nothing to schedule (kvjax plan shows why)")
+    config = preset(args.preset) if args.preset else from_hf_config(args.hf_config)
+    tokens = args.max_num_batched_tokens or plan_cmd.DEFAULT_BATCHED_TOKENS
+    sched = SchedulerConfig(num_blocks=pl.num_blocks, block_size=pl.block_size, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=tokens, max_model_len=pl.context,
+                            prefix_caching=args.prefix_caching)
+    if args.profile:
+        model = cost.FittedProfile.from_json(read_json(args.profile, "--profile"))
+    else:
+        device = cost.measure_cpu() if args.device == "cpu" else cost.DEVICES[args.device]
+        model = cost.Roofline(device, cost.ModelCost.from_config(
+            config, inputs["spec"], weight_bytes=inputs["kw"]["weights_bytes"], weight_dtype=args.weight_dtype or "bf16",
+            tp=pl.tp), overhead_s=args.overhead_ms / 1e3)
+    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               range_ratio=args.random_range_ratio, vocab_size=config.vocab_size or 32000,
+                               seed=args.seed)
+    arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+    t0 = time.perf_counter()
+    result = simulate(sched, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests],
+                      np.asarray(arrivals, np.float64), model.step_seconds,
+                      max_concurrency=args.max_concurrency)
+    wall = time.perf_counter() - t0
+    metrics, output_lens = calculate_metrics(result.outputs, result.duration, (50, 90, 99))
+    out = result_dict(metrics, result.outputs, output_lens, result.duration, ("ttft", "tpot", "itl", "e2el"), None)
+    out.update(simulated=True, cost_model=model.describe(), blocks=pl.num_blocks, engine_steps=len(result.steps),
+               preemptions=result.preemptions, peak_running_requests=max((s.num_running for s in result.steps),
+                                                                         default=0),
+               simulation_wall_s=round(wall, 2), max_concurrency=args.max_concurrency)
+    if args.json:
+        print(dumps(out, indent=2))
+        return 0
+    print(f"cost model: {model.describe()}")
+    print(f"scheduler: {pl.num_blocks:,} blocks of {pl.block_size} (plan's budget per rank), max_num_seqs "
+          f"{args.max_num_seqs}, max_num_batched_tokens {tokens:,}, max_model_len {pl.context:,}")
+    print(format_table(out, ("ttft", "tpot", "itl", "e2el"), (50, 90, 99), title="Simulated Serving Result"))
+    print(f"{len(result.steps):,} steps simulated in {wall:.1f} s")
+    return 0
