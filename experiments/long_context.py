@@ -370,18 +370,19 @@ def render(result: dict) -> str:
                    "the program around the kernel, the pallas_call stubbed by an opaque host callback of its inputs "
                    "and outputs (it runs only interpreted on CPU): what XLA plans in device memory for the step; the "
                    "kernel's own working set is per program, in SRAM and registers")
-    lines += [f"## (a) Compiled temporaries of one layer's prefill (XLA memory_analysis, {result['backend']})", "",
-              "One sequence, a chunk of C new tokens ending at context S, pages of 16, bf16 queries. "
-              "\"old scores\" is B·Q·N·S f32 (the reference's score array alone). \"pages as bits\" is the part of "
-              "the tiled form's temporaries that is the CPU backend's one copy of the K/V page arrays as integers "
-              "(tiled.as_bits; bf16 and fp8 pages only); the rest is the tiles and O(C) rows. \"kernel\": "
-              f"{kernel_note}. Arguments (the pages, the queries) are not temporaries.", "",
-              *markdown_table(["model", "format", "S", "C", "old scores GiB", "old GiB", "tiled GiB",
-                               "of which pages as bits GiB", "kernel GiB", "old / tiled"],
-                              [[r["model"], r["format"], f"{r['context']:,}", f"{r['chunk']:,}",
-                                gib(r["old_scores_bytes"]), gib(r["old_temp_bytes"]), gib(r["tiled_temp_bytes"]),
-                                gib(r["pages_as_bits_bytes"]), gib(r["kernel_temp_bytes"]), f"{r['ratio']:,}×"]
-                               for r in result["temporaries"]], "lllrrrrrrr"), ""]
+    if result["temporaries"]:
+        lines += [f"## (a) Compiled temporaries of one layer's prefill (XLA memory_analysis, {result['backend']})", "",
+                  "One sequence, a chunk of C new tokens ending at context S, pages of 16, bf16 queries. "
+                  "\"old scores\" is B·Q·N·S f32 (the reference's score array alone). \"pages as bits\" is the part of "
+                  "the tiled form's temporaries that is the CPU backend's one copy of the K/V page arrays as integers "
+                  "(tiled.as_bits; bf16 and fp8 pages only); the rest is the tiles and O(C) rows. \"kernel\": "
+                  f"{kernel_note}. Arguments (the pages, the queries) are not temporaries.", "",
+                  *markdown_table(["model", "format", "S", "C", "old scores GiB", "old GiB", "tiled GiB",
+                                   "of which pages as bits GiB", "kernel GiB", "old / tiled"],
+                                  [[r["model"], r["format"], f"{r['context']:,}", f"{r['chunk']:,}",
+                                    gib(r["old_scores_bytes"]), gib(r["old_temp_bytes"]), gib(r["tiled_temp_bytes"]),
+                                    gib(r["pages_as_bits_bytes"]), gib(r["kernel_temp_bytes"]), f"{r['ratio']:,}×"]
+                                   for r in result["temporaries"]], "lllrrrrrrr"), ""]
     if result.get("gpu_speed"):
         impls = [i for i in ("kernel", "tiled", "old") if any(f"{i}_ms" in r for r in result["gpu_speed"])]
         lines += ["## (d) GPU time of one layer's prefill attention (Llama-3-8B shape, compile excluded, best of "
