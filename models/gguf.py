@@ -1,4 +1,4 @@
-"""A llama, gemma2, gemma3, qwen2moe or qwen3moe GGUF file (llama.cpp's format) read as a HF checkpoint.
+"""A llama, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss or deepseek2 GGUF file (llama.cpp's) read as a HF checkpoint.
 
 GGUF (llama.cpp `docs/gguf.md`) is one file: a header of typed key-value metadata (the model's hyper-parameters
 under `{architecture}.*`, its tokenizer under `tokenizer.ggml.*`), then tensor infos (name, dims in ggml order —
@@ -28,7 +28,7 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
   `rope.freq_base_swa`), softmax scale head_dim^-0.5 but hidden / heads for the 27B models (or
   `attention.scale`), gemma2's soft-caps 50 and 30, no attention soft-cap on gemma3. A file
   without `attention.sliding_window` is refused;
-- mixture-of-experts files (qwen2moe, qwen3moe, llama with experts: Mixtral): models.gguf_moe;
+- mixture-of-experts files (qwen2moe, qwen3moe, llama with experts: Mixtral, gpt-oss, deepseek2): models.gguf_moe;
 - `tokenizer()`: the byte-level BPE of `tokenizer.ggml.model = gpt2` rebuilt with the
   `tokenizers` library from the file's tokens and merges (models.gguf_tokenizer), exactly as
   transformers' `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it
@@ -42,10 +42,10 @@ vocabulary (`special_ids`: 0xFFFFFFFF too); the chat template is a ChatTemplate 
 Refused, each with its own GGUFError subclass (a models.tensors.CheckpointError, so a ValueError):
 not a GGUF file, one truncated or corrupt, or a metadata value of the wrong type or range (GGUFFormatError);
 an architecture other than these, or a feature kvjax's models do not implement — per-layer head counts, rope
-scaling other than linear, llama.cpp's `rope_freqs` (GGUFArchitectureError); a tensor type `gguf.quants.dequantize`
-cannot dequantize, or one the gguf library does not know (GGUFTensorTypeError); a tokenizer model other than
-gpt2, a pre-tokenizer whose split models.gguf_tokenizer does not reproduce, or a vocabulary it cannot build
-(GGUFTokenizerError).
+scaling other than linear (yarn: gpt-oss and deepseek2 only), llama.cpp's `rope_freqs` (GGUFArchitectureError); a
+tensor type `gguf.quants.dequantize` cannot dequantize, or one the gguf library does not know (GGUFTensorTypeError);
+a tokenizer model other than gpt2, a pre-tokenizer whose split models.gguf_tokenizer does not reproduce, or a
+vocabulary it cannot build (GGUFTokenizerError).
 """
 from __future__ import annotations
 
@@ -248,9 +248,9 @@ class GGUFFile(TensorSource):
         scaling = self.meta_str(f"{arch}.rope.scaling.type", "none")
         if scaling == "linear":
             rope.update(rope_type="linear", factor=x("rope.scaling.factor", lo=MIN_EPS))
-        elif scaling != "none":
+        elif scaling != "none" and not (scaling == "yarn" and arch in gguf_moe.YARN):  # yarn: gguf_moe reads it
             raise GGUFArchitectureError(f"GGUF file {self.where!r}: {arch}.rope.scaling.type {scaling!r} is "
-                                        "not supported (only none and linear)")
+                                        "not supported (only none and linear; yarn on gpt-oss and deepseek2)")
         vocab = m("vocab_size", None)
         if vocab is None:
             vocab = self.num_tokens()  # transformers' fallback
@@ -342,13 +342,13 @@ class GGUFFile(TensorSource):
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if (shape := gguf_moe.torch_shape(name, [tuple(map(int, t.shape[::-1])) for t in self._tensors[name]])) is None:
+        if (shape := gguf_moe.torch_shape(self.architecture, name, self._tensors[name])) is None:
             raise GGUFFormatError(f"GGUF file {self.where!r}: {self.origin(name)} do not fit side by side as {name!r}")
         return shape
 
     def read(self, name: str) -> np.ndarray:
         """f32 values of one tensor in torch's layout (attn_q / attn_k un-permuted, see the module docstring)."""
-        return gguf_moe.join(name, [self._read_one(t) for t in self._tensors[name]])
+        return gguf_moe.join(self.architecture, name, [self._read_one(t) for t in self._tensors[name]])
 
     def _read_one(self, t) -> np.ndarray:
         import gguf
@@ -421,7 +421,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     names = GEMMA_BLOCK_NAMES if architecture in GEMMA else BLOCK_NAMES
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
-    return (match and gguf_moe.block_name(match.group(1), f"{match.group(2)}.{suffix}")) or gguf_name
+    return (match and gguf_moe.block_name(match.group(1), f"{match.group(2)}.{suffix}", architecture)) or gguf_name
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -15,8 +15,11 @@ expert_shared_feed_forward_length. In float32:
   Llama, so not Mixtral) loads the same logits from the same file. It does not read the experts' widths
   from the file (its mapping has no expert_feed_forward_length), so it is given the config;
 - with the experts stored Q8_0, every expert parameter is gguf's dequantization of the stored blocks;
-- refused: a qwen2moe file without expert_feed_forward_length (naming the key), a deepseek2 file
-  (the architecture), gate and up expert tensors that do not fit side by side or join to the wrong shape.
+- refused: a qwen2moe file without expert_feed_forward_length (naming the key), a MoE architecture kvjax
+  does not read (dbrx), YaRN in a llama file, gate and up expert tensors that do not fit side by side or
+  join to the wrong shape.
+
+gpt-oss and deepseek2 files: tests/models/test_gguf_gpt_oss.py and test_gguf_deepseek.py.
 """
 from __future__ import annotations
 
@@ -72,10 +75,11 @@ def make_model(name: str):
     return model
 
 
-def write_moe_gguf(path, model, name, *, expert_type=Q.F32, widths=True, cut_up=None):
+def write_moe_gguf(path, model, name, *, expert_type=Q.F32, widths=True, cut_up=None, yarn=False):
     """`model` as a GGUF file, as llama.cpp's converter writes a MoE model (module docstring). expert_type: the
     ggml type of the stacked experts; widths: write expert_feed_forward_length (and the shared expert's);
-    cut_up: store ffn_up_exps one "row" or one "expert" short of ffn_gate_exps (corrupt files)."""
+    cut_up: store ffn_up_exps one "row" or one "expert" short of ffn_gate_exps (corrupt files); yarn: say
+    rope.scaling.type yarn, which only gpt-oss and deepseek2 files may."""
     c = model.config
     arch = ARCH[name]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -88,6 +92,8 @@ def write_moe_gguf(path, model, name, *, expert_type=Q.F32, widths=True, cut_up=
     w.add_vocab_size(c.vocab_size)
     w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
+    if yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     if widths and name != "mixtral":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if name == "qwen2-moe":
@@ -194,13 +200,17 @@ def test_refusals(tmp_path):
     with pytest.raises(GGUFFormatError, match=r"\(blk.0.ffn_gate_exps.weight, F32 \+ blk.0.ffn_up_exps.weight, F32\) "
                                               r"do not fit side by side as 'model.layers.0.mlp.experts.gate_up_proj'"):
         load_checkpoint(path)
-    w = gguf.GGUFWriter(str(tmp_path / "ds.gguf"), "deepseek2")
+    path = write_moe_gguf(tmp_path / "yarn.gguf", make_model("mixtral"), "mixtral", yarn=True)
+    with pytest.raises(GGUFArchitectureError, match=r"llama.rope.scaling.type 'yarn' is not supported \(only none "
+                                                    r"and linear; yarn on gpt-oss and deepseek2\)"):
+        load_checkpoint(path)
+    w = gguf.GGUFWriter(str(tmp_path / "dbrx.gguf"), "dbrx")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFArchitectureError, match="holds a 'deepseek2' model .* kvjax loads only 'llama' / "
-                                                    "'gemma2' / 'gemma3' / 'qwen2moe' / 'qwen3moe' GGUF files"):
-        GGUFFile(tmp_path / "ds.gguf")
+    with pytest.raises(GGUFArchitectureError, match="holds a 'dbrx' model .* kvjax loads only 'llama' / 'gemma2' "
+                                                    "/ 'gemma3' / 'qwen2moe' / 'qwen3moe' / 'gpt-oss' / 'deepseek2'"):
+        GGUFFile(tmp_path / "dbrx.gguf")
