@@ -203,7 +203,9 @@ class Roofline:
 @dataclasses.dataclass(frozen=True)
 class FittedProfile:
     """step seconds = coefficients · [1, prefill, decode, context, pairs], least squares over
-    recorded steps (`fit`)."""
+    recorded steps (`fit`), every coefficient kept >= 0: a feature whose free fit comes out
+    negative (it explains noise, not cost: a workload of other proportions would extrapolate it
+    into negative time) is dropped and the rest refitted, until none is."""
 
     coefficients: tuple[float, ...]
     steps: int  # how many steps it was fitted on
@@ -220,8 +222,14 @@ class FittedProfile:
         x = np.stack([f.vector() for f, _ in samples])
         y = np.array([s for _, s in samples], np.float64)
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of very different sizes
-        coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
-        coef = coef / scale
+        keep = np.ones(len(FEATURES), bool)
+        while True:
+            coef = np.zeros(len(FEATURES))
+            sol, *_ = np.linalg.lstsq(x[:, keep] / scale[keep], y, rcond=None)
+            coef[keep] = sol / scale[keep]
+            if (coef >= 0).all():
+                break
+            keep &= coef >= 0  # drop the negative ones (module docstring), refit the rest
         return cls(tuple(float(c) for c in coef), len(samples), float(np.sqrt(np.mean((x @ coef - y) ** 2))))
 
     def describe(self) -> str:

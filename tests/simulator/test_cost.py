@@ -64,3 +64,19 @@ def test_fitted_profile_recovers_known_coefficients():
     assert FittedProfile.from_json(prof.to_json()) == prof
     with pytest.raises(KvjaxError, match="needs at least 5 recorded steps, got 2"):
         FittedProfile.fit(samples[:2])
+
+
+def test_fitted_coefficients_are_never_negative():
+    """A feature whose free fit is negative is dropped and the rest refitted: here step time
+    falls with decode tokens (noise a real step never has), so decode's coefficient is 0 and the
+    others are the least squares of what is left."""
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(30):
+        f = StepFeatures(4, int(rng.integers(0, 512)), int(rng.integers(0, 16)), 0, 0)
+        samples.append((f, 1e-3 + 2e-5 * f.prefill_tokens - 1e-5 * f.decode_tokens))
+    prof = FittedProfile.fit(samples)
+    assert min(prof.coefficients) >= 0 and prof.coefficients[2] == 0.0
+    x = np.array([[1.0, f.prefill_tokens] for f, _ in samples])
+    want, *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
+    np.testing.assert_allclose(prof.coefficients[:2], want, rtol=1e-6)
