@@ -125,3 +125,14 @@ def with_variant(kw, name, rng):
     if extra.pop("sinks", False):
         extra["sinks"] = jnp.asarray(rng.normal(0.5, 1.5, N), jnp.float32)
     return {**kw, **extra}
+
+
+def mla_case(fmt, seed, rank=16, rope=8, heads=4):
+    """An absorbed-MLA step over latent pages [P, Z, rank + rope] of format fmt, unread slots
+    poisoned: (q_latent, q_rope, latent pages, metadata, keyword arguments of the attention call)."""
+    rng = np.random.default_rng(seed)
+    real, sliding, num_pages, readable = layout(SEQS, None, seed)
+    latent, scale = pages_of(fmt, (num_pages, Z, rank + rope), readable, rng)
+    q_latent = jnp.asarray(rng.standard_normal((MAX_TOKENS, heads, rank)), jnp.float32)
+    q_rope = jnp.asarray(rng.standard_normal((MAX_TOKENS, heads, rope)), jnp.float32)
+    return q_latent, q_rope, latent, metadata(SEQS, real, sliding), dict(scale=SCALE, latent_scale=scale, kv_dtype=fmt)

@@ -20,6 +20,7 @@ import math
 import time
 
 from kvjax.commands import plan as plan_cmd
+from kvjax.engine.cli_args import add_engine_flags
 from kvjax.errors import UsageError, dumps, float_arg, int_arg, read_json
 
 DEVICE_NAMES = ("h100", "h200", "b200", "cpu")
@@ -37,10 +38,10 @@ def add_parser(sub) -> None:
     w.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the intervals (1: Poisson)")
     w.add_argument("--max-concurrency", type=int_arg(1), default=None, help="requests in flight at most")
-    w.add_argument("--seed", type=int_arg(0), default=0)
+    add_engine_flags(w, ["seed"], None, helps={"seed": "the dataset's and the arrivals' seed (0)"})
     s = p.add_argument_group("scheduler and cost")
-    s.add_argument("--max-num-seqs", type=int_arg(1), default=256, help="requests running at once (256)")
-    s.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    add_engine_flags(s, ["max_num_seqs", "enable_prefix_caching"], None, defaults={"max_num_seqs": 256},
+                     helps={"max_num_seqs": "requests running at once (256, vLLM's on a GPU)"})
     s.add_argument("--device", choices=DEVICE_NAMES, default="h200", help="the roofline's device (h200)")
     s.add_argument("--overhead-ms", type=float, default=1.0, help="fixed cost per step in the roofline (1 ms)")
     s.add_argument("--profile", metavar="FILE", help="a fitted step profile (JSON) instead of the roofline")
@@ -72,7 +73,7 @@ def run(args) -> int:
     tokens = args.max_num_batched_tokens or plan_cmd.DEFAULT_BATCHED_TOKENS
     sched = SchedulerConfig(num_blocks=pl.num_blocks, block_size=pl.block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=tokens, max_model_len=pl.context,
-                            prefix_caching=args.prefix_caching)
+                            prefix_caching=args.enable_prefix_caching is not False)
     if args.profile:
         model = cost.FittedProfile.from_json(read_json(args.profile, "--profile"))
     else:

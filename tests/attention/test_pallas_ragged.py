@@ -27,8 +27,8 @@ from kvjax.errors import KvjaxError
 from kvjax.worker.paged_cache import KVPages
 
 from nvfp4_numpy import decode as nvfp4_decode
-from ragged_cases import (MAX_TOKENS, SCALE, SEQS, Z, assert_equal_to_reference, gqa_case, jitted, layout, metadata,
-                          pages_of, values_max, with_variant)
+from ragged_cases import (MAX_TOKENS, SCALE, SEQS, Z, assert_equal_to_reference, gqa_case, jitted, mla_case,
+                          values_max, with_variant)
 
 
 
@@ -138,14 +138,8 @@ def test_bf16_queries():
 @pytest.mark.parametrize("fmt", [None, pytest.param("fp8_e4m3", marks=pytest.mark.slow), "int8_per_token_head",
                                  pytest.param("fp8_per_token_head", marks=pytest.mark.slow)])
 def test_mla_kernel_matches_numpy_and_reference(fmt):
-    rank, rope, heads = 16, 8, 4
-    rng = np.random.default_rng(7)
-    real, sliding, num_pages, readable = layout(SEQS, None, 7)
-    latent, scale = pages_of(fmt, (num_pages, Z, rank + rope), readable, rng)
-    md = metadata(SEQS, real, sliding)
-    q_latent = jnp.asarray(rng.standard_normal((MAX_TOKENS, heads, rank)), jnp.float32)
-    q_rope = jnp.asarray(rng.standard_normal((MAX_TOKENS, heads, rope)), jnp.float32)
-    kw = dict(scale=SCALE, latent_scale=scale, kv_dtype=fmt)
+    q_latent, q_rope, latent, md, kw = mla_case(fmt, 7)
+    rank, heads, scale = q_latent.shape[2], q_latent.shape[1], kw["latent_scale"]
     values = dequantized(latent, scale, fmt)[:, :, None]  # one kv head: key = latent, value = c_kv
     want = attention_numpy(jnp.concatenate([q_latent, q_rope], -1), values, values[..., :rank], md, scale=SCALE)
     v_max = values_max(latent, dict(v_scale=scale))

@@ -29,8 +29,8 @@ from kvjax.attention.tiled import PrefillTiles, mla_paged_attention_tiled, paged
 from kvjax.worker.paged_cache import KVPages, LatentPages
 
 from ragged_cases import (ATOL, MAX_BLOCKS, MAX_QUERY, MAX_SEQS, MAX_TOKENS, N, RTOL, SCALE, SEQS, H, VARIANTS, Z,
-                          assert_equal_to_reference, first_seen, gqa_case, jitted, layout, metadata,
-                          pages_of, values_max, with_variant)
+                          assert_equal_to_reference, first_seen, gqa_case, jitted, mla_case, values_max,
+                          with_variant)
 
 TILES = [PrefillTiles(q_tile=4, kv_tokens=2 * Z), PrefillTiles(q_tile=3, kv_tokens=Z), PrefillTiles()]
 WINDOWS = [None, 1, 3, 2 * Z + 1, 64]  # shorter than a kv tile, longer than one, longer than every context
@@ -118,14 +118,8 @@ def test_chunked_prefill_equals_one_prefill():
 @pytest.mark.parametrize("fmt", [None, "fp8_e4m3", "int8_per_token_head"])
 def test_mla_latent_pages(fmt):
     """Absorbed MLA: one kv head whose key is the whole latent [c_kv, k_rope] and whose value is c_kv."""
-    rank, rope, heads = 16, 8, 4
-    rng = np.random.default_rng(4)
-    real, sliding, num_pages, readable = layout(SEQS, None, 4)
-    latent, scale = pages_of(fmt, (num_pages, Z, rank + rope), readable, rng)
-    md = metadata(SEQS, real, sliding)
-    q_latent = jnp.asarray(rng.standard_normal((MAX_TOKENS, heads, rank)), jnp.float32)
-    q_rope = jnp.asarray(rng.standard_normal((MAX_TOKENS, heads, rope)), jnp.float32)
-    kw = dict(scale=SCALE, latent_scale=scale, kv_dtype=fmt)
+    q_latent, q_rope, latent, md, kw = mla_case(fmt, 4)
+    rank, heads, scale = q_latent.shape[2], q_latent.shape[1], kw["latent_scale"]
     want = jitted(mla_paged_attention_reference, q_latent, q_rope, latent, md, **kw)
     for tiles in TILES:
         got = jitted(mla_paged_attention_tiled, q_latent, q_rope, latent, md, tiles=tiles, **kw)

@@ -18,6 +18,7 @@ TABLE_OPTIONS = {flag: field for field, (flags, _) in FLAGS.items() for flag in 
 TYPE_OVERRIDES = {"memory": {"gpu_memory_utilization", "total_memory_bytes"},
                   "plan": {"gpu_memory_utilization", "total_memory_bytes", "kv_offloading_size",
                            "tensor_parallel_size"}}
+TYPE_OVERRIDES["simulate"] = TYPE_OVERRIDES["plan"]  # plan's sizing flags, read by plan's code
 
 
 def _command_parser(command: str) -> argparse.ArgumentParser:

@@ -54,6 +54,14 @@ TEXTS = ["Beautiful is better than ugly.", "  leading spaces and trailing  ", "I
 # --------------------------------------------------------------------------------------------
 # Writing llama GGUF files the way llama.cpp's convert_hf_to_gguf.py does
 # --------------------------------------------------------------------------------------------
+
+def finish(w) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
 def train_vocab(size=320):
     """(tokens by id, merges "a b", token types): a byte-level BPE trained on CORPUS, its specials
     marked control (3), and one user-defined token (4) at the end."""
@@ -141,10 +149,7 @@ def write_gguf(path, model, type_of, vocab, *, arch="llama", add_bos=False, extr
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     for name, data, qtype in extra:
         w.add_tensor(name, data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return str(path)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 from hf_fixtures import hf_logits, random_model, save_hf_model
 from moe_fixtures import moe_config
+from test_gguf import finish
 from test_gguf_moe import TOKENS, _add, _logits
 
 from kvjax.models.gguf import GGUFFormatError
@@ -121,10 +122,7 @@ def write_deepseek2_gguf(path, model, *, legacy=False, gating=None, cut_v=False,
             _add(w, f"{names.get_name(base.replace('kv_b', 'v_b'))}.weight", v_b[..., 1:] if cut_v else v_b, Q.F32)
         else:
             _add(w, f"{names.get_name(base)}.{suffix}", data, Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return str(path)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_fixtures import hf_logits, make_hf_model
-from test_gguf import write_shape
+from test_gguf import finish, write_shape
 
 from kvjax.attention.metadata import build_metadata
 from kvjax.models import build_model
@@ -65,10 +65,7 @@ def write_gemma_gguf(path, model, *, scale=True, window=True, **meta):
         if hf.endswith("norm.weight"):
             data = data + 1  # Gemma2Model.modify_tensors: llama.cpp's norm multiplies by the weight alone
         w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from hf_fixtures import hf_logits, save_hf_model
 from moe_fixtures import make_gpt_oss_model
-from test_gguf import write_shape
+from test_gguf import finish, write_shape
 from test_gguf_moe import TOKENS, _add, _logits
 from test_gpt_oss import _mxfp4_folder
 
@@ -99,10 +99,7 @@ def write_gpt_oss_gguf(path, model, *, expert_type=Q.F32, mxfp4=None, window=Tru
             _add(w, f"blk.{layer}.attn_sinks.weight", data, Q.F32)
         else:
             _add(w, f"{names.get_name(base)}.{suffix}", data, Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return str(path)
 
 

@@ -33,7 +33,7 @@ import torch
 import transformers as tf
 from hf_fixtures import hf_logits, save_hf_model
 from moe_fixtures import make_moe_model, moe_config
-from test_gguf import llama_permute, write_shape
+from test_gguf import finish, llama_permute, write_shape
 
 from kvjax.attention.metadata import build_metadata
 from kvjax.models import build_model
@@ -120,10 +120,7 @@ def write_moe_gguf(path, model, name, *, expert_type=Q.F32, widths=True, cut_up=
         elif gguf_name.endswith("ffn_gate_inp_shexp.weight"):
             data = data[0]  # a vector [D], as llama.cpp holds it
         _add(w, gguf_name, data, Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return str(path)
 
 
@@ -207,10 +204,7 @@ def test_refusals(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "dbrx.gguf"), "dbrx")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(GGUFArchitectureError, match="holds a 'dbrx' model .* kvjax loads only 'llama' / 'gemma2' "
                                                     "/ 'gemma3' / 'qwen2moe' / 'qwen3moe' / 'gpt-oss' / 'deepseek2'"):
         GGUFFile(tmp_path / "dbrx.gguf")
