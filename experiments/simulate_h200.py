@@ -1,0 +1,179 @@
+"""Simulated serving on H200s (issue 41, part 4): `kvjax simulate`'s roofline, predictions only.
+
+SIMULATED, NOT MEASURED. For each deployment, the pool comes from kvjax plan's arithmetic
+(141 GiB per H200, gpu_memory_utilization 0.9, blocks of 16, the weights at their dtype divided
+over the ranks) and each step's time from kvjax.simulator.cost.Roofline (the H200 datasheet's
+bandwidth and dense peaks, ring all-reduces over NVLink, 1 ms per step assumed): a lower bound on
+a real step, which also spends kernel inefficiency and launch gaps. The requests are vLLM's random
+dataset with Poisson arrivals at a sweep of rates; per rate: p90 TTFT and TPOT, preemptions.
+The SLO (p90 TTFT <= 2 s, p90 TPOT <= 100 ms) gives each deployment's max sustainable rate.
+
+    Llama-3-70B, TP 8, fp8 weights: bf16 vs fp8 KV, 8K and 32K contexts
+    DeepSeek-V3 (MLA, its latent replicated on every rank), TP 8, fp8 weights: bf16 vs fp8 KV, 8K
+
+Writes simulate_h200.{json,md,png} to --out (default $OUT, else experiments/results).
+
+    python experiments/simulate_h200.py            # every deployment (about 10 min on 2 cores)
+    python experiments/simulate_h200.py --quick    # two rates of one, fewer requests
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from kvjax.accounting import budget as bud  # noqa: E402
+from kvjax.benchmarks import serve as B  # noqa: E402
+from kvjax.benchmarks.datasets import random_requests  # noqa: E402
+from kvjax.config.engine import resolve_kv_dtype  # noqa: E402
+from kvjax.config.presets import preset  # noqa: E402
+from kvjax.config.scheduler import SchedulerConfig  # noqa: E402
+from kvjax.errors import pyplot, save_figure, write_json, write_text  # noqa: E402
+from kvjax.experiments import results_dir  # noqa: E402
+from kvjax.markdown import markdown_table  # noqa: E402
+from kvjax.simulator.clock import simulate  # noqa: E402
+from kvjax.simulator.cost import DEVICES, ModelCost, Roofline  # noqa: E402
+
+GiB = 1 << 30
+SLO = {"p90_ttft_ms": 2000.0, "p90_tpot_ms": 100.0}
+BLOCK = 16  # vLLM's block size on CUDA
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    label: str
+    preset: str
+    kv: str  # kv cache dtype
+    context: int  # max_model_len
+    input_len: int
+    output_len: int
+    tp: int = 8
+    weight_dtype: str = "fp8"
+    rates: tuple = (2, 4, 8, 16, 32)
+    requests: int = 120  # per point (a low rate's run is long: n / rate simulated seconds of steps)
+
+
+DEPLOYMENTS = (
+    Deployment("Llama-3-70B, 8K, bf16 KV", "llama-3-70b", "bf16", 8192, 3072, 512),
+    Deployment("Llama-3-70B, 8K, fp8 KV", "llama-3-70b", "fp8", 8192, 3072, 512),
+    Deployment("Llama-3-70B, 32K, bf16 KV", "llama-3-70b", "bf16", 32768, 16384, 1024, rates=(1, 2, 4, 8),
+               requests=48),
+    Deployment("Llama-3-70B, 32K, fp8 KV", "llama-3-70b", "fp8", 32768, 16384, 1024, rates=(1, 2, 4, 8), requests=48),
+    Deployment("DeepSeek-V3, 8K, bf16 KV", "deepseek-v3", "bf16", 8192, 3072, 512),
+    Deployment("DeepSeek-V3, 8K, fp8 KV", "deepseek-v3", "fp8", 8192, 3072, 512),
+)
+
+
+def sized(d: Deployment):
+    """(scheduler config, roofline, plan) of a deployment: kvjax plan's arithmetic, the roofline's model."""
+    config = preset(d.preset)
+    spec = config.kv_spec(resolve_kv_dtype(d.kv, config.dtype))
+    weights = bud.weight_bytes(config.num_params, d.weight_dtype)
+    pl = bud.plan(spec, context=d.context, block_size=BLOCK, total_bytes=141 * GiB, util=0.9, weights_bytes=weights,
+                  tp=d.tp)
+    sched = SchedulerConfig(num_blocks=pl.num_blocks, block_size=BLOCK, max_num_seqs=256, max_num_batched_tokens=8192,
+                            max_model_len=d.context)
+    cost = Roofline(DEVICES["h200"], ModelCost.from_config(config, spec, weight_bytes=weights,
+                                                          weight_dtype=d.weight_dtype, tp=d.tp))
+    return sched, cost, pl
+
+
+def point(d: Deployment, rate: float, n: int, seed: int = 0) -> dict:
+    sched, cost, pl = sized(d)
+    requests = random_requests(n, d.input_len, d.output_len, range_ratio=0.25, vocab_size=32000, seed=seed)
+    arrivals = B.arrival_times(n, rate, 1.0, seed)
+    sim = simulate(sched, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests], arrivals,
+                   cost.step_seconds)
+    metrics, lens = B.calculate_metrics(sim.outputs, sim.duration, (90,))
+    res = B.result_dict(metrics, sim.outputs, lens, sim.duration, ("ttft", "tpot", "e2el"))
+    return dict(rate=rate, blocks=pl.num_blocks, steps=len(sim.steps), preemptions=sim.preemptions,
+                peak_running=max(s.num_running for s in sim.steps),
+                **{k: res[k] for k in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_e2el_ms",
+                                       "output_throughput")})
+
+
+def meets_slo(p: dict) -> bool:
+    return all(p[k] <= v for k, v in SLO.items())
+
+
+def render(res: dict) -> str:
+    lines = ["# SIMULATED serving on H200s (kvjax simulate's roofline; predictions, not measurements)", "",
+             f"`{res['command']}` ({res['seconds']} s on this CPU). {res['assumptions']}", "",
+             f"SLO: p90 TTFT <= {SLO['p90_ttft_ms']:,.0f} ms and p90 TPOT <= {SLO['p90_tpot_ms']:,.0f} ms.", ""]
+    summary = []
+    for d in res["deployments"]:
+        ok = [p["rate"] for p in d["points"] if meets_slo(p)]
+        pre = [p["rate"] for p in d["points"] if p["preemptions"]]
+        summary.append([d["label"], f"{d['points'][0]['blocks']:,}", f"{max(ok)} req/s" if ok else "none",
+                        f"{min(pre)} req/s" if pre else "none in the sweep"])
+    lines += markdown_table(["deployment", "blocks per rank", "max rate meeting the SLO", "preemption from"],
+                            summary, "lrll") + [""]
+    for d in res["deployments"]:
+        lines += [f"## {d['label']}", "", f"{d['requests']} requests per point. {d['cost_model']}", "",
+                  *markdown_table(["req/s", "p90 TTFT ms", "p90 TPOT ms", "mean E2EL ms", "output tok/s", "preemptions",
+                                   "peak running", "SLO"],
+                                  [[p["rate"], f"{p['p90_ttft_ms']:,.0f}", f"{p['p90_tpot_ms']:,.1f}",
+                                    f"{p['mean_e2el_ms']:,.0f}", f"{p['output_throughput']:,.0f}", p["preemptions"],
+                                    p["peak_running"], "yes" if meets_slo(p) else "no"] for p in d["points"]],
+                                  "rrrrrrrl"), ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for d in res["deployments"]:
+        rates = [p["rate"] for p in d["points"]]
+        axes[0].plot(rates, [p["p90_ttft_ms"] for p in d["points"]], marker="o", label=d["label"])
+        axes[1].plot(rates, [p["p90_tpot_ms"] for p in d["points"]], marker="o", label=d["label"])
+    for ax, key, name in ((axes[0], "p90_ttft_ms", "p90 TTFT (ms)"), (axes[1], "p90_tpot_ms", "p90 TPOT (ms)")):
+        ax.axhline(SLO[key], color="grey", ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(name)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("SIMULATED on 8×H200 (kvjax simulate, roofline): not measured")
+    fig.tight_layout()
+    save_figure(fig, path, "--out")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per point (default: the deployment's)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    deployments = DEPLOYMENTS[:1] if args.quick else DEPLOYMENTS
+    out_rows = []
+    for d in deployments:
+        rates = d.rates[:2] if args.quick else d.rates
+        n = 40 if args.quick else args.num_prompts or d.requests
+        points = []
+        for rate in rates:
+            points.append(point(d, rate, n))
+            print(f"{d.label} at {rate} req/s: p90 TTFT {points[-1]['p90_ttft_ms']:,.0f} ms, p90 TPOT "
+                  f"{points[-1]['p90_tpot_ms']:,.1f} ms, preemptions {points[-1]['preemptions']}", flush=True)
+        out_rows.append(dict(label=d.label, deployment=dataclasses.asdict(d), cost_model=sized(d)[1].describe(),
+                             requests=n, points=points))
+    res = dict(command="python experiments/simulate_h200.py" + (" --quick" if args.quick else ""),
+               assumptions="vLLM's random dataset (lengths ±25%; requests per point in each section), Poisson "
+                           "arrivals; pools "
+                           "from kvjax plan at 141 GiB × 0.9 per H200, blocks of 16, max_num_seqs 256, "
+                           "max_num_batched_tokens 8,192; the roofline's 1 ms per step is assumed.",
+               slo=SLO, deployments=out_rows, seconds=round(time.perf_counter() - t0, 1))
+    out = results_dir(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "simulate_h200.json", res, "--out")
+    write_text(out / "simulate_h200.md", render(res) + "\n", "--out")
+    plot(res, out / "simulate_h200.png")
+    print(f"wrote {out / 'simulate_h200.md'}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
