@@ -29,13 +29,12 @@ it read).
 from __future__ import annotations
 
 import gguf
-import jax
 import numpy as np
 import pytest
 from hf_fixtures import hf_logits, random_model, save_hf_model
 from moe_fixtures import moe_config
 from test_gguf import finish
-from test_gguf_moe import TOKENS, _add, _logits
+from test_gguf_moe import TOKENS, _add, _logits, assert_same_params
 
 from kvjax.models.gguf import GGUFFormatError
 from kvjax.models.loader import load_checkpoint
@@ -152,11 +151,7 @@ def test_gguf_loads_the_safetensors_weights_and_transformers_logits(case):
         (want_rope.rope_type, want_rope.layout, want_rope.factor, want_rope.original_max_position_embeddings)
     if rope.rope_type == "yarn":  # 0.1 · 0.707 stored as float32, read back / 0.1
         np.testing.assert_allclose([rope.mscale, rope.mscale_all_dim], [0.707, 0.707], rtol=1e-6)
-    got_leaves = jax.tree_util.tree_leaves_with_path(params)
-    want_leaves = jax.tree_util.tree_leaves(want)
-    assert len(got_leaves) == len(want_leaves)
-    for (where, got), expected in zip(got_leaves, want_leaves):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), err_msg=jax.tree_util.keystr(where))
+    assert_same_params(params, want)
     np.testing.assert_allclose(_logits(config, params, TOKENS), hf_logits(model, TOKENS), rtol=0, atol=2e-5)
 
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 import types
 
 import gguf
-import jax
 import numpy as np
 import pytest
 from hf_fixtures import hf_logits, save_hf_model
 from moe_fixtures import make_gpt_oss_model
 from test_gguf import finish, write_shape
-from test_gguf_moe import TOKENS, _add, _logits
+from test_gguf_moe import TOKENS, _add, _logits, assert_same_params
 from test_gpt_oss import _mxfp4_folder
 
 from kvjax.models.gguf import GGUFFormatError
@@ -111,13 +110,6 @@ def case(tmp_path_factory):
     return model, write_gpt_oss_gguf(folder / "gpt-oss.gguf", model), save_hf_model(model, str(folder / "hf"))
 
 
-def _assert_same_params(got: dict, want: dict) -> None:
-    got_leaves, want_leaves = jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)
-    assert len(got_leaves) == len(want_leaves)
-    for (where, a), b in zip(got_leaves, want_leaves):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(where))
-
-
 def test_gguf_loads_the_safetensors_weights_and_transformers_logits(case):
     model, path, folder = case
     config, params = load_checkpoint(path)
@@ -132,7 +124,7 @@ def test_gguf_loads_the_safetensors_weights_and_transformers_logits(case):
             rope.truncate, rope.theta, rope.layout) == \
         (want_rope.rope_type, want_rope.factor, want_rope.original_max_position_embeddings, want_rope.beta_fast,
          want_rope.beta_slow, want_rope.truncate, want_rope.theta, want_rope.layout)
-    _assert_same_params(params, want)
+    assert_same_params(params, want)
     np.testing.assert_allclose(_logits(config, params, TOKENS), hf_logits(model, TOKENS), rtol=0, atol=2e-5)
 
 
@@ -168,7 +160,7 @@ def test_mxfp4_repacked_from_the_released_blocks_loads_as_the_safetensors_mxfp4(
     assert {t.tensor_type for t in gguf.GGUFReader(path).tensors if "_exps.weight" in t.name} == {Q.MXFP4}
     _, params = load_checkpoint(path)
     _, want = load_checkpoint(str(tmp_path / "mxfp4"), dtype="float32")
-    _assert_same_params(params, want)
+    assert_same_params(params, want)
 
 
 def test_refusals(case, tmp_path):

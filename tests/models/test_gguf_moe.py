@@ -48,6 +48,14 @@ ARCH = {"qwen2-moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3-moe": gguf.MODEL_ARCH.QWEN
 TOKENS = [int(t) for t in np.random.RandomState(0).randint(0, 128, 24)]
 
 
+def assert_same_params(params, want) -> None:
+    """Every leaf of params array-equal to want's, in order (the failing one named by its path)."""
+    got_leaves = jax.tree_util.tree_leaves_with_path(params)
+    want_leaves = jax.tree_util.tree_leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for (where, got), expected in zip(got_leaves, want_leaves):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), err_msg=jax.tree_util.keystr(where))
+
 def _logits(config, params, tokens) -> np.ndarray:
     """f32[S, V]: one prefill of `tokens` through the paged cache (blocks of 4, table 1, 2, ...)."""
     blocks = -(-len(tokens) // 4)
@@ -149,11 +157,7 @@ def test_gguf_loads_the_safetensors_weights_and_transformers_logits(case):
     assert config.moe == want_config.moe and config.moe_layers == want_config.moe_layers
     assert (config.qkv_bias, config.qk_norm, config.head_dim) == (want_config.qkv_bias, want_config.qk_norm,
                                                                   want_config.head_dim)
-    got_leaves = jax.tree_util.tree_leaves_with_path(params)
-    want_leaves = jax.tree_util.tree_leaves(want)
-    assert len(got_leaves) == len(want_leaves)
-    for (where, got), expected in zip(got_leaves, want_leaves):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), err_msg=jax.tree_util.keystr(where))
+    assert_same_params(params, want)
     np.testing.assert_allclose(_logits(config, params, TOKENS), hf_logits(model, TOKENS), rtol=0, atol=1e-4)
 
 
