@@ -13,8 +13,10 @@ A step's time depends on what the scheduler put in it (`StepFeatures`, read from
 `Roofline` (a device and a model): step time = max(bytes / bandwidth, FLOPs / peak) + the
 all-reduces of tensor parallelism + a fixed overhead per step, with
 
-    bytes  = the weights one rank holds (read once per step) + context_tokens × KV bytes per token
-             per rank (its format's: fp8 half of bf16, MLA's latent) + T × the same (written)
+    bytes  = the weights one rank holds (read once per step; a MoE model's routed experts only as
+             far as the step's T tokens touch them: E × (1 − (1 − k/E)^T) of E experts per layer,
+             routing taken as uniform) + context_tokens × KV bytes per token per rank (its
+             format's: fp8 half of bf16, MLA's latent) + T × the same (written)
     FLOPs  = 2 × active parameters per rank × T (a MoE model's routed experts count top_k of
              num_experts) at the weights' tensor-core peak (fp8 weights: the fp8 peak), plus
              2 × layers × heads per rank × (key dim + value dim) × attention_pairs at the bf16 peak
@@ -143,6 +145,16 @@ class ModelCost:
     active_params: int  # per rank, per token (MoE: top_k of the routed experts)
     fp8_weights: bool
     tp: int
+    expert_weight_bytes: int = 0  # within weight_bytes: every routed expert of every MoE layer, per rank
+    num_experts: int = 0  # E (0: a dense model)
+    top_k: int = 0  # k
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads (module docstring: experts as far as touched)."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        touched = 1.0 - (1.0 - self.top_k / self.num_experts) ** tokens
+        return self.weight_bytes - self.expert_weight_bytes * (1.0 - touched)
 
     @classmethod
     def from_config(cls, config, spec, *, weight_bytes: int, weight_dtype: str = "bf16", tp: int = 1) -> "ModelCost":
@@ -153,9 +165,15 @@ class ModelCost:
             key, value = config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
         else:
             key = value = config.head_dim
+        moe, experts = config.moe, 0
+        if moe is not None:  # every routed expert's bytes, at the model's bytes per parameter
+            d, i = config.hidden_size, moe.intermediate_size
+            params = len(config.moe_layers) * moe.num_experts * (3 * d * i + moe.expert_bias * (2 * i + d))
+            experts = int(params * weight_bytes / config.num_params)
         return cls(config.name or config.model_type, config.num_layers, heads, key, value, config.hidden_size,
                    spec.per_rank(tp).bytes_per_token, weight_bytes // tp, active_params(config) // tp,
-                   weight_dtype.startswith("fp8"), tp)
+                   weight_dtype.startswith("fp8"), tp, experts // tp, moe.num_experts if moe else 0,
+                   moe.top_k if moe else 0)
 
 
 def active_params(config) -> int:
@@ -183,7 +201,7 @@ class Roofline:
 
     def step_seconds(self, f: StepFeatures) -> float:
         m, d = self.model, self.device
-        moved = m.weight_bytes + (f.context_tokens + f.tokens) * m.kv_bytes_per_token
+        moved = m.weight_bytes_read(f.tokens) + (f.context_tokens + f.tokens) * m.kv_bytes_per_token
         linear = 2 * m.active_params * f.tokens / (d.fp8_flops if m.fp8_weights else d.bf16_flops)
         attention = 2 * m.layers * m.heads * (m.key_dim + m.value_dim) * f.attention_pairs / d.bf16_flops
         comm = 0.0

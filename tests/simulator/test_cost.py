@@ -80,3 +80,21 @@ def test_fitted_coefficients_are_never_negative():
     x = np.array([[1.0, f.prefill_tokens] for f, _ in samples])
     want, *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
     np.testing.assert_allclose(prof.coefficients[:2], want, rtol=1e-6)
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_touch():
+    """DeepSeek-V3 (256 routed experts, top 8) at TP 8 with fp8 weights: a 1-token step reads the
+    dense weights and 8 / 256 of the experts; 4,096 tokens touch all but (248/256)^4096 of them."""
+    config = preset("deepseek-v3")
+    moe = config.moe
+    m = ModelCost.from_config(config, config.kv_spec("bfloat16"), weight_bytes=config.num_params, weight_dtype="fp8",
+                              tp=8)
+    per_expert = 3 * config.hidden_size * moe.intermediate_size
+    experts = len(config.moe_layers) * moe.num_experts * per_expert // 8  # one byte per parameter, per rank
+    assert (m.num_experts, m.top_k, m.expert_weight_bytes) == (256, 8, experts)
+    dense = config.num_params // 8 - experts
+    assert m.weight_bytes_read(1) == pytest.approx(dense + experts * 8 / 256)
+    assert m.weight_bytes_read(4096) == pytest.approx(dense + experts * (1 - (248 / 256) ** 4096))
+    assert m.weight_bytes_read(4096) == pytest.approx(m.weight_bytes, rel=1e-9)
+    dense_model = ModelCost.from_config(preset("tiny"), preset("tiny").kv_spec("bfloat16"), weight_bytes=1000)
+    assert dense_model.weight_bytes_read(1) == 1000
