@@ -87,8 +87,7 @@ def point(d: Deployment, rate: float, n: int, seed: int = 0) -> dict:
     arrivals = B.arrival_times(n, rate, 1.0, seed)
     sim = simulate(sched, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests], arrivals,
                    cost.step_seconds)
-    metrics, lens = B.calculate_metrics(sim.outputs, sim.duration, (90,))
-    res = B.result_dict(metrics, sim.outputs, lens, sim.duration, ("ttft", "tpot", "e2el"))
+    res = sim.bench_result(("ttft", "tpot", "e2el"), (90,))
     return dict(rate=rate, blocks=pl.num_blocks, steps=len(sim.steps), preemptions=sim.preemptions,
                 peak_running=max(s.num_running for s in sim.steps),
                 **{k: res[k] for k in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_e2el_ms",

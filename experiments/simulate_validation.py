@@ -123,8 +123,7 @@ def simulated(config, requests, w: Workload, seed: int, profile: FittedProfile) 
     arrivals = B.arrival_times(len(requests), w.rate, 1.0, seed)
     sim = simulate(config, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests],
                    arrivals, profile.step_seconds)
-    metrics, lens = B.calculate_metrics(sim.outputs, sim.duration, (90,))
-    result = B.result_dict(metrics, sim.outputs, lens, sim.duration, METRICS)
+    result = sim.bench_result(METRICS, (90,))
     return dict(summary(result), preemptions=sim.preemptions, steps=len(sim.steps))
 
 

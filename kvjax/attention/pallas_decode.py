@@ -117,7 +117,8 @@ def _gqa_kernel(
 def compute_dtype_for(q_dtype, page_dtype):
     """The dot input dtype: q's when every page value is exact in it, else f32 (see module doc)."""
     q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
-    if q_dtype != jnp.float32 and (page_dtype == q_dtype or page_dtype in FP8_DTYPES or page_dtype == NVFP4_DTYPE):
+    if q_dtype != jnp.float32 and (page_dtype == q_dtype or page_dtype in FP8_DTYPES or page_dtype == NVFP4_DTYPE
+                                   or page_dtype == jnp.int8):  # int8 (the ragged kernel's): |x| <= 127, exact
         return q_dtype
     return jnp.dtype(jnp.float32)
 

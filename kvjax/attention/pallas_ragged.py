@@ -73,15 +73,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.attention import reference as ref
+from kvjax.attention import tiled
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.attention.pallas_decode import (FP8_DTYPES, Q_DTYPES, check_scale, dot_precision, merge_splits,
+from kvjax.attention.pallas_decode import (Q_DTYPES, check_scale, compute_dtype_for, dot_precision, merge_splits,
                                            resolve_interpret)
 from kvjax.attention.pallas_steps import MASK_VALUE, dot_f32
 from kvjax.core.block_pool import NULL_BLOCK
 from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv, is_power_of_two, pow2_bucket
 from kvjax.quant import nvfp4
-from kvjax.quant.kv_formats import kv_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,15 +225,11 @@ class _Pages:
 
 # --------------------------------------------------------------------- work items and the call
 
-def work_items(md: BatchMetadata, q_tile: int, num_items: int):
-    """The step's work items, padded to num_items: (sequence row i32[W], first token i32[W], tokens
-    i32[W]; 0 for an item past the last). Items run sequence by sequence in token order, each
-    sequence's new tokens q_tile at a time (kvjax.attention.tiled's layout)."""
-    new = jnp.zeros(md.num_seqs, jnp.int32).at[md.seq_ids].add(md.valid.astype(jnp.int32))
-    order = jnp.argsort(md.query_start, stable=True).astype(jnp.int32)
-    new = new[order]
-    items = (new + q_tile - 1) // q_tile
-    ends = jnp.cumsum(items)
+def padded_work_items(md: BatchMetadata, q_tile: int, num_items: int):
+    """The step's work items (kvjax.attention.tiled.work_items: sequence by sequence in token order,
+    each sequence's new tokens q_tile at a time), padded to num_items: (sequence row i32[W], first
+    token i32[W], tokens i32[W]; 0 for an item past the last)."""
+    order, new, items, ends = tiled.work_items(md, q_tile)
     w = jnp.arange(num_items, dtype=jnp.int32)
     j = jnp.minimum(jnp.searchsorted(ends, w, side="right"), md.num_seqs - 1).astype(jnp.int32)
     row = order[j]
@@ -254,7 +250,7 @@ def _ragged(q_planes, kv_arrays, md, logit_scale, out_scale, sinks, *, kind, per
     tq = tiles.q_tile
     rows = tq * gp
     num_items = cdiv(t, tq) + md.num_seqs
-    seq, first, tokens = work_items(md, tq, num_items)
+    seq, first, tokens = padded_work_items(md, tq, num_items)
     ppb = tiles.pages_per_block
     width = cdiv(md.block_tables.shape[1], ppb) * ppb
     tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, width - md.block_tables.shape[1])),
@@ -271,7 +267,7 @@ def _ragged(q_planes, kv_arrays, md, logit_scale, out_scale, sinks, *, kind, per
     items_q = [item_rows(x) for x in q_planes]
     load = _Pages(kind, per_token, rank)
     kv_specs = _kv_specs(kind, per_token, kv_arrays, rank)
-    compute_dtype = _compute_dtype(q_planes[0].dtype, kv_arrays[0].dtype)
+    compute_dtype = compute_dtype_for(q_planes[0].dtype, kv_arrays[0].dtype)
     kernel = functools.partial(_ragged_kernel, n_q=len(items_q), n_out=len(value_dim), load=load,
                                group_shift=gp.bit_length() - 1, pages_per_block=ppb, window=window, softcap=softcap,
                                compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
@@ -300,14 +296,6 @@ def _ragged(q_planes, kv_arrays, md, logit_scale, out_scale, sinks, *, kind, per
     o = o.reshape(num_items, kv_heads, tq, gp, -1)[:, :, :, :group].transpose(0, 2, 1, 3, 4)  # [W, Tq, K, G, Hv]
     out = jnp.zeros((t + 1, kv_heads, group, o.shape[-1]), out_dtype)  # rounded once, as the reference rounds
     return out.at[idx].set(o.astype(out_dtype), mode="drop")[:t]
-
-
-def _compute_dtype(q_dtype, page_dtype):
-    """pallas_decode's rule, with int8 pages too: q's dtype when every page value is exact in it."""
-    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
-    exact = page_dtype == q_dtype or page_dtype in FP8_DTYPES or page_dtype in (jnp.dtype(jnp.uint8),
-                                                                                  jnp.dtype(jnp.int8))
-    return q_dtype if q_dtype != jnp.float32 and exact else jnp.dtype(jnp.float32)
 
 
 def _kv_specs(kind: str, per_token: bool, arrays, rank: int) -> list:

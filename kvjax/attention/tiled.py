@@ -118,7 +118,7 @@ def use_tiled(md: BatchMetadata, num_heads: int, block_size: int, backend: str |
     return reference_scores_bytes(md, num_heads, block_size) > bound
 
 
-def _work_items(md: BatchMetadata, q_tile: int):
+def work_items(md: BatchMetadata, q_tile: int):
     """The step's work items in token order: (sequence rows by first token i32[B], their new tokens
     i32[B], items i32[B], cumulative items i32[B]), each in that order. Item w belongs to the
     sequence order[j] with ends[j - 1] <= w < ends[j] and covers its new tokens from
@@ -180,7 +180,7 @@ def _tiled(q: jax.Array, md: BatchMetadata, read_kv: Callable, value_dim: int, b
     probe_k, _ = jax.eval_shape(read_kv, jax.ShapeDtypeStruct((ppt,), jnp.int32))
     kv_heads = probe_k.shape[1]
     group = heads // kv_heads
-    order, new, items, ends = _work_items(md, tq)
+    order, new, items, ends = work_items(md, tq)
     dtype = q.dtype
     q = jnp.pad(as_bits(q), ((0, tq), (0, 0), (0, 0)))  # [T + Tq, N, Hk] bits: every item reads Tq whole rows
     positions = jnp.pad(md.positions, (0, tq))

@@ -54,7 +54,7 @@ def run(args) -> int:
 
     from kvjax.accounting import budget as bud
     from kvjax.benchmarks.datasets import random_requests
-    from kvjax.benchmarks.serve import arrival_times, calculate_metrics, format_table, result_dict
+    from kvjax.benchmarks.serve import arrival_times, format_table
     from kvjax.config.hf import from_hf_config
     from kvjax.config.presets import preset
     from kvjax.config.scheduler import SchedulerConfig
@@ -73,7 +73,7 @@ def run(args) -> int:
     tokens = args.max_num_batched_tokens or plan_cmd.DEFAULT_BATCHED_TOKENS
     sched = SchedulerConfig(num_blocks=pl.num_blocks, block_size=pl.block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=tokens, max_model_len=pl.context,
-                            prefix_caching=args.enable_prefix_caching is not False)
+                            prefix_caching=args.enable_prefix_caching)
     if args.profile:
         model = cost.FittedProfile.from_json(read_json(args.profile, "--profile"))
     else:
@@ -90,8 +90,7 @@ def run(args) -> int:
                       np.asarray(arrivals, np.float64), model.step_seconds,
                       max_concurrency=args.max_concurrency)
     wall = time.perf_counter() - t0
-    metrics, output_lens = calculate_metrics(result.outputs, result.duration, (50, 90, 99))
-    out = result_dict(metrics, result.outputs, output_lens, result.duration, ("ttft", "tpot", "itl", "e2el"), None)
+    out = result.bench_result(("ttft", "tpot", "itl", "e2el"), (50, 90, 99))
     out.update(simulated=True, cost_model=model.describe(), blocks=pl.num_blocks, engine_steps=len(result.steps),
                preemptions=result.preemptions, peak_running_requests=max((s.num_running for s in result.steps),
                                                                          default=0),

@@ -149,9 +149,10 @@ def scheduled_tokens(plan, steps: int) -> tuple[int, int]:
     return int(plan.num_scheduled[prefill].sum()), decode * steps if plan.is_decode else decode
 
 
-def _pairs(plan) -> int:
-    """Causal query-key pairs of a plan: Σ n·L − n(n − 1)/2 for n new tokens ending at position L."""
-    n, lens = np.asarray(plan.num_scheduled, np.int64), np.asarray(plan.seq_lens, np.int64)
+def causal_pairs(num_scheduled, seq_lens) -> int:
+    """Causal query-key pairs of a step: Σ n·L − n(n − 1)/2 for n new tokens ending at position L
+    (each new token sees its own position and the ones before it)."""
+    n, lens = np.asarray(num_scheduled, np.int64), np.asarray(seq_lens, np.int64)
     return int(np.sum(n * lens - n * (n - 1) // 2))
 
 
@@ -211,7 +212,8 @@ class StepLog:
             prefill_tokens=prefill, decode_tokens=decode, recomputed_tokens=recomputed, compiled=compiled,
             preempted=tuple(plan.preempted),
             scheduled=tuple((rid, int(n)) for rid, n in zip(plan.req_ids, plan.num_scheduled)),
-            context_tokens=int(np.sum(plan.seq_lens, dtype=np.int64)), attention_pairs=_pairs(plan)))
+            context_tokens=int(np.sum(plan.seq_lens, dtype=np.int64)),
+            attention_pairs=causal_pairs(plan.num_scheduled, plan.seq_lens)))
         for rid in [r for r in self._high if r not in sched.requests]:  # finished: forget its marks
             del self._high[rid], self._held[rid]
 

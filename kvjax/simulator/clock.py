@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvjax.benchmarks.serve import RequestFuncOutput
+from kvjax.benchmarks.serve import RequestFuncOutput, calculate_metrics, result_dict
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.sched.scheduler import Scheduler
 from kvjax.errors import KvjaxError
@@ -64,6 +64,11 @@ class SimResult:
     steps: list[SimStep]
     duration: float  # simulated seconds, from 0 to the last step's end
     preemptions: int
+
+    def bench_result(self, percentile_metrics: Sequence[str], percentiles: Sequence[float]) -> dict:
+        """`kvjax bench serve`'s result dict (vLLM's keys) of the simulated requests."""
+        metrics, output_lens = calculate_metrics(self.outputs, self.duration, percentiles)
+        return result_dict(metrics, self.outputs, output_lens, self.duration, percentile_metrics)
 
 
 def default_tokens(vocab_size: int) -> Callable[[str, int], int]:

@@ -59,11 +59,12 @@ class StepFeatures:
     @classmethod
     def from_plan(cls, plan) -> "StepFeatures":
         """The features of a kvjax.core.sched.output.StepPlan (one model step)."""
+        from kvjax.engine.stats import causal_pairs
+
         n = np.asarray(plan.num_scheduled, np.int64)
-        lens = np.asarray(plan.seq_lens, np.int64)
         prefill = np.asarray(plan.prefill, bool)
-        return cls(plan.num_requests, int(n[prefill].sum()), int((~prefill).sum()), int(lens.sum()),
-                   int((n * lens - n * (n - 1) // 2).sum()))
+        return cls(plan.num_requests, int(n[prefill].sum()), int((~prefill).sum()),
+                   int(np.sum(plan.seq_lens, dtype=np.int64)), causal_pairs(n, plan.seq_lens))
 
     def vector(self) -> np.ndarray:
         """f64 [1, prefill, decode, context, pairs]: the fitted profile's regressors."""
