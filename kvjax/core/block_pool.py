@@ -37,9 +37,10 @@ number of vector operations, whatever the number of blocks or requests involved:
 
 No sort, no probe loop, and positions never drift out of int32.
 
-The hash -> block map is a vectorized compare of a request's hashes with the per-block hash
-array: O(M * P) work, but one branch-free vector op with no probe loops, tombstones or
-resizing, and "several blocks per hash" comes for free. Hash and collision odds:
+The hash -> block map is a search of the request's hashes for each block: the A hashes are
+sorted (A <= a request's blocks), every cached block finds its hash among them by binary search,
+and a scatter-min keeps the oldest block per hash. O(P log A) vector work with no probe loops,
+tombstones or resizing, and "several blocks per hash" comes for free. Hash and collision odds:
 `kvjax/core/kv_cache_utils.py`.
 
 Axes: the kvjax package docstring's legend; A is the blocks or hashes one call is handed (a
@@ -297,28 +298,35 @@ def lookup(pool: BlockPool, hashes, group=0):
     """The oldest block cached for KV cache group `group` holding each hash (vLLM keys its cache
     by hash and group: its dict lookup). hashes: u32[A, 2]. -> (blocks i32[A], found bool[A]).
 
-    The pool's entries are sorted once (this group's cached blocks first, by hash lane 0, lane 1,
-    then cached_at, so that the oldest of equal hashes comes first), and each hash is found by a
-    binary search over them: O((P + A) log P), not the A × P table of comparing every hash with
-    every block (10 s for one request of a 65,536-block pool on a CPU)."""
-    p = pool.has_hash.shape[0]
+    The A hashes are sorted (lane 0, then lane 1) and each of the pool's cached blocks finds
+    its own hash among them by binary search; per hash, a scatter-min keeps the smallest
+    cached_at, then the smallest block id among those (the order a stable sort by cached_at
+    would give). O(P log A), not the A × P table of comparing every hash with every block (10 s
+    for one request of a 65,536-block pool on a CPU) nor a sort of the P blocks (142 ms against
+    15 ms for 512 hashes in 194,455 blocks on a 2-core CPU)."""
+    a, p = hashes.shape[0], pool.has_hash.shape[0]
+    order = jnp.lexsort((hashes[:, 1], hashes[:, 0]))
+    s0, s1 = hashes[order, 0], hashes[order, 1]
+
+    def lower_bound(h0, h1):  # the first sorted hash not below (h0, h1), per element
+        lo, hi = jnp.zeros(h0.shape, jnp.int32), jnp.full(h0.shape, a, jnp.int32)
+        for _ in range(a.bit_length()):
+            mid = (lo + hi) // 2
+            m = jnp.minimum(mid, a - 1)
+            go = (lo < hi) & ((s0[m] < h0) | ((s0[m] == h0) & (s1[m] < h1)))
+            lo, hi = jnp.where(go, mid + 1, lo), jnp.where(go, hi, mid)
+        return jnp.minimum(lo, a - 1)
+
     h0, h1 = pool.block_hash[:, 0], pool.block_hash[:, 1]
-    valid = pool.has_hash & (pool.cached_group == group)
-    order = jnp.lexsort((pool.cached_at, h1, h0, ~valid))  # the last key sorts first: valid entries first
-    s0, s1, sv = h0[order], h1[order], valid[order]
-    q0, q1 = hashes[:, 0], hashes[:, 1]
-
-    def below(i):  # sorted entry i is a valid one ordered before the hash searched for
-        return sv[i] & ((s0[i] < q0) | ((s0[i] == q0) & (s1[i] < q1)))
-
-    lo, hi = jnp.zeros(q0.shape, jnp.int32), jnp.full(q0.shape, p, jnp.int32)
-    for _ in range(p.bit_length()):  # the lower bound of each hash: first entry not below it
-        mid = (lo + hi) // 2
-        go = (lo < hi) & below(jnp.minimum(mid, p - 1))
-        lo, hi = jnp.where(go, mid + 1, lo), jnp.where(go, hi, mid)
-    at = jnp.minimum(lo, p - 1)
-    found = (lo < p) & sv[at] & (s0[at] == q0) & (s1[at] == q1)
-    return jnp.where(found, order[at], 0).astype(jnp.int32), found
+    k = lower_bound(h0, h1)  # i32[P] the sorted hash each block may hold
+    match = pool.has_hash & (pool.cached_group == group) & (s0[k] == h0) & (s1[k] == h1)
+    at = jnp.where(match, k, a)  # blocks holding none of the hashes scatter out of range
+    oldest = jnp.full(a, _NEVER, jnp.int32).at[at].min(pool.cached_at, mode="drop")
+    first = match & (pool.cached_at == oldest[k])
+    block = jnp.full(a, p, jnp.int32).at[jnp.where(first, k, a)].min(jnp.arange(p, dtype=jnp.int32), mode="drop")
+    block = block[lower_bound(s0, s1)][jnp.argsort(order)]  # equal hashes share their first's answer; input order
+    found = block < p
+    return jnp.where(found, block, 0).astype(jnp.int32), found
 
 
 @jax.jit

@@ -131,15 +131,26 @@ def get_computed_blocks(state: KVCacheManager, req):
     if not state.prefix_caching:
         return jnp.zeros((g, m), jnp.int32), jnp.int32(0)
     valid, r = slot_of(t, req)
-    looked = [block_pool.lookup(state.pool, t.req_hash[r], group) for group in range(g)]
-    block, found = jnp.stack([b for b, _ in looked]), jnp.stack([f for _, f in looked])  # [G, M]
     max_hits = jnp.where(valid, jnp.minimum(t.num_hashed[r], hashing.max_cached_blocks(t.num_tokens[r], t.block_size)),
                          0)
-    length, start = groups.hit_length(state.windows, found, max_hits, t.block_size)
-    j = jnp.arange(m)
-    slides = jnp.asarray([w is not None for w in state.windows])[:, None]
-    keep = (j < length) & (~slides | (j >= start))
-    return jnp.where(keep, block, 0).astype(jnp.int32), length
+
+    def search(_):
+        looked = [block_pool.lookup(state.pool, t.req_hash[r], group) for group in range(g)]
+        block, found = jnp.stack([b for b, _ in looked]), jnp.stack([f for _, f in looked])  # [G, M]
+        length, start = groups.hit_length(state.windows, found, max_hits, t.block_size)
+        j = jnp.arange(m)
+        slides = jnp.asarray([w is not None for w in state.windows])[:, None]
+        keep = (j < length) & (~slides | (j >= start))
+        return jnp.where(keep, block, 0).astype(jnp.int32), length
+
+    full = [group for group, w in enumerate(state.windows) if w is None]
+    if not full:
+        return search(None)
+    # A hit needs the first block in every full group: one pass over the pool settles the usual
+    # miss without the search (a new prompt, or caching of unrelated requests).
+    p = state.pool
+    first = (p.has_hash & (p.cached_group == full[0]) & (p.block_hash == t.req_hash[r, 0]).all(axis=1)).any()
+    return jax.lax.cond((max_hits > 0) & first, search, lambda _: (jnp.zeros((g, m), jnp.int32), jnp.int32(0)), None)
 
 
 def _group_need(state: KVCacheManager, reqs, num_new, num_hits=0):

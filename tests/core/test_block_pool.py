@@ -142,7 +142,7 @@ def test_random_ops_equal_a_list_of_the_queue(seed):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_lookup_finds_the_oldest_block_of_each_hash_as_a_scan_does(seed):
-    # lookup's sorted binary search against a plain scan of every block (the dict lookup vLLM does):
+    # lookup's binary search against a plain scan of every block (the dict lookup vLLM does):
     # equal lane-0 values with other lane-1 values, one hash in several blocks (the oldest wins),
     # blocks of another group or holding no hash, and hashes cached nowhere
     rng = np.random.default_rng(seed)
@@ -150,7 +150,8 @@ def test_lookup_finds_the_oldest_block_of_each_hash_as_a_scan_does(seed):
     lanes = rng.integers(0, 6, (p, 2)).astype(np.uint32)  # few values: many collisions, in one lane or both
     has_hash = rng.random(p) < 0.7
     group = rng.integers(0, 2, p).astype(np.int32)
-    cached_at = rng.permutation(p).astype(np.int32)
+    # distinct cache times, or repeated ones (then the lowest block id of the oldest wins, as a stable sort gives)
+    cached_at = (rng.permutation(p) if seed % 2 else rng.integers(0, 4, p)).astype(np.int32)
     pool = block_pool.init(p)
     pool = pool.replace(block_hash=jnp.asarray(lanes), has_hash=jnp.asarray(has_hash),
                         cached_group=jnp.asarray(group), cached_at=jnp.asarray(cached_at))
@@ -160,4 +161,4 @@ def test_lookup_finds_the_oldest_block_of_each_hash_as_a_scan_does(seed):
         for q, b, f in zip(queries, np.asarray(blocks), np.asarray(found)):
             holders = [i for i in range(p) if has_hash[i] and group[i] == g and (lanes[i] == q).all()]
             assert bool(f) == bool(holders)
-            assert b == (min(holders, key=lambda i: cached_at[i]) if holders else 0)
+            assert b == (min(holders, key=lambda i: (cached_at[i], i)) if holders else 0)
