@@ -4,8 +4,10 @@
         --num-prompts 1000 --random-input-len 1024 --random-output-len 128 --request-rate 8
 
 The model and the memory flags are `kvjax plan`'s, read by its code, so the budget → blocks
-arithmetic is plan's: the scheduler gets plan's blocks per rank (block 0 the null block),
---block-size, --max-model-len, --max-num-batched-tokens and --max-num-seqs. The requests are
+arithmetic is plan's: the scheduler gets plan's blocks per rank (block 0 the null block; a model
+with sliding-window layers vLLM's hybrid KV cache groups on that budget; --kv-offloading-size a
+host tier: kvjax.simulator.deployment), --block-size, --max-model-len, --max-num-batched-tokens
+and --max-num-seqs. The requests are
 vLLM's random dataset (kvjax.benchmarks.datasets.random_requests) arriving as `kvjax bench
 serve`'s do (--request-rate, --burstiness, --max-concurrency, --seed). Each step's time comes
 from a cost model (kvjax.simulator.cost): the roofline of --device (h100, h200, b200 presets; cpu
@@ -21,7 +23,7 @@ import time
 
 from kvjax.commands import plan as plan_cmd
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import UsageError, dumps, float_arg, int_arg, read_json
+from kvjax.errors import KvjaxError, UsageError, dumps, float_arg, int_arg, read_json
 
 DEVICE_NAMES = ("h100", "h200", "b200", "cpu")
 
@@ -57,9 +59,9 @@ def run(args) -> int:
     from kvjax.benchmarks.serve import arrival_times, format_table
     from kvjax.config.hf import from_hf_config
     from kvjax.config.presets import preset
-    from kvjax.config.scheduler import SchedulerConfig
     from kvjax.simulator import cost
     from kvjax.simulator.clock import simulate
+    from kvjax.simulator.deployment import scheduler_config
 
     if not (args.preset or args.hf_config):
         raise UsageError("kvjax simulate needs the model's shapes: --preset NAME or --hf-config FILE")
@@ -67,13 +69,13 @@ def run(args) -> int:
         raise UsageError(f"--request-rate {args.request_rate} and --burstiness {args.burstiness} must be > 0")
     inputs = plan_cmd._resolve_plan_inputs(args)
     pl = bud.plan(inputs["spec"], **inputs["kw"])
-    if not pl.num_blocks or pl.num_blocks < 2:
-        raise UsageError(f"the budget leaves {pl.num_blocks} KV blocks: nothing to schedule (kvjax plan shows why)")
     config = preset(args.preset) if args.preset else from_hf_config(args.hf_config)
     tokens = args.max_num_batched_tokens or plan_cmd.DEFAULT_BATCHED_TOKENS
-    sched = SchedulerConfig(num_blocks=pl.num_blocks, block_size=pl.block_size, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=tokens, max_model_len=pl.context,
-                            prefix_caching=args.enable_prefix_caching)
+    try:
+        sched = scheduler_config(pl, inputs["windows"], max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens,
+                                 prefix_caching=args.enable_prefix_caching)
+    except KvjaxError as e:
+        raise UsageError(str(e)) from None
     if args.profile:
         model = cost.FittedProfile.from_json(read_json(args.profile, "--profile"))
     else:
@@ -88,10 +90,11 @@ def run(args) -> int:
     t0 = time.perf_counter()
     result = simulate(sched, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests],
                       np.asarray(arrivals, np.float64), model.step_seconds,
-                      max_concurrency=args.max_concurrency)
+                      max_concurrency=args.max_concurrency, windows=config.layer_windows)
     wall = time.perf_counter() - t0
     out = result.bench_result(("ttft", "tpot", "itl", "e2el"), (50, 90, 99))
-    out.update(simulated=True, cost_model=model.describe(), blocks=pl.num_blocks, engine_steps=len(result.steps),
+    out.update(simulated=True, cost_model=model.describe(), blocks=sched.num_blocks, kv_cache_groups=list(sched.windows),
+               host_blocks=sched.num_host_blocks, engine_steps=len(result.steps),
                preemptions=result.preemptions, peak_running_requests=max((s.num_running for s in result.steps),
                                                                          default=0),
                simulation_wall_s=round(wall, 2), max_concurrency=args.max_concurrency)
@@ -99,8 +102,10 @@ def run(args) -> int:
         print(dumps(out, indent=2))
         return 0
     print(f"cost model: {model.describe()}")
-    print(f"scheduler: {pl.num_blocks:,} blocks of {pl.block_size} (plan's budget per rank), max_num_seqs "
-          f"{args.max_num_seqs}, max_num_batched_tokens {tokens:,}, max_model_len {pl.context:,}")
+    groups = "" if sched.windows == (None,) else f" in {len(sched.windows)} KV cache groups (windows {sched.windows})"
+    host = f", a host tier of {sched.num_host_blocks:,} blocks" if sched.num_host_blocks else ""
+    print(f"scheduler: {sched.num_blocks:,} blocks of {sched.block_size} (plan's budget per rank){groups}{host}, "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {tokens:,}, max_model_len {sched.max_model_len:,}")
     print(format_table(out, ("ttft", "tpot", "itl", "e2el"), (50, 90, 99), title="Simulated Serving Result"))
     print(f"{len(result.steps):,} steps simulated in {wall:.1f} s")
     return 0

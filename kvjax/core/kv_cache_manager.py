@@ -32,6 +32,8 @@ Axes: the kvjax package docstring's legend; B: the requests of one batched call;
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -409,3 +411,17 @@ def reset_prefix_cache(state: KVCacheManager):
 
 request_blocks = request_table.request_blocks  # the host views, kept beside the table they read
 check_invariants = request_table.check_invariants
+
+
+def _owning(fn):
+    """fn's program with the state argument donated: its buffers become the returned state's (on a
+    CPU, a 194,455-block pool's ~8 MB are otherwise copied by every call: allocate_step 1.25 →
+    0.28 ms). For the one owner of a state that drops the old one as it takes the new (the
+    Scheduler); the old one's arrays are deleted by the call."""
+    return jax.jit(fn.__wrapped__, donate_argnums=0)
+
+
+# The scheduler's forms of the state -> state operations (`_owning`): manager.owned.free(state, r).
+# Anyone who keeps a state it passes in calls the plain ones above.
+owned = types.SimpleNamespace(**{fn.__name__: _owning(fn) for fn in (
+    add_request, allocate_slots, allocate_step, free, remove_request)})

@@ -25,11 +25,12 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from kvjax.benchmarks.serve import RequestFuncOutput, calculate_metrics, result_dict
 from kvjax.config.scheduler import SchedulerConfig
-from kvjax.core.sched.scheduler import Scheduler
+from kvjax.core.sched.scheduler import Scheduler, SchedulerError
 from kvjax.errors import KvjaxError
 from kvjax.simulator.cost import StepFeatures
 
@@ -64,6 +65,7 @@ class SimResult:
     steps: list[SimStep]
     duration: float  # simulated seconds, from 0 to the last step's end
     preemptions: int
+    state: object = None  # the scheduler's pool at the end (kvjax.core.kv_cache_manager.KVCacheManager)
 
     def bench_result(self, percentile_metrics: Sequence[str], percentiles: Sequence[float]) -> dict:
         """`kvjax bench serve`'s result dict (vLLM's keys) of the simulated requests."""
@@ -71,21 +73,34 @@ class SimResult:
         return result_dict(metrics, self.outputs, output_lens, self.duration, percentile_metrics)
 
 
-def default_tokens(vocab_size: int) -> Callable[[str, int], int]:
+@dataclasses.dataclass(frozen=True)
+class DefaultTokens:
     """Token k of request req_id: a fixed pseudo-random id in [0, vocab_size)."""
-    def token(req_id: str, k: int) -> int:
-        return (sum(map(ord, req_id)) * 7919 + (k + 1) * 104729) % vocab_size
-    return token
+
+    vocab_size: int
+
+    def __call__(self, req_id: str, k: int) -> int:
+        return (sum(map(ord, req_id)) * 7919 + (k + 1) * 104729) % self.vocab_size
+
+    def array(self, req_ids: Sequence[str], starts: np.ndarray, steps: int) -> np.ndarray:
+        """i32[steps, len(req_ids)]: token starts[i] + j of request i at [j, i]."""
+        base = np.array([sum(map(ord, r)) * 7919 for r in req_ids], np.int64)
+        k = np.asarray(starts, np.int64)[None, :] + np.arange(steps)[:, None]
+        return ((base[None, :] + (k + 1) * 104729) % self.vocab_size).astype(np.int32)
 
 
 def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
              arrivals: Sequence[float], step_seconds: Callable[[StepFeatures], float], *,
              max_concurrency: int | None = None, tokens: Callable[[str, int], int] | None = None,
-             step_times: Sequence[float] | None = None, req_ids: Sequence[str] | None = None) -> SimResult:
+             step_times: Sequence[float] | None = None, req_ids: Sequence[str] | None = None,
+             decode_runs: bool = True, windows: Sequence[int] | None = None) -> SimResult:
     """Run the workload (request i: prompts[i], output_lens[i] tokens, arriving at arrivals[i]
     seconds, non-decreasing) through a Scheduler(config) on a clock (module docstring).
     step_seconds: the cost model; step_times: a recorded run's step durations instead, in order
-    (its decisions replayed: tests/simulator); req_ids: default "0", "1", ..."""
+    (its decisions replayed: tests/simulator); req_ids: default "0", "1", ...; decode_runs: take
+    runs of decode steps in one device call (kvjax.simulator.decode) where the host loop would only
+    decode; False: every step through the host loop, the reference tests/simulator compares with;
+    windows: the model's sliding windows, for the features' `windowed` (default: config.windows')."""
     n = len(prompts)
     if not (len(output_lens) == len(arrivals) == n):
         raise KvjaxError(f"{n} prompts, {len(output_lens)} output lengths and {len(arrivals)} arrival times: "
@@ -94,7 +109,8 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
     if n and (np.any(np.diff(arrivals) < 0) or not np.isfinite(arrivals).all() or arrivals[0] < 0):
         raise KvjaxError("arrival times must be finite, >= 0 and non-decreasing")
     ids = [str(i) for i in range(n)] if req_ids is None else list(req_ids)
-    tokens = tokens or default_tokens(1 << 15)
+    tokens = tokens or DefaultTokens(1 << 15)
+    windows = tuple(sorted({w for w in (config.windows if windows is None else windows) if w is not None}))
     sched = Scheduler(config)
     clock, nxt, in_flight = 0.0, 0, 0
     waiting_to_send: collections.deque[int] = collections.deque()
@@ -123,7 +139,16 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
             head = sched.waiting[0].req_id if sched.waiting else "?"
             raise SimulationError(f"nothing could be scheduled: request {head!r} does not fit the pool of "
                                   f"{config.num_blocks} blocks of {config.block_size} tokens")
-        features = StepFeatures.from_plan(plan)
+        if decode_runs and step_times is None and _runs_on(plan, config):
+            # Every row taken and every request sent to the scheduler: an arrival waits for a finish.
+            full = max_concurrency is None and len(sched.running) >= config.max_num_seqs
+            clock, done = _decode_run(sched, plan, clock, arrivals[nxt:], full, step_seconds, tokens,
+                                      full or bool(sched.waiting or waiting_to_send), windows, steps, times, index)
+            for rid in done:
+                sched.forget(rid)
+                in_flight -= 1
+            continue
+        features = StepFeatures.from_plan(plan, windows, config.block_size)
         if step_times is None:
             dt = float(step_seconds(features))
         elif len(steps) < len(step_times):
@@ -150,4 +175,84 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
         outputs.append(RequestFuncOutput(success=bool(t), prompt_len=len(prompts[i]), output_tokens=len(t),
                                          ttft=t[0] - start[i] if t else 0.0, itl=list(np.diff(t)) if t else [],
                                          latency=t[-1] - start[i] if t else 0.0, start_time=float(start[i])))
-    return SimResult(outputs, steps, clock, sched.num_preemptions)
+    return SimResult(outputs, steps, clock, sched.num_preemptions, sched.state)
+
+
+RUN_STEPS = 128  # the most decode steps one `decode_run` call takes (its static loop bound)
+
+
+def _runs_on(plan, config: SchedulerConfig) -> bool:
+    """A decode plan whose next steps a pool-only device loop can take: every request decodes one
+    token and samples, the step preempted nothing (the next may admit), the token budget holds
+    every row (as schedule() gives each one token), and no request has stop tokens (its finishes
+    are then by length, so the steps' batches are known ahead)."""
+    return (plan.is_decode and not plan.preempted and plan.num_requests <= config.max_num_batched_tokens
+            and not (plan.stop_ids >= 0).any())
+
+
+def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full: bool, step_seconds, tokens,
+                waiting: bool, windows: tuple, steps: list, times: list, index: dict) -> tuple[float, list[str]]:
+    """Run `plan` and the decode steps after it in one device call (kvjax.simulator.decode), at most
+    RUN_STEPS: those that start before the next arrival (pending: the arrival times of the requests
+    not yet sent), or with every row full (`full`: an arrival only waits) until a finish; stopping
+    after a finish while requests wait or with a host tier (stop_at_finish). Records each step and
+    each token's time as the host loop would. → (the clock after the last step, the finished
+    request ids, in order)."""
+    from kvjax.core.sched.transition import FINISH_REASONS
+    from kvjax.simulator.decode import decode_run
+
+    b, k = plan.num_requests, RUN_STEPS
+    remaining = np.asarray(plan.remaining, np.int64)  # row i finishes (length) in step remaining[i] - 1
+    stop = waiting or sched.tier is not None
+    if stop:  # the loop stops after the first finish
+        k = min(k, int(remaining.min()))
+    # The steps' batches are known ahead: row i takes part in steps 0 .. remaining[i] - 1; the
+    # plan's own step may be a prompt's last token, the others decode.
+    def features(j: int, live: np.ndarray) -> StepFeatures:
+        return first if j == 0 else StepFeatures.decoding(plan.seq_lens[live] + j, windows)
+
+    first = StepFeatures.from_plan(plan, windows, sched.config.block_size)
+    ends, j, t = [], 0, clock
+    arrival = math.inf if full or not len(pending) else pending[0]
+    while j < k and (j == 0 or t < arrival):
+        live = remaining > j
+        if not live.any():
+            break
+        dt = float(step_seconds(features(j, live)))
+        if not (math.isfinite(dt) and dt >= 0):
+            raise SimulationError(f"step {len(steps) + j}: a step time of {dt!r} s")
+        t += dt
+        ends.append(t)
+        j += 1
+    rows = sched.decode_rows(plan)
+    width = rows.slots.shape[0]
+    sampled = np.zeros((RUN_STEPS, width), np.int32)
+    if isinstance(tokens, DefaultTokens):
+        sampled[:len(ends), :b] = tokens.array(plan.req_ids, [len(sched.output(r)) for r in plan.req_ids], len(ends))
+    else:
+        for i, rid in enumerate(plan.req_ids):
+            sampled[:len(ends), i] = [tokens(rid, len(sched.output(rid)) + x) for x in range(len(ends))]
+    state, *small = decode_run(sched.state, rows, sampled, np.int32(len(ends)), np.bool_(stop), num_steps=RUN_STEPS)
+    ran, free_after, finished_at, refused = jax.device_get(small)
+    if refused:
+        raise SchedulerError("the block pool refused a decode step's token, free or allocation in the simulator's "
+                             "device loop although its rules said it must succeed")
+    ran, finished_at = int(ran), finished_at[:b]
+    taken = np.minimum(finished_at + 1, ran)
+    if not np.array_equal(np.minimum(remaining, ran), taken):
+        raise SchedulerError(f"the device loop finished requests at steps {finished_at.tolist()}, not where their "
+                             f"lengths end ({(remaining - 1).tolist()})")
+    finish = np.where(finished_at < RUN_STEPS, FINISH_REASONS.index("length"), 0).astype(np.int32)
+    done = sched.apply_decode_steps(plan, sampled[:ran, :b], state, finish, None if stop else taken)
+    for i, rid in enumerate(plan.req_ids):
+        times[index[rid]].extend(ends[:taken[i]])
+    # The requests that arrive during a full run join the queue at the next step's start.
+    queued = len(sched.waiting) + np.searchsorted(pending, np.array([clock] + ends[:ran - 1]), side="right")
+    start = clock
+    for j in range(ran):
+        live, last = taken > j, j == ran - 1
+        steps.append(SimStep(start, ends[j], tuple(r for r, x in zip(plan.req_ids, live) if x), (1,) * int(live.sum()),
+                             (), len(sched.running) if last else int((finished_at > j).sum()), int(queued[j]),
+                             sched.num_free_blocks() if last else int(free_after[j]), features(j, live)))
+        start = ends[j]
+    return ends[ran - 1], done

@@ -9,6 +9,8 @@ A step's time depends on what the scheduler put in it (`StepFeatures`, read from
                       request's K/V once per layer, as paged attention reads it)
     attention_pairs   Σ query-key pairs, n·L − n(n − 1)/2 for n new tokens ending at position L
                       (causal): the attention's multiply-adds per head and dimension
+    windowed          per sliding window W of the model: the keys a layer of that window reads,
+                      Σ min(L, W + n − 1), and its pairs, Σ over the new tokens of min(p + 1, W)
 
 `Roofline` (a device and a model): step time = max(bytes / bandwidth, FLOPs / peak) + the
 all-reduces of tensor parallelism + a fixed overhead per step, with
@@ -16,12 +18,16 @@ all-reduces of tensor parallelism + a fixed overhead per step, with
     bytes  = the weights one rank holds (read once per step; a MoE model's routed experts only as
              far as the step's T tokens touch them: E × (1 − (1 − k/E)^T) of E experts per layer,
              routing taken as uniform) + context_tokens × KV bytes per token per rank (its
-             format's: fp8 half of bf16, MLA's latent) + T × the same (written)
+             format's: fp8 half of bf16, MLA's latent; a sliding-window layer's share reads only
+             its window, `windowed`) + T × the same (written)
     FLOPs  = 2 × active parameters per rank × T (a MoE model's routed experts count top_k of
              num_experts) at the weights' tensor-core peak (fp8 weights: the fp8 peak), plus
              2 × layers × heads per rank × (key dim + value dim) × attention_pairs at the bf16 peak
+             (a sliding layer's pairs within its window)
     comm   = 2 all-reduces per layer of T × hidden × 2 bytes, ring: 2 (tp − 1) / tp of it over
              the link bandwidth
+    loads  = the host tier's hits copied in before the step (loaded_tokens × KV bytes per token per
+             rank) over the host link (PCIe Gen5 x16, 64 GB/s each way), not overlapped with it
 
 Device presets cite their vendors' datasheets (dense throughput, half of the with-sparsity
 figures); this CPU's numbers are measured (`measure_cpu`: a copy for bandwidth, a matmul for the
@@ -51,24 +57,49 @@ class StepFeatures:
     decode_tokens: int
     context_tokens: int
     attention_pairs: int
+    # per sliding window W of the model: (W, the context a layer of that window reads, its query-key pairs)
+    windowed: tuple[tuple[int, int, int], ...] = ()
+    loaded_tokens: int = 0  # host tier hits copied in before the step (plan.loads × block size)
 
     @property
     def tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
     @classmethod
-    def from_plan(cls, plan) -> "StepFeatures":
-        """The features of a kvjax.core.sched.output.StepPlan (one model step)."""
+    def from_plan(cls, plan, windows: Sequence[int] = (), block_size: int = 0) -> "StepFeatures":
+        """The features of a kvjax.core.sched.output.StepPlan (one model step); windows: the
+        model's sliding windows; block_size: the pool's (for the host tier's loads)."""
         from kvjax.engine.stats import causal_pairs
 
         n = np.asarray(plan.num_scheduled, np.int64)
         prefill = np.asarray(plan.prefill, bool)
         return cls(plan.num_requests, int(n[prefill].sum()), int((~prefill).sum()),
-                   int(np.sum(plan.seq_lens, dtype=np.int64)), causal_pairs(n, plan.seq_lens))
+                   int(np.sum(plan.seq_lens, dtype=np.int64)), causal_pairs(n, plan.seq_lens),
+                   _windowed(n, plan.seq_lens, windows), len(plan.loads) * block_size if block_size else 0)
+
+    @classmethod
+    def decoding(cls, seq_lens, windows: Sequence[int] = ()) -> "StepFeatures":
+        """A step in which each request decodes one token, ending at seq_lens."""
+        ends = np.asarray(seq_lens, np.int64)
+        n, context = len(ends), int(ends.sum())
+        return cls(n, 0, n, context, context, _windowed(np.ones_like(ends), ends, windows))
 
     def vector(self) -> np.ndarray:
         """f64 [1, prefill, decode, context, pairs]: the fitted profile's regressors."""
         return np.array([1.0, self.prefill_tokens, self.decode_tokens, self.context_tokens, self.attention_pairs])
+
+
+def _windowed(n, ends, windows: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """Per window W: (W, Σ min(end, W + n − 1) keys read, Σ over the new tokens at positions p of
+    min(p + 1, W) query-key pairs), for n new tokens per request ending at `ends`."""
+    n, ends = np.asarray(n, np.int64), np.asarray(ends, np.int64)
+    out = []
+    for w in windows:
+        lo, hi = ends - n + 1, np.minimum(ends, w)  # keys per token: x = p + 1 from lo to ends, capped at w
+        below = np.where(hi >= lo, (lo + hi) * (hi - lo + 1) // 2, 0)
+        above = w * np.maximum(ends - np.maximum(lo, w + 1) + 1, 0)
+        out.append((int(w), int(np.minimum(ends, w + n - 1).sum()), int((below + above).sum())))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------- devices
@@ -84,20 +115,21 @@ class Device:
     link_bytes_per_s: float  # one direction, to the other devices of a tensor-parallel group
     memory_gib: float
     source: str
+    host_bytes_per_s: float = 64e9  # one direction, host memory to the device (PCIe Gen5 x16)
 
 
 # Dense peaks: NVIDIA publishes "with sparsity" tensor-core figures; dense is half of them.
 DEVICES = {
     "h100": Device("H100 SXM", 3.35e12, 989e12, 1979e12, 450e9, 80,
                    "NVIDIA H100 datasheet: 3.35 TB/s HBM3, BF16 1,979 / FP8 3,958 TFLOPS with sparsity, "
-                   "NVLink 900 GB/s (both directions)"),
+                   "NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions)"),
     "h200": Device("H200 SXM", 4.8e12, 989e12, 1979e12, 450e9, 141,
                    "NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s, BF16 1,979 / FP8 3,958 TFLOPS with "
-                   "sparsity, NVLink 900 GB/s (both directions)"),
+                   "sparsity, NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions)"),
     "b200": Device("B200", 8.0e12, 2250e12, 4500e12, 900e9, 180,
                    "NVIDIA DGX B200 datasheet: 1,440 GB HBM3e and 64 TB/s for 8 GPUs (8 TB/s each), "
                    "72 PFLOPS FP8 training with sparsity for 8 (4.5 PF dense each; BF16 half of it), "
-                   "NVLink 1.8 TB/s (both directions)"),
+                   "NVLink 1.8 TB/s (both directions); PCIe Gen5 x16 to the host"),
 }
 
 
@@ -116,7 +148,7 @@ def measure_cpu(seconds: float = 0.5) -> Device:
     best_mm = _best(lambda: mm(a).block_until_ready(), seconds)
     bw, flops = 2 * src.nbytes / best_copy, 2 * 1024 ** 3 / best_mm
     return Device("this CPU", bw, flops, flops, bw, 0, f"measured: a 256 MiB copy at {bw / 1e9:.1f} GB/s, a 1,024² "
-                                                       f"f32 matmul at {flops / 1e9:.1f} GFLOP/s")
+                                                       f"f32 matmul at {flops / 1e9:.1f} GFLOP/s", host_bytes_per_s=bw)
 
 
 def _best(fn, seconds: float) -> float:
@@ -149,6 +181,19 @@ class ModelCost:
     expert_weight_bytes: int = 0  # within weight_bytes: every routed expert of every MoE layer, per rank
     num_experts: int = 0  # E (0: a dense model)
     top_k: int = 0  # k
+    sliding: tuple[tuple[int, int], ...] = ()  # (window W, layers with it); the other layers are full attention
+
+    def attention_reads(self, f: StepFeatures) -> tuple[float, float]:
+        """(KV tokens the step's layers read, summed over layers; query-key pairs, summed over
+        layers): a full layer reads the context, a sliding one its window's part (the features'
+        `windowed`; the whole context where they lack its window). Layers' KV taken as equal."""
+        seen = {w: (ctx, pairs) for w, ctx, pairs in f.windowed}
+        full = self.layers - sum(n for _, n in self.sliding)
+        reads, pairs = full * f.context_tokens, full * f.attention_pairs
+        for w, n in self.sliding:
+            ctx, p = seen.get(w, (f.context_tokens, f.attention_pairs))
+            reads, pairs = reads + n * ctx, pairs + n * p
+        return reads, pairs
 
     def weight_bytes_read(self, tokens: int) -> float:
         """Weight bytes a step of `tokens` tokens reads (module docstring: experts as far as touched)."""
@@ -171,10 +216,11 @@ class ModelCost:
             d, i = config.hidden_size, moe.intermediate_size
             params = len(config.moe_layers) * moe.num_experts * (3 * d * i + moe.expert_bias * (2 * i + d))
             experts = int(params * weight_bytes / config.num_params)
+        windows = [w for w in config.layer_windows if w is not None]
         return cls(config.name or config.model_type, config.num_layers, heads, key, value, config.hidden_size,
                    spec.per_rank(tp).bytes_per_token, weight_bytes // tp, active_params(config) // tp,
                    weight_dtype.startswith("fp8"), tp, experts // tp, moe.num_experts if moe else 0,
-                   moe.top_k if moe else 0)
+                   moe.top_k if moe else 0, tuple((w, windows.count(w)) for w in sorted(set(windows))))
 
 
 def active_params(config) -> int:
@@ -202,21 +248,24 @@ class Roofline:
 
     def step_seconds(self, f: StepFeatures) -> float:
         m, d = self.model, self.device
-        moved = m.weight_bytes_read(f.tokens) + (f.context_tokens + f.tokens) * m.kv_bytes_per_token
+        reads, pairs = m.attention_reads(f)
+        moved = m.weight_bytes_read(f.tokens) + (reads / m.layers + f.tokens) * m.kv_bytes_per_token
         linear = 2 * m.active_params * f.tokens / (d.fp8_flops if m.fp8_weights else d.bf16_flops)
-        attention = 2 * m.layers * m.heads * (m.key_dim + m.value_dim) * f.attention_pairs / d.bf16_flops
+        attention = 2 * m.heads * (m.key_dim + m.value_dim) * pairs / d.bf16_flops
         comm = 0.0
         if m.tp > 1:
             comm = m.layers * 2 * (2 * (m.tp - 1) / m.tp) * f.tokens * m.hidden_size * 2 / d.link_bytes_per_s
-        return max(moved / d.hbm_bytes_per_s, linear + attention) + comm + self.overhead_s
+        loads = f.loaded_tokens * m.kv_bytes_per_token / d.host_bytes_per_s  # before the step, not overlapped
+        return max(moved / d.hbm_bytes_per_s, linear + attention) + comm + loads + self.overhead_s
 
     def describe(self) -> str:
         d, m = self.device, self.model
         return (f"roofline on {d.name} ({d.source}): {d.hbm_bytes_per_s / 1e12:.2f} TB/s, bf16 "
                 f"{d.bf16_flops / 1e12:,.0f} / fp8 {d.fp8_flops / 1e12:,.0f} TFLOP/s dense; {m.name} per rank of "
                 f"{m.tp}: {m.weight_bytes / 2**30:.2f} GiB of weights, {m.active_params / 1e9:.2f}B active "
-                f"parameters, {m.kv_bytes_per_token:,} KV bytes per token; overhead {self.overhead_s * 1e3:g} ms "
-                "per step (assumed)")
+                f"parameters, {m.kv_bytes_per_token:,} KV bytes per token"
+                + "".join(f", {n} layers sliding over {w:,} tokens" for w, n in m.sliding)
+                + f"; overhead {self.overhead_s * 1e3:g} ms per step (assumed)")
 
 
 @dataclasses.dataclass(frozen=True)

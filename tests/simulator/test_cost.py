@@ -98,3 +98,61 @@ def test_a_moe_step_reads_the_experts_its_tokens_touch():
     assert m.weight_bytes_read(4096) == pytest.approx(m.weight_bytes, rel=1e-9)
     dense_model = ModelCost.from_config(preset("tiny"), preset("tiny").kv_spec("bfloat16"), weight_bytes=1000)
     assert dense_model.weight_bytes_read(1) == 1000
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_windowed_features_count_what_a_sliding_layer_reads(seed):
+    """Per window: the keys a chunk's tokens see together, and their query-key pairs, against a
+    plain count over every new token's window (q − W < k <= q)."""
+    rng = np.random.default_rng(seed)
+
+    class Plan:
+        num_requests = 6
+        num_scheduled = rng.integers(1, 30, 6)
+        seq_lens = num_scheduled + rng.integers(0, 60, 6)
+        prefill = num_scheduled > 1
+
+    for w in (1, 7, 40, 10 ** 6):
+        (window, reads, pairs), = StepFeatures.from_plan(Plan, (w,)).windowed
+        seen = [[set(range(max(0, p - w + 1), p + 1)) for p in range(e - n, e)]
+                for n, e in zip(Plan.num_scheduled, Plan.seq_lens)]
+        assert window == w
+        assert reads == sum(len(set().union(*keys)) for keys in seen)
+        assert pairs == sum(len(k) for keys in seen for k in keys)
+    f = StepFeatures.from_plan(Plan, (10 ** 6,))
+    assert f.windowed[0][1:] == (f.context_tokens, f.attention_pairs)  # a window past every position: full
+    d = StepFeatures.decoding(np.array([3, 50, 9]), (8,))
+    assert d == StepFeatures(3, 0, 3, 62, 62, ((8, 3 + 8 + 8, 3 + 8 + 8),))
+
+
+def test_roofline_of_a_sliding_window_model_reads_each_layer_its_share():
+    """Gemma-3-27B (52 of 62 layers slide over 1,024 tokens), bf16 KV, 64 decodes at 8,192 positions:
+    10 full layers read 8,192 tokens each, 52 read 1,024; the pairs likewise."""
+    config = preset("gemma-3-27b")
+    spec = config.kv_spec("bfloat16")
+    m = ModelCost.from_config(config, spec, weight_bytes=2 * config.num_params)
+    assert m.sliding == ((1024, 52),) and m.layers == 62
+    cost = Roofline(DEVICES["h200"], m, overhead_s=0.0)
+    f = StepFeatures.decoding(np.full(64, 8192), (1024,))
+    per_layer = spec.bytes_per_token // 62
+    moved = 2 * config.num_params + (10 * 64 * 8192 + 52 * 64 * 1024) * per_layer + 64 * spec.bytes_per_token
+    pairs = 10 * 64 * 8192 + 52 * 64 * 1024
+    flops = 2 * m.active_params * 64 / 989e12 + 2 * m.heads * (m.key_dim + m.value_dim) * pairs / 989e12
+    assert cost.step_seconds(f) == pytest.approx(max(moved / 4.8e12, flops), rel=1e-9)
+    full = StepFeatures.decoding(np.full(64, 8192))  # features without the window: every layer reads everything
+    assert cost.step_seconds(full) > 2 * cost.step_seconds(f)
+
+
+def test_host_tier_loads_cost_their_bytes_over_pcie():
+    config = preset("llama-3-8b")
+    spec = config.kv_spec("bfloat16")
+    cost = Roofline(DEVICES["h200"], ModelCost.from_config(config, spec, weight_bytes=2 * config.num_params))
+    f = StepFeatures(1, 100, 0, 100, 5050)
+    loaded = StepFeatures(1, 100, 0, 100, 5050, loaded_tokens=4096)
+    assert cost.step_seconds(loaded) - cost.step_seconds(f) == pytest.approx(4096 * spec.bytes_per_token / 64e9)
+
+    class Plan:  # two host blocks copied in before a step of blocks of 16
+        num_requests, num_scheduled, seq_lens, prefill = 1, np.array([4]), np.array([36]), np.array([True])
+        loads = np.array([[3, 7], [4, 8]])
+
+    assert StepFeatures.from_plan(Plan, (), 16).loaded_tokens == 32

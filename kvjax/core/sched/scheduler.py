@@ -28,10 +28,9 @@ fresh blocks in the same `allocate_slots` call and count as computed, so only th
 scheduled (`StepPlan.loads` lists their copies); after every step, each request's full blocks
 not yet offered are offered to the tier (`take_stores` hands the engine the copies to make).
 
-`schedule()` reads as those steps: `_schedule_running` (with `_preempt_for` when the pool is
-short), then `_admit_waiting`, then `_plan`. Each piece of request state has one owner: the
-host `Request` holds tokens, output and status; the pool holds block tables and how many
-tokens each request has computed (the plan's `seq_lens` are read from it, never mirrored).
+`schedule()` reads as those steps: `_schedule_running` (`_preempt_for` when the pool is short),
+`_admit_waiting`, `_plan`. The host `Request` holds tokens, output and status; the pool (the
+one owner) block tables and computed tokens (the plan's `seq_lens` are read from it).
 
 The scheduler knows nothing about the model: `schedule()` returns a `StepPlan` (which requests
 run, how many tokens each, their token ids, block tables, remaining tokens and stop ids as NumPy
@@ -107,8 +106,7 @@ class _Step:
 
 
 class Scheduler:
-    """Requests, their queues, and the block pool state (the one owner of block tables and of
-    how many tokens each request has computed); see the module docstring."""
+    """Requests, their queues and the block pool state (the module docstring)."""
 
     def __init__(self, config: SchedulerConfig, placement=None):
         """placement: the device (or a replicated sharding over a tensor-parallel mesh) that holds
@@ -210,15 +208,15 @@ class Scheduler:
             donors = [r for r in reversed(self.waiting) if r.slot is not None and r is not req]
             if not donors:
                 return False
-            self.state, ok = manager.remove_request(self.state, donors[0].slot)
+            self.state, ok = manager.owned.remove_request(self.state, donors[0].slot)
             _require(ok, f"the pool refused to remove waiting request {donors[0].req_id!r} from slot "
                          f"{donors[0].slot}: it still holds blocks")
             free, donors[0].slot = [donors[0].slot], None
         toks = np.zeros(self.max_blocks * self.config.block_size, np.int32)
         toks[: req.num_tokens] = req.tokens
         has_salt, key = hashing.salt_key(req.salt)
-        self.state, ok = manager.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
-                                          has_salt, np.asarray(key, np.uint32))
+        self.state, ok = manager.owned.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
+                                                   has_salt, np.asarray(key, np.uint32))
         _require(ok, f"the pool refused request {req.req_id!r} ({req.num_tokens} tokens) in free slot {free[0]}")
         req.slot = free[0]
         return True
@@ -226,11 +224,10 @@ class Scheduler:
     def _preempt(self, victim: Request, step: "_Step") -> None:
         """Free all the victim's blocks (the pool resets its computed tokens), put it at the
         front of waiting, and give back any budget it had been given this step."""
-        self.state, ok = manager.free(self.state, victim.slot)
+        self.state, ok = manager.owned.free(self.state, victim.slot)
         _require(ok, f"the pool refused to free running request {victim.req_id!r} (slot {victim.slot})")
         self._leave_running(victim)
-        victim.status = "waiting"
-        victim.num_preemptions += 1
+        victim.status, victim.num_preemptions = "waiting", victim.num_preemptions + 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         step.budget += step.scheduled.pop(victim.req_id, 0)
@@ -268,7 +265,7 @@ class Scheduler:
             reqs_a = np.asarray(reqs + [-1] * pad, np.int32)
             nums_a = np.asarray(nums + [0] * pad, np.int32)
             need, fits = manager.step_fits(self.state, reqs_a, nums_a)
-            self.state, ok = manager.allocate_step(self.state, reqs_a, nums_a)
+            self.state, ok = manager.owned.allocate_step(self.state, reqs_a, nums_a)
             failed = None
             for r, n, start, s, k, blocks in zip(batch, nums, starts, reqs, np.asarray(ok), np.asarray(need)):
                 if s < 0:
@@ -293,7 +290,7 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is req:
                 return
-            self.state, ok = manager.allocate_slots(self.state, req.slot, n)
+            self.state, ok = manager.owned.allocate_slots(self.state, req.slot, n)
             if bool(ok):
                 step.take(req, n, start)
                 return
@@ -315,7 +312,7 @@ class Scheduler:
             n = min(rest, step.budget)
             # Host hits take fresh blocks and count as computed (vLLM's external tokens); their
             # bytes are copied in before the step, so only the rest is prefilled.
-            self.state, ok = manager.allocate_slots(self.state, req.slot, nx * z + n, hits, nh)
+            self.state, ok = manager.owned.allocate_slots(self.state, req.slot, nx * z + n, hits, nh)
             if not bool(ok):
                 return
             if nx:
@@ -324,9 +321,8 @@ class Scheduler:
             req.host_next = connector.first_offer(int(nh), nx, req.host_next)
             self.waiting.remove(req)
             self.running.append(req)
-            req.row = heapq.heappop(self.free_rows)
+            req.row, req.status = heapq.heappop(self.free_rows), "running"
             step.admitted.append(req.req_id)
-            req.status = "running"
             step.take(req, n, (int(nh) + nx) * z)
 
     # ------------------------------------------------------------------ taking a step's results back
@@ -348,7 +344,8 @@ class Scheduler:
         if sampled.shape[0] != plan.num_requests:
             raise SchedulerError(f"got {sampled.shape[0]} sampled tokens for {plan.num_requests} requests")
         z, b = self.config.block_size, self.config.max_num_seqs
-        self._store([self.requests[r] for r in plan.req_ids], plan.block_tables, plan.seq_lens // z)
+        if self.tier is not None:
+            self._store([self.requests[r] for r in plan.req_ids], plan.block_tables, plan.seq_lens // z)
         active = np.zeros(b, bool)
         active[:plan.num_requests] = np.asarray(plan.sample, bool) & np.array(
             [self.requests[r].status == "running" for r in plan.req_ids], bool)
@@ -357,28 +354,30 @@ class Scheduler:
         self.state, t = host_transition(self.state, self.decode_rows(plan), tokens, active)
         finish, refused = jax.device_get((t.finish, t.append_refused))
         if refused.any():
-            i = int(np.flatnonzero(refused)[0])
-            req = self.requests[plan.req_ids[i]]
+            req = self.requests[plan.req_ids[i := int(np.flatnonzero(refused)[0])]]
             raise SchedulerError(f"the pool refused sampled token {int(tokens[i])} of request {req.req_id!r} "
                                  f"({req.num_tokens + 1} tokens)")
         return self._adopt(plan, tokens[None, :plan.num_requests], active[:plan.num_requests],
                            finish[:plan.num_requests])
 
-    def _adopt(self, plan: StepPlan, sampled: np.ndarray, active: np.ndarray, finish: np.ndarray) -> list[str]:
-        """Append the steps' tokens (i32[steps, B]) to the active requests' outputs, and finish those
-        whose transition finished them (finish: i32[B] FINISH_REASONS index, after the last step)."""
+    def _adopt(self, plan: StepPlan, sampled: np.ndarray, active: np.ndarray, finish: np.ndarray,
+               taken=None) -> list[str]:
+        """Append the steps' tokens (i32[steps, B]; row i's first taken[i] with `taken`) to the active
+        requests' outputs, and finish those whose transition finished them (finish: i32[B]
+        FINISH_REASONS index, after the last step), in the order they finished."""
         finished = []
         for i, rid in enumerate(plan.req_ids):
             if not active[i]:
                 continue
             req = self.requests[rid]
-            req.output += [int(x) for x in sampled[:, i]]
+            req.output += [int(x) for x in sampled[:None if taken is None else taken[i], i]]
             req.finish_reason = FINISH_REASONS[int(finish[i])]
             if req.finish_reason:
-                finished.append(req)
-        for req in finished:
-            self._finish(req)
-        return [r.req_id for r in finished]
+                finished.append((0 if taken is None else int(taken[i]), req))
+        finished.sort(key=lambda f: f[0])  # stable: step by step, plan order in each
+        for _, req in finished:
+            self._finish(req, in_pool=taken is not None)
+        return [r.req_id for _, r in finished]
 
     def finish_request(self, req_id: str, reason: str) -> None:
         """End a running or waiting request from outside (vLLM `finish_requests`: a stop string
@@ -392,14 +391,15 @@ class Scheduler:
             return
         self.waiting.remove(req)
         if req.slot is not None:
-            self.state, ok = manager.remove_request(self.state, req.slot)
+            self.state, ok = manager.owned.remove_request(self.state, req.slot)
             _require(ok, f"the pool refused to remove waiting request {req_id!r} from slot {req.slot}")
         req.status, req.slot = "finished", None
 
-    def _finish(self, req: Request) -> None:
-        self.state, ok = manager.free(self.state, req.slot)
-        self.state, ok2 = manager.remove_request(self.state, req.slot)
-        _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
+    def _finish(self, req: Request, in_pool: bool = False) -> None:
+        if not in_pool:  # else a device loop freed and removed it (apply_decode_steps' `taken`)
+            self.state, ok = manager.owned.free(self.state, req.slot)
+            self.state, ok2 = manager.owned.remove_request(self.state, req.slot)
+            _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
         self._leave_running(req)
         req.status, req.slot = "finished", None
 
@@ -419,27 +419,32 @@ class Scheduler:
         state, sampled, finish, extra = run(self.state)
         return self.apply_decode_steps(plan, sampled, state, finish), extra
 
-    def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager, finish) -> list[str]:
+    def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager, finish,
+                           taken=None) -> list[str]:
         """Adopt n decode steps that a device loop ran itself (kvjax.engine.core, --steps-per-call).
 
         `plan` is a decode plan (one token per request, every request samples: `decode_steps`
-        checks it before the loop runs) that `schedule()` returned; the device loop ran it, then
-        n - 1 more steps of the same requests, doing what `update` + `schedule` would have done
-        between them, with the same decode transition
-        (kvjax.core.sched.transition) after each step. It stopped after the first step in which
-        a request finished (length or stop token), before an allocation that did not fit (the
-        host then preempts as usual), or after its step limit. sampled: i32[steps, B] tokens per step
-        and plan row; state: the loop's final pool; finish: i32[B] each row's FINISH_REASONS
-        index after the last step. Finishes the requests that ended. Returns their ids."""
+        checks it) that `schedule()` returned; the device loop ran it, then n - 1 more steps of
+        the same requests, doing what `update` + `schedule` would have done between them, with
+        the same decode transition (kvjax.core.sched.transition) after each step. It stopped
+        after the first step in which a request finished (length or stop token), before an
+        allocation that did not fit (the host then preempts as usual), or after its step limit.
+        sampled: i32[steps, B] tokens per step and plan row; state: the loop's final pool;
+        finish: i32[B] each row's FINISH_REASONS index after the last step; taken: i32[B] the
+        steps each row took part in, for a loop that went on past a finish, freeing and removing
+        the finished requests in the pool as `update` would (kvjax.simulator.decode); None: every
+        row took every step. Finishes the requests that ended. Returns their ids."""
         sampled, finish = np.asarray(sampled), np.asarray(finish)
         if sampled.ndim != 2 or sampled.shape[1] != plan.num_requests or sampled.shape[0] < 1:
             raise SchedulerError(f"sampled must be [n >= 1, {plan.num_requests}], got {sampled.shape}")
+        if taken is not None and self.tier is not None:
+            raise SchedulerError("a loop past a finish cannot offer the finished requests' blocks to the host tier")
         self.state = state
         steps, z = sampled.shape[0], self.config.block_size
         if self.tier is not None:
             tables = np.asarray(state.reqs.block_table)[plan.slots, 0]
             self._store([self.requests[r] for r in plan.req_ids], tables, (plan.seq_lens - 1 + steps) // z)
-        return self._adopt(plan, sampled, np.ones(plan.num_requests, bool), finish)
+        return self._adopt(plan, sampled, np.ones(plan.num_requests, bool), finish, taken)
 
     # ------------------------------------------------------------------ the host tier
     @property
@@ -461,7 +466,7 @@ class Scheduler:
     def _store(self, reqs: list[Request], tables, end) -> None:
         """Offer the host tier each row's full blocks not yet offered (logical blocks
         req.host_next .. end[i] - 1 of tables[i]), row by row as vLLM's connector does."""
-        if self.tier is None or not any(b > r.host_next for r, b in zip(reqs, end)):
+        if not any(b > r.host_next for r, b in zip(reqs, end)):
             return
         req_hash = np.asarray(self.state.reqs.req_hash)  # a computed full block's hash is its request's
         for req, t, b in zip(reqs, tables, end):

@@ -20,6 +20,8 @@ Axes: the kvjax package docstring's legend.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -80,8 +82,9 @@ def decode_transition(state: manager.KVCacheManager, rows: DecodeRows, sampled, 
                              go & ~alloc_refused.any())
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def host_transition(state: manager.KVCacheManager, rows: DecodeRows, sampled, active):
     """The host loop's call (no allocation): one compile per (B, X); the scheduler pads B to
-    max_num_seqs and X to a power of two."""
+    max_num_seqs and X to a power of two. The state is donated (the scheduler replaces its own;
+    manager.owned)."""
     return decode_transition(state, rows, sampled, active, False)
