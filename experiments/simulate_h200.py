@@ -8,12 +8,19 @@ a real step, which also spends kernel inefficiency and launch gaps. The requests
 dataset with Poisson arrivals at a sweep of rates; per rate: p90 TTFT and TPOT, preemptions.
 The SLO (p90 TTFT <= 2 s, p90 TPOT <= 100 ms) gives each deployment's max sustainable rate.
 
-    Llama-3-70B, TP 8, fp8 weights: bf16 vs fp8 KV, 8K and 32K contexts
+    Llama-3-70B, TP 8, fp8 weights: bf16 vs fp8 KV, 8K and 32K contexts; at 32K also a host tier
+        (1 TiB over the 8 ranks, vLLM's --kv-offloading-size), where the pool fills and preempts
     DeepSeek-V3 (MLA, its latent replicated on every rank), TP 8, fp8 weights: bf16 vs fp8 KV, 8K
+    Gemma-3-27B (bf16 weights) and gpt-oss-120b (4-bit weights: MXFP4's 4.25 bits per parameter
+        taken as 4) on ONE H200, with vLLM's hybrid KV cache groups (sliding-window layers in their
+        own groups, reading only their window): bf16 vs fp8 KV at 8K, bf16 KV at 32K
+
+Per point also: preemptions, the recompute tax (prefilled tokens beyond the prompts, over the
+prompts) and the host tier's loaded tokens.
 
 Writes simulate_h200.{json,md,png} to --out (default $OUT, else experiments/results).
 
-    python experiments/simulate_h200.py            # every deployment (about 10 min on 2 cores)
+    python experiments/simulate_h200.py            # every deployment (about 20 min on 2 cores)
     python experiments/simulate_h200.py --quick    # two rates of one, fewer requests
 """
 from __future__ import annotations
@@ -30,12 +37,12 @@ from kvjax.benchmarks import serve as B  # noqa: E402
 from kvjax.benchmarks.datasets import random_requests  # noqa: E402
 from kvjax.config.engine import resolve_kv_dtype  # noqa: E402
 from kvjax.config.presets import preset  # noqa: E402
-from kvjax.config.scheduler import SchedulerConfig  # noqa: E402
 from kvjax.errors import pyplot, save_figure, write_json, write_text  # noqa: E402
 from kvjax.experiments import results_dir  # noqa: E402
 from kvjax.markdown import markdown_table  # noqa: E402
 from kvjax.simulator.clock import simulate  # noqa: E402
 from kvjax.simulator.cost import DEVICES, ModelCost, Roofline  # noqa: E402
+from kvjax.simulator.deployment import scheduler_config  # noqa: E402
 
 GiB = 1 << 30
 SLO = {"p90_ttft_ms": 2000.0, "p90_tpot_ms": 100.0}
@@ -54,16 +61,32 @@ class Deployment:
     weight_dtype: str = "fp8"
     rates: tuple = (2, 4, 8, 16, 32)
     requests: int = 120  # per point (a low rate's run is long: n / rate simulated seconds of steps)
+    host_gib: int = 0  # a host tier over all ranks (vLLM's --kv-offloading-size); 0: none
 
 
 DEPLOYMENTS = (
     Deployment("Llama-3-70B, 8K, bf16 KV", "llama-3-70b", "bf16", 8192, 3072, 512),
     Deployment("Llama-3-70B, 8K, fp8 KV", "llama-3-70b", "fp8", 8192, 3072, 512),
     Deployment("Llama-3-70B, 32K, bf16 KV", "llama-3-70b", "bf16", 32768, 16384, 1024, rates=(1, 2, 4, 8),
-               requests=48),
-    Deployment("Llama-3-70B, 32K, fp8 KV", "llama-3-70b", "fp8", 32768, 16384, 1024, rates=(1, 2, 4, 8), requests=48),
+               requests=320),
+    Deployment("Llama-3-70B, 32K, fp8 KV", "llama-3-70b", "fp8", 32768, 16384, 1024, rates=(1, 2, 4, 8),
+               requests=320),
+    Deployment("Llama-3-70B, 32K, bf16 KV, 1 TiB host tier", "llama-3-70b", "bf16", 32768, 16384, 1024,
+               rates=(1, 2, 4, 8), requests=320, host_gib=1024),
     Deployment("DeepSeek-V3, 8K, bf16 KV", "deepseek-v3", "bf16", 8192, 3072, 512),
     Deployment("DeepSeek-V3, 8K, fp8 KV", "deepseek-v3", "fp8", 8192, 3072, 512),
+    Deployment("Gemma-3-27B, 1 H200, 8K, bf16 KV", "gemma-3-27b", "bf16", 8192, 3072, 512, tp=1, weight_dtype="bf16",
+               rates=(0.5, 1, 2, 4)),
+    Deployment("Gemma-3-27B, 1 H200, 8K, fp8 KV", "gemma-3-27b", "fp8", 8192, 3072, 512, tp=1, weight_dtype="bf16",
+               rates=(0.5, 1, 2, 4)),
+    Deployment("Gemma-3-27B, 1 H200, 32K, bf16 KV", "gemma-3-27b", "bf16", 32768, 16384, 1024, tp=1,
+               weight_dtype="bf16", rates=(0.125, 0.25, 0.5, 1), requests=48),
+    Deployment("gpt-oss-120b, 1 H200, 8K, bf16 KV", "gpt-oss-120b", "bf16", 8192, 3072, 512, tp=1,
+               weight_dtype="int4", rates=(1, 2, 4, 8)),
+    Deployment("gpt-oss-120b, 1 H200, 8K, fp8 KV", "gpt-oss-120b", "fp8", 8192, 3072, 512, tp=1,
+               weight_dtype="int4", rates=(1, 2, 4, 8)),
+    Deployment("gpt-oss-120b, 1 H200, 32K, bf16 KV", "gpt-oss-120b", "bf16", 32768, 16384, 1024, tp=1,
+               weight_dtype="int4", rates=(0.25, 0.5, 1, 2), requests=48),
 )
 
 
@@ -73,9 +96,8 @@ def sized(d: Deployment):
     spec = config.kv_spec(resolve_kv_dtype(d.kv, config.dtype))
     weights = bud.weight_bytes(config.num_params, d.weight_dtype)
     pl = bud.plan(spec, context=d.context, block_size=BLOCK, total_bytes=141 * GiB, util=0.9, weights_bytes=weights,
-                  tp=d.tp)
-    sched = SchedulerConfig(num_blocks=pl.num_blocks, block_size=BLOCK, max_num_seqs=256, max_num_batched_tokens=8192,
-                            max_model_len=d.context)
+                  tp=d.tp, host_offload_bytes=d.host_gib * GiB or None)
+    sched = scheduler_config(pl, config.layer_windows, max_num_seqs=256, max_num_batched_tokens=8192)
     cost = Roofline(DEVICES["h200"], ModelCost.from_config(config, spec, weight_bytes=weights,
                                                           weight_dtype=d.weight_dtype, tp=d.tp))
     return sched, cost, pl
@@ -86,9 +108,14 @@ def point(d: Deployment, rate: float, n: int, seed: int = 0) -> dict:
     requests = random_requests(n, d.input_len, d.output_len, range_ratio=0.25, vocab_size=32000, seed=seed)
     arrivals = B.arrival_times(n, rate, 1.0, seed)
     sim = simulate(sched, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests], arrivals,
-                   cost.step_seconds)
+                   cost.step_seconds, windows=preset(d.preset).layer_windows)
     res = sim.bench_result(("ttft", "tpot", "e2el"), (90,))
-    return dict(rate=rate, blocks=pl.num_blocks, steps=len(sim.steps), preemptions=sim.preemptions,
+    prompts = sum(len(r.prompt_token_ids) for r in requests)
+    prefilled = sum(s.features.prefill_tokens for s in sim.steps)
+    return dict(rate=rate, blocks=sched.num_blocks, groups=len(sched.windows), host_blocks=sched.num_host_blocks,
+                steps=len(sim.steps), preemptions=sim.preemptions,
+                recompute_tax=round((prefilled - prompts) / prompts, 4),
+                host_loaded_tokens=sum(s.features.loaded_tokens for s in sim.steps),
                 peak_running=max(s.num_running for s in sim.steps),
                 **{k: res[k] for k in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_e2el_ms",
                                        "output_throughput")})
@@ -106,18 +133,22 @@ def render(res: dict) -> str:
     for d in res["deployments"]:
         ok = [p["rate"] for p in d["points"] if meets_slo(p)]
         pre = [p["rate"] for p in d["points"] if p["preemptions"]]
-        summary.append([d["label"], f"{d['points'][0]['blocks']:,}", f"{max(ok)} req/s" if ok else "none",
+        p0 = d["points"][0]
+        pool = f"{p0['blocks']:,}" + (f" ({p0['groups']} groups)" if p0.get("groups", 1) > 1 else "") + (
+            f" + {p0['host_blocks']:,} host" if p0.get("host_blocks") else "")
+        summary.append([d["label"], pool, f"{max(ok)} req/s" if ok else "none",
                         f"{min(pre)} req/s" if pre else "none in the sweep"])
     lines += markdown_table(["deployment", "blocks per rank", "max rate meeting the SLO", "preemption from"],
                             summary, "lrll") + [""]
     for d in res["deployments"]:
         lines += [f"## {d['label']}", "", f"{d['requests']} requests per point. {d['cost_model']}", "",
                   *markdown_table(["req/s", "p90 TTFT ms", "p90 TPOT ms", "mean E2EL ms", "output tok/s", "preemptions",
-                                   "peak running", "SLO"],
+                                   "recompute tax", "host-loaded tokens", "peak running", "SLO"],
                                   [[p["rate"], f"{p['p90_ttft_ms']:,.0f}", f"{p['p90_tpot_ms']:,.1f}",
                                     f"{p['mean_e2el_ms']:,.0f}", f"{p['output_throughput']:,.0f}", p["preemptions"],
+                                    f"{p['recompute_tax']:.1%}", f"{p['host_loaded_tokens']:,}",
                                     p["peak_running"], "yes" if meets_slo(p) else "no"] for p in d["points"]],
-                                  "rrrrrrrl"), ""]
+                                  "rrrrrrrrrl"), ""]
     return "\n".join(lines)
 
 
@@ -135,7 +166,7 @@ def plot(res: dict, path) -> None:
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(name)
     axes[0].legend(fontsize=7)
-    fig.suptitle("SIMULATED on 8×H200 (kvjax simulate, roofline): not measured")
+    fig.suptitle("SIMULATED on H200s (kvjax simulate, roofline; 8 ranks unless labelled 1 H200): not measured")
     fig.tight_layout()
     save_figure(fig, path, "--out")
 
@@ -163,7 +194,9 @@ def main(argv=None) -> dict:
                assumptions="vLLM's random dataset (lengths ±25%; requests per point in each section), Poisson "
                            "arrivals; pools "
                            "from kvjax plan at 141 GiB × 0.9 per H200, blocks of 16, max_num_seqs 256, "
-                           "max_num_batched_tokens 8,192; the roofline's 1 ms per step is assumed.",
+                           "max_num_batched_tokens 8,192, prefix caching on (vLLM's default); hybrid models in "
+                           "vLLM's KV cache groups; the host tier's copies at PCIe Gen5's 64 GB/s each way, not "
+                           "overlapped with the step; the roofline's 1 ms per step is assumed.",
                slo=SLO, deployments=out_rows, seconds=round(time.perf_counter() - t0, 1))
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -94,8 +94,9 @@ def add_parser(sub) -> None:
                      defaults={"model": "small-gqa"})
 
 
-def _add_dataset_flags(s) -> None:
-    """vLLM's dataset flags, for the datasets kvjax has (kvjax.benchmarks.datasets)."""
+def _add_dataset_flags(s, tokenizer_help: str | None = None) -> None:
+    """vLLM's dataset flags, for the datasets kvjax has (kvjax.benchmarks.datasets); kvjax simulate
+    takes them too (tokenizer_help: what --tokenizer is for there)."""
     s.add_argument("--dataset-name", choices=DATASETS, default="random",
                    help="random (synthetic ids), prefix_repetition (shared prefixes + unique suffixes), "
                         "sharegpt (a ShareGPT JSON file), corpus (kvjax: slices of a real text) (random)")
@@ -103,8 +104,9 @@ def _add_dataset_flags(s) -> None:
                    help="sharegpt: the JSON file (required); corpus: a UTF-8 text file "
                         "(default: the Python Language Reference prose kvjax ships)")
     s.add_argument("--tokenizer", default=None, metavar="MODEL",
-                   help="with --base-url: the model whose tokenizer the client uses: it tokenizes a sharegpt "
-                        "or corpus dataset (default: --model's) and gives random's vocabulary")
+                   help=tokenizer_help or "with --base-url: the model whose tokenizer the client uses: it tokenizes "
+                                          "a sharegpt or corpus dataset (default: --model's) and gives random's "
+                                          "vocabulary")
     s.add_argument("--no-oversample", action="store_true",
                    help="keep fewer requests than --num-prompts when the dataset has fewer")
     s.add_argument("--disable-shuffle", action="store_true",
@@ -150,15 +152,16 @@ def _percentiles(text: str) -> list[float]:
     return ps
 
 
-def _check_dataset(args):
+def _check_dataset(args, engine_tokenizes: bool = True):
     """The dataset's flags and file, before any work → its source: the conversations of a sharegpt
-    file, the text of a corpus, else None."""
+    file, the text of a corpus, else None. engine_tokenizes: without --base-url the engine's own
+    tokenizer does, and --tokenizer is refused (kvjax simulate: False)."""
     from kvjax.benchmarks import datasets as D
 
     name = args.dataset_name
     if args.dataset_path is not None and name not in ("sharegpt", "corpus"):
         raise UsageError(f"--dataset-path is for --dataset-name sharegpt or corpus, not {name}")
-    if args.tokenizer is not None and not args.base_url:
+    if engine_tokenizes and args.tokenizer is not None and not args.base_url:
         raise UsageError("--tokenizer is for --base-url: in this process the engine's own tokenizer "
                          "(--model's) tokenizes the dataset")
     if name in ("random", "corpus"):

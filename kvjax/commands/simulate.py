@@ -7,9 +7,9 @@ The model and the memory flags are `kvjax plan`'s, read by its code, so the budg
 arithmetic is plan's: the scheduler gets plan's blocks per rank (block 0 the null block; a model
 with sliding-window layers vLLM's hybrid KV cache groups on that budget; --kv-offloading-size a
 host tier: kvjax.simulator.deployment), --block-size, --max-model-len, --max-num-batched-tokens
-and --max-num-seqs. The requests are
-vLLM's random dataset (kvjax.benchmarks.datasets.random_requests) arriving as `kvjax bench
-serve`'s do (--request-rate, --burstiness, --max-concurrency, --seed). Each step's time comes
+and --max-num-seqs. The requests are `kvjax bench serve`'s datasets (--dataset-name random,
+prefix_repetition; sharegpt and corpus with --tokenizer; kvjax.benchmarks.datasets) arriving as
+its requests do (--request-rate, --burstiness, --max-concurrency, --seed). Each step's time comes
 from a cost model (kvjax.simulator.cost): the roofline of --device (h100, h200, b200 presets; cpu
 measured here) for the model and its --tensor-parallel-size, or --profile FILE, a step profile
 fitted from recorded steps. It prints the cost model's numbers, then `kvjax bench serve`'s table
@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 import time
 
+from kvjax.commands import bench as bench_cmd
 from kvjax.commands import plan as plan_cmd
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import KvjaxError, UsageError, dumps, float_arg, int_arg, read_json
+from kvjax.errors import KvjaxError, UsageError, dumps, int_arg, read_json
 
 DEVICE_NAMES = ("h100", "h200", "b200", "cpu")
 
@@ -32,11 +33,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="vLLM's scheduling on a cost model: serving latency without a model",
                        description=__doc__.split("\n")[0])
     plan_cmd.add_sizing_arguments(p)
-    w = p.add_argument_group("workload (kvjax bench serve's random dataset and arrivals)")
+    w = p.add_argument_group("workload (kvjax bench serve's datasets and arrivals)")
     w.add_argument("--num-prompts", type=int_arg(1), default=1000, help="requests (1000)")
-    w.add_argument("--random-input-len", type=int_arg(1), default=1024, help="prompt tokens (1024)")
-    w.add_argument("--random-output-len", type=int_arg(1), default=128, help="output tokens (128)")
-    w.add_argument("--random-range-ratio", type=float_arg(0, 1), default=0.0, help="length spread in [0, 1)")
+    bench_cmd._add_dataset_flags(p, "sharegpt, corpus: the model (a folder or hub id) whose tokenizer tokenizes the "
+                                    "dataset")
     w.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the intervals (1: Poisson)")
     w.add_argument("--max-concurrency", type=int_arg(1), default=None, help="requests in flight at most")
@@ -55,7 +55,6 @@ def run(args) -> int:
     import numpy as np
 
     from kvjax.accounting import budget as bud
-    from kvjax.benchmarks.datasets import random_requests
     from kvjax.benchmarks.serve import arrival_times, format_table
     from kvjax.config.hf import from_hf_config
     from kvjax.config.presets import preset
@@ -67,6 +66,10 @@ def run(args) -> int:
         raise UsageError("kvjax simulate needs the model's shapes: --preset NAME or --hf-config FILE")
     if not (args.request_rate > 0) or not (args.burstiness > 0):
         raise UsageError(f"--request-rate {args.request_rate} and --burstiness {args.burstiness} must be > 0")
+    if args.dataset_name in ("sharegpt", "corpus") and args.tokenizer is None:
+        raise UsageError(f"--dataset-name {args.dataset_name} needs --tokenizer: kvjax simulate runs no model, so "
+                         "the dataset's text is tokenized by the tokenizer named there")
+    source = bench_cmd._check_dataset(args, engine_tokenizes=False)
     inputs = plan_cmd._resolve_plan_inputs(args)
     pl = bud.plan(inputs["spec"], **inputs["kw"])
     config = preset(args.preset) if args.preset else from_hf_config(args.hf_config)
@@ -83,9 +86,7 @@ def run(args) -> int:
         model = cost.Roofline(device, cost.ModelCost.from_config(
             config, inputs["spec"], weight_bytes=inputs["kw"]["weights_bytes"], weight_dtype=args.weight_dtype or "bf16",
             tp=pl.tp), overhead_s=args.overhead_ms / 1e3)
-    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                               range_ratio=args.random_range_ratio, vocab_size=config.vocab_size or 32000,
-                               seed=args.seed)
+    requests = _requests(args, config, source)
     arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
     t0 = time.perf_counter()
     result = simulate(sched, [r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests],
@@ -95,7 +96,9 @@ def run(args) -> int:
     out = result.bench_result(("ttft", "tpot", "itl", "e2el"), (50, 90, 99))
     out.update(simulated=True, cost_model=model.describe(), blocks=sched.num_blocks, kv_cache_groups=list(sched.windows),
                host_blocks=sched.num_host_blocks, engine_steps=len(result.steps),
-               preemptions=result.preemptions, peak_running_requests=max((s.num_running for s in result.steps),
+               preemptions=result.preemptions, prefilled_tokens=sum(s.features.prefill_tokens for s in result.steps),
+               recomputed_tokens=result.recomputed_tokens, recompute_tax=result.recompute_tax,
+               peak_running_requests=max((s.num_running for s in result.steps),
                                                                          default=0),
                simulation_wall_s=round(wall, 2), max_concurrency=args.max_concurrency)
     if args.json:
@@ -109,3 +112,18 @@ def run(args) -> int:
     print(format_table(out, ("ttft", "tpot", "itl", "e2el"), (50, 90, 99), title="Simulated Serving Result"))
     print(f"{len(result.steps):,} steps simulated in {wall:.1f} s")
     return 0
+
+
+def _requests(args, config, source) -> list:
+    """kvjax bench serve's requests for its dataset flags; a synthetic dataset draws ids from the
+    model's vocabulary (or --vocab-size)."""
+    tok = None
+    if args.tokenizer is not None:
+        from kvjax.models.hub import load_tokenizer
+
+        try:
+            tok = load_tokenizer(args.tokenizer)
+        except KvjaxError as e:
+            raise UsageError(f"--tokenizer {args.tokenizer!r} gives no tokenizer: {e}") from None
+    vocab = args.vocab_size or (tok.vocab_size if tok is not None else config.vocab_size or 32000)
+    return bench_cmd._requests(args, source, tok, vocab, list(getattr(tok, "all_special_ids", ())))

@@ -66,8 +66,6 @@ from kvjax.utils.atomic import BatchCall, atomic, lock_of
 from kvjax.worker import sharding as shd
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
-MIN_TABLE_TOKENS = 64  # smallest block-table width bucket, in tokens
-MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
 
 
 
@@ -443,8 +441,8 @@ class Engine:
         total = int(plan.num_scheduled.sum())
         budget = self.scheduler_config.max_num_batched_tokens
         rows = plan.rows.tolist()
-        width = _table_width(plan, int(plan.seq_lens.max()), z)
-        tokens_bucket = pow2_bucket(total, MIN_STEP_TOKENS, budget)
+        width = device.table_width(int(plan.seq_lens.max()), z, plan.block_tables.shape[1])
+        tokens_bucket = device.ragged_tokens(total, budget)
         grouped = plan.group_tables is not None
         md = build_metadata(plan.seq_lens - plan.num_scheduled, plan.num_scheduled,
                             list(plan.group_tables if grouped else plan.block_tables),
@@ -470,7 +468,7 @@ class Engine:
         # strings are checked on the host after every token.
         one = plan.preempted or any(sampling.needs_host_every_token(self._active[r].params) for r in plan.req_ids)
         max_steps = 1 if one else k
-        width = _table_width(plan, int(plan.seq_lens.max()) + max_steps - 1, z)
+        width = device.table_width(int(plan.seq_lens.max()) + max_steps - 1, z, plan.block_tables.shape[1])
         rows = plan.rows.tolist()
         tokens, computed = np.zeros(b, np.int32), np.zeros(b, np.int32)
         tokens[rows], computed[rows] = plan.token_ids, plan.seq_lens - 1
@@ -491,8 +489,3 @@ class Engine:
             self._record(rid, out, row, slice(0, steps))
         return steps, [int(u) for u in used[:steps]], finished, out.logprobs
 
-
-def _table_width(plan: StepPlan, tokens: int, z: int) -> int:
-    """The block-table width a step is given: the blocks of its longest row (`tokens`), bucketed
-    to a power of two of at least MIN_TABLE_TOKENS tokens, at most the tables' width."""
-    return pow2_bucket(cdiv(tokens, z), cdiv(MIN_TABLE_TOKENS, z), plan.block_tables.shape[1])

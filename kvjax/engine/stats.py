@@ -96,6 +96,8 @@ class RunStats:
         self._compile_start = self._compile_mark = COMPILE_S[0]
 
     def observe(self, engine, plan, t0: float, t1: float, steps: int, used: list[int], preempted: int) -> None:
+        from kvjax.engine.steps import step_shape
+
         """One engine step (Engine.step): plan ran as `steps` model steps in t1 - t0 seconds, with
         used[k] blocks out of the free queue during step k; preempted requests this step."""
         for i in np.flatnonzero(plan.admitted):  # the prefix-cache lookups of the requests it admitted
@@ -177,6 +179,7 @@ class StepRecord:
     scheduled: tuple[tuple[str, int], ...] = ()  # (request id, tokens computed) in the plan's order
     context_tokens: int = 0  # Σ the plan's seq_lens: positions its attention reads
     attention_pairs: int = 0  # Σ n·L − n(n − 1)/2: causal query-key pairs (kvjax.simulator.cost)
+    shape: tuple[bool, int, int] = (False, 0, 0)  # its first model step's compiled shape (kvjax.engine.steps.step_shape)
 
 
 class StepLog:
@@ -195,6 +198,8 @@ class StepLog:
         self._compile_mark = COMPILE_S[0]
 
     def observe(self, engine, plan, t0: float, t1: float, steps: int, used: list[int], preempted: int) -> None:
+        from kvjax.engine.steps import step_shape
+
         recomputed = 0
         for i, rid in enumerate(plan.req_ids):
             start, end = int(plan.seq_lens[i] - plan.num_scheduled[i]), int(plan.seq_lens[i])
@@ -213,7 +218,7 @@ class StepLog:
             preempted=tuple(plan.preempted),
             scheduled=tuple((rid, int(n)) for rid, n in zip(plan.req_ids, plan.num_scheduled)),
             context_tokens=int(np.sum(plan.seq_lens, dtype=np.int64)),
-            attention_pairs=causal_pairs(plan.num_scheduled, plan.seq_lens)))
+            attention_pairs=causal_pairs(plan.num_scheduled, plan.seq_lens), shape=step_shape(plan, sched.config)))
         for rid in [r for r in self._high if r not in sched.requests]:  # finished: forget its marks
             del self._high[rid], self._held[rid]
 

@@ -42,8 +42,35 @@ from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.scheduler import SchedulerError
 from kvjax.core.sched.transition import DecodeRows, decode_transition
 from kvjax.engine import sampling
+from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.worker.model_runner import forward
 from kvjax.worker.paged_cache import PagedCache
+
+MIN_TABLE_TOKENS = 64  # smallest block-table width bucket, in tokens
+MIN_STEP_TOKENS = 16  # smallest ragged-step token bucket
+
+
+def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
+    """The block-table width (in blocks) a step is given: the blocks of its longest row (`tokens`),
+    bucketed to a power of two of at least MIN_TABLE_TOKENS tokens, at most the tables' width."""
+    return pow2_bucket(cdiv(tokens, block_size), cdiv(MIN_TABLE_TOKENS, block_size), max_blocks)
+
+
+def ragged_tokens(total: int, budget: int) -> int:
+    """A ragged step's token count, padded to a power of two (at least MIN_STEP_TOKENS, at most the budget)."""
+    return pow2_bucket(total, MIN_STEP_TOKENS, budget)
+
+
+def step_shape(plan: StepPlan, config) -> tuple[bool, int, int]:
+    """The compiled shape of one model step of `plan` (config: its SchedulerConfig): (the decode
+    form, the rows or padded tokens it computes, its table width in tokens). The decode form runs
+    max_num_seqs rows; a ragged step its tokens padded to a power of two (kvjax.simulator's step
+    profile fits these, what a step really computes)."""
+    z = config.block_size
+    width = table_width(int(plan.seq_lens.max()), z, plan.block_tables.shape[1]) * z
+    if plan.is_decode:
+        return True, config.max_num_seqs, width
+    return False, ragged_tokens(int(plan.num_scheduled.sum()), config.max_num_batched_tokens), width
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")

@@ -32,6 +32,7 @@ from kvjax.benchmarks.serve import RequestFuncOutput, calculate_metrics, result_
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.sched.scheduler import Scheduler, SchedulerError
 from kvjax.errors import KvjaxError
+from kvjax.math_utils import pow2_bucket
 from kvjax.simulator.cost import StepFeatures
 
 
@@ -66,6 +67,13 @@ class SimResult:
     duration: float  # simulated seconds, from 0 to the last step's end
     preemptions: int
     state: object = None  # the scheduler's pool at the end (kvjax.core.kv_cache_manager.KVCacheManager)
+    recomputed_tokens: int = 0  # positions computed again after a preemption freed them (StepLog's rule)
+
+    @property
+    def recompute_tax(self) -> float:
+        """Recomputed over computed tokens (kvjax.engine.stats.StepLog's recompute tax)."""
+        done = sum(s.features.tokens for s in self.steps)
+        return self.recomputed_tokens / done if done else 0.0
 
     def bench_result(self, percentile_metrics: Sequence[str], percentiles: Sequence[float]) -> dict:
         """`kvjax bench serve`'s result dict (vLLM's keys) of the simulated requests."""
@@ -119,6 +127,7 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
     times: list[list[float]] = [[] for _ in range(n)]
     index = {rid: i for i, rid in enumerate(ids)}
     steps: list[SimStep] = []
+    recomputed, high = 0, {}  # high: each request's most positions computed (kvjax.engine.stats.StepLog)
     while True:
         while nxt < n and arrivals[nxt] <= clock:
             waiting_to_send.append(nxt)
@@ -142,13 +151,16 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
         if decode_runs and step_times is None and _runs_on(plan, config):
             # Every row taken and every request sent to the scheduler: an arrival waits for a finish.
             full = max_concurrency is None and len(sched.running) >= config.max_num_seqs
-            clock, done = _decode_run(sched, plan, clock, arrivals[nxt:], full, step_seconds, tokens,
-                                      full or bool(sched.waiting or waiting_to_send), windows, steps, times, index)
+            clock, done, taken = _decode_run(sched, plan, clock, arrivals[nxt:], full, step_seconds, tokens,
+                                             full or bool(sched.waiting or waiting_to_send), windows, steps, times,
+                                             index)
+            for rid, end, k in zip(plan.req_ids, plan.seq_lens, taken):
+                high[rid] = max(high.get(rid, 0), int(end) + k - 1)
             for rid in done:
                 sched.forget(rid)
                 in_flight -= 1
             continue
-        features = StepFeatures.from_plan(plan, windows, config.block_size)
+        features = StepFeatures.from_plan(plan, windows, config)
         if step_times is None:
             dt = float(step_seconds(features))
         elif len(steps) < len(step_times):
@@ -158,6 +170,9 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
         if not (math.isfinite(dt) and dt >= 0):
             raise SimulationError(f"step {len(steps)}: a step time of {dt!r} s")
         t0, clock = clock, clock + dt
+        for rid, n_new, end in zip(plan.req_ids, plan.num_scheduled, plan.seq_lens):  # StepLog's high-water marks
+            recomputed += max(0, min(int(end), high.get(rid, 0)) - int(end - n_new))
+            high[rid] = max(high.get(rid, 0), int(end))
         sampled = np.array([tokens(rid, len(sched.output(rid))) for rid in plan.req_ids], np.int32)
         sampling = [rid for rid, s in zip(plan.req_ids, plan.sample) if s]
         finished = sched.update(plan, sampled)
@@ -175,7 +190,7 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
         outputs.append(RequestFuncOutput(success=bool(t), prompt_len=len(prompts[i]), output_tokens=len(t),
                                          ttft=t[0] - start[i] if t else 0.0, itl=list(np.diff(t)) if t else [],
                                          latency=t[-1] - start[i] if t else 0.0, start_time=float(start[i])))
-    return SimResult(outputs, steps, clock, sched.num_preemptions, sched.state)
+    return SimResult(outputs, steps, clock, sched.num_preemptions, sched.state, recomputed)
 
 
 RUN_STEPS = 128  # the most decode steps one `decode_run` call takes (its static loop bound)
@@ -197,7 +212,7 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
     not yet sent), or with every row full (`full`: an arrival only waits) until a finish; stopping
     after a finish while requests wait or with a host tier (stop_at_finish). Records each step and
     each token's time as the host loop would. → (the clock after the last step, the finished
-    request ids, in order)."""
+    request ids, in order, the steps each of plan's requests took part in)."""
     from kvjax.core.sched.transition import FINISH_REASONS
     from kvjax.simulator.decode import decode_run
 
@@ -209,9 +224,9 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
     # The steps' batches are known ahead: row i takes part in steps 0 .. remaining[i] - 1; the
     # plan's own step may be a prompt's last token, the others decode.
     def features(j: int, live: np.ndarray) -> StepFeatures:
-        return first if j == 0 else StepFeatures.decoding(plan.seq_lens[live] + j, windows)
+        return first if j == 0 else StepFeatures.decoding(plan.seq_lens[live] + j, windows, sched.config)
 
-    first = StepFeatures.from_plan(plan, windows, sched.config.block_size)
+    first = StepFeatures.from_plan(plan, windows, sched.config)
     ends, j, t = [], 0, clock
     arrival = math.inf if full or not len(pending) else pending[0]
     while j < k and (j == 0 or t < arrival):
@@ -224,8 +239,10 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
         t += dt
         ends.append(t)
         j += 1
-    rows = sched.decode_rows(plan)
-    width = rows.slots.shape[0]
+    # The plan's rows padded to a power of two, not to max_num_seqs: a loop step's work grows with
+    # its rows (a few compiles, one per bucket; padding rows are empty either way).
+    width = pow2_bucket(b, 8, sched.config.max_num_seqs)
+    rows = jax.tree.map(lambda x: x[:width], sched.decode_rows(plan))
     sampled = np.zeros((RUN_STEPS, width), np.int32)
     if isinstance(tokens, DefaultTokens):
         sampled[:len(ends), :b] = tokens.array(plan.req_ids, [len(sched.output(r)) for r in plan.req_ids], len(ends))
@@ -255,4 +272,5 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
                              (), len(sched.running) if last else int((finished_at > j).sum()), int(queued[j]),
                              sched.num_free_blocks() if last else int(free_after[j]), features(j, live)))
         start = ends[j]
-    return ends[ran - 1], done
+    return ends[ran - 1], done, taken
+

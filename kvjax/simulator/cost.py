@@ -11,6 +11,8 @@ A step's time depends on what the scheduler put in it (`StepFeatures`, read from
                       (causal): the attention's multiply-adds per head and dimension
     windowed          per sliding window W of the model: the keys a layer of that window reads,
                       Σ min(L, W + n − 1), and its pairs, Σ over the new tokens of min(p + 1, W)
+    loaded_tokens     host tier hits copied in before the step
+    shape             the engine's compiled step: (decode form, rows or padded tokens, table width)
 
 `Roofline` (a device and a model): step time = max(bytes / bandwidth, FLOPs / peak) + the
 all-reduces of tensor parallelism + a fixed overhead per step, with
@@ -32,8 +34,10 @@ all-reduces of tensor parallelism + a fixed overhead per step, with
 Device presets cite their vendors' datasheets (dense throughput, half of the with-sparsity
 figures); this CPU's numbers are measured (`measure_cpu`: a copy for bandwidth, a matmul for the
 peak). `FittedProfile` is a least-squares fit of recorded step times (`kvjax bench serve`'s step
-log) over [1, prefill_tokens, decode_tokens, context_tokens, attention_pairs]: what this machine
-really does per step. Both print their numbers (`describe`).
+log) over [1, prefill_tokens, decode_tokens, context_tokens, attention_pairs], or over the
+engine's compiled shapes (`shape`, kvjax.engine.steps.step_shape: [1, decode form, rows or padded
+tokens, those × table width]; a CPU step pays for its padding): what this machine really does per
+step. Both print their numbers (`describe`).
 """
 from __future__ import annotations
 
@@ -45,7 +49,10 @@ import numpy as np
 
 from kvjax.errors import KvjaxError
 
-FEATURES = ("1", "prefill_tokens", "decode_tokens", "context_tokens", "attention_pairs")
+FEATURES = ("1", "prefill_tokens", "decode_tokens", "context_tokens", "attention_pairs")  # the plan's work
+# The engine's compiled step (`shape`): which program, the rows or padded tokens it computes, and
+# those times its table width (what a reference attention reads): what a CPU step really costs.
+SHAPE_FEATURES = ("1", "decode_form", "padded_tokens", "attention_slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,33 +67,47 @@ class StepFeatures:
     # per sliding window W of the model: (W, the context a layer of that window reads, its query-key pairs)
     windowed: tuple[tuple[int, int, int], ...] = ()
     loaded_tokens: int = 0  # host tier hits copied in before the step (plan.loads × block size)
+    shape: tuple[bool, int, int] = (False, 0, 0)  # the engine's compiled step (kvjax.engine.steps.step_shape)
 
     @property
     def tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
     @classmethod
-    def from_plan(cls, plan, windows: Sequence[int] = (), block_size: int = 0) -> "StepFeatures":
+    def from_plan(cls, plan, windows: Sequence[int] = (), config=None) -> "StepFeatures":
         """The features of a kvjax.core.sched.output.StepPlan (one model step); windows: the
-        model's sliding windows; block_size: the pool's (for the host tier's loads)."""
+        model's sliding windows; config: its SchedulerConfig (for the host tier's loads and the
+        engine's compiled shape)."""
         from kvjax.engine.stats import causal_pairs
+        from kvjax.engine.steps import step_shape
 
         n = np.asarray(plan.num_scheduled, np.int64)
         prefill = np.asarray(plan.prefill, bool)
         return cls(plan.num_requests, int(n[prefill].sum()), int((~prefill).sum()),
                    int(np.sum(plan.seq_lens, dtype=np.int64)), causal_pairs(n, plan.seq_lens),
-                   _windowed(n, plan.seq_lens, windows), len(plan.loads) * block_size if block_size else 0)
+                   _windowed(n, plan.seq_lens, windows), len(plan.loads) * config.block_size if config else 0,
+                   step_shape(plan, config) if config else (False, 0, 0))
 
     @classmethod
-    def decoding(cls, seq_lens, windows: Sequence[int] = ()) -> "StepFeatures":
-        """A step in which each request decodes one token, ending at seq_lens."""
+    def decoding(cls, seq_lens, windows: Sequence[int] = (), config=None) -> "StepFeatures":
+        """A step in which each request decodes one token, ending at seq_lens (config: as from_plan's)."""
+        from kvjax.engine.steps import table_width
+
         ends = np.asarray(seq_lens, np.int64)
         n, context = len(ends), int(ends.sum())
-        return cls(n, 0, n, context, context, _windowed(np.ones_like(ends), ends, windows))
+        shape = (False, 0, 0)
+        if config is not None:
+            z = config.block_size
+            shape = (True, config.max_num_seqs, table_width(int(ends.max()), z, -(-config.max_model_len // z)) * z)
+        return cls(n, 0, n, context, context, _windowed(np.ones_like(ends), ends, windows), 0, shape)
 
-    def vector(self) -> np.ndarray:
-        """f64 [1, prefill, decode, context, pairs]: the fitted profile's regressors."""
-        return np.array([1.0, self.prefill_tokens, self.decode_tokens, self.context_tokens, self.attention_pairs])
+    def vector(self, names: Sequence[str] = None) -> np.ndarray:
+        """f64 values of the named features (default FEATURES): a fitted profile's regressors."""
+        decode_form, padded, width = self.shape
+        values = {"1": 1.0, "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+                  "context_tokens": self.context_tokens, "attention_pairs": self.attention_pairs,
+                  "decode_form": float(decode_form), "padded_tokens": padded, "attention_slots": padded * width}
+        return np.array([values[k] for k in (FEATURES if names is None else names)], np.float64)
 
 
 def _windowed(n, ends, windows: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
@@ -270,48 +291,52 @@ class Roofline:
 
 @dataclasses.dataclass(frozen=True)
 class FittedProfile:
-    """step seconds = coefficients · [1, prefill, decode, context, pairs], least squares over
-    recorded steps (`fit`), every coefficient kept >= 0: a feature whose free fit comes out
-    negative (it explains noise, not cost: a workload of other proportions would extrapolate it
-    into negative time) is dropped and the rest refitted, until none is."""
+    """step seconds = coefficients · the step's `features` (FEATURES: the plan's work, or
+    SHAPE_FEATURES: the engine's compiled shapes), least squares over recorded steps (`fit`), every
+    coefficient kept >= 0: a feature whose free fit comes out negative (it explains noise, not
+    cost: a workload of other proportions would extrapolate it into negative time) is dropped and
+    the rest refitted, until none is."""
 
     coefficients: tuple[float, ...]
     steps: int  # how many steps it was fitted on
     rms_error_s: float  # its residual on them
+    features: tuple[str, ...] = FEATURES
 
     def step_seconds(self, f: StepFeatures) -> float:
-        return max(0.0, float(np.dot(self.coefficients, f.vector())))
+        return max(0.0, float(np.dot(self.coefficients, f.vector(self.features))))
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[StepFeatures, float]]) -> "FittedProfile":
+    def fit(cls, samples: Sequence[tuple[StepFeatures, float]], features: Sequence[str] = FEATURES) -> "FittedProfile":
         """samples: (features, seconds) of recorded steps; at least as many as there are features."""
-        if len(samples) < len(FEATURES):
-            raise KvjaxError(f"fitting a step profile needs at least {len(FEATURES)} recorded steps, got {len(samples)}")
-        x = np.stack([f.vector() for f, _ in samples])
+        names = tuple(features)
+        if len(samples) < len(names):
+            raise KvjaxError(f"fitting a step profile needs at least {len(names)} recorded steps, got {len(samples)}")
+        x = np.stack([f.vector(names) for f, _ in samples])
         y = np.array([s for _, s in samples], np.float64)
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of very different sizes
-        keep = np.ones(len(FEATURES), bool)
+        keep = np.ones(len(names), bool)
         while True:
-            coef = np.zeros(len(FEATURES))
+            coef = np.zeros(len(names))
             sol, *_ = np.linalg.lstsq(x[:, keep] / scale[keep], y, rcond=None)
             coef[keep] = sol / scale[keep]
             if (coef >= 0).all():
                 break
-            keep &= coef >= 0  # drop the negative ones (module docstring), refit the rest
-        return cls(tuple(float(c) for c in coef), len(samples), float(np.sqrt(np.mean((x @ coef - y) ** 2))))
+            keep &= coef >= 0  # drop the negative ones (class docstring), refit the rest
+        return cls(tuple(float(c) for c in coef), len(samples), float(np.sqrt(np.mean((x @ coef - y) ** 2))), names)
 
     def describe(self) -> str:
-        terms = ", ".join(f"{name} {c:.3g}" for name, c in zip(FEATURES, self.coefficients))
+        terms = ", ".join(f"{name} {c:.3g}" for name, c in zip(self.features, self.coefficients))
         return (f"profile fitted on {self.steps} recorded steps (seconds per unit: {terms}; "
                 f"rms error {self.rms_error_s * 1e3:.2f} ms)")
 
     def to_json(self) -> dict:
-        return {"features": list(FEATURES), "coefficients": list(self.coefficients), "steps": self.steps,
+        return {"features": list(self.features), "coefficients": list(self.coefficients), "steps": self.steps,
                 "rms_error_s": self.rms_error_s}
 
     @classmethod
     def from_json(cls, d: dict) -> "FittedProfile":
-        if list(d.get("features", [])) != list(FEATURES) or len(d.get("coefficients", [])) != len(FEATURES):
-            raise KvjaxError(f"a fitted profile has features {list(FEATURES)} and one coefficient each; got "
-                             f"{d.get('features')!r}")
-        return cls(tuple(float(c) for c in d["coefficients"]), int(d["steps"]), float(d["rms_error_s"]))
+        names = tuple(d.get("features", ()))
+        if names not in (FEATURES, SHAPE_FEATURES) or len(d.get("coefficients", [])) != len(names):
+            raise KvjaxError(f"a fitted profile has features {list(FEATURES)} or {list(SHAPE_FEATURES)} and one "
+                             f"coefficient each; got {d.get('features')!r}")
+        return cls(tuple(float(c) for c in d["coefficients"]), int(d["steps"]), float(d["rms_error_s"]), names)

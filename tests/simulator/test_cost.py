@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from kvjax.config.presets import preset
+from kvjax.config.scheduler import SchedulerConfig
 from kvjax.errors import KvjaxError
-from kvjax.simulator.cost import DEVICES, FittedProfile, ModelCost, Roofline, StepFeatures, active_params
+from kvjax.simulator.cost import (DEVICES, SHAPE_FEATURES, FittedProfile, ModelCost, Roofline, StepFeatures,
+                                  active_params)
 
 
 def test_features_of_a_plan_by_hand():
@@ -153,6 +155,38 @@ def test_host_tier_loads_cost_their_bytes_over_pcie():
 
     class Plan:  # two host blocks copied in before a step of blocks of 16
         num_requests, num_scheduled, seq_lens, prefill = 1, np.array([4]), np.array([36]), np.array([True])
-        loads = np.array([[3, 7], [4, 8]])
+        loads, block_tables, is_decode = np.array([[3, 7], [4, 8]]), np.zeros((1, 8)), False
 
-    assert StepFeatures.from_plan(Plan, (), 16).loaded_tokens == 32
+    config = SchedulerConfig(num_blocks=40, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=128)
+    assert StepFeatures.from_plan(Plan, (), config).loaded_tokens == 32
+
+
+def test_a_shape_profile_fits_the_engines_compiled_steps():
+    """The engine's shapes (kvjax.engine.steps.step_shape) of a decode plan and a ragged one, by
+    hand, and a profile over them recovering known coefficients."""
+    config = SchedulerConfig(num_blocks=80, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                             max_model_len=1024)
+
+    class Decode:  # three decodes, the longest at 150 positions: 10 blocks → a 16-block table (256 tokens)
+        num_requests, num_scheduled, seq_lens = 3, np.array([1, 1, 1]), np.array([150, 40, 7])
+        prefill, sample, loads, block_tables = np.zeros(3, bool), np.ones(3, bool), np.zeros((0, 2)), np.zeros((3, 64))
+        is_decode = True
+
+    class Ragged(Decode):  # 37 tokens → 64; the longest row at 90 positions → 8 blocks (128 tokens)
+        num_requests, num_scheduled, seq_lens, is_decode = 2, np.array([30, 7]), np.array([90, 7]), False
+        prefill, sample, block_tables = np.array([True, False]), np.array([True, True]), np.zeros((2, 64))
+
+    assert StepFeatures.from_plan(Decode, (), config).shape == (True, 8, 256)
+    assert StepFeatures.from_plan(Ragged, (), config).shape == (False, 64, 128)
+    assert StepFeatures.decoding(Decode.seq_lens, (), config) == StepFeatures.from_plan(Decode, (), config)
+    rng = np.random.default_rng(2)
+    truth = np.array([1e-3, 4e-3, 2e-5, 3e-8])
+    samples = []
+    for _ in range(30):
+        f = StepFeatures(1, 0, 1, 1, 1, shape=(bool(rng.integers(0, 2)), int(rng.integers(8, 256)),
+                                                int(rng.integers(64, 1024))))
+        samples.append((f, float(truth @ f.vector(SHAPE_FEATURES))))
+    prof = FittedProfile.fit(samples, SHAPE_FEATURES)
+    np.testing.assert_allclose(prof.coefficients, truth, rtol=1e-6)
+    assert FittedProfile.from_json(prof.to_json()) == prof and prof.features == SHAPE_FEATURES

@@ -52,13 +52,14 @@ def test_device_runs_take_the_host_loops_steps(case):
                   for runs in (True, False))
     assert fast.steps == slow.steps
     assert fast.outputs == slow.outputs and fast.preemptions == slow.preemptions
+    assert fast.recomputed_tokens == slow.recomputed_tokens
     # the pool as the host loop leaves it: free queue order, cached hashes and their ages
     for x, y in zip(jax.tree.leaves(fast.state), jax.tree.leaves(slow.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     decoding = sum(s.features.prefill_tokens == 0 for s in slow.steps)
     assert decoding > len(slow.steps) // 3, "the workload is meant to have decode runs"
     if case == "tight pool, preempting":
-        assert slow.preemptions > 0
+        assert slow.preemptions > 0 and slow.recomputed_tokens > 0
 
 
 def test_a_run_past_a_finish_cannot_feed_a_host_tier():

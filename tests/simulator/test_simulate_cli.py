@@ -36,3 +36,36 @@ def test_json_result_uses_plans_blocks_and_bench_serves_metrics(capsys):
 def test_bad_input_is_refused_by_name(argv, message):
     p = kvjax("simulate", *argv)
     assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_a_hybrid_model_gets_its_kv_cache_groups_and_a_shared_prefix_hits(capsys):
+    """gpt-oss-20b (alternate layers slide over 128 tokens): vLLM's hybrid groups on plan's budget;
+    bench serve's prefix_repetition dataset: prompts sharing a prefix hit the blocks cached by the first."""
+    base = ["--preset", "gpt-oss-20b", "--device-memory-gib", "80", "--max-model-len", "4096", "--json"]
+    assert cli.main(["plan", *base]) == 0
+    hybrid = json.loads(capsys.readouterr().out)["hybrid"]["hybrid"]
+    argv = [*base, "--dataset-name", "prefix_repetition", "--num-prompts", "12", "--prefix-repetition-prefix-len",
+            "512", "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "2",
+            "--prefix-repetition-output-len", "8", "--request-rate", "4"]
+    assert cli.main(["simulate", *argv]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["blocks"] == hybrid["num_blocks"]
+    assert out["kv_cache_groups"] == [g["sliding_window"] for g in hybrid["groups"]]
+    assert None in out["kv_cache_groups"] and 128 in out["kv_cache_groups"]
+    assert out["completed"] == 12 and out["total_input_tokens"] == 12 * 576
+    assert out["prefilled_tokens"] <= 12 * 576 - 8 * 512  # most prompts after each prefix's first hit its blocks
+    assert "sliding over 128 tokens" in out["cost_model"]
+
+
+def test_a_host_tier_from_plans_offloading_size(capsys):
+    argv = ["--preset", "llama-3-8b", "--device-memory-gib", "24", "--max-model-len", "4096", "--kv-offloading-size",
+            "8", "--num-prompts", "8", "--random-input-len", "256", "--random-output-len", "4", "--json"]
+    assert cli.main(["plan", *argv[:8], "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["num_host_blocks"]
+    assert cli.main(["simulate", *argv]) == 0
+    assert json.loads(capsys.readouterr().out)["host_blocks"] == host > 0
+
+
+def test_a_text_dataset_needs_a_tokenizer():
+    p = kvjax("simulate", "--preset", "tiny", "--dataset-name", "corpus")
+    assert p.returncode == 2 and "--dataset-name corpus needs --tokenizer" in p.stderr, p.stderr
