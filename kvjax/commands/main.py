@@ -124,7 +124,9 @@ def _interrupts_kept():
     (`_xla_gc_callback`, often while it loads): a KeyboardInterrupt raised there would be lost and
     the command would run on. So, while the command runs, SIGINT gets a handler (where Python's
     default one is in place) that raises KeyboardInterrupt as Python's does, except inside a gc
-    callback, where it asks for the signal again a moment later, outside it. On leaving, a request
+    callback, where it asks for the signal again a moment later, outside it. The same inside an
+    import: jaxlib's native modules call Python while they load (nanobind), and a KeyboardInterrupt
+    raised there aborts the process (std::terminate) instead of unwinding. On leaving, a request
     still on its way is cancelled and the old handler is back (main() may run in a host process)."""
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.default_int_handler:
@@ -135,8 +137,8 @@ def _interrupts_kept():
     def interrupt(signum, frame):
         callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
         f = frame
-        while f is not None:
-            if f.f_code in callbacks:
+        while f is not None:  # inside a gc callback, or an import (a native module's init may call back)
+            if f.f_code in callbacks or f.f_code.co_filename.startswith("<frozen importlib"):
                 again.append(threading.Timer(0.01, _thread.interrupt_main))  # runs this handler again
                 again[-1].daemon = True
                 again[-1].start()
