@@ -293,22 +293,21 @@ def cache(pool: BlockPool, blocks, hashes, mask, rank, group=0):
                         cached_group=pool.cached_group.at[at].set(group, mode="drop"))
 
 
-@jax.jit
-def lookup(pool: BlockPool, hashes, group=0):
-    """The oldest block cached for KV cache group `group` holding each hash (vLLM keys its cache
-    by hash and group: its dict lookup). hashes: u32[A, 2]. -> (blocks i32[A], found bool[A]).
+def first_holders(entry_hashes, valid, queries, age=None):
+    """For each query hash: the entry holding it, where valid, of least age (then least index).
 
-    The A hashes are sorted (lane 0, then lane 1) and each of the pool's cached blocks finds
-    its own hash among them by binary search; per hash, a scatter-min keeps the smallest
-    cached_at, then the smallest block id among those (the order a stable sort by cached_at
-    would give). O(P log A), not the A × P table of comparing every hash with every block (10 s
-    for one request of a 65,536-block pool on a CPU) nor a sort of the P blocks (142 ms against
-    15 ms for 512 hashes in 194,455 blocks on a 2-core CPU)."""
-    a, p = hashes.shape[0], pool.has_hash.shape[0]
-    order = jnp.lexsort((hashes[:, 1], hashes[:, 0]))
-    s0, s1 = hashes[order, 0], hashes[order, 1]
+    entry_hashes: u32[P, 2]; valid: bool[P]; queries: u32[A, 2]; age: i32[P] (None: by index
+    alone, as an argmax over matches picks). -> (entry i32[A], 0 where none; found bool[A]).
+    The A queries are sorted (lane 0, then lane 1) and each entry finds its own hash among them
+    by binary search; per query a scatter-min keeps the least age, then the least index: O(P log
+    A), not the A × P table of comparing every query with every entry (10 s for one request of a
+    65,536-block pool on a CPU) nor a sort of the P entries (142 ms against 15 ms for 512 hashes
+    in 194,455 blocks on a 2-core CPU)."""
+    a, p = queries.shape[0], entry_hashes.shape[0]
+    order = jnp.lexsort((queries[:, 1], queries[:, 0]))
+    s0, s1 = queries[order, 0], queries[order, 1]
 
-    def lower_bound(h0, h1):  # the first sorted hash not below (h0, h1), per element
+    def lower_bound(h0, h1):  # the first sorted query not below (h0, h1), per element
         lo, hi = jnp.zeros(h0.shape, jnp.int32), jnp.full(h0.shape, a, jnp.int32)
         for _ in range(a.bit_length()):
             mid = (lo + hi) // 2
@@ -317,16 +316,26 @@ def lookup(pool: BlockPool, hashes, group=0):
             lo, hi = jnp.where(go, mid + 1, lo), jnp.where(go, hi, mid)
         return jnp.minimum(lo, a - 1)
 
-    h0, h1 = pool.block_hash[:, 0], pool.block_hash[:, 1]
-    k = lower_bound(h0, h1)  # i32[P] the sorted hash each block may hold
-    match = pool.has_hash & (pool.cached_group == group) & (s0[k] == h0) & (s1[k] == h1)
-    at = jnp.where(match, k, a)  # blocks holding none of the hashes scatter out of range
-    oldest = jnp.full(a, _NEVER, jnp.int32).at[at].min(pool.cached_at, mode="drop")
-    first = match & (pool.cached_at == oldest[k])
-    block = jnp.full(a, p, jnp.int32).at[jnp.where(first, k, a)].min(jnp.arange(p, dtype=jnp.int32), mode="drop")
-    block = block[lower_bound(s0, s1)][jnp.argsort(order)]  # equal hashes share their first's answer; input order
-    found = block < p
-    return jnp.where(found, block, 0).astype(jnp.int32), found
+    h0, h1 = entry_hashes[:, 0], entry_hashes[:, 1]
+    k = lower_bound(h0, h1)  # i32[P] the sorted query each entry may hold
+    match = valid & (s0[k] == h0) & (s1[k] == h1)
+    at = jnp.where(match, k, a)  # entries holding none of the queries scatter out of range
+    if age is not None:
+        oldest = jnp.full(a, _NEVER, jnp.int32).at[at].min(age, mode="drop")
+        match = match & (age == oldest[k])
+        at = jnp.where(match, k, a)
+    entry = jnp.full(a, p, jnp.int32).at[at].min(jnp.arange(p, dtype=jnp.int32), mode="drop")
+    entry = entry[lower_bound(s0, s1)][jnp.argsort(order)]  # equal queries share their first's answer; input order
+    found = entry < p
+    return jnp.where(found, entry, 0).astype(jnp.int32), found
+
+
+@jax.jit
+def lookup(pool: BlockPool, hashes, group=0):
+    """The oldest block cached for KV cache group `group` holding each hash (vLLM keys its cache
+    by hash and group: its dict lookup): `first_holders` by cached_at. hashes: u32[A, 2].
+    -> (blocks i32[A], found bool[A])."""
+    return first_holders(pool.block_hash, pool.has_hash & (pool.cached_group == group), hashes, pool.cached_at)
 
 
 @jax.jit

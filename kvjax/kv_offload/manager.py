@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, ordered
+from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, first_holders, ordered
 from kvjax.errors import KvjaxError, _show, is_int, require
 from kvjax.math_utils import pow2_bucket
 
@@ -147,9 +147,10 @@ def _same(a, b):
 
 
 def _find(state: HostIndex, hashes):
-    """The slot holding each hash. hashes: u32[A, 2] -> (slot i32[A], resident bool[A])."""
-    match = _same(hashes, state.block_hash) & state.valid[None, :]  # bool[A, E]
-    return jnp.argmax(match, axis=1).astype(jnp.int32), match.any(axis=1)
+    """The slot holding each hash (the lowest, were there two). hashes: u32[A, 2] -> (slot i32[A],
+    resident bool[A]). A search of the sorted hashes (block_pool.first_holders): O(E log A), not
+    A × E comparisons (0.7 s a store of 1,024 hashes in 209,715 slots on a 2-core CPU)."""
+    return first_holders(state.block_hash, state.valid, hashes)
 
 
 def _first(hashes, live):
