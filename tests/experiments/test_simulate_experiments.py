@@ -22,7 +22,18 @@ def test_simulate_validation_quick(tmp_path):
     from kvjax.experiments import simulate_validation
 
     res = simulate_validation.main(["--quick", "--out", str(tmp_path)])
-    assert len(res["validation"]) == 2 and min(res["fit"]["coefficients"]["coefficients"]) >= 0
+    assert len(res["validation"]) == 2
+    assert all(min(res["fit"][name]["coefficients"]["coefficients"]) >= 0 for name in simulate_validation.PROFILES)
     for row in res["validation"]:
-        assert row["measured"]["mean_ttft_ms"] > 0 and row["simulated"]["mean_ttft_ms"] > 0
+        assert row["measured"]["mean_ttft_ms"] > 0
+        assert all(row["simulated"][name]["mean_ttft_ms"] > 0 for name in simulate_validation.PROFILES)
     assert "meas. / sim." in (tmp_path / "simulate_validation.md").read_text()
+
+
+@pytest.mark.slow
+def test_simulate_speed_small(tmp_path):
+    from kvjax.experiments import simulate_speed
+
+    res = simulate_speed.main(["--requests", "40", "--side-by-side", "20", "--out", str(tmp_path)])
+    assert res["steps"] > 40 and res["side_by_side"]["steps"] > 20 and res["wall_s"] > 0
+    assert "host loop" in (tmp_path / "simulate_speed.md").read_text()
