@@ -206,7 +206,8 @@ def _runs_on(plan, config: SchedulerConfig) -> bool:
 
 
 def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full: bool, step_seconds, tokens,
-                waiting: bool, windows: tuple, steps: list, times: list, index: dict) -> tuple[float, list[str]]:
+                waiting: bool, windows: tuple, steps: list, times: list,
+                index: dict) -> tuple[float, list[str], np.ndarray]:
     """Run `plan` and the decode steps after it in one device call (kvjax.simulator.decode), at most
     RUN_STEPS: those that start before the next arrival (pending: the arrival times of the requests
     not yet sent), or with every row full (`full`: an arrival only waits) until a finish; stopping
