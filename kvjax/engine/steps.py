@@ -66,11 +66,18 @@ def step_shape(plan: StepPlan, config) -> tuple[bool, int, int]:
     form, the rows or padded tokens it computes, its table width in tokens). The decode form runs
     max_num_seqs rows; a ragged step its tokens padded to a power of two (kvjax.simulator's step
     profile fits these, what a step really computes)."""
+    if plan.is_decode:
+        return decode_shape(int(plan.seq_lens.max()), config)
     z = config.block_size
     width = table_width(int(plan.seq_lens.max()), z, plan.block_tables.shape[1]) * z
-    if plan.is_decode:
-        return True, config.max_num_seqs, width
     return False, ragged_tokens(int(plan.num_scheduled.sum()), config.max_num_batched_tokens), width
+
+
+def decode_shape(longest: int, config) -> tuple[bool, int, int]:
+    """`step_shape` of a decode plan whose longest row ends at `longest` tokens: max_num_seqs rows,
+    its table width in tokens (the tables are cdiv(max_model_len, Z) blocks wide)."""
+    z = config.block_size
+    return True, config.max_num_seqs, table_width(longest, z, cdiv(config.max_model_len, z)) * z
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")

@@ -91,14 +91,11 @@ class StepFeatures:
     @classmethod
     def decoding(cls, seq_lens, windows: Sequence[int] = (), config=None) -> "StepFeatures":
         """A step in which each request decodes one token, ending at seq_lens (config: as from_plan's)."""
-        from kvjax.engine.steps import table_width
+        from kvjax.engine.steps import decode_shape
 
         ends = np.asarray(seq_lens, np.int64)
         n, context = len(ends), int(ends.sum())
-        shape = (False, 0, 0)
-        if config is not None:
-            z = config.block_size
-            shape = (True, config.max_num_seqs, table_width(int(ends.max()), z, -(-config.max_model_len // z)) * z)
+        shape = (False, 0, 0) if config is None else decode_shape(int(ends.max()), config)
         return cls(n, 0, n, context, context, _windowed(np.ones_like(ends), ends, windows), 0, shape)
 
     def vector(self, names: Sequence[str] = None) -> np.ndarray:
