@@ -9,7 +9,7 @@ dataset with Poisson arrivals at a sweep of rates; per rate: p90 TTFT and TPOT, 
 The SLO (p90 TTFT <= 2 s, p90 TPOT <= 100 ms) gives each deployment's max sustainable rate.
 
     Llama-3-70B, TP 8, fp8 weights: bf16 vs fp8 KV, 8K and 32K contexts; at 32K also a host tier
-        (1 TiB over the 8 ranks, vLLM's --kv-offloading-size), where the pool fills and preempts
+        (256 GiB over the 8 ranks, vLLM's --kv-offloading-size), where the pool fills and preempts
     DeepSeek-V3 (MLA, its latent replicated on every rank), TP 8, fp8 weights: bf16 vs fp8 KV, 8K
     Gemma-3-27B (bf16 weights) and gpt-oss-120b (4-bit weights: MXFP4's 4.25 bits per parameter
         taken as 4) on ONE H200, with vLLM's hybrid KV cache groups (sliding-window layers in their
@@ -20,7 +20,7 @@ prompts) and the host tier's loaded tokens.
 
 Writes simulate_h200.{json,md,png} to --out (default $OUT, else experiments/results).
 
-    python experiments/simulate_h200.py            # every deployment (about 20 min on 2 cores)
+    python experiments/simulate_h200.py            # every deployment (about 50 min on 2 cores)
     python experiments/simulate_h200.py --quick    # two rates of one, fewer requests
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kvjax.benchmarks import serve as B  # noqa: E402
 from kvjax.benchmarks.datasets import random_requests  # noqa: E402
 from kvjax.config.engine import resolve_kv_dtype  # noqa: E402
 from kvjax.config.presets import preset  # noqa: E402
-from kvjax.errors import pyplot, save_figure, write_json, write_text  # noqa: E402
+from kvjax.errors import pyplot, read_json_object, save_figure, write_json, write_text  # noqa: E402
 from kvjax.experiments import results_dir  # noqa: E402
 from kvjax.markdown import markdown_table  # noqa: E402
 from kvjax.simulator.clock import simulate  # noqa: E402
@@ -87,10 +87,11 @@ DEPLOYMENTS = (
                weight_dtype="int4", rates=(1, 4), requests=48),
     Deployment("gpt-oss-120b, 1 H200, 32K, bf16 KV", "gpt-oss-120b", "bf16", 32768, 16384, 1024, tp=1,
                weight_dtype="int4", rates=(0.25, 1), requests=24),
-    # The host tier where the pool fills (no tier: preemption from 4 req/s): its index work per offered block
-    # makes these the slowest points to simulate, so only the two rates that preempt.
-    Deployment("Llama-3-70B, 32K, bf16 KV, 1 TiB host tier", "llama-3-70b", "bf16", 32768, 16384, 1024,
-               rates=(4, 8), requests=200, host_gib=1024),
+    # The host tier where the pool fills (no tier: preemption from 4 req/s): 256 GiB of host memory over the 8
+    # ranks (32 GiB each, 52,428 slots; an 8×H200 node has 2 TiB). Its index work per offered block makes these
+    # the slowest points to simulate (a 1 TiB tier ran past 10 minutes a point), so only the rates that preempt.
+    Deployment("Llama-3-70B, 32K, bf16 KV, 256 GiB host tier", "llama-3-70b", "bf16", 32768, 16384, 1024,
+               rates=(4, 8), requests=200, host_gib=256),
 )
 
 
@@ -154,7 +155,26 @@ def render(res: dict) -> str:
                                     f"{p['recompute_tax']:.1%}", f"{p['host_loaded_tokens']:,}",
                                     p["peak_running"], "yes" if meets_slo(p) else "no"] for p in d["points"]],
                                   "rrrrrrrrrl"), ""]
+        lines += _tier_buys(d, res["deployments"])
     return "\n".join(lines)
+
+
+def _tier_buys(d: dict, deployments: list) -> list[str]:
+    """What a host-tier deployment buys over the same one without a tier, rate by rate."""
+    if not d["deployment"].get("host_gib"):
+        return []
+    base = d["label"].rsplit(", ", 1)[0]
+    without = {p["rate"]: p for x in deployments if x["label"] == base for p in x["points"]}
+    lines = [f"What the tier buys, against \"{base}\" at the same rates (same requests):", ""]
+    for p in d["points"]:
+        q = without.get(p["rate"])
+        if q is not None:
+            lines.append(f"- {p['rate']} req/s: preemptions {q['preemptions']} → {p['preemptions']}, recompute tax "
+                         f"{q['recompute_tax']:.1%} → {p['recompute_tax']:.1%} ({p['host_loaded_tokens']:,} tokens "
+                         f"loaded from host instead), p90 TTFT {q['p90_ttft_ms']:,.0f} → {p['p90_ttft_ms']:,.0f} ms, "
+                         f"mean E2EL {q['mean_e2el_ms']:,.0f} → {p['mean_e2el_ms']:,.0f} ms, output "
+                         f"{q['output_throughput']:,.0f} → {p['output_throughput']:,.0f} tok/s")
+    return lines + [""] if len(lines) > 2 else []
 
 
 def plot(res: dict, path) -> None:
@@ -183,8 +203,13 @@ def main(argv=None) -> dict:
     p.add_argument("--only", default=None, metavar="TEXT,...",
                    help="the deployments whose label contains one of these (default: all)")
     p.add_argument("--skip", default=None, metavar="TEXT,...", help="leave out the deployments whose label contains one")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="combine simulate_h200.json files of runs in parts (--only / --skip) into one result, the "
+                        "deployments in this script's order, a later file's deployment replacing an earlier's")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.merge:
+        return write(merged(args.merge), args.out)
     t0 = time.perf_counter()
     deployments = DEPLOYMENTS[:1] if args.quick else DEPLOYMENTS
     if args.only:
@@ -213,7 +238,32 @@ def main(argv=None) -> dict:
                            "vLLM's KV cache groups; the host tier's copies at PCIe Gen5's 64 GB/s each way, not "
                            "overlapped with the step; the roofline's 1 ms per step is assumed.",
                slo=SLO, deployments=out_rows, seconds=round(time.perf_counter() - t0, 1))
-    out = results_dir(args.out)
+    return write(res, args.out)
+
+
+def merged(paths) -> dict:
+    """One result of parts run side by side: their deployments in DEPLOYMENTS' order (a later file's
+    replacing an earlier's of the same label), their seconds summed, the parts' arguments in `parts`
+    (a merged file's own parts carried over) and in a note."""
+    parts = [read_json_object(path, "--merge") for path in paths]
+    by_label = {d["label"]: d for part in parts for d in part["deployments"]}
+    known = [d.label for d in DEPLOYMENTS]
+    unknown = sorted(set(by_label) - set(known))
+    if unknown:
+        raise SystemExit(f"--merge: deployments {unknown} are not this script's (renamed or removed since the run)")
+    runs = [run for p in parts for run in p.get("parts") or [
+        p["command"].removeprefix("python experiments/simulate_h200.py").strip() or "all"]]
+    note = "run here in parts side by side, their seconds summed: " + "; ".join(runs)
+    missing = [x for x in known if x not in by_label]
+    if missing:
+        note += f"; not run: {', '.join(missing)}"
+    return dict(parts[-1], command="python experiments/simulate_h200.py", note=note, parts=runs,
+                deployments=[by_label[x] for x in known if x in by_label],
+                seconds=round(sum(p["seconds"] for p in parts), 1))
+
+
+def write(res: dict, out_dir) -> dict:
+    out = results_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "simulate_h200.json", res, "--out")
     write_text(out / "simulate_h200.md", render(res) + "\n", "--out")

@@ -37,3 +37,33 @@ def test_simulate_speed_small(tmp_path):
     res = simulate_speed.main(["--requests", "40", "--side-by-side", "20", "--out", str(tmp_path)])
     assert res["steps"] > 40 and res["side_by_side"]["steps"] > 20 and res["wall_s"] > 0
     assert "host loop" in (tmp_path / "simulate_speed.md").read_text()
+
+
+def _part(labels, command, seconds, requests=4, **extra) -> dict:
+    point = dict(rate=4, blocks=100, host_blocks=0, steps=10, preemptions=2, recompute_tax=0.02, host_loaded_tokens=0,
+                 peak_running=5, mean_ttft_ms=9.0, p90_ttft_ms=10.0, mean_tpot_ms=1.0, p90_tpot_ms=2.0,
+                 mean_e2el_ms=50.0, output_throughput=100.0)
+    return dict(command=command, assumptions="a", slo={}, seconds=seconds, **extra, deployments=[
+        dict(label=x, deployment=dict(host_gib=0), cost_model="c", requests=requests, points=[point]) for x in labels])
+
+
+def test_simulate_h200_merges_parts_in_its_own_order(tmp_path):
+    from kvjax.experiments import simulate_h200
+
+    labels = [d.label for d in simulate_h200.DEPLOYMENTS]
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps(_part([labels[2], labels[0]], "python experiments/simulate_h200.py --only X", 5.0,
+                                      parts=["--only A", "--only B"])))
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps(_part([labels[1], labels[0]], "python experiments/simulate_h200.py --only Y", 2.5,
+                                       requests=8)))
+    res = simulate_h200.main(["--merge", str(first), str(second), "--out", str(tmp_path / "out")])
+    assert [d["label"] for d in res["deployments"]] == labels[:3]  # the script's order
+    assert [d["requests"] for d in res["deployments"]] == [8, 8, 4]  # b's labels[0] replaced a's
+    assert res["seconds"] == 7.5 and res["parts"] == ["--only A", "--only B", "--only Y"]
+    assert res["command"] == "python experiments/simulate_h200.py" and f"not run: {labels[3]}" in res["note"]
+    assert (tmp_path / "out" / "simulate_h200.md").read_text().count("## ") == 3
+    stray = tmp_path / "c.json"
+    stray.write_text(json.dumps(_part(["a deployment renamed since"], "python experiments/simulate_h200.py", 1.0)))
+    with pytest.raises(SystemExit, match="a deployment renamed since"):
+        simulate_h200.main(["--merge", str(first), str(stray), "--out", str(tmp_path / "out2")])
