@@ -230,6 +230,7 @@ def main(argv=None) -> dict:
         print(f"{w.name}: measured {rows[-1]['measured']}, simulated {rows[-1]['simulated']}", flush=True)
     res = dict(command="python experiments/simulate_validation.py" + (f" --model {args.model}"
                                                                        if args.model != "small-gqa" else "")
+               + (f" --rate-scale {args.rate_scale:g}" if args.rate_scale != 1 else "")
                + (" --quick" if args.quick else ""),
                machine=f"{os.cpu_count()} CPU cores, {platform.machine()}", model=args.model,
                fit=dict(workload=fit_w.name, **{name: dict(profile=prof.describe(), coefficients=prof.to_json())
