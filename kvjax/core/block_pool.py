@@ -21,21 +21,26 @@ issue 3; where they differ from a vLLM release, the issue wins):
   blocks may hold one hash; `lookup` returns the one cached EARLIEST (`cached_at`), like the
   first entry of vLLM's insertion-ordered `{hash: {block_id: block}}`.
 
-The free queue as positions. vLLM links free blocks in a doubly linked list so a touch can
-unlink one in O(1); walking a list is a loop, one tiny kernel per block on a GPU. Here every
-block holds its position in the queue instead (`queue_pos`: 0 = head, ..., num_free - 1 =
-tail; +inf (INT32_MAX) for a held block and the null block). Every operation is then a fixed
-number of vector operations, whatever the number of blocks or requests involved:
+The free queue as a ring. vLLM links free blocks in a doubly linked list so a touch can
+unlink one in O(1); walking a list is a loop, one tiny kernel per block on a GPU. Here the queue
+sits in a ring of P cells (`ring`: the block in each cell; the queue is the num_free cells from
+`head` on, modulo P) and every queued block holds its cell (`queue_pos`; INT32_MAX (NOT_LISTED)
+for a held block and the null block); a block's place in the queue is (queue_pos - head) mod P.
+Every operation is then a fixed number of vector operations, whatever the number of blocks or
+requests involved, and the common ones touch only the blocks they move:
 
-* pop n    = the blocks at positions 0..n-1 (one scatter lists them in order); the others
-             move up by n;
+* pop n    = the blocks in the n cells from the head (one gather); the head moves on by n;
+* release  = u blocks to the head take the u cells before it, in release order, and the head
+             moves back by u; h blocks to the tail take the h cells after the last, each
+             numbered by a cumulative sum over the released table (vLLM's free_blocks);
 * touch    = the touched blocks leave; each other block moves up by the number of touched
-             blocks before it (a cumulative sum over the queue);
-* release  = u blocks to the head take positions 0..u-1 in release order and the queue moves
-             down by u; h blocks to the tail take num_free + u .. num_free + u + h - 1,
-             each numbered by a cumulative sum over the released table.
+             blocks before it (a cumulative sum over the queue), and the ring is laid out again
+             from the head: O(P), as is the hybrid groups' interleaved `free_and_take`.
 
-No sort, no probe loop, and positions never drift out of int32.
+A pop of at most POP_CELLS blocks (a decode step's, a prompt chunk's) and a release cost the
+blocks they move, not P (on a CPU, where a pass over the 194,455 blocks of an 8×H200 deployment's
+pool takes 0.1–0.3 ms, a call that made several paid about 1 ms). No sort, no probe loop, and
+cells never drift out of [0, P).
 
 The hash -> block map is a search of the request's hashes for each block: the A hashes are
 sorted (A <= a request's blocks), every cached block finds its hash among them by binary search,
@@ -67,7 +72,9 @@ class BlockPool:
 
     num_blocks: int = struct.field(pytree_node=False)  # P, including null block 0
     ref_cnt: jax.Array  # i32[P] block tables pointing at the block; 0 = in the free queue
-    queue_pos: jax.Array  # i32[P] position in the free queue (0 = head); INT32_MAX = not in it
+    queue_pos: jax.Array  # i32[P] the block's cell in the ring; INT32_MAX = not in the free queue
+    ring: jax.Array  # i32[P] the block in each cell; the queue is num_free cells from head on (mod P)
+    head: jax.Array  # i32[] the cell of the queue's head
     num_free: jax.Array  # i32[] blocks in the queue (free or evictable cached)
     block_hash: jax.Array  # u32[P, 2] chained hash (two 32-bit lanes); 0 when has_hash is False
     has_hash: jax.Array  # bool[P] block is in the prefix cache (full, hashed, not yet evicted)
@@ -83,8 +90,10 @@ def init(num_blocks: int) -> BlockPool:
     p = int(num_blocks)
     pos = np.arange(-1, p - 1, dtype=np.int32)
     pos[NULL_BLOCK] = NOT_LISTED
+    ring = np.roll(np.arange(p, dtype=np.int32), -1)  # cell c holds block c + 1; the last, unused, the null block
     return BlockPool(num_blocks=p, ref_cnt=jnp.zeros(p, jnp.int32), queue_pos=jnp.asarray(pos),
-                     num_free=jnp.asarray(p - 1, jnp.int32), block_hash=jnp.zeros((p, 2), jnp.uint32),
+                     ring=jnp.asarray(ring), head=jnp.zeros((), jnp.int32), num_free=jnp.asarray(p - 1, jnp.int32),
+                     block_hash=jnp.zeros((p, 2), jnp.uint32),
                      has_hash=jnp.zeros(p, bool), cached_at=jnp.full(p, _NEVER, jnp.int32),
                      cache_clock=jnp.zeros((), jnp.int32), cached_group=jnp.zeros(p, jnp.int32))
 
@@ -96,8 +105,9 @@ def _evict(pool: BlockPool, mask) -> BlockPool:
 
 
 # ----------------------------------------------------------------------------- lists as positions
-# A list held as one position per entry (0 = first, NOT_LISTED = not in it): the free queue
-# here, the host tier's LRU / ARC lists in kvjax/kv_offload/manager.py.
+# A list held as one position per entry (0 = first, NOT_LISTED = not in it): the free queue's
+# places (`positions`) when a touch or free_and_take reorders it, the host tier's LRU / ARC lists
+# in kvjax/kv_offload/manager.py.
 def count_before(pos, sub):
     """For each listed entry: how many sub entries sit before it in the list. pos i32, sub bool:
     one per entry that may be listed (P here; E in the host tier)."""
@@ -121,23 +131,63 @@ def ordered(pos) -> list[int]:
     return [int(i) for i in ids[np.argsort(pos[ids], kind="stable")]]
 
 
+POP_CELLS = 4096  # the blocks one turn of `take`'s loop pops (a decode step's, a prompt chunk's: one turn)
+
+
+@struct.dataclass
+class Popped:
+    """The blocks one call popped, in order: the k-th is popped[k] (k below the number popped)."""
+
+    ring: jax.Array  # i32[P] the pool's ring after the call
+    first: jax.Array  # i32[] the cell of the first popped block
+
+    def __getitem__(self, k):
+        return self.ring[(self.first + k) % self.ring.shape[0]]
+
+
+def positions(pool: BlockPool):
+    """i32[P]: each queued block's place in the free queue (0 = head); NOT_LISTED for the others."""
+    return jnp.where(pool.queue_pos < NOT_LISTED, (pool.queue_pos - pool.head) % pool.num_blocks, NOT_LISTED)
+
+
+def _laid_out(pool: BlockPool, pos, popped=None, total=0) -> BlockPool:
+    """The pool with its queue at places pos (i32[P] as `positions` gives them) laid out in the ring
+    from cell `total` on; popped: i32[P] the ring's cells before that (a call's popped blocks in
+    order, cells 0 .. total - 1), else the old ring's."""
+    p = pool.num_blocks
+    listed = pos < NOT_LISTED
+    cell = jnp.where(listed, pos + total, NOT_LISTED)
+    ring = (pool.ring if popped is None else popped).at[jnp.where(listed, cell, p)].set(
+        jnp.arange(p, dtype=jnp.int32), mode="drop")
+    return pool.replace(queue_pos=cell, ring=ring, head=jnp.asarray(total, jnp.int32))
+
+
 @jax.jit
 def take(pool: BlockPool, counts):
     """Pop counts.sum() blocks from the HEAD (vLLM get_new_blocks for B requests at once):
     request i gets the next counts[i] blocks, in request order. Popped blocks get ref_cnt 1
     and lose any hash they held (the LRU eviction). The caller has checked sum <= num_free.
 
-    counts: i32[B] >= 0. -> (pool, order i32[P], starts i32[B]): request i's k-th block is
-    order[starts[i] + k]."""
-    p, total = pool.num_blocks, counts.sum()
-    popped = pool.queue_pos < total
-    order = jnp.zeros(p, jnp.int32).at[jnp.where(popped, pool.queue_pos, p)].set(
-        jnp.arange(p, dtype=jnp.int32), mode="drop")  # the popped blocks, head first
-    pool = _evict(pool, popped)
-    pool = pool.replace(ref_cnt=jnp.where(popped, 1, pool.ref_cnt),
-                        queue_pos=jnp.where(popped | (pool.queue_pos == NOT_LISTED), NOT_LISTED, pool.queue_pos - total),
-                        num_free=pool.num_free - total)
-    return pool, order, (jnp.cumsum(counts) - counts).astype(jnp.int32)
+    counts: i32[B] >= 0. -> (pool, popped Popped, starts i32[B]): request i's k-th block is
+    popped[starts[i] + k]."""
+    p, total, first = pool.num_blocks, counts.sum(), pool.head
+    cells = min(p, POP_CELLS)
+
+    def pop(c):  # the blocks in the next `cells` cells from the head, those below total
+        done, pool = c
+        i = done + jnp.arange(cells)
+        ids = jnp.where(i < total, pool.ring[(first + i) % p], p)  # p: dropped by every scatter
+        return done + cells, pool.replace(ref_cnt=pool.ref_cnt.at[ids].set(1, mode="drop"),
+                                          queue_pos=pool.queue_pos.at[ids].set(NOT_LISTED, mode="drop"),
+                                          block_hash=pool.block_hash.at[ids].set(jnp.uint32(0), mode="drop"),
+                                          has_hash=pool.has_hash.at[ids].set(False, mode="drop"),
+                                          cached_at=pool.cached_at.at[ids].set(_NEVER, mode="drop"))
+
+    # A loop, not a branch: XLA updates a loop's carried arrays in place, where a branch over the
+    # pool copies it (a decode step's pop is one turn; a pop of more than POP_CELLS blocks, more).
+    _, pool = jax.lax.while_loop(lambda c: c[0] < total, pop, (jnp.int32(0), pool))
+    pool = pool.replace(head=((first + total) % p).astype(jnp.int32), num_free=pool.num_free - total)
+    return pool, Popped(pool.ring, first), (jnp.cumsum(counts) - counts).astype(jnp.int32)
 
 
 def _last_below(depth, t, height):
@@ -184,8 +234,8 @@ def free_and_take(pool: BlockPool, blocks, live, counts):
     (get_new_blocks). A block released in one round and popped in a later one is reused, LIFO, as
     in vLLM; a block several rounds release returns to the queue at the last. blocks: i32[B, G, A]
     (distinct within a round where live), live: bool[B, G, A], counts: i32[B] >= 0; the caller has
-    checked each round's pop against the queue as it stands then. -> (pool, order i32[P], starts
-    i32[B]) as `take`: round b's k-th block is order[starts[b] + k].
+    checked each round's pop against the queue as it stands then. -> (pool, popped, starts i32[B])
+    as `take`: round b's k-th block is popped[starts[b] + k]. O(P): the ring is laid out again.
 
     The queue's head as a stack, so no loop over rounds: a round pushes its blocks bound for the
     head (u[b]) and pops counts[b]; pops take the stack first, then the old queue followed by the
@@ -211,10 +261,10 @@ def free_and_take(pool: BlockPool, blocks, live, counts):
     lost = jnp.concatenate([zero, lost])
     items = jnp.zeros(p, jnp.int32).at[jnp.where(front, push_rank, p)].set(flat, mode="drop")
     first_item = cu - u  # round i's first push in `items`
-    num_free = pool.num_free
-    listed = pool.queue_pos < NOT_LISTED
-    rest = jnp.zeros(p, jnp.int32).at[jnp.where(listed, pool.queue_pos, p)].set(jnp.arange(p, dtype=jnp.int32),
-                                                                               mode="drop")
+    num_free, queue_pos = pool.num_free, positions(pool)
+    listed = queue_pos < NOT_LISTED
+    rest = jnp.zeros(p, jnp.int32).at[jnp.where(listed, queue_pos, p)].set(jnp.arange(p, dtype=jnp.int32),
+                                                                          mode="drop")
     rest = rest.at[jnp.where(tail, num_free + tail_rank, p)].set(flat, mode="drop")
     rest_len = num_free + tail.sum(dtype=jnp.int32)
 
@@ -236,9 +286,9 @@ def free_and_take(pool: BlockPool, blocks, live, counts):
     pos = jnp.full(p, NOT_LISTED, jnp.int32)
     pos = pos.at[jnp.where((x >= gone) & (x < rest_len), rest, p)].set(end + x - gone, mode="drop")
     pos = pos.at[jnp.where(x < end, pushed(jnp.full(p, rounds, jnp.int32), x + 1), p)].set(end - 1 - x, mode="drop")
-    pool = _evict(pool, popped)
-    return pool.replace(ref_cnt=jnp.where(popped, 1, ref), queue_pos=pos,
-                        num_free=rest_len + u.sum() - total), order, (cn - counts).astype(jnp.int32)
+    pool = _laid_out(_evict(pool, popped).replace(ref_cnt=jnp.where(popped, 1, ref),
+                                                  num_free=rest_len + u.sum() - total), pos, order, total)
+    return pool, Popped(pool.ring, jnp.int32(0)), (cn - counts).astype(jnp.int32)
 
 
 @jax.jit
@@ -248,8 +298,9 @@ def touch(pool: BlockPool, blocks, mask):
     p = pool.num_blocks
     ref = pool.ref_cnt.at[jnp.where(mask, blocks, p)].add(1, mode="drop")
     taken = (pool.ref_cnt == 0) & (ref > 0)
-    return pool.replace(ref_cnt=ref, queue_pos=close_up(pool.queue_pos, taken),
-                        num_free=pool.num_free - taken.sum(dtype=jnp.int32))
+    pool = pool.replace(ref_cnt=ref, num_free=pool.num_free - taken.sum(dtype=jnp.int32))
+    # Only a block that leaves the queue moves the others (O(P)); a touch of held blocks does not.
+    return jax.lax.cond(taken.any(), lambda q: _laid_out(q, close_up(positions(q), taken)), lambda q: q, pool)
 
 
 @jax.jit
@@ -272,11 +323,12 @@ def release_masked(pool: BlockPool, blocks, live):
     to_head, to_tail = back & ~hashed, back & hashed
     head_rank = jnp.cumsum(to_head[::-1])[::-1] - 1  # 0 for the first released
     tail_rank = jnp.cumsum(to_tail[::-1])[::-1] - 1
-    u = to_head.sum(dtype=jnp.int32)
-    pos = jnp.where(pool.queue_pos < NOT_LISTED, pool.queue_pos + u, NOT_LISTED)  # the queue moves down by u
-    pos = pos.at[jnp.where(back, blocks, p)].set(jnp.where(to_head, head_rank, pool.num_free + u + tail_rank),
-                                                mode="drop")
-    return pool.replace(ref_cnt=ref, queue_pos=pos, num_free=pool.num_free + back.sum(dtype=jnp.int32))
+    head = (pool.head - to_head.sum(dtype=jnp.int32)) % p  # the u cells before the head, then the queue
+    cell = jnp.where(to_head, head + head_rank, pool.head + pool.num_free + tail_rank) % p
+    return pool.replace(ref_cnt=ref, queue_pos=pool.queue_pos.at[jnp.where(back, blocks, p)].set(cell, mode="drop"),
+                        ring=pool.ring.at[jnp.where(back, cell, p)].set(blocks, mode="drop"),
+                        head=head.astype(jnp.int32),
+                        num_free=pool.num_free + back.sum(dtype=jnp.int32))
 
 
 @jax.jit
@@ -355,21 +407,32 @@ def usage(pool: BlockPool):
     return (usable - pool.num_free).astype(jnp.float32) / usable
 
 
+def canonical(pool: BlockPool) -> BlockPool:
+    """The pool laid out from cell 0, its unused cells 0: one value per pool whatever ring layout
+    the operations left it in (two pools are the same pool when these are equal)."""
+    return _laid_out(pool.replace(ring=jnp.zeros(pool.num_blocks, jnp.int32)), positions(pool))
+
+
 # ----------------------------------------------------------------------------- host views
 def free_queue(pool: BlockPool) -> list[int]:
     """Block ids in the free queue, HEAD to TAIL (host side, for inspection)."""
-    return ordered(pool.queue_pos)
+    return ordered(positions(pool))
 
 
 def check_invariants(pool: BlockPool) -> None:
     """Check the pool's own invariants on the host; raise AssertionError naming the likely cause."""
     s = jax.device_get(pool)
-    p, pos, ref = s.num_blocks, np.asarray(s.queue_pos), np.asarray(s.ref_cnt)
+    p, pos, ref = s.num_blocks, np.asarray(positions(s)), np.asarray(s.ref_cnt)
     queue = free_queue(s)
     require(NULL_BLOCK not in queue, "null block 0 entered the free queue")
     require(len(queue) == int(s.num_free), f"num_free {int(s.num_free)} != queue length {len(queue)}")
     require(sorted(pos[pos < NOT_LISTED].tolist()) == list(range(len(queue))),
             "the free queue's positions are not exactly 0..num_free-1 (two blocks share one, or one is skipped)")
+    cells, listed = np.asarray(s.queue_pos), np.flatnonzero(pos < NOT_LISTED)
+    require(0 <= int(s.head) < p and ((cells[listed] >= 0) & (cells[listed] < p)).all(),
+            "the head or a queued block's cell is outside the ring")
+    require((np.asarray(s.ring)[cells[listed]] == listed).all(),
+            "a queued block's cell holds another block in the ring")
     require((ref >= 0).all(), f"negative ref_cnt at blocks {np.nonzero(ref < 0)[0]}")
     zero = {b for b in range(1, p) if ref[b] == 0}
     require(zero == set(queue), f"free iff ref_cnt 0 broken at blocks {sorted(zero ^ set(queue))}")

@@ -192,6 +192,9 @@ def _skipped(state: KVCacheManager, reqs, attempt):
     return live & attempt[:, None, None], jnp.where(attempt[:, None], end, t.num_skipped[r])
 
 
+COLUMNS = 64  # the table columns one turn of an allocation's loops writes per row and group
+
+
 def _grant(state: KVCacheManager, reqs, num_new, ok, skipped=None) -> KVCacheManager:
     """Give each request reqs[b] with ok[b] (distinct slots) room for num_new[b] more tokens:
     first free the window's skipped entries (skipped: (live, new num_skipped) from `_skipped`,
@@ -210,14 +213,21 @@ def _grant(state: KVCacheManager, reqs, num_new, ok, skipped=None) -> KVCacheMan
         pick = starts[:, None, None] + offset[..., None] + j - held[..., None]
         return jnp.where(fresh, order[jnp.clip(pick, 0, s.pool.num_blocks - 1)], table)  # i32[B, G, M]
 
-    if skipped is None:
-        def take(s):
-            pool, order, starts = block_pool.take(s.pool, need.sum(axis=1))
-            rows = place(s, order, starts, s.reqs.block_table[r])
-            return s.replace(pool=pool, reqs=s.reqs.replace(block_table=s.reqs.block_table.at[at].set(rows, mode="drop")))
+    g_ = jnp.arange(t.num_groups)[None, :, None]
+    if skipped is None:  # the new blocks go to table columns held .. held + need - 1, COLUMNS at a time
+        pool, order, starts = block_pool.take(state.pool, need.sum(axis=1))
 
-        # Most decode steps take no block and fill none (one in Z does): skip those parts then.
-        state = jax.lax.cond(need.any(), take, lambda s: s, state)
+        def put(c):
+            k, table = c
+            d = k * COLUMNS + jnp.arange(COLUMNS)  # i32[W] the next columns, from each row's first new one
+            rows = jnp.where(d < need[..., None], r[:, None, None], t.max_requests)  # i32[B, G, W]; R: dropped
+            block = order[jnp.clip(starts[:, None, None] + offset[..., None] + d, 0, state.pool.num_blocks - 1)]
+            return k + 1, table.at[rows, g_, held[..., None] + d].set(block, mode="drop")
+
+        # Loops, not branches: XLA updates a loop's carried arrays in place, where a branch over the
+        # tables or the pool copies them (a decode step's one new block per row is one turn).
+        table = jax.lax.while_loop(lambda c: c[0] * COLUMNS < need.max(), put, (jnp.int32(0), t.block_table))[1]
+        state = state.replace(pool=pool, reqs=t.replace(block_table=table))
     else:  # frees and takes interleave request by request, as vLLM's allocations run
         live, skip = skipped
         moved = live.any(axis=(1, 2)) | need.any(axis=1)
@@ -235,18 +245,21 @@ def _grant(state: KVCacheManager, reqs, num_new, ok, skipped=None) -> KVCacheMan
     cached = t.num_cached[r]
     count = jnp.where(ok[:, None], jnp.maximum(full - cached, 0), 0)  # each row's run of newly full blocks
 
-    def cache(pool):
-        table = t.block_table[r]  # i32[B, G, M]
-        caching = jnp.asarray(groups.caches(state.windows, z))[None, :, None]
-        newly = ok[:, None, None] & (j >= cached[..., None]) & (j < full[..., None]) & (table != 0) & caching
-        before = (jnp.cumsum(count.reshape(-1)) - count.reshape(-1)).reshape(count.shape)
-        rank = before[..., None] + j - cached[..., None]  # caching order: rows, then groups, then blocks
-        group = jnp.broadcast_to(jnp.arange(t.num_groups)[None, :, None], table.shape)
-        hashes = jnp.broadcast_to(t.req_hash[r][:, None], table.shape + (2,))
-        return block_pool.cache(pool, table.reshape(-1), hashes.reshape(-1, 2), newly.reshape(-1),
-                                rank.reshape(-1).astype(jnp.int32), group.reshape(-1))
+    caching = jnp.asarray(groups.caches(state.windows, z))
+    before = (jnp.cumsum(count.reshape(-1)) - count.reshape(-1)).reshape(count.shape)  # i32[B, G]
 
-    pool = jax.lax.cond(count.any(), cache, lambda p: p, state.pool)
+    def cache(c):  # blocks cached .. cached + count - 1 of each row and group, COLUMNS at a time
+        k, pool = c
+        d = k * COLUMNS + jnp.arange(COLUMNS)
+        col = jnp.minimum(cached[..., None] + d, m - 1)  # i32[B, G, W]
+        block = t.block_table[r[:, None, None], g_, col]
+        newly = (d < count[..., None]) & (block != 0) & caching[None, :, None]
+        rank = before[..., None] + d  # caching order: rows, then groups, then blocks
+        return k + 1, block_pool.cache(pool, block.reshape(-1), t.req_hash[r[:, None, None], col].reshape(-1, 2),
+                                       newly.reshape(-1), rank.reshape(-1).astype(jnp.int32),
+                                       jnp.broadcast_to(g_, block.shape).reshape(-1))
+
+    pool = jax.lax.while_loop(lambda c: c[0] * COLUMNS < count.max(), cache, (jnp.int32(0), state.pool))[1]
     return state.replace(pool=pool, reqs=t.replace(num_cached=t.num_cached.at[at].max(full, mode="drop")))
 
 
@@ -362,6 +375,15 @@ def allocate_step(state: KVCacheManager, reqs, num_new):
 
 
 @jax.jit
+def allocate_running(state: KVCacheManager, reqs, num_new):
+    """`step_fits`, then `allocate_step`, in one call: the scheduler's running requests, which asks
+    both. -> (state, ok bool[B], blocks needed i32[B], fits bool[])."""
+    need, fits = step_fits(state, reqs, num_new)
+    state, ok = allocate_step(state, reqs, num_new)
+    return state, ok, need, fits
+
+
+@jax.jit
 def free(state: KVCacheManager, req):
     """vLLM's kv_cache_manager.free: release all the request's blocks, group by group, each
     group's last block first, and reset its block tables, computed and cached counts. Its tokens
@@ -403,10 +425,23 @@ def remove_request(state: KVCacheManager, req):
     return jax.lax.cond(ok, do, lambda s: s, state), ok
 
 
+@jax.jit
+def finish(state: KVCacheManager, req):
+    """A finished request leaves the pool: `free`, then `remove_request`, in one call. -> (state, ok)."""
+    state, ok = free(state, req)
+    state, ok2 = remove_request(state, req)
+    return state, ok & ok2
+
+
 def reset_prefix_cache(state: KVCacheManager):
     """block_pool.reset_prefix_cache on the manager's pool. -> (state, ok)."""
     pool, ok = block_pool.reset_prefix_cache(state.pool)
     return state.replace(pool=pool), ok
+
+
+def canonical(state: KVCacheManager) -> KVCacheManager:
+    """The state with its pool's ring laid out from cell 0 (block_pool.canonical): equal for equal states."""
+    return state.replace(pool=block_pool.canonical(state.pool))
 
 
 request_blocks = request_table.request_blocks  # the host views, kept beside the table they read
@@ -424,4 +459,4 @@ def _owning(fn):
 # The scheduler's forms of the state -> state operations (`_owning`): manager.owned.free(state, r).
 # Anyone who keeps a state it passes in calls the plain ones above.
 owned = types.SimpleNamespace(**{fn.__name__: _owning(fn) for fn in (
-    add_request, allocate_slots, allocate_step, free, remove_request)})
+    add_request, allocate_slots, allocate_step, allocate_running, free, remove_request, finish)})

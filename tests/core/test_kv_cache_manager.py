@@ -32,7 +32,8 @@ def add(state, slot, tokens):
     return s, bool(ok)
 
 
-def same(a, b):
+def same(a, b):  # the same state, whatever ring layout each call sequence left (block_pool.canonical)
+    a, b = pool.canonical(a), pool.canonical(b)
     return all(bool((x == y).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
@@ -128,6 +129,18 @@ def test_check_invariants_catches_corruption():
 
 
 # ---------------------------------------------------------------------------- batched step
+def test_finish_is_free_then_remove_request():
+    s = pool.init(8, Z, 2)
+    s, _ = add(s, 0, list(range(9)))
+    s, _ = add(s, 1, [3, 4])
+    f, ok = pool.finish(s, 0)
+    want, ok1 = pool.free(s, 0)
+    want, ok2 = pool.remove_request(want, 0)
+    assert bool(ok) and bool(ok1) and bool(ok2) and same(f, want)
+    again, ok = pool.finish(f, 0)  # a slot that holds no request: refused, nothing changed
+    assert not bool(ok) and same(again, f)
+
+
 def _decode_setup(n_req=5, num_blocks=14):
     s = pool.init(num_blocks, Z, 8, 6)
     o = OraclePool(num_blocks, Z, max_blocks_per_request=6)
