@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -88,13 +89,49 @@ class DefaultTokens:
     vocab_size: int
 
     def __call__(self, req_id: str, k: int) -> int:
-        return (sum(map(ord, req_id)) * 7919 + (k + 1) * 104729) % self.vocab_size
+        return (_id_base(req_id) + (k + 1) * 104729) % self.vocab_size
 
     def array(self, req_ids: Sequence[str], starts: np.ndarray, steps: int) -> np.ndarray:
         """i32[steps, len(req_ids)]: token starts[i] + j of request i at [j, i]."""
-        base = np.array([sum(map(ord, r)) * 7919 for r in req_ids], np.int64)
+        base = np.array([_id_base(r) for r in req_ids], np.int64)
         k = np.asarray(starts, np.int64)[None, :] + np.arange(steps)[:, None]
         return ((base[None, :] + (k + 1) * 104729) % self.vocab_size).astype(np.int32)
+
+
+class _Tokens:
+    """When each request's tokens were sampled and how far each request has computed, kept as
+    arrays per step rather than per request (a step's rows at once)."""
+
+    def __init__(self, ids: Sequence[str]):
+        self.index = {rid: i for i, rid in enumerate(ids)}
+        self.rows: list[np.ndarray] = []  # per event batch: the requests (indices) that sampled
+        self.at: list[np.ndarray] = []  # and when
+        self.high = np.zeros(len(ids), np.int64)  # the most positions each request computed (StepLog's)
+        self.recomputed = 0
+
+    def of(self, req_ids: Sequence[str]) -> np.ndarray:
+        return np.fromiter((self.index[r] for r in req_ids), np.int64, len(req_ids))
+
+    def computed(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """rows computed positions starts .. ends - 1: those at or below a row's high-water mark
+        are recomputed (kvjax.engine.stats.StepLog's rule)."""
+        self.recomputed += int(np.maximum(0, np.minimum(ends, self.high[rows]) - starts).sum())
+        self.high[rows] = np.maximum(self.high[rows], ends)
+
+    def sampled(self, rows: np.ndarray, times) -> None:
+        self.rows.append(rows)
+        self.at.append(np.broadcast_to(np.asarray(times, np.float64), rows.shape))
+
+    def times(self, n: int) -> list[np.ndarray]:
+        """Each request's token times, in order."""
+        rows, at = np.concatenate([np.zeros(0, np.int64)] + self.rows), np.concatenate([np.zeros(0)] + self.at)
+        order = np.argsort(rows, kind="stable")  # the events are in time order; stable keeps it
+        return np.split(at[order], np.searchsorted(rows[order], np.arange(1, n))) if n else []
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _id_base(req_id: str) -> int:
+    return sum(map(ord, req_id)) * 7919
 
 
 def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
@@ -124,10 +161,8 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
     waiting_to_send: collections.deque[int] = collections.deque()
     held: set[int] = set()
     start = np.zeros(n)
-    times: list[list[float]] = [[] for _ in range(n)]
-    index = {rid: i for i, rid in enumerate(ids)}
+    record = _Tokens(ids)
     steps: list[SimStep] = []
-    recomputed, high = 0, {}  # high: each request's most positions computed (kvjax.engine.stats.StepLog)
     while True:
         while nxt < n and arrivals[nxt] <= clock:
             waiting_to_send.append(nxt)
@@ -152,10 +187,7 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
             # Every row taken and every request sent to the scheduler: an arrival waits for a finish.
             full = max_concurrency is None and len(sched.running) >= config.max_num_seqs
             clock, done, taken = _decode_run(sched, plan, clock, arrivals[nxt:], full, step_seconds, tokens,
-                                             full or bool(sched.waiting or waiting_to_send), windows, steps, times,
-                                             index)
-            for rid, end, k in zip(plan.req_ids, plan.seq_lens, taken):
-                high[rid] = max(high.get(rid, 0), int(end) + k - 1)
+                                             full or bool(sched.waiting or waiting_to_send), windows, steps, record)
             for rid in done:
                 sched.forget(rid)
                 in_flight -= 1
@@ -170,14 +202,13 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
         if not (math.isfinite(dt) and dt >= 0):
             raise SimulationError(f"step {len(steps)}: a step time of {dt!r} s")
         t0, clock = clock, clock + dt
-        for rid, n_new, end in zip(plan.req_ids, plan.num_scheduled, plan.seq_lens):  # StepLog's high-water marks
-            recomputed += max(0, min(int(end), high.get(rid, 0)) - int(end - n_new))
-            high[rid] = max(high.get(rid, 0), int(end))
-        sampled = np.array([tokens(rid, len(sched.output(rid))) for rid in plan.req_ids], np.int32)
-        sampling = [rid for rid, s in zip(plan.req_ids, plan.sample) if s]
+        rows = record.of(plan.req_ids)
+        record.computed(rows, plan.seq_lens - plan.num_scheduled, plan.seq_lens)
+        outs = [len(sched.output(rid)) for rid in plan.req_ids]
+        sampled = tokens.array(plan.req_ids, outs, 1)[0] if isinstance(tokens, DefaultTokens) else \
+            np.array([tokens(rid, k) for rid, k in zip(plan.req_ids, outs)], np.int32)
         finished = sched.update(plan, sampled)
-        for rid in sampling:
-            times[index[rid]].append(clock)
+        record.sampled(rows[plan.sample], clock)
         for rid in finished:
             sched.forget(rid)
             in_flight -= 1
@@ -185,12 +216,12 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
                              tuple(plan.preempted), len(sched.running), len(sched.waiting), sched.num_free_blocks(),
                              features))
     outputs = []
-    for i in range(n):
-        t = times[i]
-        outputs.append(RequestFuncOutput(success=bool(t), prompt_len=len(prompts[i]), output_tokens=len(t),
-                                         ttft=t[0] - start[i] if t else 0.0, itl=list(np.diff(t)) if t else [],
-                                         latency=t[-1] - start[i] if t else 0.0, start_time=float(start[i])))
-    return SimResult(outputs, steps, clock, sched.num_preemptions, sched.state, recomputed)
+    for i, t in enumerate(record.times(n)):
+        ok = len(t) > 0
+        outputs.append(RequestFuncOutput(success=ok, prompt_len=len(prompts[i]), output_tokens=len(t),
+                                         ttft=float(t[0] - start[i]) if ok else 0.0, itl=np.diff(t).tolist(),
+                                         latency=float(t[-1] - start[i]) if ok else 0.0, start_time=float(start[i])))
+    return SimResult(outputs, steps, clock, sched.num_preemptions, sched.state, record.recomputed)
 
 
 RUN_STEPS = 128  # the most decode steps one `decode_run` call takes (its static loop bound)
@@ -206,8 +237,7 @@ def _runs_on(plan, config: SchedulerConfig) -> bool:
 
 
 def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full: bool, step_seconds, tokens,
-                waiting: bool, windows: tuple, steps: list, times: list,
-                index: dict) -> tuple[float, list[str], np.ndarray]:
+                waiting: bool, windows: tuple, steps: list, record: _Tokens) -> tuple[float, list[str], np.ndarray]:
     """Run `plan` and the decode steps after it in one device call (kvjax.simulator.decode), at most
     RUN_STEPS: those that start before the next arrival (pending: the arrival times of the requests
     not yet sent), or with every row full (`full`: an arrival only waits) until a finish; stopping
@@ -262,8 +292,10 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
                              f"lengths end ({(remaining - 1).tolist()})")
     finish = np.where(finished_at < RUN_STEPS, FINISH_REASONS.index("length"), 0).astype(np.int32)
     done = sched.apply_decode_steps(plan, sampled[:ran, :b], state, finish, None if stop else taken)
-    for i, rid in enumerate(plan.req_ids):
-        times[index[rid]].extend(ends[:taken[i]])
+    rows, live = record.of(plan.req_ids), np.arange(ran)[:, None] < taken[None, :]  # [step, row]
+    record.computed(rows, plan.seq_lens - 1, plan.seq_lens + taken - 1)
+    record.sampled(np.broadcast_to(rows, live.shape)[live],
+                   np.broadcast_to(np.asarray(ends[:ran])[:, None], live.shape)[live])
     # The requests that arrive during a full run join the queue at the next step's start.
     queued = len(sched.waiting) + np.searchsorted(pending, np.array([clock] + ends[:ran - 1]), side="right")
     start = clock

@@ -58,9 +58,8 @@ def _free_finished(state: manager.KVCacheManager, slots, done):
 
     def body(c):
         k, s, bad = c
-        s, ok = manager.free(s, slots[k])
-        s, ok2 = manager.remove_request(s, slots[k])
-        return after(k), s, bad | ~ok | ~ok2
+        s, ok = manager.finish(s, slots[k])
+        return after(k), s, bad | ~ok
 
     _, state, bad = jax.lax.while_loop(lambda c: c[0] < b, body, (after(-1), state, jnp.bool_(False)))
     return state, bad

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -255,19 +256,18 @@ class Scheduler:
         continue after it (vLLM's request-at-a-time loop, batched where it can be)."""
         i = 0
         while i < len(self.running) and step.budget > 0:
-            batch, nums, left = self.running[i:], [], step.budget
-            starts = [int(computed[r.slot]) for r in batch]  # allocated once per step: `computed` stays valid
-            for r, start in zip(batch, starts):
-                nums.append(min(r.num_tokens - start, left))
-                left -= nums[-1]
-            reqs = [r.slot if n > 0 else -1 for r, n in zip(batch, nums)]
-            pad = self.config.max_num_seqs - len(reqs)  # one static batch size: one compile
-            reqs_a = np.asarray(reqs + [-1] * pad, np.int32)
-            nums_a = np.asarray(nums + [0] * pad, np.int32)
-            need, fits = manager.step_fits(self.state, reqs_a, nums_a)
-            self.state, ok = manager.owned.allocate_step(self.state, reqs_a, nums_a)
+            batch = self.running[i:]
+            slots = np.fromiter((r.slot for r in batch), np.int32, len(batch))
+            starts = computed[slots]  # allocated once per step: `computed` stays valid
+            want = np.fromiter((len(r.prompt) + len(r.output) for r in batch), np.int32, len(batch)) - starts
+            nums = np.clip(step.budget - (np.cumsum(want) - want), 0, want)  # in order, while the budget lasts
+            reqs = np.where(nums > 0, slots, -1)
+            pad = (0, self.config.max_num_seqs - len(batch))  # one static batch size: one compile
+            reqs_a, nums_a = np.pad(reqs, pad, constant_values=-1).astype(np.int32), np.pad(nums, pad).astype(np.int32)
+            self.state, ok, need, fits = manager.owned.allocate_running(self.state, reqs_a, nums_a)
             failed = None
-            for r, n, start, s, k, blocks in zip(batch, nums, starts, reqs, np.asarray(ok), np.asarray(need)):
+            for r, n, start, s, k, blocks in zip(batch, nums.tolist(), starts.tolist(), reqs.tolist(),
+                                                 np.asarray(ok).tolist(), np.asarray(need).tolist()):
                 if s < 0:
                     continue
                 if not k:
@@ -365,13 +365,13 @@ class Scheduler:
         """Append the steps' tokens (i32[steps, B]; row i's first taken[i] with `taken`) to the active
         requests' outputs, and finish those whose transition finished them (finish: i32[B]
         FINISH_REASONS index, after the last step), in the order they finished."""
-        finished = []
+        finished, columns, finish = [], np.asarray(sampled).T.tolist(), np.asarray(finish).tolist()
         for i, rid in enumerate(plan.req_ids):
             if not active[i]:
                 continue
             req = self.requests[rid]
-            req.output += [int(x) for x in sampled[:None if taken is None else taken[i], i]]
-            req.finish_reason = FINISH_REASONS[int(finish[i])]
+            req.output += columns[i] if taken is None else columns[i][:taken[i]]
+            req.finish_reason = FINISH_REASONS[finish[i]]
             if req.finish_reason:
                 finished.append((0 if taken is None else int(taken[i]), req))
         finished.sort(key=lambda f: f[0])  # stable: step by step, plan order in each
@@ -397,9 +397,8 @@ class Scheduler:
 
     def _finish(self, req: Request, in_pool: bool = False) -> None:
         if not in_pool:  # else a device loop freed and removed it (apply_decode_steps' `taken`)
-            self.state, ok = manager.owned.free(self.state, req.slot)
-            self.state, ok2 = manager.owned.remove_request(self.state, req.slot)
-            _require(bool(ok) and bool(ok2), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
+            self.state, ok = manager.owned.finish(self.state, req.slot)
+            _require(bool(ok), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
         self._leave_running(req)
         req.status, req.slot = "finished", None
 
@@ -474,27 +473,28 @@ class Scheduler:
 
     def _plan(self, step: "_Step") -> StepPlan:
         reqs = [self.requests[r] for r in step.scheduled]
-        nums = np.array([step.scheduled[r.req_id] for r in reqs], np.int32)
-        slots = np.array([r.slot for r in reqs], np.int32)
-        groups = len(self.config.windows)
+        n = len(reqs)
+        nums = np.fromiter(step.scheduled.values(), np.int32, n)
+        slots = np.fromiter((r.slot for r in reqs), np.int32, n)
         tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
-            np.zeros((0, groups, self.max_blocks), np.int32)
-        seq_lens = np.array([step.starts[r.req_id] for r in reqs], np.int32) + nums  # in the cache after the step
-        token_ids = np.array([t for r, n, e in zip(reqs, nums, seq_lens) for t in r.token_range(e - n, e)], np.int32)
-        stop_ids = np.full((len(reqs), pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
-        for i, r in enumerate(reqs):
-            stop_ids[i, :len(r.stop_ids)] = sorted(r.stop_ids)
+            np.zeros((0, len(self.config.windows), self.max_blocks), np.int32)
+        seq_lens = np.fromiter((step.starts[r.req_id] for r in reqs), np.int32, n) + nums  # in the cache after the step
+        num_tokens = np.fromiter((len(r.prompt) + len(r.output) for r in reqs), np.int32, n)
+        token_ids = np.fromiter(itertools.chain.from_iterable(  # a decoding row's one token read in place
+            (r.output[e - 1 - len(r.prompt)],) if k == 1 and e > len(r.prompt) else r.token_range(e - k, e)
+            for r, k, e in zip(reqs, nums.tolist(), seq_lens.tolist())), np.int32)
+        stop_ids = np.full((n, pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
+        for i in (i for i, r in enumerate(reqs) if r.stop_ids):
+            stop_ids[i, :len(reqs[i].stop_ids)] = sorted(reqs[i].stop_ids)
+        outputs = np.fromiter((len(r.output) for r in reqs), np.int32, n)
         return StepPlan(
-            req_ids=tuple(r.req_id for r in reqs), slots=slots, rows=np.array([r.row for r in reqs], np.int32),
-            num_scheduled=nums, token_ids=token_ids,
-            block_tables=tables[:, 0], group_tables=None if self.config.windows == (None,) else tables, seq_lens=seq_lens,
-            sample=np.array([e == r.num_tokens for r, e in zip(reqs, seq_lens)], bool),
-            preempted=tuple(step.preempted),
-            remaining=np.array([r.max_new_tokens - len(r.output) for r in reqs], np.int32).reshape(-1),
-            stop_ids=stop_ids, admitted=np.array([r.req_id in step.admitted for r in reqs], bool),
+            req_ids=tuple(step.scheduled), slots=slots, rows=np.fromiter((r.row for r in reqs), np.int32, n),
+            num_scheduled=nums, token_ids=token_ids, seq_lens=seq_lens,
+            block_tables=tables[:, 0], group_tables=None if self.config.windows == (None,) else tables,
+            sample=seq_lens == num_tokens, preempted=tuple(step.preempted),
+            remaining=np.fromiter((r.max_new_tokens for r in reqs), np.int32, n) - outputs,
+            stop_ids=stop_ids, admitted=np.fromiter((r.req_id in step.admitted for r in reqs), bool, n),
             # a decoding request computes the one token it sampled last; every other row prefills
-            prefill=np.array([not r.output or e - n < r.num_tokens - 1 for r, n, e in zip(reqs, nums, seq_lens)],
-                             bool),
-            num_tokens=np.array([r.num_tokens for r in reqs], np.int32).reshape(-1),
-            num_preemptions=np.array([r.num_preemptions for r in reqs], np.int32).reshape(-1),
+            prefill=(outputs == 0) | (seq_lens - nums < num_tokens - 1),
+            num_tokens=num_tokens, num_preemptions=np.fromiter((r.num_preemptions for r in reqs), np.int32, n),
             loads=np.array(step.loads, np.int32).reshape(-1, 2))
