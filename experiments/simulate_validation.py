@@ -180,6 +180,7 @@ def render(res: dict) -> str:
               + ": this machine's own spread and drift, the floor under any simulation error here."]
     lines += ["", f"Where a mean misses 10% with the {main_p} profile, and why (a step error within 5% puts the gap in "
               "queueing, which grows a step-time error near saturation, and in the run-to-run spread above):", ""]
+    missed = len(lines)
     for v in res["validation"][1:]:
         off = [f"{mt.upper()} {v['simulated'][main_p][f'mean_{mt}_ms'] / v['measured'][f'mean_{mt}_ms'] - 1:+.0%}"
                for mt in METRICS if v["measured"][f"mean_{mt}_ms"]
@@ -189,6 +190,8 @@ def render(res: dict) -> str:
             why = ("the steps themselves: the profile is " + f"{e:+.0%}" + " on this workload's own steps"
                    if abs(e) > 0.05 else f"not the step model ({e:+.1%} on its own steps): queueing and the spread")
             lines.append(f"- {v['workload']}: {', '.join(off)}; {why}")
+    if len(lines) == missed:
+        lines.append("- none")
     for name in PROFILES:
         errs = [abs(v["simulated"][name][f"mean_{m}_ms"] / v["measured"][f"mean_{m}_ms"] - 1)
                 for v in res["validation"][1:] for m in METRICS if v["measured"][f"mean_{m}_ms"]]
@@ -232,7 +235,8 @@ def main(argv=None) -> dict:
                                                                        if args.model != "small-gqa" else "")
                + (f" --rate-scale {args.rate_scale:g}" if args.rate_scale != 1 else "")
                + (" --quick" if args.quick else ""),
-               machine=f"{os.cpu_count()} CPU cores, {platform.machine()}", model=args.model,
+               machine=f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPU cores, {platform.machine()}",
+               model=args.model,
                fit=dict(workload=fit_w.name, **{name: dict(profile=prof.describe(), coefficients=prof.to_json())
                                                 for name, prof in profiles.items()}),
                run_to_run=dict(first=summary(result), again=summary(again), difference=noise),

@@ -63,6 +63,7 @@ from kvjax.errors import KvjaxError, is_int, require
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 NOT_LISTED = np.iinfo(np.int32).max  # the position of an entry that is not in a list
+MAX_BLOCKS = 2**30  # a cell plus an offset below P stays below 2**31
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
 
 
@@ -85,14 +86,17 @@ class BlockPool:
 
 def init(num_blocks: int) -> BlockPool:
     """A fresh pool: every usable block free, in id order (block b at position b - 1)."""
-    if not is_int(num_blocks) or num_blocks < 2:
-        raise KvjaxError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
+    if not is_int(num_blocks) or not 2 <= num_blocks <= MAX_BLOCKS:
+        raise KvjaxError(f"num_blocks must be an int in [2, {MAX_BLOCKS:,}] (block 0 is the null block; the ring's "
+                         f"cell arithmetic stays in int32), got {num_blocks!r}")
     p = int(num_blocks)
-    pos = np.arange(-1, p - 1, dtype=np.int32)
-    pos[NULL_BLOCK] = NOT_LISTED
-    ring = np.roll(np.arange(p, dtype=np.int32), -1)  # cell c holds block c + 1; the last, unused, the null block
-    return BlockPool(num_blocks=p, ref_cnt=jnp.zeros(p, jnp.int32), queue_pos=jnp.asarray(pos),
-                     ring=jnp.asarray(ring), head=jnp.zeros((), jnp.int32), num_free=jnp.asarray(p - 1, jnp.int32),
+    # jnp, not numpy: under jax.eval_shape (SchedulerConfig.state_bytes sizing a pool before it is
+    # allocated) nothing is then built, however many blocks
+    pos = jnp.arange(-1, p - 1, dtype=jnp.int32).at[NULL_BLOCK].set(NOT_LISTED)
+    cell = jnp.arange(p, dtype=jnp.int32)
+    ring = jnp.where(cell == p - 1, 0, cell + 1)  # cell c holds block c + 1; the last, unused, the null block
+    return BlockPool(num_blocks=p, ref_cnt=jnp.zeros(p, jnp.int32), queue_pos=pos,
+                     ring=ring, head=jnp.zeros((), jnp.int32), num_free=jnp.asarray(p - 1, jnp.int32),
                      block_hash=jnp.zeros((p, 2), jnp.uint32),
                      has_hash=jnp.zeros(p, bool), cached_at=jnp.full(p, _NEVER, jnp.int32),
                      cache_clock=jnp.zeros((), jnp.int32), cached_group=jnp.zeros(p, jnp.int32))
