@@ -37,10 +37,10 @@ requests involved, and the common ones touch only the blocks they move:
              blocks before it (a cumulative sum over the queue), and the ring is laid out again
              from the head: O(P), as is the hybrid groups' interleaved `free_and_take`.
 
-A pop of at most POP_CELLS blocks (a decode step's, a prompt chunk's) and a release cost the
-blocks they move, not P (on a CPU, where a pass over the 194,455 blocks of an 8×H200 deployment's
-pool takes 0.1–0.3 ms, a call that made several paid about 1 ms). No sort, no probe loop, and
-cells never drift out of [0, P).
+A pop (POP_CELLS cells a turn: a decode step's or a prompt chunk's pop is one) and a release
+cost the blocks they move, not P (on a CPU, where a pass over the 194,455 blocks of an 8×H200
+deployment's pool takes 0.1–0.3 ms, a call that made several paid about 1 ms). No sort, no probe
+loop, and cells never drift out of [0, P).
 
 The hash -> block map is a search of the request's hashes for each block: the A hashes are
 sorted (A <= a request's blocks), every cached block finds its hash among them by binary search,
