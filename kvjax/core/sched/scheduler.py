@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.accounting import memory as mem
@@ -216,7 +215,7 @@ class Scheduler:
         toks = np.zeros(self.max_blocks * self.config.block_size, np.int32)
         toks[: req.num_tokens] = req.tokens
         has_salt, key = hashing.salt_key(req.salt)
-        self.state, ok = manager.owned.add_request(self.state, free[0], jnp.asarray(toks), req.num_tokens,
+        self.state, ok = manager.owned.add_request(self.state, free[0], toks, req.num_tokens,
                                                    has_salt, np.asarray(key, np.uint32))
         _require(ok, f"the pool refused request {req.req_id!r} ({req.num_tokens} tokens) in free slot {free[0]}")
         req.slot = free[0]
