@@ -4,6 +4,7 @@ queue (the way vLLM holds it)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,8 +30,11 @@ def test_init():
     assert block_pool.free_queue(pool) == [1, 2, 3, 4, 5]
     assert int(pool.num_free) == 5 and float(block_pool.usage(pool)) == 0.0
     block_pool.check_invariants(pool)
-    with pytest.raises(ValueError, match=r"num_blocks must be an int in \[2, 1,073,741,824\]"):
-        block_pool.init(1)
+    for bad in (1, 2**30 + 1):  # above 2**30 a cell plus an offset would leave int32
+        with pytest.raises(ValueError, match=r"num_blocks must be an int in \[2, 1,073,741,824\].*got " + str(bad)):
+            block_pool.init(bad)
+    # sized without being built: under eval_shape the largest pool allocates nothing
+    assert jax.eval_shape(lambda: block_pool.init(2**30)).ring.shape == (2**30,)
 
 
 def test_take_pops_the_head_in_request_order_and_evicts():
