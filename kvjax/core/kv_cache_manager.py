@@ -206,18 +206,10 @@ def _grant(state: KVCacheManager, reqs, num_new, ok, skipped=None) -> KVCacheMan
     need = jnp.where(ok[:, None], _group_need(state, reqs, num_new), 0)  # i32[B, G]
     offset = jnp.cumsum(need, axis=1) - need  # a group's first block among its request's new ones
     at = jnp.where(ok, r, t.max_requests)  # refused rows scatter out of range
-    j = jnp.arange(m)
-
-    def place(s, order, starts, table):  # the new blocks go to table positions held .. held + need - 1
-        fresh = (j >= held[..., None]) & (j < (held + need)[..., None])
-        pick = starts[:, None, None] + offset[..., None] + j - held[..., None]
-        return jnp.where(fresh, order[jnp.clip(pick, 0, s.pool.num_blocks - 1)], table)  # i32[B, G, M]
-
     g_ = jnp.arange(t.num_groups)[None, :, None]
-    if skipped is None:  # the new blocks go to table columns held .. held + need - 1, COLUMNS at a time
-        pool, order, starts = block_pool.take(state.pool, need.sum(axis=1))
 
-        def put(c):
+    def placed(table, order, starts):  # the new blocks go to table columns held .. held + need - 1
+        def put(c):  # COLUMNS of them at a time
             k, table = c
             d = k * COLUMNS + jnp.arange(COLUMNS)  # i32[W] the next columns, from each row's first new one
             rows = jnp.where(d < need[..., None], r[:, None, None], t.max_requests)  # i32[B, G, W]; R: dropped
@@ -226,16 +218,18 @@ def _grant(state: KVCacheManager, reqs, num_new, ok, skipped=None) -> KVCacheMan
 
         # Loops, not branches: XLA updates a loop's carried arrays in place, where a branch over the
         # tables or the pool copies them (a decode step's one new block per row is one turn).
-        table = jax.lax.while_loop(lambda c: c[0] * COLUMNS < need.max(), put, (jnp.int32(0), t.block_table))[1]
-        state = state.replace(pool=pool, reqs=t.replace(block_table=table))
+        return jax.lax.while_loop(lambda c: c[0] * COLUMNS < need.max(), put, (jnp.int32(0), table))[1]
+
+    if skipped is None:
+        pool, order, starts = block_pool.take(state.pool, need.sum(axis=1))
+        table = t.block_table
     else:  # frees and takes interleave request by request, as vLLM's allocations run
         live, skip = skipped
-        moved = live.any(axis=(1, 2)) | need.any(axis=1)
-        to = jnp.where(moved, r, t.max_requests)
+        to = jnp.where(live.any(axis=(1, 2)) | need.any(axis=1), r, t.max_requests)  # the rows that change
         pool, order, starts = block_pool.free_and_take(state.pool, t.block_table[r], live, need.sum(axis=1))
-        rows = place(state, order, starts, jnp.where(live, 0, t.block_table[r]))
-        state = state.replace(pool=pool, reqs=t.replace(block_table=t.block_table.at[to].set(rows, mode="drop"),
-                                                        num_skipped=t.num_skipped.at[to].set(skip, mode="drop")))
+        table = t.block_table.at[to].set(jnp.where(live, 0, t.block_table[r]), mode="drop")  # nulls where skipped
+        t = t.replace(num_skipped=t.num_skipped.at[to].set(skip, mode="drop"))
+    state = state.replace(pool=pool, reqs=t.replace(block_table=placed(table, order, starts)))
     t = state.reqs.replace(num_held=state.reqs.num_held.at[at].set(held + need, mode="drop"),
                            num_computed=state.reqs.num_computed.at[at].set(total, mode="drop"))
     if not state.prefix_caching:
