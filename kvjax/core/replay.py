@@ -178,9 +178,8 @@ class Replay:
 
     def free(self, name: str) -> dict:
         slot = self._slot(name)
-        s, ok = manager.free(self.state, slot)
-        s, ok2 = manager.remove_request(s, slot)
-        if not (bool(ok) and bool(ok2)):
+        s, ok = manager.finish(self.state, slot)
+        if not bool(ok):
             raise manager.PoolRefusedError(f"the pool refused to free live request {name!r} (slot {slot})")
         self.state = s
         del self.slots[name]
