@@ -134,6 +134,16 @@ def _id_base(req_id: str) -> int:
     return sum(map(ord, req_id)) * 7919
 
 
+def _sampled(tokens: Callable[[str, int], int], req_ids: Sequence[str], starts: Sequence[int],
+             steps: int) -> np.ndarray:
+    """i32[steps, len(req_ids)]: the token request i samples at its output position starts[i] + j,
+    at [j, i] (DefaultTokens all at once, any other `tokens` one call each)."""
+    if isinstance(tokens, DefaultTokens):
+        return tokens.array(req_ids, starts, steps)
+    return np.array([[tokens(rid, k + j) for rid, k in zip(req_ids, starts)] for j in range(steps)],
+                    np.int32).reshape(steps, len(req_ids))
+
+
 def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
              arrivals: Sequence[float], step_seconds: Callable[[StepFeatures], float], *,
              max_concurrency: int | None = None, tokens: Callable[[str, int], int] | None = None,
@@ -204,9 +214,7 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
         t0, clock = clock, clock + dt
         rows = record.of(plan.req_ids)
         record.computed(rows, plan.seq_lens - plan.num_scheduled, plan.seq_lens)
-        outs = [len(sched.output(rid)) for rid in plan.req_ids]
-        sampled = tokens.array(plan.req_ids, outs, 1)[0] if isinstance(tokens, DefaultTokens) else \
-            np.array([tokens(rid, k) for rid, k in zip(plan.req_ids, outs)], np.int32)
+        sampled = _sampled(tokens, plan.req_ids, [len(sched.output(rid)) for rid in plan.req_ids], 1)[0]
         finished = sched.update(plan, sampled)
         record.sampled(rows[plan.sample], clock)
         for rid in finished:
@@ -275,11 +283,7 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
     width = pow2_bucket(b, 8, sched.config.max_num_seqs)
     rows = jax.tree.map(lambda x: x[:width], sched.decode_rows(plan))
     sampled = np.zeros((RUN_STEPS, width), np.int32)
-    if isinstance(tokens, DefaultTokens):
-        sampled[:len(ends), :b] = tokens.array(plan.req_ids, [len(sched.output(r)) for r in plan.req_ids], len(ends))
-    else:
-        for i, rid in enumerate(plan.req_ids):
-            sampled[:len(ends), i] = [tokens(rid, len(sched.output(rid)) + x) for x in range(len(ends))]
+    sampled[:len(ends), :b] = _sampled(tokens, plan.req_ids, [len(sched.output(r)) for r in plan.req_ids], len(ends))
     state, *small = decode_run(sched.state, rows, sampled, np.int32(len(ends)), np.bool_(stop), num_steps=RUN_STEPS)
     ran, free_after, finished_at, refused = jax.device_get(small)
     if refused:
