@@ -258,7 +258,7 @@ class Scheduler:
             batch = self.running[i:]
             slots = np.fromiter((r.slot for r in batch), np.int32, len(batch))
             starts = computed[slots]  # allocated once per step: `computed` stays valid
-            want = np.fromiter((len(r.prompt) + len(r.output) for r in batch), np.int32, len(batch)) - starts
+            want = np.fromiter((r.num_tokens for r in batch), np.int32, len(batch)) - starts
             nums = np.clip(step.budget - (np.cumsum(want) - want), 0, want)  # in order, while the budget lasts
             reqs = np.where(nums > 0, slots, -1)
             pad = (0, self.config.max_num_seqs - len(batch))  # one static batch size: one compile
@@ -478,7 +478,7 @@ class Scheduler:
         tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
             np.zeros((0, len(self.config.windows), self.max_blocks), np.int32)
         seq_lens = np.fromiter((step.starts[r.req_id] for r in reqs), np.int32, n) + nums  # in the cache after the step
-        num_tokens = np.fromiter((len(r.prompt) + len(r.output) for r in reqs), np.int32, n)
+        num_tokens = np.fromiter((r.num_tokens for r in reqs), np.int32, n)
         token_ids = np.fromiter(itertools.chain.from_iterable(  # a decoding row's one token read in place
             (r.output[e - 1 - len(r.prompt)],) if k == 1 and e > len(r.prompt) else r.token_range(e - k, e)
             for r, k, e in zip(reqs, nums.tolist(), seq_lens.tolist())), np.int32)
