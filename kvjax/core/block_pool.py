@@ -67,6 +67,13 @@ MAX_BLOCKS = 2**30  # a cell plus an offset below P stays below 2**31
 _NEVER = np.iinfo(np.int32).max  # cached_at of a block holding no hash
 
 
+def when(pred, fn, x):
+    """fn(x) if pred else x, as a loop of at most one turn rather than a `lax.cond`: XLA updates a
+    loop's carried arrays in place, where a branch that passes them through copies them (on the
+    8×H200 pool, allocate_slots made six copies of P-sized arrays through its three conds)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), fn(c[1])), (jnp.asarray(pred), x))[1]
+
+
 @struct.dataclass
 class BlockPool:
     """The physical blocks: reference counts, free-queue order and the prefix cache."""
@@ -300,11 +307,17 @@ def touch(pool: BlockPool, blocks, mask):
     """ref_cnt += 1 for every blocks[k] with mask[k] (i32[A], bool[A]; a block may repeat);
     a block leaving ref_cnt 0 leaves the free queue, wherever it sat."""
     p = pool.num_blocks
-    ref = pool.ref_cnt.at[jnp.where(mask, blocks, p)].add(1, mode="drop")
-    taken = (pool.ref_cnt == 0) & (ref > 0)
+    at = jnp.where(mask, blocks, p)
+    ref = pool.ref_cnt.at[at].add(1, mode="drop")
+    # A block left ref_cnt 0 if its new count is the number of times it was touched. (Reading the
+    # old count instead, before or after the add, makes XLA copy ref_cnt twice: a P-sized array.)
+    ordered = jnp.sort(at)
+    times = jnp.searchsorted(ordered, at, side="right") - jnp.searchsorted(ordered, at, side="left")
+    left = mask & (ref.at[at].get(mode="fill", fill_value=0) == times)
+    taken = jnp.zeros(p, bool).at[jnp.where(left, at, p)].set(True, mode="drop")
     pool = pool.replace(ref_cnt=ref, num_free=pool.num_free - taken.sum(dtype=jnp.int32))
     # Only a block that leaves the queue moves the others (O(P)); a touch of held blocks does not.
-    return jax.lax.cond(taken.any(), lambda q: _laid_out(q, close_up(positions(q), taken)), lambda q: q, pool)
+    return when(taken.any(), lambda q: _laid_out(q, close_up(positions(q), taken)), pool)
 
 
 @jax.jit
