@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: compared (list.remove, `in`) and hashed by identity
 class Request:
     req_id: str
     prompt: list[int]

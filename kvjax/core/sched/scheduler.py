@@ -42,11 +42,8 @@ steps `decode_steps` / `apply_decode_steps` adopt (kvjax.engine.core, `steps_per
 `finish_request` ends one from outside (a stop string, an abort). A finished request's blocks
 return to the pool at once; its full blocks stay cached.
 
-The running requests' allocation asks `manager.step_fits` first — the rule the device loop applies
-before each of its steps — and, when everything fits, is one batched `allocate_step` that must then
-succeed for every request. Otherwise the same call allocates up to the first refusal, the scheduler
-preempts and resumes from the refused request: vLLM's one-request-at-a-time loop. A pool refusal
-that the accounting says cannot happen raises `SchedulerError` (never `assert`, stripped by -O).
+The running requests' allocation is one batched call up to the first refusal (`_schedule_running`).
+A pool refusal that the accounting says cannot happen raises `SchedulerError` (never `assert`).
 """
 
 from __future__ import annotations
@@ -64,6 +61,7 @@ from kvjax.accounting import memory as mem
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core import kv_cache_utils as hashing
+from kvjax.core.sched.first_blocks import FirstBlocks
 from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.request import Request
 from kvjax.core.sched.transition import FINISH_REASONS, DecodeRows, host_transition
@@ -93,16 +91,15 @@ class _Step:
     """What one `schedule()` call has planned so far."""
 
     budget: int  # tokens left in this step
-    scheduled: dict[str, int] = field(default_factory=dict)  # req_id -> tokens; insertion = scheduling order
+    # req_id -> (request, tokens this step, tokens computed before); in scheduling order, admissions last
+    scheduled: dict[str, tuple[Request, int, int]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-    starts: dict[str, int] = field(default_factory=dict)  # req_id -> tokens computed before this step
 
-    def take(self, req: Request, n: int, start: int) -> None:
-        self.scheduled[req.req_id] = n
-        self.starts[req.req_id] = start
-        self.budget -= n
+    def take(self, reqs: list[Request], nums: list[int], starts: list[int]) -> None:
+        self.scheduled.update(zip((r.req_id for r in reqs), zip(reqs, nums, starts)))
+        self.budget -= sum(nums)
 
 
 class Scheduler:
@@ -126,6 +123,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.free_rows = list(range(config.max_num_seqs))  # a heap: admission takes the lowest
+        self.free_slots = list(range(self.num_slots))  # a heap of the pool slots no request holds
+        self.first_blocks = FirstBlocks(z)  # skips the prefix search of a request that cannot hit
+        self._no_hits = jax.device_put((np.zeros((len(config.windows), self.max_blocks), np.int32), np.int32(0)),
+                                       self.placement)  # get_computed_blocks' miss, as its outputs are placed
         self.num_preemptions = 0
         self._arrivals = 0
         # The host offload tier's index; the engine moves the bytes (kvjax.kv_offload.host_pages).
@@ -202,24 +203,28 @@ class Scheduler:
 
     def _put_in_pool(self, req: Request) -> bool:
         """Give req a pool slot holding its tokens (prompt + output so far)."""
-        used = {r.slot for r in self.requests.values() if r.slot is not None}
-        free = [s for s in range(self.num_slots) if s not in used]
-        if not free:  # take the slot of the last waiting request that has one (it holds no blocks)
-            donors = [r for r in reversed(self.waiting) if r.slot is not None and r is not req]
-            if not donors:
+        if not self.free_slots:  # take the slot of the last waiting request that has one (it holds no blocks)
+            donor = next((r for r in reversed(self.waiting) if r.slot is not None and r is not req), None)
+            if donor is None:
                 return False
-            self.state, ok = manager.owned.remove_request(self.state, donors[0].slot)
-            _require(ok, f"the pool refused to remove waiting request {donors[0].req_id!r} from slot "
-                         f"{donors[0].slot}: it still holds blocks")
-            free, donors[0].slot = [donors[0].slot], None
+            self.state, ok = manager.owned.remove_request(self.state, donor.slot)
+            _require(ok, f"the pool refused to remove waiting request {donor.req_id!r} from slot "
+                         f"{donor.slot}: it still holds blocks")
+            self._release_slot(donor)
+        slot = self.free_slots[0]  # the lowest free slot
         toks = np.zeros(self.max_blocks * self.config.block_size, np.int32)
         toks[: req.num_tokens] = req.tokens
         has_salt, key = hashing.salt_key(req.salt)
-        self.state, ok = manager.owned.add_request(self.state, free[0], toks, req.num_tokens,
+        self.state, ok = manager.owned.add_request(self.state, slot, toks, req.num_tokens,
                                                    has_salt, np.asarray(key, np.uint32))
-        _require(ok, f"the pool refused request {req.req_id!r} ({req.num_tokens} tokens) in free slot {free[0]}")
-        req.slot = free[0]
+        _require(ok, f"the pool refused request {req.req_id!r} ({req.num_tokens} tokens) in free slot {slot}")
+        req.slot = heapq.heappop(self.free_slots)
+        self.first_blocks.add(req)
         return True
+
+    def _release_slot(self, req: Request) -> None:  # the pool removed req: its slot is free
+        heapq.heappush(self.free_slots, req.slot)
+        req.slot = None
 
     def _preempt(self, victim: Request, step: "_Step") -> None:
         """Free all the victim's blocks (the pool resets its computed tokens), put it at the
@@ -230,7 +235,7 @@ class Scheduler:
         victim.status, victim.num_preemptions = "waiting", victim.num_preemptions + 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
-        step.budget += step.scheduled.pop(victim.req_id, 0)
+        step.budget += step.scheduled.pop(victim.req_id, (victim, 0, 0))[1]
         step.preempted.append(victim.req_id)
 
     # ------------------------------------------------------------------ one step
@@ -256,30 +261,25 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             batch = self.running[i:]
-            slots = np.fromiter((r.slot for r in batch), np.int32, len(batch))
+            b = len(batch)
+            slots, num_tokens = np.array([(r.slot, len(r.prompt) + len(r.output)) for r in batch], np.int32).T
             starts = computed[slots]  # allocated once per step: `computed` stays valid
-            want = np.fromiter((r.num_tokens for r in batch), np.int32, len(batch)) - starts
+            want = num_tokens - starts
             nums = np.clip(step.budget - (np.cumsum(want) - want), 0, want)  # in order, while the budget lasts
             reqs = np.where(nums > 0, slots, -1)
-            pad = (0, self.config.max_num_seqs - len(batch))  # one static batch size: one compile
+            pad = (0, self.config.max_num_seqs - b)  # one static batch size: one compile
             reqs_a, nums_a = np.pad(reqs, pad, constant_values=-1).astype(np.int32), np.pad(nums, pad).astype(np.int32)
             self.state, ok, need, fits = manager.owned.allocate_running(self.state, reqs_a, nums_a)
-            failed = None
-            for r, n, start, s, k, blocks in zip(batch, nums.tolist(), starts.tolist(), reqs.tolist(),
-                                                 np.asarray(ok).tolist(), np.asarray(need).tolist()):
-                if s < 0:
-                    continue
-                if not k:
-                    if fits:
-                        raise SchedulerError(f"the pool refused {int(blocks)} new block(s) for request {r.req_id!r} "
-                                             f"although the step's {int(need.sum())} fit its free blocks")
-                    failed = (r, n, start)
-                    break
-                step.take(r, n, start)
-            if failed is None:
+            refused = (reqs >= 0) & ~np.asarray(ok)[:b]
+            stop = int(np.argmax(refused)) if refused.any() else b  # the first refusal
+            if stop < b and fits:
+                raise SchedulerError(f"the pool refused {int(need[stop])} new block(s) for request "
+                                     f"{batch[stop].req_id!r} though the step's {int(need.sum())} fit its free blocks")
+            took = np.flatnonzero(reqs[:stop] >= 0)
+            step.take([batch[j] for j in took.tolist()], nums[took].tolist(), starts[took].tolist())
+            if stop == b:
                 return
-            req, n, start = failed
-            self._preempt_for(req, n, start, step)
+            self._preempt_for(req := batch[stop], int(nums[stop]), int(starts[stop]), step)
             i = self.running.index(req) + 1 if req in self.running else len(self.running)
 
     def _preempt_for(self, req: Request, n: int, start: int, step: "_Step") -> None:
@@ -291,7 +291,7 @@ class Scheduler:
                 return
             self.state, ok = manager.owned.allocate_slots(self.state, req.slot, n)
             if bool(ok):
-                step.take(req, n, start)
+                step.take([req], [n], [start])
                 return
 
     def _admit_waiting(self, step: "_Step") -> None:
@@ -300,9 +300,10 @@ class Scheduler:
         cfg, z = self.config, self.config.block_size
         while self.waiting and len(self.running) < cfg.max_num_seqs and step.budget > 0:
             req = min(self.waiting, key=self._key) if cfg.policy == "priority" else self.waiting[0]
+            may_hit = cfg.prefix_caching and self.first_blocks.may_hit(req)  # before it is itself recorded
             if req.slot is None and not self._put_in_pool(req):
                 return
-            hits, nh = manager.get_computed_blocks(self.state, req.slot)
+            hits, nh = manager.get_computed_blocks(self.state, req.slot) if may_hit else self._no_hits
             host_hashes, nx = (None, 0) if self.tier is None else \
                 self.tier.lookup(np.asarray(self.state.reqs.req_hash[req.slot]), req.num_tokens, int(nh))
             rest = req.num_tokens - (int(nh) + nx) * z
@@ -322,7 +323,7 @@ class Scheduler:
             self.running.append(req)
             req.row, req.status = heapq.heappop(self.free_rows), "running"
             step.admitted.append(req.req_id)
-            step.take(req, n, (int(nh) + nx) * z)
+            step.take([req], [n], [(int(nh) + nx) * z])
 
     # ------------------------------------------------------------------ taking a step's results back
     def decode_rows(self, plan: StepPlan, by_row: bool = False) -> DecodeRows:
@@ -373,6 +374,7 @@ class Scheduler:
             req.finish_reason = FINISH_REASONS[finish[i]]
             if req.finish_reason:
                 finished.append((0 if taken is None else int(taken[i]), req))
+        self.first_blocks.grown()
         finished.sort(key=lambda f: f[0])  # stable: step by step, plan order in each
         for _, req in finished:
             self._finish(req, in_pool=taken is not None)
@@ -392,14 +394,16 @@ class Scheduler:
         if req.slot is not None:
             self.state, ok = manager.owned.remove_request(self.state, req.slot)
             _require(ok, f"the pool refused to remove waiting request {req_id!r} from slot {req.slot}")
-        req.status, req.slot = "finished", None
+            self._release_slot(req)
+        req.status = "finished"
 
     def _finish(self, req: Request, in_pool: bool = False) -> None:
         if not in_pool:  # else a device loop freed and removed it (apply_decode_steps' `taken`)
             self.state, ok = manager.owned.finish(self.state, req.slot)
             _require(bool(ok), f"the pool refused to finish request {req.req_id!r} (slot {req.slot})")
         self._leave_running(req)
-        req.status, req.slot = "finished", None
+        self._release_slot(req)
+        req.status = "finished"
 
     def _leave_running(self, req: Request) -> None:
         """A running request stops running (finished or preempted): its batch row is free again."""
@@ -471,29 +475,26 @@ class Scheduler:
             req.host_next = self.tier.store(req_hash[req.slot], req.host_next, int(b), t)
 
     def _plan(self, step: "_Step") -> StepPlan:
-        reqs = [self.requests[r] for r in step.scheduled]
-        n = len(reqs)
-        nums = np.fromiter(step.scheduled.values(), np.int32, n)
-        slots = np.fromiter((r.slot for r in reqs), np.int32, n)
+        entries, n = step.scheduled.values(), len(step.scheduled)
+        reqs = [r for r, _, _ in entries]
+        slots, rows, prompt_lens, outputs, max_new, preemptions, stops, nums, starts = np.array(
+            [(r.slot, r.row, len(r.prompt), len(r.output), r.max_new_tokens, r.num_preemptions, len(r.stop_ids), k, s)
+             for r, k, s in entries], np.int32).reshape(n, 9).T
         tables = np.asarray(jax.device_get(self.state.reqs.block_table))[slots] if reqs else \
             np.zeros((0, len(self.config.windows), self.max_blocks), np.int32)
-        seq_lens = np.fromiter((step.starts[r.req_id] for r in reqs), np.int32, n) + nums  # in the cache after the step
-        num_tokens = np.fromiter((r.num_tokens for r in reqs), np.int32, n)
+        seq_lens, num_tokens = starts + nums, prompt_lens + outputs  # in the cache after the step
         token_ids = np.fromiter(itertools.chain.from_iterable(  # a decoding row's one token read in place
-            (r.output[e - 1 - len(r.prompt)],) if k == 1 and e > len(r.prompt) else r.token_range(e - k, e)
-            for r, k, e in zip(reqs, nums.tolist(), seq_lens.tolist())), np.int32)
-        stop_ids = np.full((n, pow2_bucket(max((len(r.stop_ids) for r in reqs), default=1))), -1, np.int32)
-        for i in (i for i, r in enumerate(reqs) if r.stop_ids):
-            stop_ids[i, :len(reqs[i].stop_ids)] = sorted(reqs[i].stop_ids)
-        outputs = np.fromiter((len(r.output) for r in reqs), np.int32, n)
+            (r.output[e - 1 - p],) if k == 1 and e > p else r.token_range(e - k, e)
+            for r, k, e, p in zip(reqs, nums.tolist(), seq_lens.tolist(), prompt_lens.tolist())), np.int32)
+        stop_ids = np.full((n, pow2_bucket(max(int(stops.max(initial=0)), 1))), -1, np.int32)
+        for i in np.flatnonzero(stops).tolist():
+            stop_ids[i, :stops[i]] = sorted(reqs[i].stop_ids)
         return StepPlan(
-            req_ids=tuple(step.scheduled), slots=slots, rows=np.fromiter((r.row for r in reqs), np.int32, n),
-            num_scheduled=nums, token_ids=token_ids, seq_lens=seq_lens,
-            block_tables=tables[:, 0], group_tables=None if self.config.windows == (None,) else tables,
-            sample=seq_lens == num_tokens, preempted=tuple(step.preempted),
-            remaining=np.fromiter((r.max_new_tokens for r in reqs), np.int32, n) - outputs,
-            stop_ids=stop_ids, admitted=np.fromiter((r.req_id in step.admitted for r in reqs), bool, n),
+            req_ids=tuple(step.scheduled), slots=slots, rows=rows, num_scheduled=nums, token_ids=token_ids,
+            seq_lens=seq_lens, block_tables=tables[:, 0],
+            group_tables=None if self.config.windows == (None,) else tables,
+            sample=seq_lens == num_tokens, preempted=tuple(step.preempted), remaining=max_new - outputs,
+            stop_ids=stop_ids, admitted=np.arange(n) >= n - len(step.admitted),  # admissions are scheduled last
             # a decoding request computes the one token it sampled last; every other row prefills
             prefill=(outputs == 0) | (seq_lens - nums < num_tokens - 1),
-            num_tokens=num_tokens, num_preemptions=np.fromiter((r.num_preemptions for r in reqs), np.int32, n),
-            loads=np.array(step.loads, np.int32).reshape(-1, 2))
+            num_tokens=num_tokens, num_preemptions=preemptions, loads=np.array(step.loads, np.int32).reshape(-1, 2))
