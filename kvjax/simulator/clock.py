@@ -194,7 +194,7 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
             head = sched.waiting[0].req_id if sched.waiting else "?"
             raise SimulationError(f"nothing could be scheduled: request {head!r} does not fit the pool of "
                                   f"{config.num_blocks} blocks of {config.block_size} tokens")
-        if decode_runs and step_times is None and _runs_on(plan, config):
+        if decode_runs and step_times is None and _runs_on(plan, sched):
             # Every row taken and every request sent to the scheduler: an arrival waits for a finish.
             full = max_concurrency is None and len(sched.running) >= config.max_num_seqs
             clock, done, taken = _decode_run(sched, plan, clock, arrivals[nxt:], full, step_seconds, tokens,
@@ -236,13 +236,18 @@ def simulate(config: SchedulerConfig, prompts: Sequence[Sequence[int]], output_l
 RUN_STEPS = 128  # the most decode steps one `decode_run` call takes (its static loop bound)
 
 
-def _runs_on(plan, config: SchedulerConfig) -> bool:
-    """A decode plan whose next steps a pool-only device loop can take: every request decodes one
-    token and samples, the step preempted nothing (the next may admit), the token budget holds
-    every row (as schedule() gives each one token), and no request has stop tokens (its finishes
-    are then by length, so the steps' batches are known ahead)."""
-    return (plan.is_decode and not plan.preempted and plan.num_requests <= config.max_num_batched_tokens
-            and not (plan.stop_ids >= 0).any())
+def _runs_on(plan, sched: Scheduler) -> bool:
+    """A plan whose next steps a pool-only device loop can take: every request samples (a prompt
+    finished in this step decodes from the next), the step preempted nothing, the token budget holds
+    every row (as schedule() gives each one token), no request has stop tokens (its finishes are
+    then by length, so the steps' batches are known ahead), and the next schedule() would admit no
+    one: after a decode step, whose admissions already failed with the budget the next step has
+    (until a finish or an arrival, where the run stops); after a step that prefilled, only with
+    nobody waiting or every batch row taken (a smaller budget may have stopped its admissions)."""
+    cfg = sched.config
+    return (bool(plan.sample.all()) and not plan.preempted and plan.num_requests <= cfg.max_num_batched_tokens
+            and not (plan.stop_ids >= 0).any()
+            and (plan.is_decode or not sched.waiting or len(sched.running) >= cfg.max_num_seqs))
 
 
 def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full: bool, step_seconds, tokens,
@@ -298,7 +303,7 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
     finish = np.where(finished_at < RUN_STEPS, FINISH_REASONS.index("length"), 0).astype(np.int32)
     done = sched.apply_decode_steps(plan, sampled[:ran, :b], state, finish, None if stop else taken)
     live = np.arange(ran)[:, None] < taken[None, :]  # [step, row]
-    record.computed(rows, plan.seq_lens - 1, plan.seq_lens + taken - 1)
+    record.computed(rows, plan.seq_lens - plan.num_scheduled, plan.seq_lens + taken - 1)
     record.sampled(np.broadcast_to(rows, live.shape)[live],
                    np.broadcast_to(np.asarray(ends[:ran])[:, None], live.shape)[live])
     # The requests that arrive during a full run join the queue at the next step's start.
@@ -307,7 +312,7 @@ def _decode_run(sched: Scheduler, plan, clock: float, pending: np.ndarray, full:
     for j in range(ran):
         live, last = taken > j, j == ran - 1
         ids = plan.req_ids if live.all() else tuple(itertools.compress(plan.req_ids, live.tolist()))
-        steps.append(SimStep(start, ends[j], ids, (1,) * len(ids),
+        steps.append(SimStep(start, ends[j], ids, tuple(plan.num_scheduled.tolist()) if j == 0 else (1,) * len(ids),
                              (), len(sched.running) if last else int((finished_at > j).sum()), int(queued[j]),
                              sched.num_free_blocks() if last else int(free_after[j]), features(j, live)))
         start = ends[j]

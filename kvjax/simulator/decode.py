@@ -1,7 +1,8 @@
 """Decode steps without a model: the pool's side of many engine steps in one device call.
 
 Between two events the simulator cares about (an arrival, and with requests waiting a finish),
-the engine's host loop would only run decode steps of the same requests: `schedule()` gives each
+the engine's host loop would only run decode steps of the same requests after a step in which
+they all sample (decoding, or finishing their prompts; kvjax.simulator.clock._runs_on): `schedule()` gives each
 one token's slot, `update()` appends the sampled tokens through the decode transition and frees
 the requests that finished. `decode_run` does exactly those pool operations, in that order, for
 up to `max_steps` steps inside one `lax.while_loop`, with the tokens given:
@@ -68,8 +69,9 @@ def _free_finished(state: manager.KVCacheManager, slots, done):
 @functools.partial(jax.jit, static_argnames="num_steps", donate_argnums=0)
 def decode_run(state: manager.KVCacheManager, rows: DecodeRows, tokens, max_steps, stop_at_finish, *,
                num_steps: int):
-    """Up to max_steps (<= num_steps) decode steps of rows (plan order, B = max_num_seqs rows, slots
-    -1 = none). The pool already holds the first step's allocation (the host's `schedule()`).
+    """Up to max_steps (<= num_steps) steps of rows (plan order, B = max_num_seqs rows, slots -1 =
+    none), every row sampling. The pool already holds the first step's allocation (the host's
+    `schedule()`; it may finish prompts), the others decode.
     tokens: i32[num_steps, B] the token each row samples at each step. → (state, steps run,
     free blocks after each step i32[num_steps], the step each row finished in i32[B] (num_steps:
     it did not), refused bool[])."""

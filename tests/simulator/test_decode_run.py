@@ -74,3 +74,19 @@ def test_a_run_past_a_finish_cannot_feed_a_host_tier():
     plan = sched.schedule()
     with pytest.raises(SchedulerError, match="host tier"):
         sched.apply_decode_steps(plan, np.array([[5]]), sched.state, np.array([0]), taken=np.array([1]))
+
+
+def test_runs_start_from_steps_that_finish_prompts(monkeypatch):
+    """A step in which every request samples, some finishing their prompts, starts a run as a decode
+    step does (kvjax.simulator.clock._runs_on) once every row is taken: the case above with full rows
+    takes such runs (and gives the host loop's steps)."""
+    from kvjax.simulator import clock
+    starts, run = [], clock._decode_run
+
+    def counted(sched, plan, *args):
+        starts.append(plan.is_decode)
+        return run(sched, plan, *args)
+
+    monkeypatch.setattr(clock, "_decode_run", counted)
+    test_device_runs_take_the_host_loops_steps("all at once, rows full")
+    assert starts.count(False) > len(starts) // 2

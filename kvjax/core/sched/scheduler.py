@@ -425,9 +425,9 @@ class Scheduler:
                            taken=None) -> list[str]:
         """Adopt n decode steps that a device loop ran itself (kvjax.engine.core, --steps-per-call).
 
-        `plan` is a decode plan (one token per request, every request samples: `decode_steps`
-        checks it) that `schedule()` returned; the device loop ran it, then n - 1 more steps of
-        the same requests, doing what `update` + `schedule` would have done between them, with
+        `plan`, from `schedule()`, has every request sample (one token each: `decode_steps` checks it;
+        or prompts finishing, in the simulator's model-free loop); the device loop ran it, then n - 1
+        more decode steps of the same requests, doing what `update` + `schedule` would have done, with
         the same decode transition (kvjax.core.sched.transition) after each step. It stopped
         after the first step in which a request finished (length or stop token), before an
         allocation that did not fit (the host then preempts as usual), or after its step limit.
