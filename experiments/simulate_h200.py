@@ -8,15 +8,16 @@ a real step, which also spends kernel inefficiency and launch gaps. The requests
 dataset with Poisson arrivals at a sweep of rates; per rate: p90 TTFT and TPOT, preemptions.
 The SLO (p90 TTFT <= 2 s, p90 TPOT <= 100 ms) gives each deployment's max sustainable rate.
 
-    Llama-3-70B, TP 8, fp8 weights: bf16 vs fp8 KV, 8K and 32K contexts; at 32K also a host tier
-        (256 GiB over the 8 ranks, vLLM's --kv-offloading-size), where the pool fills and preempts
+    Llama-3-70B, TP 8, fp8 weights: bf16 vs fp8 KV, 8K and 32K contexts; at 32K also host tiers
+        (256 GiB and 1 TiB over the 8 ranks, vLLM's --kv-offloading-size), where the pool fills and preempts
     DeepSeek-V3 (MLA, its latent replicated on every rank), TP 8, fp8 weights: bf16 vs fp8 KV, 8K
     Gemma-3-27B (bf16 weights) and gpt-oss-120b (4-bit weights: MXFP4's 4.25 bits per parameter
         taken as 4) on ONE H200, with vLLM's hybrid KV cache groups (sliding-window layers in their
         own groups, reading only their window): bf16 vs fp8 KV at 8K, bf16 KV at 32K
 
 Per point also: preemptions, the recompute tax (prefilled tokens beyond the prompts, over the
-prompts) and the host tier's loaded tokens.
+prompts; below 0 where prefix hits saved more prompt tokens than preemption recomputed) and the
+host tier's loaded tokens.
 
 Writes simulate_h200.{json,md,png} to --out (default $OUT, else experiments/results).
 
@@ -87,11 +88,14 @@ DEPLOYMENTS = (
                weight_dtype="int4", rates=(1, 4), requests=48),
     Deployment("gpt-oss-120b, 1 H200, 32K, bf16 KV", "gpt-oss-120b", "bf16", 32768, 16384, 1024, tp=1,
                weight_dtype="int4", rates=(0.25, 1), requests=24),
-    # The host tier where the pool fills (no tier: preemption from 4 req/s): 256 GiB of host memory over the 8
-    # ranks (32 GiB each, 52,428 slots; an 8×H200 node has 2 TiB). Its index work per offered block makes these
-    # the slowest points to simulate (a 1 TiB tier ran past 10 minutes a point), so only the rates that preempt.
+    # The host tier where the pool fills (no tier: preemption from 4 req/s): 256 GiB and 1 TiB of host memory over
+    # the 8 ranks (32 GiB each, 52,428 slots; 128 GiB, 209,715; an 8×H200 node has 2 TiB). Its index work per
+    # offered block makes these the slowest points to simulate (1 TiB: about 5 minutes a point on one core), so
+    # only the rates that preempt.
     Deployment("Llama-3-70B, 32K, bf16 KV, 256 GiB host tier", "llama-3-70b", "bf16", 32768, 16384, 1024,
                rates=(4, 8), requests=200, host_gib=256),
+    Deployment("Llama-3-70B, 32K, bf16 KV, 1 TiB host tier", "llama-3-70b", "bf16", 32768, 16384, 1024,
+               rates=(4, 8), requests=200, host_gib=1024),
 )
 
 
@@ -174,6 +178,9 @@ def _tier_buys(d: dict, deployments: list) -> list[str]:
                          f"loaded from host instead), p90 TTFT {q['p90_ttft_ms']:,.0f} → {p['p90_ttft_ms']:,.0f} ms, "
                          f"mean E2EL {q['mean_e2el_ms']:,.0f} → {p['mean_e2el_ms']:,.0f} ms, output "
                          f"{q['output_throughput']:,.0f} → {p['output_throughput']:,.0f} tok/s")
+    if any(p["recompute_tax"] < 0 for p in d["points"]):
+        lines += ["", "(A recompute tax below 0: prefix hits, on the device and in the host tier, saved more prompt "
+                      "tokens than preemption made the engine compute again.)"]
     return lines + [""] if len(lines) > 2 else []
 
 

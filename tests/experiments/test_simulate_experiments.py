@@ -67,3 +67,19 @@ def test_simulate_h200_merges_parts_in_its_own_order(tmp_path):
     stray.write_text(json.dumps(_part(["a deployment renamed since"], "python experiments/simulate_h200.py", 1.0)))
     with pytest.raises(SystemExit, match="a deployment renamed since"):
         simulate_h200.main(["--merge", str(first), str(stray), "--out", str(tmp_path / "out2")])
+
+
+def test_simulate_h200_compares_a_host_tier_with_the_same_deployment_without(tmp_path):
+    from kvjax.experiments import simulate_h200
+
+    tier = next(d for d in simulate_h200.DEPLOYMENTS if d.host_gib)
+    base = tier.label.rsplit(", ", 1)[0]
+    part = _part([base, tier.label], "python experiments/simulate_h200.py", 1.0)
+    part["deployments"][1]["deployment"]["host_gib"] = tier.host_gib
+    part["deployments"][1]["points"] = [dict(part["deployments"][0]["points"][0], preemptions=1, recompute_tax=-0.004,
+                                             host_loaded_tokens=640)]
+    (tmp_path / "a.json").write_text(json.dumps(part))
+    simulate_h200.main(["--merge", str(tmp_path / "a.json"), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "simulate_h200.md").read_text()
+    assert "4 req/s: preemptions 2 → 1, recompute tax 2.0% → -0.4% (640 tokens loaded from host instead)" in md
+    assert "A recompute tax below 0" in md
