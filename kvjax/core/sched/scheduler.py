@@ -262,7 +262,7 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             batch = self.running[i:]
             b = len(batch)
-            slots, num_tokens = np.array([(r.slot, len(r.prompt) + len(r.output)) for r in batch], np.int32).T
+            slots, num_tokens = np.array([(r.slot, r.num_tokens) for r in batch], np.int32).T
             starts = computed[slots]  # allocated once per step: `computed` stays valid
             want = num_tokens - starts
             nums = np.clip(step.budget - (np.cumsum(want) - want), 0, want)  # in order, while the budget lasts
