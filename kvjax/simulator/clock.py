@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import math
 from typing import Callable, Sequence
@@ -130,7 +129,6 @@ class _Tokens:
         return np.split(at[order], np.searchsorted(rows[order], np.arange(1, n))) if n else []
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _id_base(req_id: str) -> int:
     return sum(map(ord, req_id)) * 7919
 
