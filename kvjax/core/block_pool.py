@@ -311,8 +311,8 @@ def touch(pool: BlockPool, blocks, mask):
     ref = pool.ref_cnt.at[at].add(1, mode="drop")
     # A block left ref_cnt 0 if its new count is the number of times it was touched. (Reading the
     # old count instead, before or after the add, makes XLA copy ref_cnt twice: a P-sized array.)
-    ordered = jnp.sort(at)
-    times = jnp.searchsorted(ordered, at, side="right") - jnp.searchsorted(ordered, at, side="left")
+    by_block = jnp.sort(at)
+    times = jnp.searchsorted(by_block, at, side="right") - jnp.searchsorted(by_block, at, side="left")
     left = mask & (ref.at[at].get(mode="fill", fill_value=0) == times)
     taken = jnp.zeros(p, bool).at[jnp.where(left, at, p)].set(True, mode="drop")
     pool = pool.replace(ref_cnt=ref, num_free=pool.num_free - taken.sum(dtype=jnp.int32))
