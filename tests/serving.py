@@ -81,6 +81,11 @@ def wait_idle(engine, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def metric(engine, name: str) -> float:
+    """An unlabelled metric's value (readable from any thread while the engine steps in its own)."""
+    return next(m.value for m in engine.get_metrics() if m.name == name)
+
+
 def finished_count(engine, reason: str) -> int:
     """How many sequences the engine has finished for this reason (vllm:request_success{finished_reason})."""
     return sum(m.value for m in engine.get_metrics()

@@ -17,7 +17,7 @@ import jinja2
 import openai
 import pytest
 
-from serving import finished_count, http, post_raw, read_events, wait_idle
+from serving import finished_count, http, metric, post_raw, read_events, wait_idle
 
 from kvjax import SamplingParams
 from kvjax.engine.outputs import Logprob
@@ -274,11 +274,12 @@ def test_eight_streams_half_of_them_leaving(server, client, greedy):
                                         ("/v1/chat/completions", dict(messages=MESSAGES))])
 def test_a_client_that_leaves_before_the_reply_aborts_it(server, path, body):
     engine, base = server
-    aborted = finished_count(engine, "abort")
+    aborted, made = finished_count(engine, "abort"), metric(engine, "vllm:generation_tokens")
     sock = post_raw(base, path, dict(model=M, max_tokens=900, temperature=0, ignore_eos=True, **body))
-    wait_for = engine.llm_engine.engine
-    for _ in range(500):  # until the engine has the request (a block taken)
-        if wait_for.scheduler.num_free_blocks() < wait_for.usable_blocks:
+    for _ in range(500):  # until the engine runs the request (it has made a token)
+        # The metrics are the engine's state readable from any thread; its scheduler's device arrays
+        # are not (a step donates them while this thread would read them).
+        if metric(engine, "vllm:generation_tokens") > made:
             break
         threading.Event().wait(0.01)
     sock.close()
