@@ -28,8 +28,8 @@ host loop at batch 8 on a small model.
 `--sweep-kv` instead runs the engine (steps_per_call 8) on a random-weight Llama-3-8B-shaped model in bf16
 (`kvjax.config.presets.preset("llama-3-8b")`, --layers of its 32) for bf16 vs fp8 KV × reference vs
 pallas attention: decode tokens/s and step latency per variant, results rewritten after each
-variant so that a time limit leaves what was done. That is the GPU check's decode step
-(experiments/gpu_check.sh); `--tiny` runs it on the tiny preset so it can't rot on CPU.
+variant so that a time limit leaves what was done (the first GPU check's decode step; the whole
+32-layer model is now experiments/gpu_model_bench.py's); `--tiny` runs it on the tiny preset so it can't rot on CPU.
 
 Writes decode_bench.json and .md (or decode_sweep.*) to --out (default $OUT, else
 experiments/results). Run: python -m kvjax.experiments.decode_bench [--model small-gqa] [--tiny]

@@ -21,7 +21,8 @@ Llama-3-70B for its per-layer numbers; MoE presets for a few layers), made by
   the prefill forward (TTFT) and `generate` of `new_tokens` greedy tokens (TPOT = the time after
   the prefill over the tokens).
 
-`--profile DIR` wraps a few decode calls of the first decode case in `jax.profiler.trace` and
+`--profile [CASE]` wraps the timed decode calls of one decode case (the first, or the first whose label
+starts with CASE) in `jax.profiler.trace` and
 summarises the trace (experiments/step_profile.py) into step_profile.json / .md.
 
     python -m kvjax.experiments.gpu_model_bench --cases "decode:32:512:bf16 prefill:32:512" [--out DIR]
@@ -155,7 +156,7 @@ def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | N
     decode calls of the engine after one that compiles."""
     from kvjax import SamplingParams
 
-    gen = case.k * (calls + 2) + 1
+    gen = case.k * (calls + 4) + 1
     max_len = case.context + gen
     llm = _llm(model, case, max_len, budget=8192)
     eng = llm.engine
@@ -170,10 +171,15 @@ def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | N
         sched.update(plan, np.zeros(plan.num_requests, np.int32))
     eng.cache = fill_pages(eng.cache)
     jax.block_until_ready(eng.cache)
-    t0 = time.perf_counter()
-    eng.step()  # compiles the decode loop
+    t0, warm = time.perf_counter(), 0
+    while True:  # warm up until a call compiles nothing (a row crossing a table-width bucket compiles anew)
+        mark = len(COMPILED)
+        eng.step()
+        warm += 1
+        if len(COMPILED) == mark or warm == 3:
+            break
     compile_s = time.perf_counter() - t0
-    per_step, trace = [], None
+    per_step, trace, mark = [], None, len(COMPILED)
     if profile_dir:
         jax.profiler.start_trace(profile_dir)
     for _ in range(calls):
@@ -185,7 +191,7 @@ def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | N
         trace = profile_dir
     total, read = weight_bytes(model)
     kv_token = llm.kv_spec.bytes_per_token
-    ctx = case.context + case.k * (calls + 1)  # mid-run context per request
+    ctx = case.context + case.k * (warm + calls // 2)  # mid-run context per request
     kv_read = case.batch * ctx * kv_token
     step = statistics.median(per_step)
     roof = (read + kv_read) / (peaks["read_gb_s"] * 1e9) if peaks else float("nan")
@@ -194,7 +200,8 @@ def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | N
     return {"case": case.label, "kind": "decode", "batch": case.batch, "context": case.context, "kv": case.kv,
             "impl": case.impl, "k": case.k, "step_ms": step * 1e3, "step_samples_ms": [s * 1e3 for s in per_step],
             "decode_tok_s": case.batch / step, "weights_read_bytes": read, "kv_read_bytes": kv_read,
-            "roofline_ms": roof * 1e3, "vs_roofline": step / roof, "compile_s": compile_s, "trace": trace, **mem}
+            "roofline_ms": roof * 1e3, "vs_roofline": step / roof, "compile_s": compile_s, "warm_calls": warm,
+            "compiled_in_timed_calls": COMPILED[mark:][:20], "trace": trace, **mem}
 
 
 def prefill_case(model, case: Case, peaks: dict) -> dict:
@@ -236,12 +243,16 @@ def transformers_cases(preset_name: str, layers: int | None, cases: list[Case], 
     import torch
     import transformers
 
+    from kvjax.config.model import RopeConfig
     from kvjax.config.presets import preset
     from kvjax.experiments.vs_transformers import hf_llama_config
 
     config = preset(preset_name)
     if layers:
         config = config.replace(num_layers=layers)
+    # A speed baseline: Llama-3's rope scaling changes the rotary table, not the work, so both sides
+    # are timed with default RoPE (hf_llama_config builds only that).
+    config = config.replace(rope=RopeConfig(theta=config.rope.theta))
     hf_config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(config).items()
                                              if k not in ("architectures", "model_type", "dtype")})
     hf_config._attn_implementation = "sdpa"
@@ -324,11 +335,13 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help="a kvjax preset (random weights in its shapes)")
     p.add_argument("--layers", type=int, default=None, help="keep this many of its layers")
-    p.add_argument("--cases", default="decode:32:512 prefill:32:512", help="space-separated KIND:B:CTX[:KV[:IMPL[:K]]]")
+    p.add_argument("--cases", default=None, help="space-separated KIND:B:CTX[:KV[:IMPL[:K]]] "
+                   "(default: decode:32:512 prefill:32:512; with --tiny, three tiny cases)")
     p.add_argument("--calls", type=int, default=6, help="timed decode calls per case")
     p.add_argument("--new-tokens", type=int, default=32, help="transformers: tokens generated per decode case")
     p.add_argument("--peaks", default=None, help="device_peaks.json (default: --out's)")
-    p.add_argument("--profile", action="store_true", help="trace the first decode case's timed calls")
+    p.add_argument("--profile", nargs="?", const="first", default=None, metavar="CASE",
+                   help="trace the timed calls of one decode case (its label prefix, e.g. decode:128; default the first)")
     p.add_argument("--transformers", action="store_true", help="run the transformers baseline instead (torch, GPU)")
     p.add_argument("--time-budget", type=float, default=1e9, help="skip cases once this many seconds have passed")
     p.add_argument("--tiny", action="store_true", help="the tiny preset, tiny cases: the code paths on a CPU")
@@ -339,9 +352,11 @@ def main(argv=None) -> dict:
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        args.model, args.layers = "tiny", None
-        args.cases = "decode:4:48 decode:4:48:fp8_e4m3:reference:4 decode:2:48:bf16:no-attention:4 prefill:2:32"
-        args.calls = 2
+        args.model = args.model if args.model.startswith("tiny") else "tiny"
+        args.layers, args.calls = None, 1
+        args.cases = args.cases or ("decode:2:24:bf16:reference:2 decode:2:24:fp8_e4m3:no-attention:2 "
+                                    "prefill:2:16:bf16:reference")
+    args.cases = args.cases or "decode:32:512 prefill:32:512"
     cases = [Case.parse(c) for c in args.cases.split()]
     stem = f"gpu_model_bench{args.tag}"
     if args.transformers:
@@ -365,7 +380,7 @@ def main(argv=None) -> dict:
         try:
             if case.kind == "decode":
                 trace = None
-                if args.profile and not profiled:
+                if args.profile and not profiled and (args.profile == "first" or case.label.startswith(args.profile)):
                     trace, profiled = str(out / "trace"), True
                 row = decode_case(model, case, args.calls, peaks, trace)
                 if trace:

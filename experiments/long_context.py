@@ -26,7 +26,7 @@
     with the ragged dispatch as shipped (tiled above `tiled.REFERENCE_SCORES_BYTES`) against the old
     reference on every ragged step (the bound raised past any step), side by side in one process,
     alternating, the best of the rounds: the issue's "not slower than today".
-(d) GPU only (`--gpu`, run by experiments/gpu_check.sh): the kernel, the tiled form and the old
+(d) GPU only (`--gpu`, a run of its own on a lent GPU, about a minute): the kernel, the tiled form and the old
     reference (where its scores fit) timed on Llama-3-8B's shape, bf16 and fp8 pages, a 2,048-token
     chunk at the end of 8K, 32K and 128K contexts: milliseconds, achieved TFLOP/s (4·C·N·H
     multiply-adds per visible position) and GB/s of K/V pages read, with a time budget.
@@ -440,6 +440,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="(e): alternating rounds (default 3)")
     parser.add_argument("--time-budget", type=float, default=60.0, help="seconds for (d) (default 60)")
     args = parser.parse_args(argv)
+    if args.gpu and "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+        # XLA's GEMM autotuner allocates scratch for the program it compiles: for the old reference at
+        # 128K it asked for 128 GiB and failed (RESOURCE_EXHAUSTED in redzone_allocator on an H200).
+        # Read when the GPU backend starts, which no device call has done yet.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     repeats = args.repeats or (1 if args.quick else 5)
     t0 = time.perf_counter()
 

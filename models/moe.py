@@ -149,10 +149,14 @@ def experts_ragged(x: jax.Array, ids: jax.Array, w: dict, moe: MoEConfig) -> jax
     expert = flat[order]  # i32[A], non-decreasing
     sizes = jnp.bincount(flat, length=moe.num_experts).astype(jnp.int32)  # i32[E], sums to A
     rows = x[order // k]  # [A, D]: each sorted assignment's token
-    h = jax.lax.ragged_dot(rows, w["gate_up_proj"], sizes, preferred_element_type=jnp.float32).astype(dtype)
+    # f32 weights: full f32 products. XLA's GPU grouped matmul otherwise rounds f32 operands as
+    # TF32 does (1.5e-3 from transformers on an H200, where the dense path's dots match to 1e-5).
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    h = jax.lax.ragged_dot(rows, w["gate_up_proj"], sizes, precision=precision,
+                           preferred_element_type=jnp.float32).astype(dtype)
     if moe.expert_bias:
         h = h + w["gate_up_proj_bias"][expert]  # [A, 2I]
-    out = jax.lax.ragged_dot(activate(h, moe), w["down_proj"], sizes,
+    out = jax.lax.ragged_dot(activate(h, moe), w["down_proj"], sizes, precision=precision,
                              preferred_element_type=jnp.float32).astype(dtype)  # [A, D]
     if moe.expert_bias:
         out = out + w["down_proj_bias"][expert]
