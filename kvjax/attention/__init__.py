@@ -10,7 +10,10 @@ flash-attention form (kvjax.attention.tiled, bounded memory) above, with a lower
 where it is also the faster; its module docstring says why. "pallas" runs decode steps in the
 Pallas decode kernels (kvjax.attention.pallas_decode / pallas_mla) and ragged steps in the
 ragged paged-attention kernel (kvjax.attention.pallas_ragged), all of them read from the pages
-in tiles. The Pallas modules import lazily, on first use. A model built without naming one
+in tiles. On a Hopper GPU a step may run the Mosaic GPU twin of its kernel instead
+(kvjax.attention.mgpu_decode / mgpu_mla / mgpu_ragged: same arguments, same results), where
+kvjax.attention.mgpu_dispatch's measured table says it is the faster; Triton elsewhere. The
+Pallas modules import lazily, on first use. A model built without naming one
 gets `default_impl()`: "pallas" on GPU, "reference" on CPU (where Pallas runs interpreted).
 
 The dispatchers take a layer's whole cache pytree (`KVPages` / `LatentPages`), not bare
@@ -53,19 +56,33 @@ class AttentionImpl:
     #                        kv_dtype)
 
 
+def _family(kind: str, q, pages, block_tables, *, group: int, kv_dtype=None, batch: int | None = None) -> str:
+    """"mosaic" or "triton" for this step's kernel (kvjax.attention.mgpu_dispatch: Hopper only, measured)."""
+    from kvjax.attention.mgpu_dispatch import choose
+
+    return choose(kind, q.dtype, pages.dtype, head_dim=q.shape[-1], block_size=pages.shape[1], group=group,
+                  batch=q.shape[0] if batch is None else batch, context=block_tables.shape[1] * pages.shape[1],
+                  kv_dtype=kv_dtype)
+
+
 def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None,
                    window=None, sinks=None, softcap=None, kv_dtype=None):
-    from kvjax.attention.pallas_decode import paged_decode
-
     _static_scale_only(kv_dtype)
+    if _family("gqa", q, k_pages, block_tables, group=q.shape[1] // k_pages.shape[2], kv_dtype=kv_dtype) == "mosaic":
+        from kvjax.attention.mgpu_decode import paged_decode
+    else:
+        from kvjax.attention.pallas_decode import paged_decode
     return paged_decode(q, k_pages, v_pages, block_tables, context_lens, scale=scale, k_scale=k_scale,
                         v_scale=v_scale, window=window, sinks=sinks, softcap=softcap, kv_dtype=kv_dtype)
 
 
 def _pallas_ragged(q, k_pages, v_pages, md, *, scale, k_scale=None, v_scale=None, window=None, sinks=None,
                    softcap=None, kv_dtype=None):
-    from kvjax.attention.pallas_ragged import ragged_paged_attention
-
+    if _family("ragged", q, k_pages, md.block_tables, group=q.shape[1] // k_pages.shape[2], kv_dtype=kv_dtype,
+               batch=md.num_seqs) == "mosaic":
+        from kvjax.attention.mgpu_ragged import ragged_paged_attention
+    else:
+        from kvjax.attention.pallas_ragged import ragged_paged_attention
     return ragged_paged_attention(q, k_pages, v_pages, md, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                   window=window, sinks=sinks, softcap=softcap, kv_dtype=kv_dtype)
 
@@ -79,9 +96,11 @@ def _pallas_mla_ragged(q_latent, q_rope, latent_pages, md, *, scale, latent_scal
 
 def _pallas_mla_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, *, scale, latent_scale=None,
                        kv_dtype=None):
-    from kvjax.attention.pallas_mla import mla_paged_decode
-
     _static_scale_only(kv_dtype)
+    if _family("mla", q_latent, latent_pages, block_tables, group=q_latent.shape[1], kv_dtype=kv_dtype) == "mosaic":
+        from kvjax.attention.mgpu_mla import mla_paged_decode
+    else:
+        from kvjax.attention.pallas_mla import mla_paged_decode
     return mla_paged_decode(q_latent, q_rope, latent_pages, block_tables, context_lens, scale=scale,
                             latent_scale=latent_scale)
 

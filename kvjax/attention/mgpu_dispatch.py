@@ -1,0 +1,129 @@
+"""Which Pallas kernel family runs a step under attention_backend="pallas": Mosaic GPU or Triton, by measurement.
+
+kvjax has each Pallas kernel twice: on Pallas's Triton backend (kvjax.attention.pallas_decode,
+pallas_mla, pallas_ragged), which runs on any CUDA GPU, and on Mosaic GPU (mgpu_decode, mgpu_mla,
+mgpu_ragged's GQA form), which runs on Hopper only (TMA, wgmma). They take the same arguments and
+give the same results within the same tolerances, so the choice is speed alone, and speed is measured, not assumed:
+experiments/kernel_bench.py times both on the GPU's shapes and writes `mgpu_table.py` (a dict of
+measured shapes → winner) for the lead to commit beside this module. `choose` reads it:
+
+1. Mosaic GPU only where it can run: a CUDA device of compute capability 9.x, and a shape and
+   format its kernels take (`eligible`: bf16 / f16 queries, pages of q's dtype or static-scale
+   fp8, pages of a multiple of 8 tokens, ...). Everything else is Triton, as before.
+2. Among the measured shapes of the same kind, dtypes and head layout on this device kind, the
+   nearest in (log batch, log context) decides; a shape with no measured neighbour gets Triton
+   (the default until a GPU run has measured it).
+3. `KVJAX_PALLAS_KERNELS=mosaic|triton` forces one family where it can run (tests, benchmarks);
+   unset or "table": the table decides.
+
+The choice is made at trace time from static shapes (context: the block table's width × Z), so a
+jitted step compiles one kernel.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+FAMILIES = ("mosaic", "triton")
+_ENV = "KVJAX_PALLAS_KERNELS"
+
+
+def device_kind() -> str | None:
+    """The first device's kind ("NVIDIA H200") when it is a Hopper GPU (compute capability 9.x), else None."""
+    if jax.default_backend() != "gpu":
+        return None
+    dev = jax.devices()[0]
+    cc = str(getattr(dev, "compute_capability", ""))
+    return dev.device_kind if cc.startswith("9") else None
+
+
+def eligible(kind: str, q_dtype, page_dtype, *, head_dim: int, block_size: int, group: int = 1,
+             kv_dtype: str | None = None) -> bool:
+    """Whether the Mosaic GPU kernel of `kind` ("gqa", "mla" decode; "ragged") takes this shape (their
+    ValueError rules). MLA's ragged steps have no Mosaic GPU kernel: they are not a kind here."""
+    from kvjax.attention.mgpu_decode import FP8_DTYPES, Q_DTYPES
+    from kvjax.quant.kv_formats import kv_format
+
+    if kv_dtype is not None and kv_format(kv_dtype).scale not in ("none", "static"):
+        return False
+    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if q_dtype not in Q_DTYPES or page_dtype not in (q_dtype, *FP8_DTYPES) or block_size % 8:
+        return False
+    if kind in ("gqa", "ragged"):  # decode and ragged (prefill / mixed) steps of MHA/GQA/MQA layers
+        return head_dim % 16 == 0 and group <= 64
+    return kind == "mla" and head_dim % 128 == 0  # head_dim: kv_lora_rank
+
+
+def shape_key(kind: str, q_dtype, page_dtype, head_dim: int, group: int) -> tuple:
+    """The part of a measured shape that must match exactly: kind, dtypes, head layout (GQA: the
+    group; MLA: the number of heads)."""
+    return kind, jnp.dtype(q_dtype).name, jnp.dtype(page_dtype).name, int(head_dim), int(group)
+
+
+def nearest(table: dict, device: str, key: tuple, batch: int, context: int) -> str | None:
+    """The winner of the measured shape nearest (log2 batch, log2 context) with this device and key."""
+    best, best_d = None, math.inf
+    for (dev, *k, b, ctx), winner in table.items():
+        if dev != device or tuple(k) != key:
+            continue
+        d = abs(math.log2(max(b, 1) / max(batch, 1))) + abs(math.log2(max(ctx, 1) / max(context, 1)))
+        if d < best_d:
+            best, best_d = winner, d
+    return best
+
+
+def measured_table() -> dict:
+    """The committed table (kvjax.attention.mgpu_table.MEASURED), or {} before a GPU run wrote one."""
+    try:
+        from kvjax.attention.mgpu_table import MEASURED
+    except ImportError:
+        return {}
+    return MEASURED
+
+
+def choose(kind: str, q_dtype, page_dtype, *, head_dim: int, block_size: int, group: int, batch: int,
+           context: int, kv_dtype: str | None = None, table: dict | None = None, device: str | None = None) -> str:
+    """"mosaic" or "triton" for one step's kernel (module docstring). device: the device kind
+    (None: this process's, when it is a Hopper GPU); table: None → `measured_table()`."""
+    device = device_kind() if device is None else device
+    if device is None or not eligible(kind, q_dtype, page_dtype, head_dim=head_dim, block_size=block_size,
+                                      group=group, kv_dtype=kv_dtype):
+        return "triton"
+    forced = os.environ.get(_ENV, "table").strip().lower()
+    if forced in FAMILIES:
+        return forced
+    if forced not in ("", "table"):
+        raise ValueError(f"{_ENV}={forced!r}: use mosaic, triton or table")
+    winner = nearest(measured_table() if table is None else table, device,
+                     shape_key(kind, q_dtype, page_dtype, head_dim, group), batch, context)
+    return winner if winner in FAMILIES else "triton"
+
+
+def table_from_rows(rows: list[dict], device: str) -> dict:
+    """{(device, kind, q dtype, page dtype, head dim, group, batch, context): winner} from
+    kernel_bench rows (impl "triton" or "mosaic"; each row has kind, q_dtype, dtype, head_dim, group,
+    batch, context and seconds when it ran): the faster where both ran; Mosaic where only it ran
+    would be a guess, so such shapes are left out."""
+    timed: dict = {}
+    for r in rows:
+        if r.get("impl") in FAMILIES and r.get("seconds"):
+            key = (device, *shape_key(r["kind"], r["q_dtype"], r["dtype"], r["head_dim"], r["group"]), r["batch"],
+                   r["context"])
+            timed.setdefault(key, {})[r["impl"]] = r["seconds"]
+    return {key: ("mosaic" if t["mosaic"] < t["triton"] else "triton")
+            for key, t in sorted(timed.items()) if len(t) == 2}
+
+
+def render_table_module(table: dict, *, source: str) -> str:
+    """The text of kvjax/attention/mgpu_table.py holding `table` (source: where it was measured)."""
+    import textwrap
+
+    lines = ['"""Pallas kernel family per measured shape, read by kvjax.attention.mgpu_dispatch.', "",
+             *textwrap.wrap(f"Written by {source}; regenerate it there rather than editing it.", 100), '"""', "",
+             "# (device kind, kind, q dtype, page dtype, head dim, group (MLA: heads), batch, context) -> winner",
+             "MEASURED = {"]
+    lines += [f"    {key!r}: {winner!r}," for key, winner in table.items()]
+    return "\n".join(lines + ["}", ""])
