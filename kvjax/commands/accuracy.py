@@ -136,11 +136,14 @@ def markdown(res: dict) -> str:
     head = (f"**{res['model']}**{' with inflated K channels ×' + str(res['outlier_factor']) if res['outlier_channels'] else ''}: "
             f"{res['scored_tokens']:,} held-out tokens ({res['windows']} windows of {res['seq_len']}), "
             f"{res['prompts']} greedy prompts × {res['decode_tokens']} tokens; {res['machine']}.\n\n")
+    replayed = all("replay_nll" in r for r in res["results"])  # results written before trace replay lack it
     rows = markdown_table(
-        ["KV variant", "bytes/token", "perplexity", "KL(bf16‖variant)", "top-1 agree", "greedy tokens to divergence"],
+        ["KV variant", "bytes/token", "perplexity", "KL(bf16‖variant)", "top-1 agree", "greedy tokens to divergence"]
+        + (["bf16's greedy replayed: NLL, top-1"] if replayed else []),
         [[r["variant"], f"{r['bytes_per_token']:,}", f"{r['perplexity']:.4f}", f"{r['kl_vs_bf16']:.2e}",
           f"{100 * r['top1_agreement']:.2f}%", f"{r['greedy_tokens_until_divergence']:.1f} / {res['decode_tokens']}"]
-         for r in res["results"]], align="lrrrrr")
+         + ([f"{r['replay_nll']:.4f}, {100 * r['replay_top1']:.1f}%"] if replayed else [])
+         for r in res["results"]], align="lrrrrr" + "r" * replayed)
     out = head + "\n".join(rows) + "\n"
     if "long" in res:
         out += "\n" + _positions_markdown(res)

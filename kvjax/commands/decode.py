@@ -26,8 +26,11 @@ Pool size: `--num-gpu-blocks-override K`; or `--kv-cache-memory-bytes B` (blocks
 per block, + the null block); or `--gpu-memory-utilization U`, which sizes it the way vLLM does
 (kvjax.accounting.sizing.profile_and_size: profile one prefill, then blocks = (ceil(total × U) − weights −
 activations) // bytes per block, total = the device's memory, a CPU's memory node's as vLLM's CPU
-platform takes it, or --device-memory-gib); with none of them, enough blocks for --max-num-seqs
-requests of the longest prompt + --max-tokens in every KV cache group, so nothing is preempted.
+platform takes it, or --device-memory-gib); with none of them, enough blocks for the requests (each
+sample's prompt + --max-tokens), at most --max-num-seqs of them at once, in every KV cache group, so
+nothing is preempted (on a CPU at most a quarter of its memory node: the resolver's rule,
+kvjax.config.engine.resolve_num_blocks; KVJAX_CPU_KVCACHE_SPACE or VLLM_CPU_KVCACHE_SPACE, in GiB,
+sets the pool's bytes as vLLM's does).
 
 A request that breaks a rule (empty prompt, prompt at or over the model's max length,
 max_tokens <= 0, more blocks than the pool has) gets an error in its output and the others
@@ -124,7 +127,7 @@ def run(args) -> int:
     with Phases("decode", 2 if args.warmup else 1, show) as phases:
         phases.start("build the engine" + (" (profiling a step)" if args.gpu_memory_utilization else ""))
         try:
-            llm = _llm(engine_args, loaded, requests)
+            llm = _llm(engine_args, loaded, requests, base.n)
         except KvjaxError as e:
             raise UsageError(as_flags(str(e))) from None
         runnable, refused = _check_requests(llm, *sampling_params(requests, base))
@@ -145,20 +148,15 @@ def run(args) -> int:
     return 0
 
 
-def _llm(engine_args: EngineArgs, loaded, requests: list[dict]):
-    """The LLM the flags describe. With no pool-size flag, the pool holds --max-num-seqs requests
-    of the longest prompt + its max_tokens (capped at the max length) in every KV cache group:
-    nothing is preempted."""
+def _llm(engine_args: EngineArgs, loaded, requests: list[dict], n: int):
+    """The LLM the flags describe. With no pool-size flag, the resolver sizes the pool for the
+    requests (each of its n samples a prompt + its max_tokens, capped at the max length), at most
+    --max-num-seqs of them at once, in every KV cache group, so nothing is preempted
+    (kvjax.config.engine.resolve_num_blocks)."""
     from kvjax.engine.llm import LLM
 
-    engine_args = dataclasses.replace(engine_args, model=loaded)
-    if engine_args.num_gpu_blocks_override is None and engine_args.gpu_memory_utilization is None \
-            and engine_args.kv_cache_memory_bytes is None:
-        probe = dataclasses.replace(engine_args, num_gpu_blocks_override=2).create_engine_config()
-        longest = min(max((len(r["tokens"]) + r["max_tokens"] for r in requests), default=1), probe.max_model_len)
-        engine_args.num_gpu_blocks_override = 1 + probe.max_num_seqs * probe.request_blocks(longest)
-    fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"}
-    return LLM(loaded, **fields)
+    lens = [len(r["tokens"]) + r["max_tokens"] for r in requests for _ in range(n)]
+    return LLM.from_engine_args(dataclasses.replace(engine_args, model=loaded), request_lens=lens)
 
 
 def _check_requests(llm, runnable: list, refused: dict) -> tuple[list, dict]:

@@ -13,7 +13,8 @@ arguments is computed by exactly one function here, called once while the config
                                 group and page tensor (kvjax.accounting.hybrid's grouping)
     resolve_max_model_len       the longest request: max_model_len, at most the model's positions
     resolve_step_budget         a step's token budget (max_num_batched_tokens or vLLM's default)
-    resolve_num_blocks          the pool size when no profiling is needed (override, KV bytes, CPU default)
+    resolve_num_blocks          the pool size when no profiling is needed (override, KV bytes, CPU default:
+                                max_num_seqs whole requests within a share of the memory node)
     EngineConfig.with_num_blocks   once the pool size is known (given, or profiled by
                                 kvjax.engine.llm_engine): the pool scheduler's config
                                 (kvjax.config.scheduler.SchedulerConfig) and the longest request the
@@ -27,17 +28,22 @@ the front end's (generation defaults, chat template, profiler). No JAX at import
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from kvjax.config.scheduler import SchedulerConfig, check_host_tier, check_policy, pool_limits, request_blocks
 from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, _show, check_int, is_int
-from kvjax.math_utils import cdiv
 
 MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
 MAX_NUM_SEQS = 2**16  # rows of every step
 DEFAULT_BUDGET = 2048  # tokens per step when max_num_batched_tokens is not given (vLLM's long-time default)
 KV_LAYOUTS = ("paged", "contiguous")
 LAYER_TYPES = ("sliding_window",)  # vLLM's attention-type names kv_cache_dtype_skip_layers takes
+# A CPU engine's KV budget when nothing sizes its pool: this share of the memory node's total. vLLM's CPU
+# worker reserves gpu_memory_utilization (0.92) of the node for its whole process and gives the cache what
+# the weights leave; kvjax takes a quarter, because nothing profiles a CPU engine's other memory (weights,
+# a step's activations, XLA's compilations) before the pool is allocated at once, beside other processes.
+CPU_KV_SHARE = 0.25
 
 
 class EngineError(KvjaxError):
@@ -134,6 +140,7 @@ class EngineConfig:
     seed: int  # the random stream of requests without a seed of their own
     max_logprobs: int  # -1: no limit
     enforce_eager: bool = False
+    enable_trace_replay: bool = False  # requests may force their output (SamplingParams.trace_decode_token_ids)
     generation_config: str = "auto"  # where default SamplingParams come from ("auto", "vllm" or a folder)
     chat_template: str | None = None  # the template text given to the LLM (None: the checkpoint's)
     profiler_config: ProfilerConfig | None = None
@@ -282,35 +289,55 @@ def resolve_step_budget(max_num_batched_tokens: int | None, max_num_seqs: int, c
 
 def resolve_num_blocks(cache: CacheConfig, *, kv_cache_memory_bytes: int | None, num_gpu_blocks_override: int | None,
                        max_num_seqs: int, max_model_len: int, tensor_parallel_size: int,
-                       platform: str, max_num_batched_tokens: int) -> tuple[int | None, str]:
+                       platform: str, max_num_batched_tokens: int, cpu_kv_budget_bytes: int | None = None,
+                       request_lens=None) -> tuple[int | None, str]:
     """(P, how it was chosen when that is no budget) where no profiling is needed:
     num_gpu_blocks_override; kv_cache_memory_bytes // one rank's bytes per block (the groups'
-    with sliding windows), + the null block, as vLLM; on a CPU with no utilization given, enough
-    blocks for max_num_seqs requests of max_model_len (nothing is ever preempted), each holding a
-    block table per KV cache group (`request_blocks`: a sliding group its window's blocks). (None, "")
-    when a gpu_memory_utilization budget must be profiled (kvjax.engine.llm_engine)."""
+    with sliding windows), + the null block, as vLLM. With neither and no gpu_memory_utilization,
+    on a CPU (or wherever the caller knows the requests it will send, request_lens: their tokens,
+    prompt + output, as kvjax decode knows them), enough blocks that nothing is preempted: a block
+    table per KV cache group (`request_blocks`: a sliding group its window's blocks) for each of
+    max_num_seqs requests of max_model_len, or for the max_num_seqs longest of request_lens (each
+    at most max_model_len); but on a CPU no more than cpu_kv_budget_bytes hold (vLLM's CPU backend
+    sizes its cache from a memory budget and preempts), and never fewer than the longest request
+    needs. (None, "") when a gpu_memory_utilization budget must be profiled (kvjax.engine.llm_engine)."""
     if num_gpu_blocks_override is not None:
         return num_gpu_blocks_override, ""
-    z, spec = cache.block_size, cache.kv_spec
     if kv_cache_memory_bytes is not None:
-        per_block = spec.per_rank(tensor_parallel_size).bytes_per_block(z)
-        groups = cache.groups
-        if groups.hybrid:  # a block of each group's pages: the largest group's
-            per_block = max(sum(spec.page_bytes(layer, z) for layer, g in enumerate(groups.layer_groups) if g == group)
-                            for group in range(len(groups.windows)))
+        per_block = _bytes_per_block(cache, tensor_parallel_size)
         if kv_cache_memory_bytes // per_block < 1:
             raise EngineError(f"kv_cache_memory_bytes={kv_cache_memory_bytes:,} holds no block of {per_block:,} bytes")
         return 1 + kv_cache_memory_bytes // per_block, ""  # vLLM: the budget's blocks, the null block among them
-    if cache.gpu_memory_utilization is None and platform == "cpu":
-        if not cache.groups.hybrid:
-            return 1 + max_num_seqs * cdiv(max_model_len, z), (
-                f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × cdiv(max_model_len={max_model_len:,}, "
-                f"block_size={z}))")
-        per_request = request_blocks(cache.groups.windows, z, max_num_batched_tokens, max_model_len)
-        return 1 + max_num_seqs * per_request, (
-            f" (CPU's default: 1 + max_num_seqs={max_num_seqs:,} × {per_request:,} blocks, a max_model_len="
-            f"{max_model_len:,} request's over its {len(cache.groups.windows)} KV cache groups)")
-    return None, ""
+    if cache.gpu_memory_utilization is not None or (platform != "cpu" and request_lens is None):
+        return None, ""
+    groups = cache.groups
+    blocks_for = functools.partial(request_blocks, groups.windows, cache.block_size, max_num_batched_tokens)
+    over = "" if not groups.hybrid else f" over {len(groups.windows)} KV cache groups"
+    if request_lens is None:
+        longest = blocks_for(max_model_len)
+        need = max_num_seqs * longest
+        what = f"max_num_seqs={max_num_seqs:,} requests of {max_model_len:,} tokens, {longest:,} blocks each{over}"
+    else:
+        running = sorted((blocks_for(max(1, min(int(n), max_model_len))) for n in request_lens), reverse=True)
+        running = running[:max_num_seqs] or [1]
+        longest, need = running[0], sum(running)
+        what = f"the {len(running):,} longest requests' blocks{over} (max_num_seqs={max_num_seqs:,} run at once)"
+    per_block = _bytes_per_block(cache, 1)  # a CPU's devices share its memory: the budget holds every rank's share
+    if cpu_kv_budget_bytes is None or platform != "cpu" or need <= cpu_kv_budget_bytes // per_block:
+        return 1 + need, f" (1 + {need:,} blocks: {what}; nothing is preempted)"
+    return 1 + max(longest, cpu_kv_budget_bytes // per_block), (
+        f" (the CPU's KV budget of {cpu_kv_budget_bytes:,} B // {per_block:,} B per block, at least the longest "
+        f"request's {longest:,} blocks; {what} would need {need:,}: preemption covers the rest)")
+
+
+def _bytes_per_block(cache: CacheConfig, tensor_parallel_size: int) -> int:
+    """One block's bytes on one rank: every layer's page, or with KV cache groups the largest
+    group's pages (a block of the shared pool holds one page of each of its group's layers)."""
+    spec, z, groups = cache.kv_spec, cache.block_size, cache.groups
+    if not groups.hybrid:
+        return spec.per_rank(tensor_parallel_size).bytes_per_block(z)
+    return max(sum(spec.page_bytes(layer, z) for layer, g in enumerate(groups.layer_groups) if g == group)
+               for group in range(len(groups.windows)))
 
 
 def check_settings(*, block_size: int, max_num_seqs: int, max_num_batched_tokens, steps_per_call: int, seed: int,

@@ -19,7 +19,9 @@ through kvjax.config.engine's resolve_* functions: the KV format of every layer 
 model's dtype), the attention backend, the KV cache groups, the longest request, the step
 budget, the host tier and, where no profiling is needed, the pool size. On a CPU,
 `gpu_memory_utilization` takes its share of the memory node's total memory, as vLLM's CPU
-platform does, and `VLLM_CPU_KVCACHE_SPACE` (GiB) sets kv_cache_memory_bytes.
+platform does, and `KVJAX_CPU_KVCACHE_SPACE` or vLLM's `VLLM_CPU_KVCACHE_SPACE` (GiB) sets
+kv_cache_memory_bytes; with none of them the pool holds max_num_seqs requests of max_model_len
+but no more than CPU_KV_SHARE of the memory node (preemption covers the rest).
 
 No JAX at import: `kvjax plan` and the argument parsers load this module and start at once.
 """
@@ -31,7 +33,7 @@ import math
 import os
 from typing import Any, Callable
 
-from kvjax.config.engine import (CacheConfig, EngineConfig, EngineError, ProfilerConfig, check_settings,
+from kvjax.config.engine import (CPU_KV_SHARE, CacheConfig, EngineConfig, EngineError, ProfilerConfig, check_settings,
                                  resolve_attention_backend, resolve_kv_cache_groups, resolve_kv_spec,
                                  resolve_max_model_len, resolve_num_blocks, resolve_step_budget)
 from kvjax.errors import INT32_MAX, MAX_GIB, check_int
@@ -64,7 +66,8 @@ _NOT_HERE = {
 }
 MODEL_DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                 "float": "float32", "float32": "float32"}  # vLLM's --dtype choices → kvjax's model dtype
-CPU_KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU platform: GiB of KV cache
+# GiB of KV cache on a CPU (vLLM's CPU platform reads VLLM_CPU_KVCACHE_SPACE); kvjax's name first
+CPU_KVCACHE_ENVS = ("KVJAX_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
 
 
 LLMError = EngineError  # an LLM or engine built or called with values that break a rule (one type for both)
@@ -75,7 +78,8 @@ class EngineArgs:
     """vLLM's engine arguments (module docstring). None where vLLM's default follows the platform:
     block_size 16, max_num_seqs 8 (vLLM's follows the GPU: 256 to 1024), prefix caching and
     chunked prefill on; gpu_memory_utilization None sizes the pool on a GPU with vLLM's 0.92 and on
-    a CPU with enough blocks for max_num_seqs requests of max_model_len (nothing preempted)."""
+    a CPU with enough blocks for max_num_seqs requests of max_model_len (nothing preempted) within a
+    share of the memory node (kvjax.config.engine.resolve_num_blocks)."""
 
     model: Any = "small-gqa"  # a built-in name, a folder, PATH.gguf, preset:NAME, or a models.hub.LoadedModel
     dtype: str = "auto"
@@ -85,6 +89,7 @@ class EngineArgs:
     max_logprobs: int = 20
     generation_config: str = "auto"
     enforce_eager: bool = False  # kvjax: one decode step per device call (no multi-step device loop)
+    enable_trace_replay: bool = False  # requests may set SamplingParams.trace_decode_token_ids (vLLM's)
     block_size: int | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_skip_layers: list = dataclasses.field(default_factory=list)
@@ -152,17 +157,24 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     # ------------------------------------------------------------------ resolving
-    def create_engine_config(self, model_config=None) -> EngineConfig:
+    def create_engine_config(self, model_config=None, *, request_lens=None) -> EngineConfig:
         """The resolved config (module docstring). model_config: the architecture when the caller
-        already holds it (a loaded model, a test's tiny model); default read from `model`."""
+        already holds it (a loaded model, a test's tiny model); default read from `model`.
+        request_lens (kvjax's): the tokens (prompt + output) of every sequence the caller will send,
+        when it knows them: a pool no argument sizes holds those, not max_num_seqs requests of
+        max_model_len (kvjax.config.engine.resolve_num_blocks)."""
         self._refuse_not_here()
         self._check_values()
+        if request_lens is not None:
+            request_lens = [check_int(n, "a request_lens entry", 1, INT32_MAX, LLMError) for n in request_lens]
         import jax
 
         platform = jax.default_backend()
         kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and platform == "cpu" and os.environ.get(CPU_KVCACHE_ENV):
-            kv_bytes = _env_gib(CPU_KVCACHE_ENV)
+        if kv_bytes is None and platform == "cpu":
+            kv_bytes = _cpu_kvcache_space()
+        default_budget = platform == "cpu" and kv_bytes is None and self.gpu_memory_utilization is None \
+            and self.num_gpu_blocks_override is None
         if model_config is None:
             model_config = self._model_config()
         from kvjax.kv_offload import host_pages as offload
@@ -200,6 +212,7 @@ class EngineArgs:
             max_num_batched_tokens=resolve_step_budget(self.max_num_batched_tokens, max_num_seqs, chunked, max_len),
             enable_chunked_prefill=chunked, scheduling_policy=self.scheduling_policy, steps_per_call=steps,
             tensor_parallel_size=tp, seed=self.seed, max_logprobs=self.max_logprobs, enforce_eager=self.enforce_eager,
+            enable_trace_replay=self.enable_trace_replay,
             generation_config=self.generation_config,
             chat_template=None if self.chat_template is None else read_template(self.chat_template),
             profiler_config=ProfilerConfig.from_any(self.profiler_config), disable_log_stats=self.disable_log_stats)
@@ -207,7 +220,9 @@ class EngineArgs:
                                              num_gpu_blocks_override=self.num_gpu_blocks_override,
                                              max_num_seqs=max_num_seqs, max_model_len=max_len,
                                              tensor_parallel_size=tp, platform=platform,
-                                             max_num_batched_tokens=config.max_num_batched_tokens)
+                                             max_num_batched_tokens=config.max_num_batched_tokens,
+                                             cpu_kv_budget_bytes=int(CPU_KV_SHARE * _node_memory_bytes())
+                                             if default_budget else None, request_lens=request_lens)
         return config if num_blocks is None else config.with_num_blocks(num_blocks, why)
 
     def _model_config(self):
@@ -263,7 +278,8 @@ class EngineArgs:
         for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, 1, INT32_MAX, LLMError)
-        for name in ("use_tqdm_on_load", "disable_hybrid_kv_cache_manager", "enforce_eager", "disable_log_stats"):
+        for name in ("use_tqdm_on_load", "disable_hybrid_kv_cache_manager", "enforce_eager", "disable_log_stats",
+                     "enable_trace_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise LLMError(f"{name} must be True or False, got {getattr(self, name)!r:.60}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
@@ -302,6 +318,16 @@ class AsyncEngineArgs(EngineArgs):
 
 
 # ----------------------------------------------------------------------------------- readers
+def _cpu_kvcache_space() -> int | None:
+    """The KV cache bytes the environment gives a CPU engine: KVJAX_CPU_KVCACHE_SPACE, else vLLM's
+    VLLM_CPU_KVCACHE_SPACE (whole GiB; vLLM's CPU platform sets kv_cache_memory_bytes from it); None
+    when neither is set (empty counts as unset, as in vLLM)."""
+    for name in CPU_KVCACHE_ENVS:
+        if os.environ.get(name):
+            return _env_gib(name)
+    return None
+
+
 def _env_gib(name: str) -> int:
     """An environment variable holding whole GiB (vLLM reads VLLM_CPU_KVCACHE_SPACE with int())."""
     text = os.environ[name]

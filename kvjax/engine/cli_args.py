@@ -91,6 +91,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
     "generation_config": (("--generation-config",), dict(default="auto", help="auto (the checkpoint's "
                           "generation_config.json), vllm (SamplingParams' defaults) or a folder")),
     "enforce_eager": (("--enforce-eager",), dict(action="store_true", help="one decode step per device call")),
+    "enable_trace_replay": (("--enable-trace-replay",), dict(
+        action="store_true", help="let requests force their output (SamplingParams.trace_decode_token_ids)")),
     "block_size": (("--block-size",), dict(type=int_arg(1), default=16, help="tokens per block (16)")),
     "kv_cache_dtype": (("--kv-cache-dtype",), dict(type=kv_cache_dtype_arg, default="auto",
                        help="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, bf16, int8_per_token_head, ...")),

@@ -47,7 +47,19 @@ class LLM:
         for name in kwargs:
             if name not in _ENGINE_ARGS or name == "model":
                 raise LLMError(f"LLM() has no argument {name!r}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._start(LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs)))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, request_lens=None) -> "LLM":
+        """The LLM of these engine arguments, as `LLM(engine_args.model, **its fields)`; request_lens
+        (kvjax decode's): the tokens (prompt + output) of every sequence the caller will send, so that
+        a pool no argument sizes holds those rather than max_num_seqs requests of max_model_len."""
+        llm = cls.__new__(cls)
+        llm._start(LLMEngine.from_engine_args(engine_args, request_lens=request_lens))
+        return llm
+
+    def _start(self, llm_engine: LLMEngine) -> None:
+        self.llm_engine = llm_engine
         self._request_counter = itertools.count()
         self._batch = BatchCall()  # generate's bookkeeping (kvjax.utils.atomic)
 

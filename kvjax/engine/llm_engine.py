@@ -19,10 +19,11 @@ any two steps; `kvjax.LLM.generate` is a loop over this engine, and kvjax.engine
 it from a thread.
 
 Pool size: `num_gpu_blocks_override`; else `kv_cache_memory_bytes` (vLLM's, or on a CPU
-VLLM_CPU_KVCACHE_SPACE) or `gpu_memory_utilization` sizes it the way vLLM does (profile one step,
+KVJAX_CPU_KVCACHE_SPACE / VLLM_CPU_KVCACHE_SPACE) or `gpu_memory_utilization` sizes it the way vLLM does (profile one step,
 then (ceil(total × util) − weights − activations) // bytes per block; total = the device's memory,
 a CPU's memory node's, or total_memory_bytes); with none, a GPU uses vLLM's default utilization
-0.92 and a CPU gets enough blocks for max_num_seqs requests of max_model_len tokens.
+0.92 and a CPU gets enough blocks for max_num_seqs requests of max_model_len tokens, within a share
+of its memory node (kvjax.config.engine.resolve_num_blocks).
 
 This is the API layer: it imports `models/` (lazily), which the core modules never do.
 """
@@ -39,7 +40,7 @@ from kvjax.engine.arg_utils import EngineArgs, LLMError
 from kvjax.engine.core import Engine
 from kvjax.engine.output_processor import OutputProcessor
 from kvjax.engine.outputs import Logprob, RequestOutput, prompt_logprobs
-from kvjax.engine.processor import fan_out
+from kvjax.engine.processor import fan_out, normalize_trace_replay
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import KvjaxError, is_int
 from kvjax.utils.atomic import atomic
@@ -80,11 +81,12 @@ class LLMEngine:
         self._profile: _Profile | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **_) -> "LLMEngine":
-        """vLLM's: the engine of these arguments (their config resolved once)."""
+    def from_engine_args(cls, engine_args: EngineArgs, *, request_lens=None, **_) -> "LLMEngine":
+        """vLLM's: the engine of these arguments (their config resolved once). request_lens
+        (kvjax's): the sequences the caller will send, when it knows (EngineArgs.create_engine_config)."""
         from kvjax.models.hub import LoadedModel
 
-        config = engine_args.create_engine_config()
+        config = engine_args.create_engine_config(request_lens=request_lens)
         model = engine_args.model if isinstance(engine_args.model, LoadedModel) else None
         return cls(config, model=model, use_tqdm_on_load=engine_args.use_tqdm_on_load)
 
@@ -158,9 +160,10 @@ class LLMEngine:
 
     def check_request(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """vLLM's input processing of one request: params verified (a value set after construction
-        is checked now), its token ids checked against the vocabulary, bad words tokenized, and the
-        engine's rules (kvjax.engine.processor.check_request) applied to each of its n samples.
-        Raises LLMError naming the rule; → a copy of params the engine may keep."""
+        is checked now), its token ids checked against the vocabulary, bad words tokenized, the
+        engine's rules (kvjax.engine.processor.check_request) applied to each of its n samples, and
+        a trace to replay normalised (processor.normalize_trace_replay). Raises LLMError naming
+        the rule, in vLLM's words where vLLM has the rule; → a copy of params the engine may keep."""
         if not isinstance(params, SamplingParams):
             raise LLMError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params = params.clone()
@@ -169,10 +172,15 @@ class LLMEngine:
             params.update_from_tokenizer(self.tokenizer)
         except KvjaxError as e:
             raise LLMError(str(e)) from None
+        if params.trace_decode_token_ids and not self.vllm_config.enable_trace_replay:
+            raise LLMError("trace_decode_token_ids is set but trace replay is not enabled. Start the engine with "
+                           "--enable-trace-replay to use it.")
         for child in fan_out(params):
             error, _ = self.engine.check_request(ids, child)
             if error is not None:
                 raise LLMError(error)
+        if params.trace_decode_token_ids:
+            normalize_trace_replay(params, len(ids), self.vllm_config.max_model_len)
         return params
 
     @atomic
@@ -188,7 +196,8 @@ class LLMEngine:
             raise LLMError(f"request id {request_id!r} is already in use by an unfinished request")
         text, ids = self.process_prompt(prompt)
         params = params if checked else self.check_request(ids, params)
-        prompt_lps = None if params.prompt_logprobs is None else self.prompt_logprobs(ids, params.prompt_logprobs)
+        prompt_lps = None if params.prompt_logprobs is None else \
+            self.prompt_logprobs(ids, params.prompt_logprobs, params.detokenize)
         children = fan_out(params)
         names = [request_id] if len(children) == 1 else [f"{j}_{request_id}" for j in range(len(children))]
         arrival = time.perf_counter() if arrival_time is None else arrival_time
@@ -291,16 +300,17 @@ class LLMEngine:
         return self.default_sampling_params.clone()
 
     # ------------------------------------------------------------------ scoring
-    def prompt_logprobs(self, ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
+    def prompt_logprobs(self, ids: list[int], k: int, detokenize: bool = True) -> list[dict[int, Logprob] | None]:
         """vLLM's prompt_logprobs: None for the first token, then for each later prompt token its
-        log-probability given the tokens before it, its rank, and the k most likely (-1: all)."""
+        log-probability given the tokens before it, its rank, and the k most likely (-1: all);
+        each token's text unless detokenize is False (vLLM's: then decoded_token is None)."""
         from kvjax.math_utils import pow2_bucket
 
         positions = self.vllm_config.model_config.max_position_embeddings
         window = np.zeros((1, pow2_bucket(len(ids), 16, max(16, positions))), np.int32)
         window[0, :len(ids)] = ids  # causal: the padding after the prompt changes nothing before it
         lp = self.score_windows(window)[0, :len(ids) - 1]  # [S-1, V]: row s predicts token s + 1
-        return prompt_logprobs(self.tokenizer, ids, lp, k)
+        return prompt_logprobs(self.tokenizer if detokenize else None, ids, lp, k)
 
     def score_windows(self, token_windows, batch_size: int = 8) -> np.ndarray:
         """Teacher-forced log-probabilities f32[W, S, V] of token_windows i32[W, S] (kvjax.LLM's

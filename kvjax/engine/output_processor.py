@@ -173,9 +173,10 @@ class OutputProcessor:
     @staticmethod
     def _metrics(state: RequestState, results: list[RequestResult]) -> RequestMetrics:
         ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+        scheduled = [r.scheduled_s for r in results if r.scheduled_s is not None]
         return RequestMetrics(sum(len(r.output) for r in results), state.num_preemptions,
                               state.num_cached_tokens or 0, min(ttfts) if ttfts else None,
-                              max((r.last_token_s or 0.0) for r in results))
+                              max((r.last_token_s or 0.0) for r in results), min(scheduled) if scheduled else None)
 
 
 __all__ = ["OutputProcessor", "RequestState"]

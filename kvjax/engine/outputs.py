@@ -58,6 +58,7 @@ class RequestResult:
     preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (device or host) when first scheduled
     ttft_s: float | None = None  # seconds from its arrival to its first token
+    scheduled_s: float | None = None  # seconds from its arrival to the step that first scheduled it
     last_token_s: float | None = None  # seconds from its arrival to its last token
     new_tokens: int = 0  # tokens the last step that touched it appended to output
     index: int = 0  # Engine.generate: the position of its prompt
@@ -87,13 +88,15 @@ class Logprob:
 @dataclasses.dataclass
 class RequestMetrics:
     """vLLM's per-request stats (`RequestStateStats`), with the prefix-cache hit. Times are
-    seconds from the start of the `generate` call."""
+    seconds from the request's arrival (for `LLM.generate`, about the start of the call); None
+    until it happened."""
 
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     first_token_latency: float | None = None
     last_token_ts: float | None = None
+    scheduled_ts: float | None = None  # first scheduled (a preemption does not move it)
 
 
 @dataclasses.dataclass

@@ -32,16 +32,22 @@ def check_request(prompt: Sequence[int], params: SamplingParams, limits: Limits)
     """(why the request is refused or None, tokens it may generate: max_tokens clamped to
     max_model_len). Rules: a non-empty prompt of ids in the vocabulary, shorter than
     max_model_len; prompt + new tokens fit the pool's usable blocks; logprobs within
-    max_logprobs; stop strings need a tokenizer."""
-    z, n = limits.block_size, len(prompt)
+    max_logprobs; stop strings need a tokenizer. Where vLLM has the rule the reason is in its
+    words (its input processor's and renderer's), kvjax's detail after them."""
+    z, n, max_len = limits.block_size, len(prompt), limits.max_model_len
     if n == 0:
-        return "empty prompt: at least one token is needed", 0
-    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-    if bad:
-        return f"token id {bad[0]} is outside the model's vocabulary [0, {limits.vocab_size})", 0
-    if n >= limits.max_model_len:
-        return (f"prompt has {n} tokens; the model's max length is {limits.max_model_len} tokens "
-                "including at least one generated token"), 0
+        return "The decoder prompt cannot be empty (a request needs at least one prompt token)", 0
+    if min(prompt) < 0 or max(prompt) >= limits.vocab_size:  # vLLM names the smallest if negative, else the largest
+        return (f"Token id {min(prompt) if min(prompt) < 0 else max(prompt)} is out of vocabulary (the model's token "
+                f"ids are [0, {limits.vocab_size}))"), 0
+    if n > max_len:
+        return (f"This model's maximum context length is {max_len} tokens. However, your prompt contains {n} input "
+                "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+                "input prompt."), 0
+    if n == max_len:
+        return (f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
+                f"than the maximum model length of {max_len}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens (prompt + requested output tokens)."), 0
     room = limits.max_model_len - n
     new = room if params.max_tokens is None else min(params.max_tokens, room)
     need = cdiv(n + new, z) if limits.blocks_for is None else limits.blocks_for(n + new)
@@ -53,10 +59,22 @@ def check_request(prompt: Sequence[int], params: SamplingParams, limits: Limits)
         k = getattr(params, name)
         k = limits.vocab_size if k == -1 else k
         if k is not None and limit != -1 and k > limit:
-            return f"requested {name}={k}, more than max_logprobs={limit}", 0
+            what = "sample logprobs" if name == "logprobs" else "prompt logprobs"
+            return f"Requested {what} of {k}, which is greater than max allowed: {limit} (max_logprobs)", 0
     if params.stop and not limits.has_tokenizer:
         return "stop strings need a tokenizer (the engine was built without one)", 0
     return None, new
+
+
+def normalize_trace_replay(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """vLLM's `_normalize_trace_replay_params`, on a request's own params: the trace is cut to
+    what fits after the prompt (at least one token), max_tokens becomes min(trace length,
+    max_tokens — None: up to max_model_len), and nothing may end the output early: no min_tokens,
+    EOS ignored, no stop strings or stop token ids."""
+    trace = params.trace_decode_token_ids[:max(max_model_len - prompt_len, 1)]
+    max_tokens = max_model_len - prompt_len if params.max_tokens is None else params.max_tokens
+    params.trace_decode_token_ids, params.max_tokens = trace, min(len(trace), max_tokens)
+    params.min_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 0, True, [], []
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:

@@ -6,6 +6,10 @@ generated tokens, prefix-cache lookups and hits, prefill and decode throughput, 
 latencies, device calls, compile time, blocks in use per step and preemptions. Device calls
 during which JAX traced or compiled anything are left out of the rates and latencies; the
 compile time is read from JAX's own monitoring events.
+
+What the scheduler did in a step reaches `RunStats` and `StepLog` as that step's
+`SchedulerStats` (kvjax.core.sched.stats, made by `Scheduler.make_stats`, as vLLM's loggers
+get it): neither reads the scheduler's queues or requests.
 """
 from __future__ import annotations
 
@@ -76,14 +80,15 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 class RunStats:
     """Per-step bookkeeping over a run of `kvjax.engine.core.Engine` steps (`Engine.generate`, or
-    `begin_run` .. `end_run`), turned into its Summary at the end. The engine's own counters
-    (preemptions, host-tier traffic) run over its life: a run's are differences from its start."""
+    `begin_run` .. `end_run`), turned into its Summary at the end: what the scheduler did is summed
+    over the steps' SchedulerStats; the host tier's byte counters run over the engine's life, so a
+    run's are differences from its start."""
 
     def __init__(self, engine):
-        sched, host = engine.scheduler, engine.host_pages
+        host = engine.host_pages
         self.usable = engine.usable_blocks
         self.start = time.perf_counter()
-        self.preemptions, self.host_hits = sched.num_preemptions, sched.host_hit_tokens
+        self.preemptions = self.host_hits = self.host_in_use = 0  # summed (the last) over the run's SchedulerStats
         self.stored, self.loaded = (host.bytes_stored, host.bytes_loaded) if host is not None else (0, 0)
         self.latencies: list[float] = []
         self.blocks: list[int] = []
@@ -95,18 +100,20 @@ class RunStats:
         self.results = []  # the RequestResults of the requests added during the run (Engine.add_request)
         self._compile_start = self._compile_mark = COMPILE_S[0]
 
-    def observe(self, engine, plan, t0: float, t1: float, steps: int, used: list[int], preempted: int) -> None:
-        from kvjax.engine.steps import step_shape
-
-        """One engine step (Engine.step): plan ran as `steps` model steps in t1 - t0 seconds, with
-        used[k] blocks out of the free queue during step k; preempted requests this step."""
-        for i in np.flatnonzero(plan.admitted):  # the prefix-cache lookups of the requests it admitted
-            self.queried += int(plan.num_tokens[i])
-            self.hits += int(plan.seq_lens[i] - plan.num_scheduled[i])  # computed before this step: all hits
+    def observe(self, engine, plan, t0: float, t1: float, steps: int, stats) -> None:
+        """One engine step (Engine.step): plan ran as `steps` model steps in t1 - t0 seconds; stats:
+        the scheduler's SchedulerStats of it (blocks in use after each model step, the prefix-cache
+        lookups of the requests it admitted, again after a preemption too, preemptions, host hits)."""
+        lookups = stats.prefix_cache_stats
+        self.queried += lookups.queries + lookups.preempted_queries
+        self.hits += lookups.hits + lookups.preempted_hits
+        self.preemptions += stats.num_preempted_reqs
+        self.host_hits += stats.host_hit_tokens
+        self.host_in_use = stats.host_blocks_in_use
         prefill, decode = scheduled_tokens(plan, steps)
         compiled, self._compile_mark = COMPILE_S[0] > self._compile_mark, COMPILE_S[0]
         self.calls += 1
-        self.blocks += used
+        self.blocks += stats.blocks_in_use
         self.prefill_tokens += prefill
         self.decode_tokens += decode
         if compiled:
@@ -119,15 +126,15 @@ class RunStats:
 
     def summary(self, engine) -> Summary:
         """The run's Summary over the requests added during it (kvjax.engine.outputs.RequestResult)."""
-        sched, host, results = engine.scheduler, engine.host_pages, self.results
+        host, results = engine.host_pages, self.results
         lat = np.asarray(self.latencies or [np.nan]) * 1e3
         ttft = np.asarray([r.ttft_s for r in results if r.ttft_s is not None] or [np.nan]) * 1e3
         rate = lambda t: t[0] / t[1] if t[1] > 0 else float("nan")  # noqa: E731
         tier = {} if host is None else dict(
             host_blocks=host.num_slots, host_memory_kind=host.memory_kind,
-            host_hit_tokens=sched.host_hit_tokens - self.host_hits,
+            host_hit_tokens=self.host_hits,
             host_bytes_stored=host.bytes_stored - self.stored, host_bytes_loaded=host.bytes_loaded - self.loaded,
-            host_blocks_in_use=sched.host_blocks_in_use())
+            host_blocks_in_use=self.host_in_use)
         return Summary(
             requests=len(results), failed=0, prompt_tokens=sum(r.prompt_tokens for r in results),
             prefix_queried_tokens=self.queried, prefix_hit_tokens=self.hits,
@@ -139,7 +146,7 @@ class RunStats:
             untimed_calls=self.untimed_calls,
             compile_s=COMPILE_S[0] - self._compile_start, wall_s=time.perf_counter() - self.start,
             peak_blocks_used=max(self.blocks, default=0), usable_blocks=self.usable,
-            preemptions=sched.num_preemptions - self.preemptions, blocks_in_use=tuple(self.blocks),
+            preemptions=self.preemptions, blocks_in_use=tuple(self.blocks),
             ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)), **tier)
 
 
@@ -195,9 +202,12 @@ class StepLog:
         self.records: list[StepRecord] = []
         self._high: dict[str, int] = {}  # request id → positions computed at most (seq_len reached)
         self._held: dict[str, int] = {}  # request id → positions in the cache after its last step
+        self._running: set[str] = set()  # the requests running after the last step (from the plans and stats)
         self._compile_mark = COMPILE_S[0]
 
-    def observe(self, engine, plan, t0: float, t1: float, steps: int, used: list[int], preempted: int) -> None:
+    def observe(self, engine, plan, t0: float, t1: float, steps: int, stats) -> None:
+        """One engine step (Engine.step): its plan, `steps` model steps in t1 - t0 seconds, and its
+        SchedulerStats (queues, blocks in use, the requests preempted and finished since the last)."""
         from kvjax.engine.steps import step_shape
 
         recomputed = 0
@@ -208,18 +218,21 @@ class StepLog:
             self._held[rid] = end + (steps - 1 if plan.is_decode else 0)
             self._high[rid] = max(high, self._held[rid])
         prefill, decode = scheduled_tokens(plan, steps)
-        sched = engine.scheduler
+        gone = set(stats.preempted_req_ids) | stats.finished_req_ids  # no longer holding cache positions
+        self._running = (self._running | set(plan.req_ids)) - gone
         compiled, self._compile_mark = COMPILE_S[0] > self._compile_mark, COMPILE_S[0]
         self.records.append(StepRecord(
-            start=t0, end=t1, steps=steps, num_scheduled=plan.num_requests, num_running=len(sched.running),
-            num_waiting=len(sched.waiting), num_preempted=preempted, blocks_in_use=max(used),
-            tokens_held=sum(self._held.get(r, 0) for r in {*plan.req_ids, *(r.req_id for r in sched.running)}),
+            start=t0, end=t1, steps=steps, num_scheduled=plan.num_requests, num_running=stats.num_running_reqs,
+            num_waiting=stats.num_waiting_reqs, num_preempted=stats.num_preempted_reqs,
+            blocks_in_use=max(stats.blocks_in_use),
+            tokens_held=sum(self._held.get(r, 0) for r in self._running | set(plan.req_ids)),
             prefill_tokens=prefill, decode_tokens=decode, recomputed_tokens=recomputed, compiled=compiled,
             preempted=tuple(plan.preempted),
             scheduled=tuple((rid, int(n)) for rid, n in zip(plan.req_ids, plan.num_scheduled)),
             context_tokens=int(np.sum(plan.seq_lens, dtype=np.int64)),
-            attention_pairs=causal_pairs(plan.num_scheduled, plan.seq_lens), shape=step_shape(plan, sched.config)))
-        for rid in [r for r in self._high if r not in sched.requests]:  # finished: forget its marks
+            attention_pairs=causal_pairs(plan.num_scheduled, plan.seq_lens),
+            shape=step_shape(plan, engine.scheduler_config)))
+        for rid in stats.finished_req_ids & self._high.keys():  # finished: forget its marks
             del self._high[rid], self._held[rid]
 
     def to_json(self) -> list[dict]:

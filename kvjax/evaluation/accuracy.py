@@ -18,8 +18,11 @@ only the cache's dtype and scales change:
     fp8_e4m3 per_tensor skip 0,L-1  the first and last layers kept in bf16 (the model dtype in vLLM)
 
 Metrics per variant: perplexity per token, mean KL(bf16 ‖ variant) of the next-token
-distributions, top-1 agreement with bf16, and greedy-decode agreement (tokens until the first
-divergence from bf16's continuation, over a set of prompts). `outlier_channels` inflates a few cached
+distributions, top-1 agreement with bf16, greedy-decode agreement (tokens until the first
+divergence from bf16's continuation, over a set of prompts), and bf16's greedy continuation
+replayed through the variant's engine (vLLM's trace replay, `replay`: the variant decodes those
+known tokens step by step through its paged cache): their mean negative log-probability and how
+often each is still the variant's most likely token, with no divergence compounding. `outlier_channels` inflates a few cached
 K channels (models.stress; the model's function is unchanged) to mimic the outliers of large
 models.
 
@@ -264,7 +267,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
                                kv_cache_dtype_skip_layers=v.get("skip", ()),
                                kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
                                disable_hybrid_kv_cache_manager=True,
-                               max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8) for v in vlist}
+                               max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8,
+                               enable_trace_replay=True) for v in vlist}
     with phase("score"):
         tallies = _score_short(llms, eval_windows)
     say(f"greedy decoding: {prompts} prompts × {decode_tokens} tokens per variant")
@@ -274,11 +278,15 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
         for v in vlist:
             outs = llms[v["name"]].generate(prompt_list, greedy_params, use_tqdm=False)
             greedy_of[v["name"]] = np.asarray([o.outputs[0].token_ids for o in outs])
-    results, base_greedy = [], None
+    base_greedy = greedy_of[vlist[0]["name"]]
+    say("replaying bf16's greedy continuations through every variant")
+    with phase("replay"):
+        replayed = {v["name"]: replay(llms[v["name"]], prompt_list, base_greedy) for v in vlist}
+    results = []
     for v in vlist:
         llm = llms[v["name"]]
         greedy = greedy_of[v["name"]]
-        base_greedy = greedy if base_greedy is None else base_greedy
+        replay_lps, replay_ranks = replayed[v["name"]]
         same = greedy == base_greedy
         until = np.where(same.all(1), decode_tokens, np.argmin(same, axis=1))  # first divergence per prompt
         overall = tallies[v["name"]].overall()
@@ -288,7 +296,8 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
                             top1_agreement=overall["top1_agreement"],
                             greedy_tokens_until_divergence=float(until.mean()),
                             greedy_divergence=[int(u) for u in until],
-                            greedy_identical=int(same.all(1).sum())))
+                            greedy_identical=int(same.all(1).sum()),
+                            replay_nll=float(-replay_lps.mean()), replay_top1=float((replay_ranks == 1).mean())))
 
     res = dict(model=model_name, data=sources[0]["path"] if len(sources) == 1 else [s["path"] for s in sources],
                calibration=os.path.relpath(calib), windows=int(len(eval_windows)), seq_len=seq_len,
@@ -317,6 +326,19 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     res["phase_compile_seconds"] = {k: round(v, 1) for k, v in compiles.items()}
     res["seconds"] = round(time.time() - start, 1)
     return res
+
+
+def replay(llm: LLM, prompts: list[list[int]], continuations) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probabilities f32[P, T], ranks i32[P, T]) of known continuations i32[P, T] after each
+    prompt, read through llm's engine: vLLM's trace replay emits them one decode step at a time
+    through the paged cache and the scheduler (an LLM built with enable_trace_replay=True), so the
+    numbers are those of the variant's own decode path on the same tokens."""
+    params = [SamplingParams(trace_decode_token_ids=[int(t) for t in row], max_tokens=len(row), logprobs=0)
+              for row in continuations]
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    chosen = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    return (np.array([[c.logprob for c in row] for row in chosen], np.float32),
+            np.array([[c.rank for c in row] for row in chosen], np.int32))
 
 
 def _score_short(llms: dict, eval_windows: np.ndarray) -> dict[str, Tally]:

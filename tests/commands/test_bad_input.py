@@ -152,7 +152,7 @@ ROUND_TWO = [  # issue 23: special files and numeric extremes
     ("memory --model pipe.gguf --device-memory-gib 1", "'pipe.gguf' is a FIFO (named pipe)"),
     # memory: what follows from the input is checked before it is allocated
     ("memory --model small-gqa --device-memory-gib 0.0001", "per device, more than the device's 107,375 B"),
-    (DECODE + " --synthetic 2 --max-num-seqs 65536 --prompt-len 1000", "of KV cache need"),
+    (DECODE + " --synthetic 2 --kv-cache-memory-bytes 1T", "of KV cache need"),  # (the default pool fits its requests)
     (DECODE_OK + " --kv-offloading-size 10000", "more than the host's RAM"),
     # flags that would be ignored, or whose effect another flag fixes
     (DECODE + " --prompts p_tokens.jsonl --chat", "p_tokens.jsonl:2: \"tokens\" with --chat"),
@@ -778,11 +778,17 @@ def test_the_engine_checks_cache_tables_and_logits_together(monkeypatch):
         LLM("small-gqa", max_num_seqs=4096, num_gpu_blocks_override=100, use_tqdm_on_load=False)
 
 
-def test_a_pool_sized_by_the_cpu_default_says_so(small_host):
+def test_a_pool_sized_by_the_cpu_default_says_so(small_host, monkeypatch):
     from kvjax import LLM
     from kvjax.accounting.memory import WontFitError
+    from kvjax.engine import arg_utils
 
-    # 1 + 65536 × cdiv(2048, 16) blocks of 32 KiB: 256 GiB
-    with pytest.raises(WontFitError, match=r"num_blocks 8,388,609 \(CPU's default: 1 \+ max_num_seqs=65,536 × "
-                                           r"cdiv\(max_model_len=2,048, block_size=16\)\) of 32,768 B"):
+    # 65536 requests of 2048 tokens would need 1 + 65536 × cdiv(2048, 16) blocks of 32 KiB (256 GiB); the CPU's
+    # default takes a quarter of the memory node instead, here a 64 GiB node's 16 GiB: 524,288 blocks, + the null
+    # block, which an 8 GiB host cannot hold either
+    monkeypatch.setattr(arg_utils, "_node_memory_bytes", lambda: 64 * 2**30)
+    with pytest.raises(WontFitError, match=r"num_blocks 524,289 \(the CPU's KV budget of 17,179,869,184 B // 32,768 B "
+                                           r"per block, at least the longest request's 128 blocks; "
+                                           r"max_num_seqs=65,536 requests of 2,048 tokens, 128 blocks each would need "
+                                           r"8,388,608: preemption covers the rest\) of 32,768 B of KV cache need"):
         LLM("small-gqa", max_num_seqs=65536, use_tqdm_on_load=False)

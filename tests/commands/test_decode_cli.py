@@ -50,7 +50,7 @@ def test_prompts_file_json_and_same_tokens_for_1_and_8_steps_per_call(ckpt, prom
         reqs = out["outputs"]
         assert [len(r["prompt_token_ids"]) for r in reqs] == [len(line) for line in LINES]
         assert [r["prompt"] for r in reqs] == LINES
-        assert "empty prompt" in reqs[1]["error"] and all(c["token_ids"] == [] for c in reqs[1]["outputs"])
+        assert "The decoder prompt cannot be empty" in reqs[1]["error"] and all(c["token_ids"] == [] for c in reqs[1]["outputs"])
         assert all(r["error"] is None and len(r["outputs"][0]["token_ids"]) == 6 for i, r in enumerate(reqs) if i != 1)
         first = reqs[0]["outputs"][0]
         assert first["text"] == bytes(first["token_ids"]).decode("utf-8", errors="replace")
@@ -72,10 +72,10 @@ def test_jsonl_per_request_errors_and_others_complete(ckpt, tmp_path, capsys):
                       "--num-gpu-blocks-override", "10", *BASE)
     errs = [r["error"] for r in out["outputs"]]
     assert errs[0] is None and errs[4] is None
-    assert "prompt has 60 tokens; the model's max length is 40" in errs[1]
-    assert "max_tokens must be an integer in [1, 2147483647], got 0" in errs[2]
+    assert "This model's maximum context length is 40 tokens. However, your prompt contains 60 input tokens" in errs[1]
+    assert "max_tokens must be at least 1, got 0." in errs[2]
     assert "needs 10 blocks of 4 tokens (32 prompt + 8 new), but the pool has only 9 usable blocks" in errs[3]
-    assert "token id 500 is outside the model's vocabulary [0, 128)" in errs[5]
+    assert "Token id 500 is out of vocabulary (the model's token ids are [0, 128))" in errs[5]
     assert [len(t) for t in tokens(out)] == [5, 0, 0, 0, 3, 0]
     assert out["summary"]["requests"] == 6 and out["summary"]["failed"] == 4
 

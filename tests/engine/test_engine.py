@@ -126,12 +126,16 @@ def test_a_bad_request_is_refused_before_any_request_runs(tiny):
     eng = engine(tiny, num_blocks=SMALL, steps_per_call=8)  # 9 usable blocks: 36 tokens at most
     good = prompts(4, lengths=(5, 7), shared=0)
     free = eng.scheduler.num_free_blocks()
-    for bad, message in (([], "prompt 1: empty prompt"),
-                         (list(range(MAX_LEN + 1)), f"prompt 1: prompt has {MAX_LEN + 1} tokens; the model's max "
-                                                    f"length is {MAX_LEN}"),
+    for bad, message in (([], "prompt 1: The decoder prompt cannot be empty"),  # vLLM's words, kvjax's detail after
+                         (list(range(MAX_LEN + 1)), f"prompt 1: This model's maximum context length is {MAX_LEN} "
+                                                    f"tokens. However, your prompt contains {MAX_LEN + 1} input tokens"),
+                         (list(range(MAX_LEN)), f"prompt 1: The decoder prompt (length {MAX_LEN}) plus the number of "
+                                                f"requested output tokens (at least 1) is longer than the maximum model "
+                                                f"length of {MAX_LEN}."),
                          (list(range(1, 36)), "prompt 1: needs 10 blocks of 4 tokens (35 prompt + 5 new), but the "
                                               "pool has only 9 usable blocks"),
-                         ([3, 200], "prompt 1: token id 200 is outside the model's vocabulary [0, 128)")):
+                         ([3, 200], "prompt 1: Token id 200 is out of vocabulary (the model's token ids are [0, 128))"),
+                         ([-3, 200], "prompt 1: Token id -3 is out of vocabulary")):
         with pytest.raises(EngineError, match=re.escape(message)):
             eng.generate([good[0], bad, good[1]], greedy(6))
         assert not eng.has_unfinished_requests() and eng.scheduler.num_free_blocks() == free

@@ -59,12 +59,18 @@ def test_hf_overrides_change_the_config_json_before_it_is_read(tmp_path):
 def test_a_cpu_takes_vllms_kv_cache_space_and_its_memory_node(monkeypatch):
     with open(os.path.join(SMALL_GQA, "config.json")) as f:
         per_block = _page_bytes(json.load(f))
+    monkeypatch.delenv("KVJAX_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert EngineArgs(model="small-gqa").create_engine_config().num_blocks == 1 + 2**30 // per_block
+    monkeypatch.setenv("KVJAX_CPU_KVCACHE_SPACE", "2")  # kvjax's name first
+    assert EngineArgs(model="small-gqa").create_engine_config().num_blocks == 1 + 2 * 2**30 // per_block
+    monkeypatch.setenv("KVJAX_CPU_KVCACHE_SPACE", "")  # empty: unset, as vLLM reads its own
     assert EngineArgs(model="small-gqa").create_engine_config().num_blocks == 1 + 2**30 // per_block
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "x")
     with pytest.raises(LLMError, match="VLLM_CPU_KVCACHE_SPACE='x' must be a whole number of GiB"):
         EngineArgs(model="small-gqa").create_engine_config()
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.delenv("KVJAX_CPU_KVCACHE_SPACE")
     # vLLM's CPU platform: a utilization's share of memory node 0's MemTotal (the profile sizes the pool later)
     node = "/sys/devices/system/node/node0/meminfo"
     path, key = (node, "MemTotal:") if os.path.exists(node) else ("/proc/meminfo", "MemTotal:")
@@ -74,6 +80,45 @@ def test_a_cpu_takes_vllms_kv_cache_space_and_its_memory_node(monkeypatch):
     config = EngineArgs(model="small-gqa", gpu_memory_utilization=0.4).create_engine_config()
     assert config.cache_config.total_memory_bytes == total and config.cache_config.num_gpu_blocks is None
     assert config.cache_config.gpu_memory_utilization == 0.4
+
+
+@pytest.mark.parametrize("max_num_seqs, node_gib, blocks", [
+    (2, 1, 1 + 2 * 128),  # two whole 2,048-token requests of 128 blocks fit a 1 GiB node's quarter: no more
+    (4096, 1, 1 + 2**28 // 32_768),  # 4,096 would need 128 GiB: a quarter of the node, 256 MiB of 32 KiB blocks
+    (4096, 2**-10, 1 + 128),  # a 1 MiB node's quarter holds no whole request: one, at least
+])
+def test_the_cpu_default_pool_is_its_requests_within_a_share_of_the_memory_node(monkeypatch, max_num_seqs, node_gib,
+                                                                               blocks):
+    """vLLM's CPU backend sizes its cache from a memory budget (VLLM_CPU_KVCACHE_SPACE, else its share of the memory
+    node) and preempts; kvjax's default takes max_num_seqs whole requests of max_model_len when they fit a quarter of
+    the node, else that quarter (never fewer blocks than one request needs): it never refuses to start because
+    max_num_seqs × max_model_len does not fit. small-gqa: 2,048 positions, 32 KiB blocks of 16 tokens."""
+    from kvjax.config.engine import CPU_KV_SHARE
+    from kvjax.engine import arg_utils
+
+    for name in ("KVJAX_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(arg_utils, "_node_memory_bytes", lambda: int(node_gib * 2**30))
+    assert CPU_KV_SHARE == 0.25
+    config = EngineArgs(model="small-gqa", max_num_seqs=max_num_seqs).create_engine_config()
+    assert config.num_blocks == blocks and config.scheduler_config.max_model_len == 2048
+
+
+def test_a_caller_that_knows_its_requests_sizes_the_default_pool_for_them(monkeypatch):
+    from kvjax.engine import arg_utils
+
+    for name in ("KVJAX_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(arg_utils, "_node_memory_bytes", lambda: 2**30)
+    # kvjax decode: 16-token blocks; the 3 longest of 100, 40, 10**6 (max_model_len's 2,048: 128 blocks), 17, 33
+    # tokens run at once: 1 + 128 + 7 + 3 blocks; 2 requests of 100 tokens need 7 each, whatever max_num_seqs is
+    lens = [100, 40, 10**6, 17, 33]
+    assert EngineArgs(model="small-gqa", max_num_seqs=3).create_engine_config(request_lens=lens).num_blocks == \
+        1 + 128 + 7 + 3
+    assert EngineArgs(model="small-gqa", max_num_seqs=4096).create_engine_config(
+        request_lens=[100, 100]).num_blocks == 1 + 2 * 7
+    with pytest.raises(LLMError, match="a request_lens entry must be an integer in"):
+        EngineArgs(model="small-gqa").create_engine_config(request_lens=[5, 0])
 
 
 def test_skip_layers_by_layer_type_and_the_enforce_eager_rule():

@@ -162,6 +162,22 @@ def test_prompt_logprobs_match_the_engines_decode(fresh):
 
 
 @pytest.mark.slow  # 40 s: eight teacher-forced prefills of eight lengths, and an LLM of its own
+def test_detokenize_false_gives_no_text_as_vllm(fresh):
+    # vLLM's output processor makes no detokenizer and no logprobs tokenizer for such a request: text "" and every
+    # Logprob's decoded_token None, the prompt's included; the token ids and numbers are the same as with text
+    kw = dict(max_tokens=5, logprobs=2, prompt_logprobs=1, **GREEDY)
+    plain, bare = fresh.generate(["def f(x):"] * 2, [SamplingParams(**kw), SamplingParams(detokenize=False, **kw)],
+                                 use_tqdm=False)
+    assert plain.outputs[0].text and bare.outputs[0].text == ""
+    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids
+    for got, want in [(bare.outputs[0].logprobs, plain.outputs[0].logprobs), (bare.prompt_logprobs[1:],
+                                                                             plain.prompt_logprobs[1:])]:
+        for g, w in zip(got, want):
+            assert list(g) == list(w) and all(lp.decoded_token is None for lp in g.values())
+            assert all(w[t].decoded_token is not None and g[t].rank == w[t].rank
+                       and abs(g[t].logprob - w[t].logprob) < 1e-5 for t in g)
+
+
 def test_frequency_and_presence_penalties_match_a_numpy_greedy_loop(fresh):
     # penalties are additive, so argmax over log-probs minus penalties is argmax over logits minus penalties
     prompt = list(b"aaaa bbbb aaaa")

@@ -9,6 +9,7 @@ must hold, and the full suite's pieces checked against numbers worked out here.
   buckets equal KL computed here in numpy from LLM.score.
 - Chunked prefill scoring equals one-step scoring (exactly for one chunk, to f32 rounding else).
 - Layer sensitivity ranks first the one layer whose K channels were inflated past 448.
+- A continuation replayed through the engine (trace replay) scores as a teacher-forced prefill of it.
 - The outlier map's amax equal kvjax.quant.calibration.cache_amax of the same prefill (and so do the scales
   of the one shared prefill, channel_amax), and its channel
   ratios the max over the median of per-channel amax computed here from the pages.
@@ -81,6 +82,8 @@ def test_fp32_closer_to_bf16_than_any_8bit_variant(tiny_checkpoint):
     res = {r["variant"]: r for r in _run(tiny_checkpoint, outliers=False)["results"]}
     assert list(res) == [v["name"] for v in accuracy.variants(3)]  # every variant, the default skip one last
     assert res["bf16"]["kl_vs_bf16"] == 0 and res["bf16"]["top1_agreement"] == 1
+    assert res["bf16"]["replay_top1"] == 1  # its own greedy continuation, replayed: its argmax at every step
+    assert abs(res["fp32"]["replay_nll"] - res["bf16"]["replay_nll"]) < 0.05
     fp32 = res["fp32"]["kl_vs_bf16"]
     for name, r in res.items():
         if r["kv_dtype"] not in ("bf16", "fp32"):
@@ -98,6 +101,23 @@ def test_outliers_beyond_448_break_unit_scale_not_calibrated(tiny_checkpoint, tm
     paths = write_outputs(res, str(tmp_path))
     for p in paths.values():
         assert (tmp_path / p.split("/")[-1]).stat().st_size > 0
+
+
+def test_a_replayed_continuation_scores_as_teacher_forcing(tiny_checkpoint):
+    """accuracy.replay (vLLM's trace replay through the variant's engine, decoding step by step into fp8 pages)
+    gives the log-probabilities and ranks of a teacher-forced score of the same tokens (LLM.score_windows: one
+    prefill into fp8 pages), to float32 rounding."""
+    llm = LLM(str(tiny_checkpoint / "model"), kv_cache_dtype="fp8_e4m3", max_num_seqs=2, max_model_len=40,
+              enable_trace_replay=True, steps_per_call=8, use_tqdm_on_load=False)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(32, 127, 16).tolist(), rng.integers(32, 127, 16).tolist()]
+    continuations = rng.integers(32, 127, (2, 6))
+    lps, ranks = accuracy.replay(llm, prompts, continuations)
+    scores = llm.score_windows(np.concatenate([np.array(prompts), continuations], axis=1))[:, 15:21]  # [2, 6, V]
+    want = np.take_along_axis(scores, continuations[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(lps, want, atol=2e-3)
+    assert (ranks >= (scores > want[..., None] + 2e-3).sum(-1) + 1).all()
+    assert (ranks <= (scores >= want[..., None] - 2e-3).sum(-1)).all()
 
 
 def test_tally_bucket_means_by_hand():

@@ -29,7 +29,7 @@ two 4,500-byte prompts, 100 tokens each; prefix_caching_offline: three LLMs; res
 1,900-byte prompts and 128-token samples, preempted once; beam search: 50 steps), simple_profiling
 (a trace of the whole call; run_one_batch in the fast set traces too), and those that compile
 programs of their own that the fast set does not share (the chat examples, fp8 pages, the
-streaming example's reference run). The fast set: basic, generate, llm_engine_example, metrics,
+streaming example's reference run). The fast set: basic, generate, llm_engine_example, metrics, trace replay,
 run_one_batch with a decode profile, the two LLM.generate snippets and the skip-layers snippet
 (on small-gqa, then on a tiny Gemma-3 with sliding windows: refused in one line with hybrid
 groups, run with them off).
@@ -387,6 +387,35 @@ def test_metrics(run, recorder):
     assert (hists["vllm:request_generation_tokens"].sum, hists["vllm:request_generation_tokens"].count) == (64, 4)
     for m in metrics:  # every metric the example printed, in get_metrics()'s order
         assert f"{m.name} (" in out
+    # vLLM's reader returns vllm:cache_config_info last (log_metrics_info runs once the pool is sized)
+    info, config = metrics[-1], llm.llm_engine.engine.config
+    assert (info.name, info.value, info.labels["engine"]) == ("vllm:cache_config_info", 1.0, "0")
+    assert info.labels["num_gpu_blocks"] == str(config.num_blocks) and "model_name" not in info.labels
+    assert "vllm:cache_config_info (gauge) = 1.0\n" in out
+
+
+def test_trace_replay(run, recorder, hf_small):
+    # examples/generate/trace_replay_offline.py: a greedy run's 8 tokens replayed (enable_trace_replay,
+    # trace_decode_token_ids); the replay's per-token log-probabilities and ranks are transformers' teacher-forced
+    # ones of those tokens (its distribution, not kvjax's sampling), its text the byte tokenizer's
+    _, out = run("trace_replay_offline.py")
+    (llm, (normal,)), (_, (replay,)) = recorder.generated
+    prompt = _ids("Hello, my name is")
+    tokens = list(normal.outputs[0].token_ids)
+    greedy = Greedy(hf_small)
+    greedy.check(prompt, tokens)
+    greedy.done()
+    assert llm.vllm_config.enable_trace_replay and list(replay.outputs[0].token_ids) == tokens
+    assert f"  Replayed  output token IDs : {tokens}\n" in out
+    assert "Replayed tokens match the requested trace exactly." in out
+    assert replay.outputs[0].text == bytes(tokens).decode("utf-8", errors="replace") == normal.outputs[0].text
+    lp = hf_logprobs(hf_small, prompt + tokens)[len(prompt) - 1:-1]  # [8, V]: the distribution before each token
+    steps = re.findall(r"step +(\d+): token_id= *(\d+)  logprob=(\S+)  rank=(\d+)", out)
+    assert [int(t) for _, t, _, _ in steps] == tokens
+    for k, (t, entry) in enumerate(zip(tokens, replay.outputs[0].logprobs)):
+        assert abs(entry[t].logprob - lp[k, t]) < 1e-4 and abs(float(steps[k][2]) - lp[k, t]) < 1e-4
+        assert int(steps[k][3]) == entry[t].rank == int((lp[k] >= lp[k, t] - 1e-5).sum())
+        assert len(entry) in (5, 6)  # the forced token and the 5 most likely (vLLM's logprobs=5)
 
 
 def test_docs_generate_greedy(run, hf_small):
@@ -638,7 +667,8 @@ EXAMPLES = ("basic.py", "generate.py", "chat.py", "automatic_prefix_caching_offl
             "simple_profiling_offline.py", "run_one_batch_offline.py", "reset_kv_offline.py", "metrics_offline.py",
             "llm_engine_example.py", "async_llm_streaming.py", "docs_generative_models_generate.py",
             "docs_generative_models_greedy.py", "docs_generative_models_beam_search.py",
-            "docs_generative_models_chat.py", "docs_quantized_kvcache_fp8.py", "docs_quantized_kvcache_skip_layers.py")
+            "docs_generative_models_chat.py", "docs_quantized_kvcache_fp8.py", "docs_quantized_kvcache_skip_layers.py",
+            "trace_replay_offline.py")
 
 
 def test_every_copy_names_its_source_and_imports_kvjax_only():
@@ -650,3 +680,6 @@ def test_every_copy_names_its_source_and_imports_kvjax_only():
         assert "# SPDX-License-Identifier: Apache-2.0\n" in text, name
         assert not re.search(r"^\s*(from|import) vllm\b", text, re.M), name
         assert not name.startswith("test_"), name
+        # the imports changed are vLLM's with `vllm` → `kvjax`, nothing else (kvjax has vLLM's module paths)
+        for was, now in re.findall(r"^#   ((?:from|import) vllm\b.*)\n#     -> (.*)$", text, re.M):
+            assert now == re.sub(r"\bvllm\b", "kvjax", was), (name, was, now)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvjax.core.sched.request import Request
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -41,3 +43,19 @@ class StepPlan:
     def is_decode(self) -> bool:
         """Every request computes one token and samples: the step a device loop may repeat."""
         return bool(self.sample.all() and (self.num_scheduled == 1).all())
+
+
+@dataclass
+class StepDraft:
+    """What one `Scheduler.schedule()` call has planned so far (its `_plan` makes the StepPlan)."""
+
+    budget: int  # tokens left in this step
+    # req_id -> (request, tokens this step, tokens computed before); in scheduling order, admissions last
+    scheduled: dict[str, tuple[Request, int, int]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+
+    def take(self, reqs: list[Request], nums: list[int], starts: list[int]) -> None:
+        self.scheduled.update(zip((r.req_id for r in reqs), zip(reqs, nums, starts)))
+        self.budget -= sum(nums)

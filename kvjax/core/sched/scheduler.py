@@ -51,7 +51,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import jax
@@ -62,8 +61,9 @@ from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core import kv_cache_utils as hashing
 from kvjax.core.sched.first_blocks import FirstBlocks
-from kvjax.core.sched.output import StepPlan
+from kvjax.core.sched.output import StepDraft, StepPlan
 from kvjax.core.sched.request import Request
+from kvjax.core.sched.stats import SchedulerStats, SinceLastStats
 from kvjax.core.sched.transition import FINISH_REASONS, DecodeRows, host_transition
 from kvjax.errors import KvjaxError
 from kvjax.kv_offload import connector
@@ -84,22 +84,6 @@ def _require(ok, message: str) -> None:
 def _devices(placement) -> list:
     """The devices a placement (a device, or a sharding) puts an array on."""
     return [placement] if isinstance(placement, jax.Device) else sorted(placement.device_set, key=lambda d: d.id)
-
-
-@dataclass
-class _Step:
-    """What one `schedule()` call has planned so far."""
-
-    budget: int  # tokens left in this step
-    # req_id -> (request, tokens this step, tokens computed before); in scheduling order, admissions last
-    scheduled: dict[str, tuple[Request, int, int]] = field(default_factory=dict)
-    preempted: list[str] = field(default_factory=list)
-    admitted: list[str] = field(default_factory=list)
-    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-
-    def take(self, reqs: list[Request], nums: list[int], starts: list[int]) -> None:
-        self.scheduled.update(zip((r.req_id for r in reqs), zip(reqs, nums, starts)))
-        self.budget -= sum(nums)
 
 
 class Scheduler:
@@ -129,6 +113,7 @@ class Scheduler:
                                        self.placement)  # get_computed_blocks' miss, as its outputs are placed
         self.num_preemptions = 0
         self._arrivals = 0
+        self._since = SinceLastStats()  # what happened since the last make_stats()
         # The host offload tier's index; the engine moves the bytes (kvjax.kv_offload.host_pages).
         self.tier = connector.HostTier(config.num_host_blocks, config.host_policy, self.placement, z,
                                        self.max_blocks) if config.num_host_blocks else None
@@ -179,7 +164,7 @@ class Scheduler:
         preempts every running request, last admitted first, so that they wait again in their
         admission order (vLLM's). reset_host also empties the host tier's index."""
         if reset_running:
-            step = _Step(budget=0)
+            step = StepDraft(budget=0)
             while self.running:
                 self._preempt(self.running[-1], step)
         state, ok = manager.reset_prefix_cache(self.state)
@@ -226,7 +211,7 @@ class Scheduler:
         heapq.heappush(self.free_slots, req.slot)
         req.slot = None
 
-    def _preempt(self, victim: Request, step: "_Step") -> None:
+    def _preempt(self, victim: Request, step: StepDraft) -> None:
         """Free all the victim's blocks (the pool resets its computed tokens), put it at the
         front of waiting, and give back any budget it had been given this step."""
         self.state, ok = manager.owned.free(self.state, victim.slot)
@@ -234,6 +219,7 @@ class Scheduler:
         self._leave_running(victim)
         victim.status, victim.num_preemptions = "waiting", victim.num_preemptions + 1
         self.num_preemptions += 1
+        self._since.preempted.append(victim.req_id)
         self.waiting.appendleft(victim)
         step.budget += step.scheduled.pop(victim.req_id, (victim, 0, 0))[1]
         step.preempted.append(victim.req_id)
@@ -242,7 +228,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan one engine step: running requests first (preempting until they fit), then, if
         nothing was preempted, admit waiting requests into what is left of the token budget."""
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = StepDraft(budget=self.config.max_num_batched_tokens)
+        self._since.used = None
         self._schedule_running(step, self._computed())
         if not step.preempted:
             self._admit_waiting(step)
@@ -253,7 +240,7 @@ class Scheduler:
         plan's seq_lens are these plus the tokens scheduled)."""
         return np.asarray(jax.device_get(self.state.reqs.num_computed))
 
-    def _schedule_running(self, step: "_Step", computed: np.ndarray) -> None:
+    def _schedule_running(self, step: StepDraft, computed: np.ndarray) -> None:
         """Give every running request min(its unscheduled tokens, remaining budget), in order.
         The batch is one `allocate_step`, which allocates up to the first refusal (all of it when
         `manager.step_fits` says it fits); `_preempt_for` resolves the refusal and the rest
@@ -282,7 +269,7 @@ class Scheduler:
             self._preempt_for(req := batch[stop], int(nums[stop]), int(starts[stop]), step)
             i = self.running.index(req) + 1 if req in self.running else len(self.running)
 
-    def _preempt_for(self, req: Request, n: int, start: int, step: "_Step") -> None:
+    def _preempt_for(self, req: Request, n: int, start: int, step: StepDraft) -> None:
         """Preempt (policy's victim first) until req's n tokens fit, or req itself is preempted."""
         while True:
             victim = max(self.running, key=self._key) if self.config.policy == "priority" else self.running[-1]
@@ -294,7 +281,7 @@ class Scheduler:
                 step.take([req], [n], [start])
                 return
 
-    def _admit_waiting(self, step: "_Step") -> None:
+    def _admit_waiting(self, step: StepDraft) -> None:
         """Admit waiting requests in order while rows and budget remain: prefix hits, then a
         chunk of the rest (all of it without chunked prefill). The first that does not fit stops."""
         cfg, z = self.config, self.config.block_size
@@ -323,6 +310,7 @@ class Scheduler:
             self.running.append(req)
             req.row, req.status = heapq.heappop(self.free_rows), "running"
             step.admitted.append(req.req_id)
+            self._since.prefix.record(req.num_tokens, (int(nh) + nx) * z, preempted=req.num_preemptions > 0)
             step.take([req], [n], [(int(nh) + nx) * z])
 
     # ------------------------------------------------------------------ taking a step's results back
@@ -396,6 +384,7 @@ class Scheduler:
             _require(ok, f"the pool refused to remove waiting request {req_id!r} from slot {req.slot}")
             self._release_slot(req)
         req.status = "finished"
+        self._since.finished.add(req_id)
 
     def _finish(self, req: Request, in_pool: bool = False) -> None:
         if not in_pool:  # else a device loop freed and removed it (apply_decode_steps' `taken`)
@@ -404,6 +393,7 @@ class Scheduler:
         self._leave_running(req)
         self._release_slot(req)
         req.status = "finished"
+        self._since.finished.add(req.req_id)
 
     def _leave_running(self, req: Request) -> None:
         """A running request stops running (finished or preempted): its batch row is free again."""
@@ -413,13 +403,23 @@ class Scheduler:
 
     def decode_steps(self, plan: StepPlan, run) -> tuple[list[str], object]:
         """Let a device loop run the decode plan and its next steps itself: run(pool state) →
-        (pool state, sampled i32[steps, B] per step and plan row, finish i32[B], extra). The
-        scheduler hands its pool to the loop and adopts what it returns (apply_decode_steps).
-        → (finished request ids, extra)."""
+        (pool state, sampled i32[steps, B] per step and plan row, finish i32[B], used i32[steps]
+        blocks in use after each step, extra), adopted (apply_decode_steps). → (finished ids, extra)."""
         if not plan.is_decode:
             raise SchedulerError("decode_steps needs a decode plan: one token per request, all sampling")
-        state, sampled, finish, extra = run(self.state)
-        return self.apply_decode_steps(plan, sampled, state, finish), extra
+        state, sampled, finish, used, extra = run(self.state)
+        finished = self.apply_decode_steps(plan, sampled, state, finish)
+        self._since.used = tuple(int(u) for u in used)
+        return finished, extra
+
+    def make_stats(self) -> SchedulerStats:
+        """The step that just ran as the engine reports it (vLLM's `make_stats`, kvjax.core.sched.stats):
+        queues and usage after it, blocks in use after each of its model steps (the device loop's
+        count, else the pool's now), and what happened since the last stats."""
+        usable, since = self.config.num_blocks - 1, self._since
+        return since.stats(running=len(self.running), waiting=len(self.waiting), usable=usable,
+                           used=since.used or (usable - self.num_free_blocks(),), host_hits=self.host_hit_tokens,
+                           host_in_use=self.host_blocks_in_use())
 
     def apply_decode_steps(self, plan: StepPlan, sampled, state: manager.KVCacheManager, finish,
                            taken=None) -> list[str]:
@@ -474,7 +474,7 @@ class Scheduler:
         for req, t, b in zip(reqs, tables, end):
             req.host_next = self.tier.store(req_hash[req.slot], req.host_next, int(b), t)
 
-    def _plan(self, step: "_Step") -> StepPlan:
+    def _plan(self, step: StepDraft) -> StepPlan:
         entries, n = step.scheduled.values(), len(step.scheduled)
         reqs = [r for r, _, _ in entries]
         slots, rows, prompt_lens, outputs, max_new, preemptions, stops, nums, starts = np.array(

@@ -5,9 +5,9 @@
 #   from vllm.engine.arg_utils import AsyncEngineArgs
 #     -> from kvjax.engine.arg_utils import AsyncEngineArgs
 #   from vllm.sampling_params import RequestOutputKind
-#     -> from kvjax.engine.sampling_params import RequestOutputKind
+#     -> from kvjax.sampling_params import RequestOutputKind
 #   from vllm.v1.engine.async_llm import AsyncLLM
-#     -> from kvjax.engine.async_llm import AsyncLLM
+#     -> from kvjax.v1.engine.async_llm import AsyncLLM
 #   model="meta-llama/Llama-3.2-1B-Instruct"
 #     -> model="small-gqa"
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
@@ -27,8 +27,8 @@ import asyncio
 
 from kvjax import SamplingParams
 from kvjax.engine.arg_utils import AsyncEngineArgs
-from kvjax.engine.sampling_params import RequestOutputKind
-from kvjax.engine.async_llm import AsyncLLM
+from kvjax.sampling_params import RequestOutputKind
+from kvjax.v1.engine.async_llm import AsyncLLM
 
 
 async def stream_response(engine: AsyncLLM, prompt: str, request_id: str) -> None:

@@ -3,7 +3,7 @@
 #   from vllm import LLM, EngineArgs
 #     -> from kvjax import LLM, EngineArgs
 #   from vllm.outputs import RequestOutput
-#     -> from kvjax.engine.outputs import RequestOutput
+#     -> from kvjax.outputs import RequestOutput
 #   from vllm.utils.argparse_utils import FlexibleArgumentParser
 #     -> from kvjax.utils.argparse_utils import FlexibleArgumentParser
 #   parser.set_defaults(model="meta-llama/Llama-3.2-1B-Instruct")
@@ -16,7 +16,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
 from kvjax import LLM, EngineArgs
-from kvjax.engine.outputs import RequestOutput
+from kvjax.outputs import RequestOutput
 from kvjax.utils.argparse_utils import FlexibleArgumentParser
 
 

@@ -3,7 +3,7 @@
 #   from vllm import LLM
 #     -> from kvjax import LLM
 #   from vllm.sampling_params import BeamSearchParams
-#     -> from kvjax.engine.beam_search import BeamSearchParams
+#     -> from kvjax.sampling_params import BeamSearchParams
 #   model="facebook/opt-125m"
 #     -> model="<tiny-bpe-llama-128>"
 #     a placeholder that the test replaces, when it loads this file, with the path of a checkpoint
@@ -13,7 +13,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from kvjax import LLM
-from kvjax.engine.beam_search import BeamSearchParams
+from kvjax.sampling_params import BeamSearchParams
 
 llm = LLM(model="<tiny-bpe-llama-128>")
 params = BeamSearchParams(beam_width=5, max_tokens=50)

@@ -3,7 +3,7 @@
 #   from vllm import LLM, SamplingParams
 #     -> from kvjax import LLM, SamplingParams
 #   from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
-#     -> from kvjax.engine.metrics import Counter, Gauge, Histogram, Vector
+#     -> from kvjax.v1.metrics.reader import Counter, Gauge, Histogram, Vector
 #   model="facebook/opt-125m"
 #     -> model="small-gqa"
 # Run in-process, its outputs checked, by tests/examples/test_vllm_examples.py.
@@ -11,7 +11,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
 from kvjax import LLM, SamplingParams
-from kvjax.engine.metrics import Counter, Gauge, Histogram, Vector
+from kvjax.v1.metrics.reader import Counter, Gauge, Histogram, Vector
 
 # Sample prompts.
 prompts = [
