@@ -14,15 +14,20 @@ from urllib.parse import urlsplit
 
 
 @contextlib.contextmanager
-def serving(**engine_args):
-    """(the AsyncLLM, the base URL) of a server built from these AsyncEngineArgs; shut down after."""
+def serving(api_key=None, enable_prompt_tokens_details=False, enable_request_id_headers=False,
+            enable_per_request_metrics=False, **engine_args):
+    """(the AsyncLLM, the base URL) of a server built from these AsyncEngineArgs (api_key: the keys its
+    /v1 routes require, as `kvjax serve --api-key`; enable_*: as its flags); shut down after."""
     import uvicorn
 
     from kvjax import AsyncEngineArgs, AsyncLLM
     from kvjax.entrypoints.openai.api_server import build_app
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    app = build_app(engine, api_key=api_key, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                    enable_request_id_headers=enable_request_id_headers,
+                    enable_per_request_metrics=enable_per_request_metrics)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     end = time.time() + 60
@@ -35,6 +40,52 @@ def serving(**engine_args):
         srv.should_exit = True
         thread.join(30)
         engine.shutdown()
+
+
+class RemoteOpenAIServer:
+    """vLLM's tests.utils.RemoteOpenAIServer for the ported vLLM tests: `kvjax serve MODEL *cli_args`, the
+    arguments read by kvjax's own serve parser, run in-process by serving(); url_for and the clients."""
+
+    def __init__(self, model: str, cli_args: list[str]):
+        import argparse
+        import dataclasses
+
+        from kvjax import AsyncEngineArgs
+        from kvjax.commands import serve
+
+        parser = argparse.ArgumentParser()
+        serve.add_parser(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(["serve", model, *cli_args])
+        serve.resolve_model(args)
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        self._serving = serving(api_key=args.api_key, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                                enable_request_id_headers=args.enable_request_id_headers,
+                                enable_per_request_metrics=args.enable_per_request_metrics,
+                                **{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)
+                                   if f.init})
+
+    def __enter__(self):
+        self.engine, self.url = self._serving.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._serving.__exit__(*exc)
+
+    def url_for(self, *parts: str) -> str:
+        return "/".join([self.url, *(p.strip("/") for p in parts)])
+
+    def get_client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url_for("v1"), api_key="unused", max_retries=0, **{"timeout": 600, **kwargs})
+
+    def get_async_client(self, **kwargs):
+        """An AsyncOpenAI client that keeps no connection open (`Connection: close`): vLLM's tests leave
+        some unclosed, and one collected later in another test's event loop would fail that test."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key="unused", max_retries=0,
+                                  **{"timeout": 600, "default_headers": {"Connection": "close"}, **kwargs})
 
 
 def http(url: str, body: dict | None = None) -> tuple[int, dict[str, str], str]:

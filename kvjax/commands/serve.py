@@ -2,6 +2,7 @@
 
     kvjax serve small-gqa --port 8000 --num-gpu-blocks-override 64 --max-num-seqs 4
     kvjax serve --model PATH --chat-template template.jinja --served-model-name my-model
+    KVJAX_API_KEY=secret kvjax serve small-gqa --host 0.0.0.0   # clients send Authorization: Bearer secret
 
 MODEL (or --model) is what EngineArgs' `model` takes; the engine flags are the one table's
 (kvjax.engine.cli_args), read back with AsyncEngineArgs.from_cli_args and resolved before the
@@ -25,6 +26,16 @@ def add_parser(sub) -> None:
                    help="the model id clients ask for (default: MODEL)")
     p.add_argument("--chat-template", dest="chat_template", metavar="TEMPLATE",
                    help="the chat template (a file or its text) instead of the checkpoint's")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in replies (vLLM's flag)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="an X-Request-Id header on every response (the request's own, else a random one; vLLM's flag)")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="each reply's timings (time to first token, queue, generation, tokens/s) in its `metrics` "
+                        "field (vLLM's flag)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (one of these keys) on every /v1 route, as vLLM's "
+                        "--api-key (default: $KVJAX_API_KEY, else $VLLM_API_KEY; none: open)")
     add_engine_flags(p, tuple(FLAGS), "engine arguments (vLLM's EngineArgs: kvjax.engine.cli_args)",
                      defaults={"model": None}, helps={"model": "the model, when MODEL is not given (small-gqa)"})
 
@@ -40,6 +51,9 @@ def run(args) -> int:
     from kvjax.entrypoints.openai.api_server import run_server
 
     resolve_model(args)
+    if args.enable_per_request_metrics and args.disable_log_stats:  # vLLM's validate_parsed_serve_args
+        raise UsageError("--enable-per-request-metrics requires engine statistics logging; remove "
+                         "--disable-log-stats to enable per-request metrics.")
     try:  # every engine rule before the server starts: a bad flag is one line, not a dead server
         AsyncEngineArgs.from_cli_args(args).create_engine_config()
     except KvjaxError as e:

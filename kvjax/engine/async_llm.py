@@ -120,6 +120,8 @@ class AsyncLLM:
         try:
             while True:
                 block = not engine.has_unfinished_requests()
+                if block:  # the last request finished or was aborted: vLLM's gauges read an idle engine
+                    engine.engine.metrics.record_idle()
                 command = self._inbox.get() if block else self._next_command()
                 while command is not None:
                     if command[0] == "stop":

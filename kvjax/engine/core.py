@@ -57,8 +57,9 @@ from kvjax.engine import processor, sampling
 from kvjax.engine import steps as device
 from kvjax.engine.outputs import EngineRun, RequestResult, token_logprobs
 from kvjax.engine.sampling import SamplingParams
-from kvjax.engine.metrics import EngineMetrics, FinishedRequest
+from kvjax.engine.metrics import EngineMetrics, FinishedRequest, cache_config_info
 from kvjax.engine.stats import RunStats, StepLog, Summary
+from kvjax.engine.structured_output import Grammar, StructuredOutputError, StructuredOutputManager
 from kvjax.errors import INT32_MAX, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
@@ -81,7 +82,7 @@ class _Active:
     scheduled: float | None = None  # when it was first scheduled (vLLM's scheduled_ts; not moved by preemption)
     last_token: float | None = None  # when its last tokens came out
     cut: int | None = None  # its output's length when the model's logits stopped being finite ("error")
-
+    grammar: Grammar | None = None  # its structured output's matcher (kvjax.engine.structured_output)
 
 
 # ----------------------------------------------------------------------------------- the engine
@@ -136,6 +137,8 @@ class Engine:
         self.step_log: StepLog | None = None  # set one to record every step (kvjax bench serve, experiments)
         self.last_step_tokens = 0  # tokens the last step generated
         self.metrics = EngineMetrics(config.model, config.max_model_len)  # vLLM's, over the engine's life
+        self.metrics.log_metrics_info(cache_config_info(config))  # the pool is sized: vLLM logs it now
+        self.structured = StructuredOutputManager(tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _make_cache(self):
         """A thunk that creates the one-device KV cache (pages, or contiguous rows)."""
@@ -182,7 +185,10 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str | None, int]:
         """(why the request is refused or None, tokens it may generate): kvjax.engine.processor."""
-        return processor.check_request(prompt, params, self.limits)
+        error, new = processor.check_request(prompt, params, self.limits)
+        if error is None and params.structured_outputs is not None:  # a grammar that does not compile
+            error = self.structured.check(params.structured_outputs)
+        return error, new
 
     def num_logprobs(self, params: SamplingParams) -> int:
         return processor.num_logprobs(params, self.vocab_size)
@@ -209,6 +215,10 @@ class Engine:
         error, new = self.check_request(prompt, params)
         if error is not None:
             raise EngineError(error)
+        try:  # its own matcher (kvjax.engine.structured_output), before anything is queued
+            grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise EngineError(str(e)) from None
         self.scheduler.add_request(request_id, prompt, new, priority=int(priority),
                                    stop_ids=params.stop_ids(self.eos_token_ids))
         res = RequestResult(request_id, len(prompt), [], None if params.logprobs is None else [])
@@ -216,7 +226,7 @@ class Engine:
         self._next_request += 1
         self._rows_cache = None  # an id may come back with other params
         self._active[request_id] = _Active(params, key, res, time.perf_counter() if arrival_time is None
-                                           else arrival_time)
+                                           else arrival_time, grammar=grammar)
         if self._run is not None:
             self._run.results.append(res)
         return res
@@ -251,28 +261,24 @@ class Engine:
         sched, host = self.scheduler, self.host_pages
         if not sched.has_unfinished():
             return []
-        t0, preemptions = time.perf_counter(), sched.num_preemptions
+        t0 = time.perf_counter()
         plan = sched.schedule()
         if plan.num_requests == 0:
             raise SchedulerError("the scheduler planned an empty step with requests unfinished")
-        queried = hits = 0
         for i in np.flatnonzero(plan.admitted):  # vLLM's num_cached_tokens: the prefix hit when first scheduled
             if plan.num_preemptions[i] == 0:
                 a = self._active[plan.req_ids[i]]
                 a.scheduled, a.result.num_cached_tokens = t0, int(plan.seq_lens[i] - plan.num_scheduled[i])
-                queried, hits = queried + int(plan.num_tokens[i]), hits + a.result.num_cached_tokens
+                a.result.scheduled_s = t0 - a.arrival
         if len(plan.loads):  # host tier hits: copied in before the step that reads them
             self.cache = host.load(self.cache, plan.loads[:, 0], plan.loads[:, 1])
             sched.loads_done(plan)
-        if plan.is_decode:
-            steps, used, finished, chosen = self._decode_call(sched, plan)
-        else:
-            steps, finished, chosen = self._ragged_call(sched, plan)
-            used = [self.usable_blocks - sched.num_free_blocks()]
+        steps, finished, chosen = (self._decode_call if plan.is_decode else self._ragged_call)(sched, plan)
         finished += self._output_checks(sched, plan, chosen, finished)
         if host is not None:  # blocks this step computed in full, copied out without waiting
             stores = sched.take_stores()
             host.store(self.cache, [b for b, _ in stores], [s for _, s in stores])
+        stats = sched.make_stats()  # what the step did, as the scheduler reports it (vLLM's SchedulerStats)
         now, changed, prompts, ttfts, itls = time.perf_counter(), [], [0, 0], [], []
         for rid, do in zip(plan.req_ids, plan.sample):
             a = self._active[rid]
@@ -294,14 +300,11 @@ class Engine:
                 changed.append(res)
         self.last_step_tokens = sum(r.new_tokens for r in changed)
         self.metrics.record_latencies(ttfts, itls)
-        self.metrics.record_step(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                                 kv_cache_usage=used[-1] / self.usable_blocks,  # the step's, no device read
-                                 prefix_cache_queries=queried, prefix_cache_hits=hits,
-                                 num_preemptions=sched.num_preemptions - preemptions, num_prompt_tokens=prompts[0],
-                                 num_cached_prompt_tokens=prompts[1], num_generation_tokens=self.last_step_tokens)
+        self.metrics.record(stats, num_prompt_tokens=prompts[0], num_cached_prompt_tokens=prompts[1],
+                            num_generation_tokens=self.last_step_tokens)
         for observer in (self._run, self.step_log):  # a run's Summary, a per-step record (kvjax.engine.stats)
             if observer is not None:
-                observer.observe(self, plan, t0, time.perf_counter(), steps, used, sched.num_preemptions - preemptions)
+                observer.observe(self, plan, t0, time.perf_counter(), steps, stats)
         return changed
 
     def _close(self, rid: str, now: float | None = None) -> RequestResult:
@@ -395,12 +398,15 @@ class Engine:
         requests they finished; one that finished anyway takes their reason."""
         ended, suspect = [], not np.isfinite(chosen).all()  # one test a step; per request when it fails
         for rid, row, do in zip(plan.req_ids, plan.rows, plan.sample):
-            if not do or not (suspect or self._active[rid].params.stop):
+            a = self._active[rid]
+            if not do or not (suspect or a.params.stop or a.grammar is not None):
                 continue
-            a, output = self._active[rid], sched.output(rid)
+            output = sched.output(rid)
             reason = processor.non_finite(a, output, chosen[:, row]) if suspect else None
             if reason is None and a.params.stop and not (rid in finished and sched.finish_reason(rid) == "stop"):
                 reason = processor.stop_string(a, output, self.tokenizer)
+            if reason is None and a.grammar is not None and rid not in finished:  # the matcher takes the token
+                reason = a.grammar.advance(output, rid)
             if reason is not None and rid not in finished:
                 sched.finish_request(rid, reason)
                 ended.append(rid)
@@ -414,12 +420,15 @@ class Engine:
         if self._rows_cache is not None and self._rows_cache[0] == key:
             return self._rows_cache[1]
         b, sched = self.config.max_num_seqs, self.scheduler
-        params, keys, prompts, outputs = [None] * b, [None] * b, [()] * b, [()] * b
-        for rid, row in zip(plan.req_ids, rows):
-            params[row], keys[row], prompts[row], outputs[row] = (self._active[rid].params, self._active[rid].key,
-                                                                  sched.prompt(rid), sched.output(rid))
-        built = sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size)
-        reads_output = any(p is not None and (p.has_penalties or p.bad_words_token_ids) for p in params)
+        params, keys, prompts, outputs, grammars = [None] * b, [None] * b, [()] * b, [()] * b, [None] * b
+        for rid, row in zip(plan.req_ids, rows):  # grammars: structured outputs' matchers, for this step's masks
+            a = self._active[rid]
+            params[row], keys[row], prompts[row], outputs[row], grammars[row] = (
+                a.params, a.key, sched.prompt(rid), sched.output(rid), a.grammar)
+        bitmask = self.structured.bitmask(grammars) if any(g is not None for g in grammars) else None
+        built = sampling.SamplingRows.build(params, keys, prompts, outputs, self.eos_token_ids, self.vocab_size, bitmask)
+        reads_output = bitmask is not None or any(p is not None and (p.has_penalties or p.bad_words_token_ids)
+                                                  for p in params)
         if self.mesh is None:
             built = jax.device_put(built)
         self._rows_cache = None if reads_output else (key, built)
@@ -461,7 +470,7 @@ class Engine:
                 self._record(rid, jax.tree.map(lambda x: x[None], sampled), row, 0)
         return 1, sched.update(plan, sampled.tokens[rows]), sampled.logprobs[None]
 
-    def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[int], list[str], np.ndarray]:
+    def _decode_call(self, sched: Scheduler, plan: StepPlan) -> tuple[int, list[str], np.ndarray]:
         cfg, z, k = self.config, self.config.block_size, self.config.steps_per_call
         b = cfg.max_num_seqs
         # A step that preempted skipped admission (vLLM does too): the next one may admit. Stop
@@ -482,10 +491,10 @@ class Engine:
                 np.int32(max_steps), num_steps=k, width=width, num_logprobs=num_logprobs, layer_groups=self.layer_groups)
             out, steps, used, finish, refusal = jax.device_get((out, steps, used, finish, refusal))  # one transfer
             device.raise_refusal(plan, rows, refusal)
-            return pool, out.tokens[:steps][:, rows], finish[rows], (out, int(steps), used)
+            return pool, out.tokens[:steps][:, rows], finish[rows], used[:steps], (out, int(steps))
 
-        finished, (out, steps, used) = sched.decode_steps(plan, run)
+        finished, (out, steps) = sched.decode_steps(plan, run)
         for rid, row in zip(plan.req_ids, rows):
             self._record(rid, out, row, slice(0, steps))
-        return steps, [int(u) for u in used[:steps]], finished, out.logprobs
+        return steps, finished, out.logprobs
 

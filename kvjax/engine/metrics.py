@@ -15,7 +15,12 @@ speculative decoding (vllm:spec_decode_*), LoRA (vllm:lora_requests_info), the m
 vllm:num_requests_kv_fetch_by_stage and the connectors' own), frontend admission limits
 (vllm:admission_rejections), MFU estimates (vllm:estimated_*_per_gpu_total), NaN-logit and
 watermark counts (vllm:corrupted_requests, vllm:watermark_requests), the opt-in KV block residency
-histograms (vllm:kv_block_*_seconds), vllm:cache_config_info and `--custom-histogram-buckets`.
+histograms (vllm:kv_block_*_seconds) and `--custom-histogram-buckets`.
+
+vllm:cache_config_info (vLLM's `log_metrics_info`, registered once the pool is sized, so after every
+other family) is a gauge fixed at 1 whose labels are the cache config as strings and the engine
+index, without model_name: `cache_config_info(config)` computes them, `EngineMetrics.log_metrics_info`
+records them, and both get_metrics() and render_prometheus() report it last.
 """
 from __future__ import annotations
 
@@ -105,6 +110,8 @@ class _Family:
 def _hist(name: str, help: str, buckets) -> _Family:
     return _Family(name, "histogram", help, buckets=buckets)
 
+
+_INFO_NAME, _INFO_HELP = "vllm:cache_config_info", "Information of the LLMEngine CacheConfig"
 
 # PrometheusStatLogger.__init__'s registration order, which is get_metrics()'s order.
 _LATENCY, _ITL, _TOKENS = REQUEST_LATENCY_BUCKETS, INTER_TOKEN_LATENCY_BUCKETS, "request_tokens"
@@ -233,8 +240,27 @@ class EngineMetrics:
                 self._values[(f.name, v)] = 0
         # vLLM's record_sleep_state() default; kvjax never sleeps.
         self._values[("vllm:engine_sleep_state", "awake")] = 1
+        self._info: dict[str, str] | None = None  # vllm:cache_config_info's labels, once logged
+
+    def log_metrics_info(self, cache_config_labels: dict[str, str]) -> None:
+        """vLLM's log_metrics_info("cache_config", ...): vllm:cache_config_info set to 1 with these labels
+        (`cache_config_info(config)`) and the engine index."""
+        with self._lock:
+            self._info = {**{k: str(v) for k, v in cache_config_labels.items()}, "engine": str(self.engine_index)}
 
     # ---- recording (the engine thread) ------------------------------------------------------
+
+    def record(self, scheduler_stats, *, num_prompt_tokens: int = 0, num_cached_prompt_tokens: int = 0,
+               num_generation_tokens: int = 0) -> None:
+        """One engine step as vLLM's PrometheusStatLogger.record takes it: the scheduler's stats
+        (kvjax.core.sched.stats.SchedulerStats: queues, usage, the first lookups of the prefix
+        cache, preemptions) and the step's IterationStats counts (`record_step`)."""
+        prefix = scheduler_stats.prefix_cache_stats
+        self.record_step(num_running=scheduler_stats.num_running_reqs, num_waiting=scheduler_stats.num_waiting_reqs,
+                         kv_cache_usage=scheduler_stats.kv_cache_usage, prefix_cache_queries=prefix.queries,
+                         prefix_cache_hits=prefix.hits, num_preemptions=scheduler_stats.num_preempted_reqs,
+                         num_prompt_tokens=num_prompt_tokens, num_cached_prompt_tokens=num_cached_prompt_tokens,
+                         num_generation_tokens=num_generation_tokens)
 
     def record_step(self, *, num_running: int, num_waiting: int, kv_cache_usage: float,
                     prefix_cache_queries: int = 0, prefix_cache_hits: int = 0, num_preemptions: int = 0,
@@ -280,6 +306,16 @@ class EngineMetrics:
             v[("vllm:prompt_tokens_cached", None)] += num_cached_prompt_tokens
             v[("vllm:generation_tokens", None)] += num_generation_tokens
             self._observe("vllm:iteration_tokens_total", computed + num_generation_tokens)
+
+    def record_idle(self) -> None:
+        """The gauges once the engine has no request left (AsyncLLM calls it before it waits for work):
+        nothing running or waiting, no KV block held (cached blocks are free, as vLLM counts them), as
+        vLLM's gauges read after its last request finished or was aborted."""
+        with self._lock:
+            for key in (("vllm:num_requests_running", None), ("vllm:num_requests_waiting", None),
+                        ("vllm:num_requests_waiting_by_reason", "capacity")):
+                self._values[key] = 0
+            self._values[("vllm:kv_cache_usage_perc", None)] = 0.0
 
     def record_first_token(self, ttft: float) -> None:
         """A request's first token: seconds from its arrival to the step that produced it. Once per
@@ -352,6 +388,8 @@ class EngineMetrics:
                     value = self._values[(f.name, lv)]
                     out.append(Counter(f.name, labels, int(value)) if f.kind == "counter"
                                else Gauge(f.name, labels, float(value)))
+            if self._info is not None:
+                out.append(Gauge(_INFO_NAME, dict(self._info), 1.0))
         return out
 
     def render_prometheus(self) -> str:
@@ -359,7 +397,8 @@ class EngineMetrics:
         prometheus_client's generate_latest writes for vLLM's: counters as `<name>_total`, and each
         counter's and histogram's `<name>_created` series after it."""
         lines: list[str] = []
-        for f, (_, group) in zip(_FAMILIES, itertools.groupby(self.snapshot(), key=lambda m: m.name)):
+        snap = self.snapshot()
+        for f, (_, group) in zip(_FAMILIES, itertools.groupby(snap, key=lambda m: m.name)):
             mine = list(group)
             name = f.name + "_total" if f.kind == "counter" else f.name
             lines += [f"# HELP {name} {_escape(f.help, quote=False)}", f"# TYPE {name} {f.kind}"]
@@ -373,7 +412,27 @@ class EngineMetrics:
                 created = f.name + "_created"
                 lines += [f"# HELP {created} {_escape(f.help, quote=False)}", f"# TYPE {created} gauge"]
                 lines += [_sample(created, m.labels, self._created) for m in mine]
+        info = [m for m in snap if m.name == _INFO_NAME]
+        if info:
+            lines += [f"# HELP {_INFO_NAME} {_INFO_HELP}", f"# TYPE {_INFO_NAME} gauge",
+                      _sample(_INFO_NAME, info[0].labels, info[0].value)]
         return "\n".join(lines) + "\n"
+
+
+def cache_config_info(config) -> dict[str, str]:
+    """vllm:cache_config_info's labels of a resolved EngineConfig (vLLM's CacheConfig.metrics_info: each
+    field as a string), with the capacity vLLM fills in after sizing the pool
+    (kv_cache_utils.get_kv_cache_capacity): kv_cache_max_concurrency = usable blocks / the blocks a
+    max_model_len request holds (summed over the KV cache groups), kv_cache_size_tokens = that x
+    max_model_len, floored."""
+    cache, m = config.cache_config, config.max_model_len
+    concurrency = (config.num_blocks - 1) / config.request_blocks(m)  # the null block is not usable
+    labels = {"block_size": cache.block_size, "cache_dtype": cache.kv_spec.kv_dtype,
+              "enable_prefix_caching": cache.enable_prefix_caching,
+              "gpu_memory_utilization": cache.gpu_memory_utilization, "kv_offloading_size": cache.kv_offloading_size,
+              "num_cpu_blocks": cache.num_host_blocks or None, "num_gpu_blocks": config.num_blocks,
+              "kv_cache_size_tokens": int(concurrency * m), "kv_cache_max_concurrency": concurrency}
+    return {k: str(v) for k, v in labels.items()}
 
 
 def _go_float(x: float) -> str:

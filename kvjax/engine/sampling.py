@@ -5,6 +5,8 @@ The sampler works on a whole step at once, one row per request, each row's param
 arrays (`SamplingRows`), so a batch that mixes greedy and sampled requests compiles once. It
 follows vLLM's `Sampler.forward` order:
 
+    structured outputs: tokens the grammar's bitmask leaves out → −inf  (vLLM masks the model's
+                  logits before its sampler, so the log-probabilities are of the masked ones)
     raw log-probs = log_softmax(logits)                           (what logprobs report)
     allowed_token_ids: every other token → −inf
     bad words:    a word's last token → −inf when the output so far ends with its other tokens
@@ -42,7 +44,8 @@ schedule.
 Log-probabilities are the model's raw distribution (vLLM V1's default `raw_logprobs`), before
 any of the steps above; a token's rank is the number of vocabulary entries with a
 log-probability >= its own (vLLM's `batched_count_greater_than`), so the most likely token has
-rank 1.
+rank 1. Trace replay (vLLM's `trace_decode_token_ids`, `replay_trace`) replaces a row's drawn
+token with its trace's next one before they are read, so they are the forced token's.
 
 Axes: the kvjax package docstring's legend; `bias`, `allowed`, `words` and `length` are the
 padded widths of a step's logit biases, allowed ids, bad words and bad-word tokens.
@@ -129,12 +132,17 @@ class SamplingRows:
     allowed_ids: jax.Array | None = None  # i32[B, allowed] allowed_token_ids (-1 padding; all -1: no limit)
     bad_ids: jax.Array | None = None  # i32[B, words, length] bad words, right-aligned (see _bad_words)
     recent: jax.Array | None = None  # i32[B, length - 1] the last output tokens, right-aligned (-1: none)
+    token_bitmask: jax.Array | None = None  # i32[B, cdiv(V, 32)] structured outputs: bit t % 32 of word t // 32 = allowed
+    trace_ids: jax.Array | None = None  # i32[B, trace] trace replay: the output tokens each row emits (-1 padding)
+    trace_start: jax.Array | None = None  # i32[B] the position its first output token takes (its prompt's length)
 
     @staticmethod
     def build(params: Sequence[SamplingParams | None], keys, prompts: Sequence[Sequence[int]],
-              outputs: Sequence[Sequence[int]], eos_token_ids: Sequence[int], vocab_size: int) -> "SamplingRows":
+              outputs: Sequence[Sequence[int]], eos_token_ids: Sequence[int], vocab_size: int,
+              token_bitmask: np.ndarray | None = None) -> "SamplingRows":
         """Rows from each row's params (None = an empty row), key u32[2], prompt and output so far.
-        A row with bad_words needs `update_from_tokenizer` to have run on its params."""
+        A row with bad_words needs `update_from_tokenizer` to have run on its params. token_bitmask:
+        the structured outputs' masks of this step (kvjax.engine.structured_output; None: no row has one)."""
         b = len(params)
         f32 = lambda v: np.full(b, v, np.float32)  # noqa: E731
         temp, top_p, min_p, pres, freq, rep = f32(0), f32(1), f32(0), f32(0), f32(0), f32(1)
@@ -166,7 +174,8 @@ class SamplingRows:
         bad_ids, recent = _bad_words(words, outputs) if any(words) else (None, None)
         return SamplingRows(key_rows, temp, top_k, top_p, min_p, banned, min_position, pres, freq, rep,
                             prompt_mask, counts, bias_ids, bias_values,
-                            _padded(allowed, -1, np.int32) if any(allowed) else None, bad_ids, recent)
+                            _padded(allowed, -1, np.int32) if any(allowed) else None, bad_ids, recent,
+                            token_bitmask, **_trace_rows(params, prompts))
 
     def add_tokens(self, tokens: jax.Array, mask: jax.Array) -> "SamplingRows":
         """The rows after appending tokens i32[B] where mask bool[B]: the output counts grow and
@@ -193,11 +202,45 @@ class Sampled:
     top_logprobs: jax.Array  # f32[B, J]
 
 
+def _trace_rows(params: Sequence[SamplingParams | None], prompts: Sequence[Sequence[int]]) -> dict:
+    """SamplingRows' trace replay fields: each row's trace_decode_token_ids (padded with -1) and
+    its prompt's length; none when no row replays a trace."""
+    traces = [(p.trace_decode_token_ids or []) if p is not None else [] for p in params]
+    if not any(traces):
+        return {}
+    return dict(trace_ids=_padded(traces, -1, np.int32), trace_start=np.array([len(t) for t in prompts], np.int32))
+
+
+def replay_trace(tokens: jax.Array, rows: SamplingRows, positions: jax.Array) -> jax.Array:
+    """vLLM's trace replay (`apply_trace_tokens`): a row with a trace emits its next trace token
+    instead of the one it sampled, the trace's k-th token at output position k (positions i32[B]
+    minus the prompt's length: it depends on no schedule, so a preempted request recomputes into
+    the same tokens). The log-probabilities and ranks are then the forced token's, from the same
+    distribution. tokens i32[B]."""
+    if rows.trace_ids is None:
+        return tokens
+    k = positions - rows.trace_start  # i32[B] the output index of each row's new token
+    width = rows.trace_ids.shape[1]
+    forced = jnp.take_along_axis(rows.trace_ids, jnp.clip(k, 0, width - 1)[:, None], axis=1)[:, 0]
+    return jnp.where((k >= 0) & (k < width) & (forced >= 0), forced, tokens)
+
+
 def _scatter(logits: jax.Array, ids: jax.Array, where: jax.Array | None = None):
     """(row index i32[B, 1], column ids i32[B, n]) for `.at[]`: padding (id < 0), and ids not
     selected by where bool[B, n], point past the vocabulary, so that mode="drop" skips them."""
     ok = ids >= 0 if where is None else (ids >= 0) & where
     return jnp.arange(logits.shape[0])[:, None], jnp.where(ok, ids, logits.shape[1])
+
+
+def mask_grammar(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """Tokens a structured output's grammar does not allow next → −inf (vLLM's
+    `apply_grammar_bitmask`, on the model's logits before the sampler). logits f32[B, V]."""
+    if rows.token_bitmask is None:
+        return logits
+    ids = jnp.arange(logits.shape[1])
+    words = jnp.asarray(rows.token_bitmask)[:, ids // 32]  # i32[B, V] each token's word
+    allowed = ((words >> (ids % 32)) & 1).astype(bool)  # arithmetic shift: bit 31 of a negative word reads as 1
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def mask_allowed(logits: jax.Array, rows: SamplingRows) -> jax.Array:
@@ -285,7 +328,7 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
     recompile; `lax.cond`s skip the draw when every row is greedy (the B × V threefry numbers
     cost ~8× the argmax on a CPU) and the sort when no row filters.
     """
-    logits = logits.astype(jnp.float32)
+    logits = mask_grammar(logits.astype(jnp.float32), rows)  # before the log-probabilities, as vLLM masks
     raw = jax.nn.log_softmax(logits, axis=-1)
     logits = process_logits(logits, rows, positions)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -301,7 +344,7 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
         return jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(sampling), draw, lambda lg: greedy, logits)
-    tokens = jnp.where(sampling, drawn, greedy)
+    tokens = replay_trace(jnp.where(sampling, drawn, greedy), rows, positions)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)  # [B, 1]
     ranks = (raw >= chosen).sum(axis=-1).astype(jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)

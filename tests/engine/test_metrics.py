@@ -481,6 +481,13 @@ class VllmReference:
         if r.max_tokens_param:
             m["vllm:request_params_max_tokens"][None].observe(r.max_tokens_param)
 
+    def log_metrics_info(self, prom, labels):
+        """vLLM's log_metrics_info("cache_config", ...): a gauge registered after the others, set to 1."""
+        info = {**labels, "engine": ""}
+        gauge = prom.Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                           labelnames=info.keys(), registry=self.registry)
+        gauge.labels(**{**labels, "engine": "0"}).set(1)
+
     def snapshot(self):
         """vLLM's reader.py get_metrics_snapshot() over this registry, restated."""
         out = []
@@ -518,6 +525,9 @@ def test_same_text_and_snapshot_as_prometheus_client(model_name, max_model_len):
     feed_reference(ref)
     m = EngineMetrics(model_name, max_model_len=max_model_len)
     record_events(m)
+    info = {"block_size": "16", "cache_dtype": "auto", "kv_cache_max_concurrency": "2.5", "num_cpu_blocks": "None"}
+    ref.log_metrics_info(prom, info)
+    m.log_metrics_info(info)
     # The `_created` lines carry each side's own creation time; everything else must match exactly.
     strip = lambda text: [ln for ln in text.splitlines() if "_created" not in ln]  # noqa: E731
     ours, theirs = m.render_prometheus(), prom.generate_latest(ref.registry).decode()

@@ -192,8 +192,9 @@ def test_defaults_are_vllms():
                 top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False, max_tokens=16,
                 min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True, skip_special_tokens=True,
                 spaces_between_special_tokens=True, include_stop_str_in_output=False,
-                output_kind=RequestOutputKind.CUMULATIVE, skip_clone=False, logit_bias=None, allowed_token_ids=None,
-                bad_words=[], _bad_words_token_ids=None)
+                output_kind=RequestOutputKind.CUMULATIVE, skip_clone=False, structured_outputs=None,
+                logit_bias=None, allowed_token_ids=None,
+                bad_words=[], _bad_words_token_ids=None, trace_decode_token_ids=None)
     sp = SamplingParams()
     assert {k: getattr(sp, k) for k in vllm} == vllm
     assert [f.name for f in dataclasses.fields(SamplingParams)] == list(vllm)  # vLLM's order
@@ -214,37 +215,44 @@ def test_vllms_normalisations():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(max_tokens=0), "max_tokens must be an integer in [1, 2147483647], got 0"),
+    (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),  # vLLM's words where vLLM has the rule
     (dict(max_tokens=2.5), "max_tokens must be an integer in [1, 2147483647], got 2.5"),
-    (dict(temperature=-1), "temperature must be in [0, 2]"),
-    (dict(temperature=2.5), "temperature must be in [0, 2]"),
-    (dict(temperature=float("nan")), "temperature must be in [0, 2]"),
-    (dict(top_k=-2), "top_k must be an integer in [-1, 2147483647]"),
-    (dict(top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(temperature=-1), "temperature must be non-negative, got -1."),
+    (dict(temperature=2.5), "temperature must be in [0, 2], got 2.5."),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan."),
+    (dict(top_k=-2), "top_k must be 0 (disable), or at least 1, got -2."),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0."),
     (dict(top_p=1.5), "top_p must be in (0, 1]"),
     (dict(min_p=1.5), "min_p must be in [0, 1]"),
     (dict(presence_penalty=3), "presence_penalty must be in [-2, 2]"),
     (dict(frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2]"),
-    (dict(repetition_penalty=0), "repetition_penalty must be a finite number > 0"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=0), "repetition_penalty must be greater than zero, got 0.0."),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number, got inf."),
     (dict(seed=-3), "seed must be an integer in [0, 4294967295]"),
     (dict(seed=2**32), "seed must be an integer in [0, 4294967295]"),  # JAX keeps 32 bits: it would alias seed 0
     (dict(top_k=2**40), "top_k must be an integer in [-1, 2147483647]"),
     (dict(stop_token_ids=[2**70]), "a stop token id must be an integer in [0, 2147483647]"),
-    (dict(n=0), "n must be an integer in [1, 16384]"),
-    (dict(n=2, temperature=0), "n must be 1 when using greedy sampling"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens must be an integer in [0, 10]"),
-    (dict(stop=["a", ""]), "stop must be a non-empty string or a list of them"),
-    (dict(stop=["x"], detokenize=False), "stop strings need detokenize=True"),
+    (dict(n=0), "n must be at least 1, got 0."),
+    (dict(n=2, temperature=0), "n must be 1 when using greedy sampling, got 2."),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens must be less than or equal to max_tokens=10, got 20."),
+    (dict(min_tokens=-1), "min_tokens must be greater than or equal to 0, got -1."),
+    (dict(stop=["a", ""]), "stop cannot contain an empty string."),
+    (dict(stop=[3]), "stop must be a non-empty string or a list of them"),
+    (dict(stop=["x"], detokenize=False),
+     "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."),
     (dict(stop_token_ids=[1, -2]), "a stop token id must be an integer in [0, 2147483647], got -2"),
     (dict(stop_token_ids="12"), "stop_token_ids must be a sequence of token ids"),
     (dict(ignore_eos=1), "ignore_eos must be True or False"),
-    (dict(logprobs=-2), "logprobs must be an integer in [-1, 2147483647]"),
-    (dict(prompt_logprobs=-5), "prompt_logprobs must be an integer in [-1, 2147483647]"),
+    (dict(logprobs=-2), "logprobs must be non-negative or -1, got -2."),
+    (dict(prompt_logprobs=-5), "prompt_logprobs must be non-negative or -1, got -5."),
+    (dict(logprobs=2**40), "logprobs must be an integer in [-1, 2147483647]"),  # kvjax's: int32 ids
     (dict(skip_special_tokens=False, spaces_between_special_tokens=False),
      "spaces_between_special_tokens=False with skip_special_tokens=False is not implemented"),
     (dict(spaces_between_special_tokens=0), "spaces_between_special_tokens must be True or False"),
-    (dict(structured_outputs={"regex": "a+"}), "SamplingParams(structured_outputs=...): structured outputs are not"),
+    (dict(structured_outputs={"regex": "a+", "choice": ["a"]}),
+     "You can only use one kind of structured outputs constraint but multiple are specified"),
+    (dict(structured_outputs={"regexp": "a+"}), "structured_outputs has no option 'regexp'"),
+    (dict(logits_processors=[print]), "SamplingParams(logits_processors=...): custom logits processors are not"),
     (dict(stream_interval=2), "SamplingParams(stream_interval=...): streaming outputs are not implemented"),
     (dict(temprature=0.5), "SamplingParams has no parameter 'temprature'"),
 ])

@@ -148,7 +148,7 @@ def test_chat_logprobs_without_top_logprobs():
                     (dict(logprobs=True, top_logprobs=5), 5), (dict(logprobs=False), None), ({}, None)]:
         req = ChatCompletionRequest(messages=MESSAGES, **body)
         req.check()
-        assert req.to_sampling_params(default).logprobs == k
+        assert req.to_sampling_params(default_sampling_params=default).logprobs == k
     out = chat_logprobs([66], [{66: Logprob(-0.5, 2, "B")}], 0, None)
     assert out == {"content": [{"token": "B", "logprob": -0.5, "bytes": [66], "top_logprobs": []}]}
 
@@ -193,6 +193,30 @@ def test_chat_template_options(client, llm):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "def f(" + reply(prompt)
     resp = client.chat.completions.create(**kw, messages=MESSAGES, extra_body=dict(echo=True))
     assert resp.choices[0].message.content == reply(_render(MESSAGES))  # last message is the user's: no echo
+
+
+# ----------------------------------------------------------------------------------- batch chat completions
+def test_batch_chat_completions_answer_each_conversation(server, llm):
+    convs = [MESSAGES, [{"role": "user", "content": "Reverse it."}], [{"role": "system", "content": "Be brief."},
+                                                                      *MESSAGES]]
+    refs = llm.generate([_render(c) for c in convs], SamplingParams(max_tokens=6, temperature=0, logprobs=2),
+                        use_tqdm=False)
+    body = dict(model=M, messages=convs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    status, _, text = http(server[1] + "/v1/chat/completions/batch", body)
+    assert status == 200, text
+    reply = json.loads(text)
+    assert reply["object"] == "chat.completion" and reply["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]  # one choice per conversation, in order
+    assert [c["message"]["content"] for c in reply["choices"]] == [r.outputs[0].text for r in refs]
+    assert [e["logprob"] for c in reply["choices"] for e in c["logprobs"]["content"]] == pytest.approx(
+        [lp[t].logprob for r in refs for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)], abs=1e-4)
+    assert reply["usage"] == {"prompt_tokens": sum(_n_tokens(llm, _render(c)) for c in convs),
+                              "completion_tokens": 18, "total_tokens": reply["usage"]["prompt_tokens"] + 18}
+    for bad, param in [(dict(n=2), "n"), (dict(use_beam_search=True), "use_beam_search"), (dict(stream=True), "stream"),
+                       (dict(messages=[MESSAGES, []]), "messages"), (dict(messages=[]), "body.messages"),
+                       (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(cache_salt="s"), "cache_salt")]:
+        status, _, text = http(server[1] + "/v1/chat/completions/batch", {**body, **bad})
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (bad, text)
 
 
 # ----------------------------------------------------------------------------------- bad requests

@@ -131,6 +131,29 @@ class StreamUsage:
         return usage_info(sum(self.prompt.values()), sum(self.completion.values()))
 
 
+def timing_metrics(metrics, num_generation_tokens: int) -> dict:
+    """vLLM's build_per_request_timing_metrics (--enable-per-request-metrics) from a RequestOutput's
+    RequestMetrics: time_to_first_token_ms from its first scheduling to its first token,
+    generation_time_ms from its first token to its last, queue_time_ms from its arrival to its first
+    scheduling, mean_itl_ms (with two tokens or more) and tokens_per_second over scheduling to last
+    token; a field whose times are unknown is left out (vLLM's None, dropped as its exclude_none)."""
+    if metrics is None:
+        return {}
+    scheduled, first, last = metrics.scheduled_ts, metrics.first_token_latency, metrics.last_token_ts
+    out = {}
+    if scheduled is not None and first is not None:
+        out["time_to_first_token_ms"] = (first - scheduled) * 1000
+    if first is not None and last is not None:
+        out["generation_time_ms"] = (last - first) * 1000
+    if scheduled is not None:
+        out["queue_time_ms"] = scheduled * 1000  # from arrival (0 on the request's own clock)
+    if first is not None and last is not None and num_generation_tokens > 1:
+        out["mean_itl_ms"] = (last - first) / (num_generation_tokens - 1) * 1000
+    if scheduled is not None and last is not None and last > scheduled:
+        out["tokens_per_second"] = num_generation_tokens / (last - scheduled)
+    return out
+
+
 def clamp(logprob: float) -> float:
     """JSON has no -inf: vLLM reports a log-probability below -9999 as -9999.0."""
     return max(logprob, -9999.0)
