@@ -363,7 +363,8 @@ def main(argv=None) -> dict:
         rows = transformers_cases(args.model, args.layers, cases, args.new_tokens)
         result = {"model": args.model, "layers": args.layers, "baseline": rows[0], "rows": rows[1:]}
         write_json(out / f"{stem}_transformers.json", result, "--out", indent=1)
-        print(json.dumps(result, indent=1))
+        for row in rows[1:]:
+            print(row, flush=True)
         return result
     peaks_path = pathlib.Path(args.peaks) if args.peaks else out / "device_peaks.json"
     peaks = json.loads(peaks_path.read_text()) if peaks_path.exists() else {}

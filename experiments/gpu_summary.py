@@ -1,6 +1,6 @@
 """The GPU check's one page: every figure experiments/gpu_check.sh measured, beside its target.
 
-Reads the step outputs in a work folder (device_peaks.json, kernel_tests.xml, kernel_bench.md,
+Reads the step outputs in a work folder (device_peaks.json, kernel_tests_*.xml, kernel_bench.md,
 gpu_model_bench*.json, step_profile.json, memory.json) and the steps' status table, and writes
 summary.md. Targets are issue 52's and 53's acceptance points: a decode step at batch 32 and 128
 within 1.25× of its roofline and ahead of transformers at every batch, prefill tokens/s at least
@@ -35,12 +35,12 @@ def _key(row: dict) -> tuple:
     return row.get("kind"), row.get("batch"), row.get("context")
 
 
-def model_section(model: dict | None, hf: dict | None, nocb: dict | None) -> list[str]:
+def model_section(model: dict | None, hf: dict | None, cb: dict | None) -> list[str]:
     if not model:
         return ["No whole-model results (the `model` step did not write gpu_model_bench.json)."]
     peaks = model.get("peaks") or {}
     hf_rows = {_key(r): r for r in (hf or {}).get("rows", []) if "error" not in r}
-    nocb_rows = {(r.get("case")): r for r in (nocb or {}).get("rows", []) if "error" not in r}
+    cb_rows = {(r.get("case")): r for r in (cb or {}).get("rows", []) if "error" not in r}
     lines = [f"{model['model']} ({model['layers']} layers, random bf16 weights, {model['weight_bytes'] / 1e9:.2f} GB; "
              f"init {model['init_s']:.1f} s) on {model['device']}, jax {model['jax']}. Roofline: bytes a step reads / "
              f"{_f(peaks.get('read_gb_s'), ',.0f')} GB/s; prefill: FLOPs / {_f(peaks.get('matmul_tflop_s'), ',.0f')} "
@@ -54,8 +54,8 @@ def model_section(model: dict | None, hf: dict | None, nocb: dict | None) -> lis
         t = hf_rows.get(_key(r)) if r.get("impl") == "pallas" and r.get("kv") == "bf16" else None
         if r["kind"] == "decode":
             ours, theirs = r["step_ms"], t and t.get("step_ms")
-            nb = nocb_rows.get(r["case"])
-            note = f"without WHILE/CONDITIONAL command buffers {nb['step_ms']:.2f} ms" if nb else ""
+            cb = cb_rows.get(r["case"])
+            note = f"with KVJAX_XLA_FLAGS=1 {cb['step_ms']:.2f} ms" if cb else ""
             rows.append([r["case"], _f(ours), _f(r["roofline_ms"]), _f(r["vs_roofline"]), _f(theirs),
                          _f(theirs / ours if theirs else None), note])
         else:
@@ -93,18 +93,20 @@ def profile_section(profile: dict | None) -> list[str]:
     return lines
 
 
-def tests_section(xml_path: pathlib.Path) -> list[str]:
-    try:
-        root = ET.parse(xml_path).getroot()
-    except (OSError, ET.ParseError):
-        return ["No kernel test results."]
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    failed = [c.get("name") for c in root.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
-    lines = [f"Compiled kernel tests: {suite.get('tests')} run, {suite.get('failures')} failed, {suite.get('errors')} "
-             f"errors, {suite.get('skipped')} skipped in {float(suite.get('time', 0)):.0f} s (target: none failed)."]
-    if failed:
-        lines += ["", "Failed: " + ", ".join(failed[:10])]
-    return lines
+def tests_section(work: pathlib.Path) -> list[str]:
+    lines = []
+    for xml_path in sorted(work.glob("kernel_tests*.xml")):
+        try:
+            root = ET.parse(xml_path).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        failed = [c.get("name") for c in root.iter("testcase")
+                  if c.find("failure") is not None or c.find("error") is not None]
+        lines.append(f"{xml_path.stem}: {suite.get('tests')} run, {suite.get('failures')} failed, {suite.get('errors')} "
+                     f"errors, {suite.get('skipped')} skipped in {float(suite.get('time', 0)):.0f} s (target: none failed)"
+                     + (". Failed: " + ", ".join(failed[:8]) if failed else "."))
+    return lines or ["No compiled kernel test results."]
 
 
 def moe_section(work: pathlib.Path) -> list[str]:
@@ -140,9 +142,9 @@ def summarise(work: pathlib.Path, status: pathlib.Path | None) -> str:
         lines += ["## Steps", ""] + markdown_table(["step", "exit", "seconds", "limit"], rows, "lrrr") + [""]
     lines += ["## Whole model", ""] + model_section(_load(work / "gpu_model_bench.json"),
                                                      _load(work / "gpu_model_bench_transformers.json"),
-                                                     _load(work / "gpu_model_bench_nocb.json"))
+                                                     _load(work / "gpu_model_bench_cb.json"))
     lines += ["", "## Where a decode step's time goes", ""] + profile_section(_load(work / "step_profile.json"))
-    lines += ["", "## Kernels", ""] + tests_section(work / "kernel_tests.xml")
+    lines += ["", "## Kernels", ""] + tests_section(work)
     bench = work / "kernel_bench.md"
     if bench.exists():
         lines += ["", bench.read_text().strip()]

@@ -76,6 +76,12 @@ def _in_checkout() -> bool:
 if _in_checkout() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_path):
     sys.meta_path.insert(0, _CheckoutFolders())
 
+# XLA GPU flags for the decode loop, with KVJAX_XLA_FLAGS=1 (kvjax.utils.xla_flags says which and
+# why): set at import, since XLA reads XLA_FLAGS once, when the first computation starts its backend.
+from kvjax.utils import xla_flags as _xla_flags  # noqa: E402
+
+_xla_flags.apply()
+
 _EXPORTS = {name: module for module, names in (  # name → the module that defines it
     ("kvjax.engine.llm", ("LLM",)), ("kvjax.engine.llm_engine", ("LLMEngine",)),
     ("kvjax.engine.async_llm", ("AsyncLLM",)), ("kvjax.engine.arg_utils", ("EngineArgs", "AsyncEngineArgs", "LLMError")),
