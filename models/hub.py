@@ -39,11 +39,14 @@ import jax
 
 from kvjax.config.model import ModelConfig
 from kvjax.config.presets import preset
-from kvjax.errors import (INT32_MAX, KvjaxError, cache_dir, check_input_file, file_kind, is_int, read_json_object,
-                          read_text)
+from kvjax.errors import KvjaxError
 from kvjax.models.template_sandbox import ChatTemplate
 from kvjax.models.tokenizer import Tokenizer
 from kvjax.progress import Phases
+from kvjax.utils.cache_folder import cache_dir
+from kvjax.utils.checks import INT32_MAX, is_int
+from kvjax.utils.input_files import check_input_file, file_kind, read_text
+from kvjax.utils.strict_json import read_json_object
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 BUILTIN = {"small-gqa": os.path.join(CHECKPOINTS, "small-gqa"),
@@ -202,11 +205,11 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
                seed: int = 0, progress: bool = False, config: ModelConfig | None = None) -> LoadedModel:
     """Load what `name_or_dir` names (see the module docstring). dtype overrides the weights'
     dtype (a GGUF dequantizes to float32 unless told otherwise); attn_impl None picks the
-    backend's default (kvjax.attention.default_impl). progress: a tqdm bar on stderr through
+    backend's default (kvjax.config.attention.default_impl). progress: a tqdm bar on stderr through
     the stages (fetch or locate, read the weights, build), as vLLM's use_tqdm_on_load. config:
     the architecture already read (`load_model_config`, hf_overrides applied): the weights are
     read for it (dtype is then its dtype)."""
-    from kvjax.models import build_model, init_params
+    from kvjax.models import build_model, random_params
     from kvjax.models.loader import is_gguf, load_params
 
     stages = Phases(f"load {name_or_dir}", 1 if name_or_dir.startswith("preset:") else 3, progress, unit="stage",
@@ -216,7 +219,8 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, attn_impl: str | N
             stages.start("random weights")
             config = config or load_model_config(name_or_dir, dtype=dtype)
             module = build_model(config, attn_impl=attn_impl)
-            return LoadedModel(name_or_dir, config, module, init_params(module, jax.random.key(seed)), Tokenizer())
+            # random_params: Flax's initializers leaf by leaf, seconds for billions of parameters on a GPU
+            return LoadedModel(name_or_dir, config, module, random_params(module, jax.random.key(seed)), Tokenizer())
         stages.start("fetch" if name_or_dir in REGISTRY and not _cached(name_or_dir) else "locate")
         path = resolve_model(name_or_dir)
         stages.start("read weights")
