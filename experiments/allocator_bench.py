@@ -38,11 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core import kv_cache_manager as manager
-from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
 from kvjax.testing.pool_oracle import OraclePool
+from kvjax.utils.output_files import write_json, write_text
 
 Z, PROMPT, STEPS = 16, 8, 64  # block size, prompt tokens per request, decode steps timed
 CONCURRENCY = (1, 64, 512)

@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 
 from kvjax.data import CALIB, HELDOUT
-from kvjax.errors import write_file
+from kvjax.utils.output_files import write_file
 
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 MAX_FILE = 256 * 1024

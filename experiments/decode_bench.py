@@ -48,13 +48,13 @@ import numpy as np
 
 from kvjax import LLM, SamplingParams
 from kvjax.config.presets import preset
-from kvjax.errors import write_json, write_text
 from kvjax.experiments import require, results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
 from kvjax.models import build_model, init_params
 from kvjax.models.hub import LoadedModel, load_model
 from kvjax.models.tokenizer import Tokenizer
+from kvjax.utils.output_files import write_json, write_text
 
 
 def llm_run(llm: LLM, prompts, max_tokens: int) -> dict:

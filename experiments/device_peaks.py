@@ -25,8 +25,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kvjax.errors import write_json
 from kvjax.experiments import results_dir
+from kvjax.utils.output_files import write_json
 
 
 def _timed(fn, arg, iters: int, repeats: int) -> float:

@@ -30,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 
-from kvjax.errors import pyplot, save_figure, write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
+from kvjax.utils.output_files import save_figure, write_json, write_text
+from kvjax.utils.plotting import pyplot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASELINE = "ce16183"  # the last commit before the engine surface (EngineArgs, LLMEngine, AsyncLLM)

@@ -46,10 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
+from kvjax.utils.output_files import write_json, write_text
 
 BLOCK = 16
 COMPILED: list = []  # (event, function, seconds) of every JAX trace / lowering / compile in this process
@@ -106,12 +106,15 @@ def weight_bytes(model) -> tuple[int, int]:
 
 
 def _no_attention():
-    """A leave-one-out variant: decode attention returns zeros (its reads and math left out)."""
+    """A leave-one-out variant: decode attention returns zeros (its reads and math left out), registered
+    as a backend beside the others (its name among configuration's, kvjax.config.attention)."""
     import kvjax.attention as attn
+    from kvjax.config import attention as backends
 
     base = attn._IMPLS["pallas"]
     zero = lambda q, *a, **k: jnp.zeros_like(q)  # noqa: E731
     attn._IMPLS["no-attention"] = dataclasses.replace(base, decode=zero, mla_decode=lambda ql, qr, *a, **k: jnp.zeros_like(ql))
+    backends.IMPLS = tuple(attn._IMPLS)
     jax.clear_caches()
 
 
@@ -120,8 +123,6 @@ def _llm(model, case: Case, max_len: int, budget: int):
 
     if case.impl == "no-attention":
         _no_attention()
-        import kvjax.attention as attn
-        attn.IMPLS = tuple(attn._IMPLS)
     return LLM(model, max_num_seqs=case.batch, max_model_len=max_len, block_size=BLOCK, steps_per_call=case.k,
                enable_prefix_caching=False, kv_cache_dtype=case.kv, attention_backend=case.impl,
                num_gpu_blocks_override=1 + case.batch * cdiv(max_len, BLOCK), max_num_batched_tokens=budget, seed=0)

@@ -16,8 +16,8 @@ import json
 import pathlib
 import xml.etree.ElementTree as ET
 
-from kvjax.errors import write_text
 from kvjax.markdown import markdown_table
+from kvjax.utils.output_files import write_text
 
 
 def _load(path: pathlib.Path):

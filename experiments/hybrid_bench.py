@@ -36,7 +36,10 @@ from kvjax.accounting import budget as bud  # noqa: E402
 from kvjax.accounting import hybrid  # noqa: E402
 from kvjax.config.presets import preset  # noqa: E402
 from kvjax.core import kv_cache_manager as manager  # noqa: E402
-from kvjax.errors import dumps, pyplot, save_figure, write_json, write_text  # noqa: E402
+from kvjax.core.kv_cache_groups import all_full  # noqa: E402
+from kvjax.utils.output_files import save_figure, write_json, write_text  # noqa: E402
+from kvjax.utils.plotting import pyplot  # noqa: E402
+from kvjax.utils.strict_json import dumps  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 H200_GIB, BLOCK, BATCHED, BATCHES = "141", 16, 8192, 2
@@ -85,7 +88,7 @@ def capacity() -> list[dict]:
             budget = budget_for(name, config, max_len)
             kw = dict(block_size=BLOCK, max_model_len=max_len, max_num_batched_tokens=BATCHED,
                       max_concurrent_batches=BATCHES)
-            for kind, windows in (("hybrid", config.layer_windows), ("all full", hybrid.all_full(config.layer_windows))):
+            for kind, windows in (("hybrid", config.layer_windows), ("all full", all_full(config.layer_windows))):
                 gp = hybrid.plan_groups(config.kv_spec(), windows, budget, **kw)
                 t0 = time.time()
                 got, held = admit(gp, max_len, BATCHES * BATCHED)

@@ -53,10 +53,10 @@ from kvjax.attention import mgpu_decode, mgpu_mla, mgpu_ragged, pallas_decode, p
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.mgpu_dispatch import render_table_module, table_from_rows
 from kvjax.attention.reference import mla_paged_decode_reference, paged_decode_reference
-from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
+from kvjax.utils.output_files import write_json, write_text
 
 GiB = 1024**3
 FP8 = jnp.float8_e4m3fn

@@ -60,10 +60,10 @@ from kvjax.attention import pallas_ragged, tiled  # noqa: E402
 from kvjax.attention.metadata import BatchMetadata, build_metadata  # noqa: E402
 from kvjax.attention.reference import paged_attention_reference  # noqa: E402
 from kvjax.attention.tiled import PrefillTiles, paged_attention_tiled  # noqa: E402
-from kvjax.errors import write_json, write_text  # noqa: E402
 from kvjax.experiments import results_dir  # noqa: E402
 from kvjax.markdown import markdown_table  # noqa: E402
 from kvjax.quant import nvfp4  # noqa: E402
+from kvjax.utils.output_files import write_json, write_text  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 Z = 16  # tokens per page

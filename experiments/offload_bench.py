@@ -39,12 +39,13 @@ import time
 import numpy as np
 
 from kvjax import LLM, SamplingParams
-from kvjax.errors import pyplot, save_figure
 from kvjax.experiments import results_dir
 from kvjax.experiments.decode_bench import _meta, _write
 from kvjax.markdown import markdown_table
 from kvjax.math_utils import cdiv
 from kvjax.models.hub import load_model
+from kvjax.utils.output_files import save_figure
+from kvjax.utils.plotting import pyplot
 
 FRACTIONS = (0.25, 0.5, 1.0, 2.0)  # host tier sizes, as fractions of the workload's distinct blocks
 

@@ -35,11 +35,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax.data import CALIB, HELDOUT, PROSE  # noqa: E402
-from kvjax.errors import pyplot, save_figure, write_json, write_text  # noqa: E402
 from kvjax.evaluation.metrics import Tally, compare  # noqa: E402
 from kvjax.evaluation.scoring import prefill_layout, windows  # noqa: E402
 from kvjax.quant import formats as quant  # noqa: E402
 from kvjax.quant.calibration import cache_amax  # noqa: E402
+from kvjax.utils.output_files import save_figure, write_json, write_text  # noqa: E402
+from kvjax.utils.plotting import pyplot  # noqa: E402
 from kvjax.worker.model_runner import forward  # noqa: E402
 from kvjax.worker.paged_cache import PagedCache  # noqa: E402
 

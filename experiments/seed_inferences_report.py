@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pathlib
 
-from kvjax.errors import pyplot, save_figure
 from kvjax.markdown import markdown_table
+from kvjax.utils.output_files import save_figure
+from kvjax.utils.plotting import pyplot
 
 SEED = {  # the seed's own sentences (../shared/seed/, its lines 100, 95, 99, 79-81 and 101, 102), then in English
     "preemption": "容量规划不足时，它表现为延迟尖刺和吞吐下降，而不是平滑降级推断 — when capacity planning falls short, "

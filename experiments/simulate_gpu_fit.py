@@ -31,10 +31,10 @@ import statistics
 
 import numpy as np
 
-from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
 from kvjax.simulator.cost import DEVICES, Device, FittedProfile, ModelCost, Roofline, StepFeatures
+from kvjax.utils.output_files import write_json, write_text
 
 FIT_FEATURES = ("1", "prefill_tokens", "context_tokens")
 

@@ -38,12 +38,14 @@ from kvjax.benchmarks import serve as B  # noqa: E402
 from kvjax.benchmarks.datasets import random_requests  # noqa: E402
 from kvjax.config.engine import resolve_kv_dtype  # noqa: E402
 from kvjax.config.presets import preset  # noqa: E402
-from kvjax.errors import pyplot, read_json_object, save_figure, write_json, write_text  # noqa: E402
 from kvjax.experiments import results_dir  # noqa: E402
 from kvjax.markdown import markdown_table  # noqa: E402
 from kvjax.simulator.clock import simulate  # noqa: E402
 from kvjax.simulator.cost import DEVICES, ModelCost, Roofline  # noqa: E402
 from kvjax.simulator.deployment import scheduler_config  # noqa: E402
+from kvjax.utils.output_files import save_figure, write_json, write_text  # noqa: E402
+from kvjax.utils.plotting import pyplot  # noqa: E402
+from kvjax.utils.strict_json import read_json_object  # noqa: E402
 
 GiB = 1 << 30
 SLO = {"p90_ttft_ms": 2000.0, "p90_tpot_ms": 100.0}

@@ -25,11 +25,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from kvjax.benchmarks import serve as B  # noqa: E402
 from kvjax.benchmarks.datasets import random_requests  # noqa: E402
-from kvjax.errors import write_json, write_text  # noqa: E402
 from kvjax.experiments import results_dir  # noqa: E402
 from kvjax.experiments import simulate_h200 as deployments  # noqa: E402
 from kvjax.markdown import markdown_table  # noqa: E402
 from kvjax.simulator.clock import simulate  # noqa: E402
+from kvjax.utils.output_files import write_json, write_text  # noqa: E402
 
 RATE = 16.0
 

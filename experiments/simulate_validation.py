@@ -41,11 +41,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from kvjax.benchmarks import serve as B  # noqa: E402
 from kvjax.benchmarks.datasets import random_requests  # noqa: E402
-from kvjax.errors import write_json, write_text  # noqa: E402
 from kvjax.experiments import results_dir  # noqa: E402
 from kvjax.markdown import markdown_table  # noqa: E402
 from kvjax.simulator.clock import simulate  # noqa: E402
 from kvjax.simulator.cost import FEATURES, SHAPE_FEATURES, FittedProfile, StepFeatures  # noqa: E402
+from kvjax.utils.output_files import write_json, write_text  # noqa: E402
 
 IDLE_GAP_S = 2e-3  # a gap longer than this between steps: the engine was waiting for requests
 MAX_RUNS = 6

@@ -25,9 +25,9 @@ import json
 import pathlib
 import re
 
-from kvjax.errors import write_json, write_text
 from kvjax.experiments import results_dir
 from kvjax.markdown import markdown_table
+from kvjax.utils.output_files import write_json, write_text
 
 TOP = 20
 _KINDS = (("matmul", re.compile(r"gemm|cublas|cutlass|matmul|dot|sm90_xmma|nvjet|wgmma", re.I)),

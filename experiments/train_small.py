@@ -28,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import dumps, write_json
 from kvjax.evaluation.scoring import next_token_nll, sequence_logits, windows
 from kvjax.experiments import corpus, require
 from kvjax.models import build_model, from_hf_config, init_params
 from kvjax.models.loader import load_checkpoint, save_checkpoint
+from kvjax.utils.output_files import write_json
+from kvjax.utils.strict_json import dumps
 
 PROG = "python -m kvjax.experiments.train_small"
 CHECKPOINTS = "checkpoints"  # in the current directory, never the installed package's own

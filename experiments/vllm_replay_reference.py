@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     v = _vllm(args.vllm_src, args.deps)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from kvjax.core.replay import iter_trace
-    from kvjax.errors import dumps, write_json, write_text
+    from kvjax.utils.output_files import write_json, write_text
+    from kvjax.utils.strict_json import dumps
 
     rng, t0 = random.Random(args.seed), time.time()
     ops_run, layouts = 0, {}

@@ -14,8 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import default_impl, get_impl
+from kvjax.attention import get_impl
 from kvjax.attention.metadata import build_metadata
+from kvjax.config.attention import default_impl
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfig, ModelConfigError
 from kvjax.config.presets import PRESETS, preset
@@ -29,7 +30,7 @@ from kvjax.worker.paged_cache import PagedCache
 
 def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
     """The Flax module for `config`; refuses unsupported layers and unknown attn_impl up front.
-    attn_impl None: kvjax.attention.default_impl() ("pallas" on GPU, "reference" elsewhere)."""
+    attn_impl None: kvjax.config.attention.default_impl() ("pallas" on GPU, "reference" elsewhere)."""
     check_supported(config)
     attn_impl = attn_impl or default_impl()
     get_impl(attn_impl)

@@ -32,8 +32,7 @@ transformers' GGUF loader does (`modeling_gguf_pytorch_utils.load_gguf_checkpoin
 - `tokenizer()`: the byte-level BPE of `tokenizer.ggml.model = gpt2` rebuilt with the
   `tokenizers` library from the file's tokens and merges (models.gguf_tokenizer), exactly as
   transformers' `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` build it
-  (so ids equal `AutoTokenizer.from_pretrained(folder, gguf_file=name)`'s); `eos_token_ids`,
-  `chat_template`.
+  (so ids equal `AutoTokenizer.from_pretrained(folder, gguf_file=name)`'s); `eos_token_ids`, `chat_template`.
 
 Model files are data: every metadata value read goes through a typed accessor (`meta_int`, ...)
 that checks its type and range, naming key, value and file; special token ids must be in the
@@ -57,11 +56,13 @@ from typing import Any
 import numpy as np
 
 from kvjax.config.model import MAX_LAYERS, MIN_EPS
-from kvjax.errors import INT32_MAX, KvjaxError, check_input_file, is_int, one_line
+from kvjax.errors import KvjaxError, one_line
 from kvjax.models import gguf_moe
 from kvjax.models.gguf_tokenizer import PRE_SPLITS, byte_level_bpe
 from kvjax.models.template_sandbox import ChatTemplate
 from kvjax.models.tensors import CheckpointError, TensorSource
+from kvjax.utils.checks import INT32_MAX, is_int
+from kvjax.utils.input_files import check_input_file
 
 ARCHITECTURES = {"llama": "llama", "gemma2": "gemma2", "gemma3": "gemma3_text", **gguf_moe.ARCHITECTURES}
 GEMMA = ("gemma2", "gemma3")
@@ -262,8 +263,7 @@ class GGUFFile(TensorSource):
             "max_position_embeddings": m("context_length", 2048),  # LlamaConfig's default
             "rms_norm_eps": x("attention.layer_norm_rms_epsilon", 1e-5, lo=MIN_EPS, hi=1), "rope_parameters": rope,
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
-            "dtype": "float32",
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors, "dtype": "float32",
         }
         # transformers takes head_dim from rope.dimension_count; llama.cpp writes key_length when a
         # head is not hidden / heads wide, and a smaller rope.dimension_count for partial rotary.

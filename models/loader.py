@@ -45,11 +45,14 @@ from safetensors.numpy import save
 from kvjax.accounting import memory as mem
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfig
-from kvjax.errors import KvjaxError, check_input_file, file_kind, one_line, read_json_object, write_file, write_json
+from kvjax.errors import KvjaxError, one_line
 from kvjax.models import build_model, mxfp4, param_shapes
 from kvjax.models.gguf import GGUFFile
 from kvjax.models.tensors import (CheckpointError, MissingTensorError, PickledWeightsError, ShapeMismatchError,
                                   TensorSource, UnexpectedTensorError)
+from kvjax.utils.input_files import check_input_file, file_kind
+from kvjax.utils.output_files import write_file, write_json
+from kvjax.utils.strict_json import read_json_object
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -334,7 +337,7 @@ def _tensor_files(folder: str) -> dict[str, str]:
 def _safe_open(path: str):
     """safetensors' safe_open, its own errors (a corrupt, truncated or non-safetensors file: e.g.
     a pickle renamed) converted to CheckpointError naming the file. It never unpickles. A shard
-    that is a folder, FIFO or device is refused by kvjax.errors.check_input_file, never opened."""
+    that is a folder, FIFO or device is refused by kvjax.utils.input_files.check_input_file, never opened."""
     try:
         check_input_file(path, "safetensors file")
         return safe_open(path, framework="numpy")

@@ -30,8 +30,11 @@ import jinja2
 import jinja2.ext
 import numpy as np
 
-from kvjax.errors import INT32_MAX, KvjaxError, check_input_file, decode_utf8, one_line, read_bytes, read_json_object
+from kvjax.errors import KvjaxError, one_line
 from kvjax.models.template_sandbox import BoundedSandbox, ChatTemplateError, compile_template, render, where
+from kvjax.utils.checks import INT32_MAX
+from kvjax.utils.input_files import check_input_file, decode_utf8, read_bytes
+from kvjax.utils.strict_json import read_json_object
 
 
 # transformers' named special tokens, in its SPECIAL_TOKENS_ATTRIBUTES order (all_special_ids follows it)

@@ -1,6 +1,7 @@
 """The layout's rules, read from the source with `ast` (nothing is imported): no import cycle among
 kvjax's modules (counting imports inside functions, which only defer a cycle), the core never
-imports the models, kvjax/ never imports experiments/ or tests/, and no module is over 500 lines (STYLE.md: about 500; one concept per file)."""
+imports the models, kvjax/ never imports experiments/ or tests/, kvjax/config/ reaches nothing above
+it, and no module is over 500 lines (STYLE.md: about 500; one concept per file)."""
 import ast
 import os
 
@@ -74,3 +75,33 @@ def test_no_module_is_over_500_lines():
     modules, _ = _graph()
     long = {m: n for m, p in modules.items() if (n := sum(1 for _ in open(p, encoding="utf-8"))) > 500}
     assert long == {}
+
+
+def _room(modules, m: str) -> str:
+    """The folder a module stands in (a package is its own; so is a module directly under kvjax/)."""
+    if modules[m].endswith("__init__.py") or m.count(".") == 1:
+        return m
+    return m.rsplit(".", 1)[0]
+
+
+def test_configuration_depends_on_nothing_above_it():
+    # vLLM's config imports no layer that reads it. Above kvjax/config/ stands every folder with a module that imports
+    # it (the accounting, the scheduler, the worker, the engine, ...) and the layers the layout puts above it without
+    # importing it (the host tier, the attention kernels). Nothing kvjax/config/ imports, through any chain of
+    # imports, lies in one of them: the arithmetic configuration needs is at or below its floor.
+    modules, graph = _graph()
+    config = "kvjax.config"
+    users = {_room(modules, m) for m, deps in graph.items()
+             if not m.startswith(config) and any(d.startswith(config) for d in deps)}
+    above = users | {"kvjax.kv_offload", "kvjax.attention"}
+    chains = {m: [m] for m in graph if m.startswith(config)}
+    todo = list(chains)
+    while todo:
+        m = todo.pop()
+        for d in sorted(graph[m]):
+            if d not in chains:
+                chains[d] = chains[m] + [d]
+                todo.append(d)
+    upward = [" -> ".join(chain) for m, chain in sorted(chains.items())
+              if any(_room(modules, m) == a or _room(modules, m).startswith(a + ".") for a in above)]
+    assert upward == [], upward

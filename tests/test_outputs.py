@@ -1,6 +1,7 @@
-"""What kvjax writes: strict JSON (kvjax.errors.dumps), outputs that stay inside --out (a planted
+"""What kvjax writes: strict JSON (kvjax.utils.strict_json.dumps), outputs that stay inside --out (a planted
 symlink is replaced, a symlinked folder refused), several files committed together
-(kvjax.errors.output_folder), and matplotlib's caches kept out of HOME (kvjax.errors.pyplot)."""
+(kvjax.utils.output_folders.output_folder), and matplotlib's caches kept out of HOME
+(kvjax.utils.plotting.pyplot)."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +15,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvjax.errors import OutputPathError, dumps, output_folder, write_json, write_text
+from kvjax.errors import OutputPathError
+from kvjax.utils.output_files import write_json, write_text
+from kvjax.utils.output_folders import output_folder
+from kvjax.utils.strict_json import dumps
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAN, INF = float("nan"), float("inf")
@@ -95,10 +99,11 @@ def _calls(path: pathlib.Path):
             yield node, node.func
 
 
-def test_every_writer_goes_through_kvjax_errors():
+def test_every_writer_goes_through_kvjax_utils():
     """No json.dump(s) (NaN literals), Path.write_text / write_bytes or fig.savefig (no temporary
     file, a planted symlink followed) and no matplotlib import (its caches into HOME) outside
-    kvjax.errors: each has its one helper there (dumps / write_json, write_text, save_figure, pyplot).
+    kvjax.utils: each has its one helper there (strict_json.dumps, output_files.write_json / write_text /
+    save_figure, plotting.pyplot).
     And nothing else in kvjax/ writes a JSON file itself."""
     bad = []
     for path in WRITERS:
@@ -112,10 +117,10 @@ def test_every_writer_goes_through_kvjax_errors():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             bad += [f"{path.relative_to(ROOT)}:{node.lineno}: import {n}" for n in names if n.startswith("matplotlib")]
     for path in sorted(ROOT.glob("kvjax/**/*.py")):
-        if path.name != "errors.py":
+        if path.name != "strict_json.py":
             bad += [f"{path.relative_to(ROOT)}:{node.lineno}: json.dump()" for node, func in _calls(path)
                     if func.attr == "dump" and isinstance(func.value, ast.Name) and func.value.id == "json"]
-    assert not bad, "write through kvjax.errors instead:\n" + "\n".join(bad)
+    assert not bad, "write through kvjax.utils instead:\n" + "\n".join(bad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,10 +173,10 @@ def _files(folder: pathlib.Path) -> dict[str, bytes]:
 
 def _disk_full_after(n: int, monkeypatch) -> None:
     """A disk that fills up: every write (write_text, write_json, save_figure) after the first n
-    fails with ENOSPC, as kvjax.errors.write_file reports it."""
-    import kvjax.errors as errors
+    fails with ENOSPC, as kvjax.utils.output_files.write_file reports it."""
+    from kvjax.utils import output_files
 
-    real, calls = errors.write_file, []
+    real, calls = output_files.write_file, []
 
     @contextlib.contextmanager
     def write_file(path, flag, binary=False):
@@ -181,7 +186,7 @@ def _disk_full_after(n: int, monkeypatch) -> None:
                 raise OSError(28, "No space left on device")
             yield fh
 
-    monkeypatch.setattr(errors, "write_file", write_file)
+    monkeypatch.setattr(output_files, "write_file", write_file)
 
 
 def test_output_folder_commits_together_or_leaves_the_old_files(tmp_path, monkeypatch):
@@ -283,17 +288,18 @@ def test_a_plot_writes_nothing_into_home(where, tmp_path):
 
 
 def test_a_users_mplconfigdir_wins(tmp_path, monkeypatch):
-    import kvjax.errors as errors
+    from kvjax.utils.cache_folder import cache_dir
+    from kvjax.utils.plotting import pyplot
 
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mine"))
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "kv"))
-    errors.pyplot()
+    pyplot()
     assert os.environ["MPLCONFIGDIR"] == str(tmp_path / "mine")
     monkeypatch.delenv("MPLCONFIGDIR")
-    errors.pyplot()
+    pyplot()
     assert os.environ["MPLCONFIGDIR"] == str(tmp_path / "kv" / "matplotlib")
     monkeypatch.delenv("KVJAX_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert errors.cache_dir() == str(tmp_path / "xdg" / "kvjax")
+    assert cache_dir() == str(tmp_path / "xdg" / "kvjax")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert errors.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "kvjax")
+    assert cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "kvjax")

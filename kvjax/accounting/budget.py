@@ -33,8 +33,8 @@ from fractions import Fraction
 from typing import Any
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
-from kvjax.errors import MAX_GIB, check_int
 from kvjax.math_utils import cdiv
+from kvjax.utils.checks import MAX_GIB, check_int
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_UTIL = Fraction("0.92")

@@ -30,8 +30,8 @@ import dataclasses
 from typing import Any
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
-from kvjax.errors import check_int
 from kvjax.math_utils import cdiv
+from kvjax.utils.checks import check_int
 
 # kvjax.attention.tiled.PrefillTiles' defaults (tests/accounting/test_prefill.py keeps them equal;
 # that module imports JAX, which kvjax plan does not).

@@ -50,8 +50,9 @@ from kvjax.accounting import budget as bud
 from kvjax.accounting import memory as mem
 from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import KvjaxError, check_int
+from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv
+from kvjax.utils.checks import check_int
 from kvjax.worker import sharding as shd
 from kvjax.worker.model_runner import make_step
 

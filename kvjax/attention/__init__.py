@@ -14,7 +14,8 @@ in tiles. On a Hopper GPU a step may run the Mosaic GPU twin of its kernel inste
 (kvjax.attention.mgpu_decode / mgpu_mla / mgpu_ragged: same arguments, same results), where
 kvjax.attention.mgpu_dispatch's measured table says it is the faster; Triton elsewhere. The
 Pallas modules import lazily, on first use. A model built without naming one
-gets `default_impl()`: "pallas" on GPU, "reference" on CPU (where Pallas runs interpreted).
+gets kvjax.config.attention's `default_impl()`: "pallas" on GPU, "reference" on CPU (where Pallas runs
+interpreted); the names are that module's `IMPLS`, so that configuration checks them without the kernels.
 
 The dispatchers take a layer's whole cache pytree (`KVPages` / `LatentPages`), not bare
 arrays, so that anything stored beside the pages (quantization scales) reaches the
@@ -41,7 +42,8 @@ from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_
                                        paged_attention_reference, paged_decode_reference)
 from kvjax.attention.tiled import (PrefillTiles, mla_paged_attention_tiled, mla_ragged_attention,
                                    paged_attention_tiled, ragged_attention)
-from kvjax.errors import KvjaxError
+from kvjax.config.attention import IMPLS
+from kvjax.errors import KvjaxError, require
 from kvjax.quant.kv_formats import kv_format
 from kvjax.worker.paged_cache import ContiguousKV, ContiguousLatent, KVPages, LatentPages
 
@@ -117,15 +119,7 @@ _IMPLS: dict[str, AttentionImpl] = {
                                mla_paged_decode_reference),
     "pallas": AttentionImpl(_pallas_ragged, _pallas_decode, _pallas_mla_ragged, _pallas_mla_decode),
 }
-IMPLS = tuple(_IMPLS)  # the names: vLLM's attention_backend, kvjax's backends
-
-
-def default_impl() -> str:
-    """The platform's implementation: "pallas" on a GPU backend, where its kernels compile;
-    "reference" elsewhere (on CPU Pallas runs only interpreted, slowly). An engine's backend is
-    resolved from it once, with the KV format's and the mesh's rules
-    (kvjax.config.engine.resolve_attention_backend)."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+require(tuple(_IMPLS) == IMPLS, f"attention implementations {tuple(_IMPLS)} under other names than {IMPLS}")
 
 
 def get_impl(name: str) -> AttentionImpl:

@@ -54,10 +54,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.metadata import BatchMetadata
-from kvjax.errors import KvjaxError, check_int
+from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv
 from kvjax.quant import nvfp4
 from kvjax.quant.kv_formats import kv_format
+from kvjax.utils.checks import check_int
 from kvjax.worker.paged_cache import gather_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST  # f32 reference: no TF32 / bf16 passes on GPU

@@ -25,7 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.errors import InputFileError, KvjaxError, json_type, read_json, read_text
+from kvjax.errors import InputFileError, KvjaxError
+from kvjax.utils.input_files import read_text
+from kvjax.utils.strict_json import json_type, read_json
 
 DATASETS = ("random", "prefix_repetition", "sharegpt", "corpus")
 # vLLM's is_valid_sequence defaults (from benchmark_serving.py's sample_sharegpt_requests)

@@ -9,8 +9,8 @@ vLLM's bench serve draws none):
 Each sample is computed as calculate_metrics computes it (kvjax.benchmarks.serve), from the
 result's per-request lists: a request completed when its output_lens entry is > 0; its token
 times are start + ttft, then + each itl gap; TPOT = (latency - ttft) / (output_len - 1) for a
-request of more than one token. The files are written together (kvjax.errors.output_folder:
-a failure leaves the folder's previous plots whole), each by kvjax.errors.save_figure.
+request of more than one token. The files are written together (kvjax.utils.output_folders.output_folder:
+a failure leaves the folder's previous plots whole), each by kvjax.utils.output_files.save_figure.
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.errors import output_folder, pyplot, save_figure
+from kvjax.utils.output_files import save_figure
+from kvjax.utils.output_folders import output_folder
+from kvjax.utils.plotting import pyplot
 
 MS = 1000.0
 PLOTS = ("latency_cdf.png", "throughput.png")

@@ -2,7 +2,7 @@
 
     kvjax accuracy --model small-gqa
     kvjax accuracy --model small-mla --outlier-channels --out results/
-    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (README: its time)
+    kvjax accuracy --model smollm2-135m --out experiments/results     # the full suite (docs/accuracy.md: its time)
 
 Writes accuracy_<model>[_outliers].json, .md and .png to --out and prints the table (with
 --json: the results as JSON); the full suite (a real LLM) also writes _positions.png (KL by
@@ -28,10 +28,15 @@ from kvjax.commands import accuracy_lab as lab
 from kvjax.commands.accuracy_lab import save_plot
 from kvjax.commands.common import add_progress_flag, progress_enabled
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import (UsageError, check_input_file, check_output_dir, dumps, float_arg, int_arg, output_folder,
-                          pyplot, write_json, write_text)
+from kvjax.errors import UsageError
 from kvjax.markdown import markdown_table
 from kvjax.progress import Phases
+from kvjax.utils.checks import float_arg, int_arg
+from kvjax.utils.input_files import check_input_file
+from kvjax.utils.output_files import write_json, write_text
+from kvjax.utils.output_folders import check_output_dir, output_folder
+from kvjax.utils.plotting import pyplot
+from kvjax.utils.strict_json import dumps
 
 DEFAULT_OUT = "results"
 SMALL_MODELS = ("small-gqa", "small-mla")
@@ -305,7 +310,7 @@ def plot_amax(res: dict, path: str) -> None:
 def write_outputs(res: dict, out_dir: str) -> dict:
     """accuracy_<model>[_outliers].{json,md,png} in out_dir, plus the full suite's
     _positions.png, _layers.png, _amax.png and _tradeoff.png when measured, moved into out_dir
-    together (kvjax.errors.output_folder: a failure midway leaves the previous run's files whole);
+    together (kvjax.utils.output_folders: a failure midway leaves the previous run's files whole);
     returns their paths."""
     stem = f"accuracy_{os.path.basename(res['model'].rstrip('/'))}" + ("_outliers" if res["outlier_channels"] else "")
     names = {"json": f"{stem}.json", "md": f"{stem}.md", "png": f"{stem}.png"}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.errors import pyplot, save_figure
 from kvjax.markdown import markdown_table
+from kvjax.utils.output_files import save_figure
+from kvjax.utils.plotting import pyplot
 
 
 def save_plot(plt, fig, path: str) -> None:

@@ -19,8 +19,12 @@ from __future__ import annotations
 import math
 
 from kvjax.engine.cli_args import FLAGS, add_engine_flags, as_flags
-from kvjax.errors import (KvjaxError, UsageError, check_input_file, check_output_dir, check_output_file, dumps,
-                          float_arg, int_arg, write_file)
+from kvjax.errors import KvjaxError, UsageError
+from kvjax.utils.checks import float_arg, int_arg
+from kvjax.utils.input_files import check_input_file
+from kvjax.utils.output_files import check_output_file, write_file
+from kvjax.utils.output_folders import check_output_dir
+from kvjax.utils.strict_json import dumps
 
 DATASETS = ("random", "prefix_repetition", "sharegpt", "corpus")  # datasets.DATASETS; parsing flags loads no numpy
 

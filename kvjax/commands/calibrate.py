@@ -10,9 +10,13 @@ from __future__ import annotations
 
 
 from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
-from kvjax.errors import UsageError, check_input_file, check_output_file, dumps, int_arg
+from kvjax.errors import UsageError
 from kvjax.progress import Phases
 from kvjax.quant.kv_formats import FP8_FORMATS
+from kvjax.utils.checks import int_arg
+from kvjax.utils.input_files import check_input_file
+from kvjax.utils.output_files import check_output_file
+from kvjax.utils.strict_json import dumps
 
 
 def add_parser(sub) -> None:

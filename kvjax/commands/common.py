@@ -21,7 +21,8 @@ import sys
 
 from kvjax.engine.arg_utils import MODEL_DTYPES
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import UsageError, check_output_file
+from kvjax.errors import UsageError
+from kvjax.utils.output_files import check_output_file
 
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
 

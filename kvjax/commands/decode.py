@@ -54,8 +54,10 @@ from kvjax.commands.prompts import build_requests, read_prompts, refused_output,
 from kvjax.config.scheduler import check_host_tier
 from kvjax.engine.arg_utils import EngineArgs
 from kvjax.engine.cli_args import add_engine_flags, as_flags
-from kvjax.errors import INT32_MAX, KvjaxError, UsageError, dumps, float_arg, int_arg
+from kvjax.errors import KvjaxError, UsageError
 from kvjax.progress import Phases
+from kvjax.utils.checks import INT32_MAX, float_arg, int_arg
+from kvjax.utils.strict_json import dumps
 
 PROMPT_LEN = 32  # --prompt-len's default (given with --prompts, it would be ignored)
 # The engine flags decode takes, from the one table (kvjax.engine.cli_args); --model and --dtype come with the model.

@@ -13,7 +13,7 @@ Flags take vLLM's engine-arg names wherever vLLM has the concept (--kv-cache-dty
 one name per concept in every command; kvjax's own flags keep kvjax names (--scales,
 --steps-per-call, --device-memory-gib, ...). A flag's old kvjax name is refused with one line
 naming the new one (`RENAMED`). With --json every command prints JSON (replay: one object a line),
-strict JSON from kvjax.errors.dumps: a NaN or infinite number is null, never a NaN literal.
+strict JSON from kvjax.utils.strict_json.dumps: a NaN or infinite number is null, never a NaN literal.
 
 Bad input exits with status 2 and one line naming the bad value, never a traceback.
 Subcommands that need JAX import it lazily, so `plan` and `tables` start instantly.
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. The bad-input contract lives here, once for every command: a KvjaxError
     (kvjax.errors; every reader and validator raises one) is printed as one line
     `kvjax CMD: error: ...` and the exit status is 2, as is a stdout that cannot take the output
-    (a full disk: files kvjax writes report their own failures, kvjax.errors.write_file). Ctrl-C
+    (a full disk: files kvjax writes report their own failures, kvjax.utils.output_files). Ctrl-C
     prints one line and exits 130; a closed stdout (a pipe whose reader left) exits 141 silently.
     Anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -223,7 +223,7 @@ def _main(argv: list[str], prog: str, said: list) -> int:
 
 
 # What a write to stdout can fail with once every file kvjax writes goes through
-# kvjax.errors.write_file (which reports its own failures): a full disk or quota, a file-size
+# kvjax.utils.output_files.write_file (which reports its own failures): a full disk or quota, a file-size
 # limit, an I/O error. Any other OSError is a bug and keeps its traceback.
 STDOUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 

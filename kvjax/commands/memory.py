@@ -37,8 +37,9 @@ from kvjax.accounting import budget as bud
 from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
 from kvjax.config.engine import resolve_kv_spec, resolve_max_model_len
 from kvjax.engine.cli_args import add_engine_flags, as_flags
-from kvjax.errors import KvjaxError, UsageError, dumps
+from kvjax.errors import KvjaxError, UsageError
 from kvjax.progress import Phases
+from kvjax.utils.strict_json import dumps
 
 # The JAX GPU allocator's settings, recorded with each report (XLA_CLIENT_MEM_FRACTION is the newer
 # name of XLA_PYTHON_CLIENT_MEM_FRACTION).

@@ -35,9 +35,14 @@ from kvjax.config.engine import resolve_kv_dtype
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfigError
 from kvjax.config.presets import PRESETS, preset
+from kvjax.core.kv_cache_groups import HybridError, all_full
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import UsageError, dumps, int_arg, pyplot, save_figure
+from kvjax.errors import UsageError
+from kvjax.utils.checks import int_arg
+from kvjax.utils.output_files import save_figure
+from kvjax.utils.plotting import pyplot
+from kvjax.utils.strict_json import dumps
 
 
 def add_parser(sub) -> None:
@@ -357,8 +362,8 @@ def _hybrid(pl: bud.Plan, windows, args) -> tuple[hybrid.GroupPlan, hybrid.Group
               max_concurrent_batches=1 if args.async_scheduling is False else 2)
     try:
         return (hybrid.plan_groups(pl.spec, windows, pl.budget_bytes, **kw),
-                hybrid.plan_groups(pl.spec, hybrid.all_full(windows), pl.budget_bytes, **kw))
-    except hybrid.HybridError as e:
+                hybrid.plan_groups(pl.spec, all_full(windows), pl.budget_bytes, **kw))
+    except HybridError as e:
         raise UsageError(str(e)) from None
 
 

@@ -22,7 +22,10 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.errors import INT32_MAX, InputFileError, KvjaxError, UsageError, check_int, json_type, read_jsonl, read_text
+from kvjax.errors import InputFileError, KvjaxError, UsageError
+from kvjax.utils.checks import INT32_MAX, check_int
+from kvjax.utils.input_files import read_text
+from kvjax.utils.strict_json import json_type, read_jsonl
 
 _JSONL_KEYS = {"prompt", "tokens", "max_tokens", "priority"}
 

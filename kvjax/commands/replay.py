@@ -17,7 +17,8 @@ import jax
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core.replay import Replay, ReplayError, bounded_lines, host_lists, iter_trace
-from kvjax.errors import check_input_file, dumps
+from kvjax.utils.input_files import check_input_file
+from kvjax.utils.strict_json import dumps
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -24,10 +24,13 @@ import time
 from typing import Any
 
 from kvjax.commands.common import add_progress_flag, progress_enabled
-from kvjax.errors import (UsageError, check_output_dir, dumps, output_folder, pyplot, save_figure,
-                          write_json, write_text)
+from kvjax.errors import UsageError
 from kvjax.markdown import markdown_table
 from kvjax.progress import Phases
+from kvjax.utils.output_files import save_figure, write_json, write_text
+from kvjax.utils.output_folders import check_output_dir, output_folder
+from kvjax.utils.plotting import pyplot
+from kvjax.utils.strict_json import dumps
 
 DEFAULT_OUT = "results"
 SECTIONS = ("decode", "accuracy", "memory", "smollm")  # after section 1, the tables, which always runs
@@ -295,7 +298,7 @@ def _section_smollm(out: str, quick: bool) -> tuple[str, dict]:
         md += ["", "### Quantized KV accuracy against bf16 (cut down)", "",
                "A few windows of code and prose, one format of each kind; the full suite (every KV format, KL by "
                "position up to 8K, passkey retrieval, outlier map, layer sensitivity, the trade-off table) is "
-               "`kvjax accuracy --model smollm2-135m` (README).", "", markdown(acc),
+               "`kvjax accuracy --model smollm2-135m` (docs/accuracy.md).", "", markdown(acc),
                f"![accuracy {model}]({os.path.basename(paths['png'])})", ""]
 
     memory_args = ["--model", model, "--device-memory-gib", "2", "--max-num-batched-tokens", "512"]

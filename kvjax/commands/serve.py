@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from kvjax.engine.arg_utils import AsyncEngineArgs
 from kvjax.engine.cli_args import FLAGS, add_engine_flags, as_flags
-from kvjax.errors import KvjaxError, UsageError, int_arg
+from kvjax.errors import KvjaxError, UsageError
+from kvjax.utils.checks import int_arg
 
 
 def add_parser(sub) -> None:

@@ -24,7 +24,9 @@ import time
 from kvjax.commands import bench as bench_cmd
 from kvjax.commands import plan as plan_cmd
 from kvjax.engine.cli_args import add_engine_flags
-from kvjax.errors import KvjaxError, UsageError, dumps, int_arg, read_json
+from kvjax.errors import KvjaxError, UsageError
+from kvjax.utils.checks import int_arg
+from kvjax.utils.strict_json import dumps, read_json
 
 DEVICE_NAMES = ("h100", "h200", "b200", "cpu")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.accounting import budget as bud
-from kvjax.errors import dumps
 from kvjax.markdown import markdown_table
+from kvjax.utils.strict_json import dumps
 
 
 def _num(x: float, digits: int = 6) -> str:

@@ -10,7 +10,7 @@ arguments is computed by exactly one function here, called once while the config
                                 name "sliding_window") keep kv_skip_dtype: the KV format of every layer
     resolve_attention_backend   the attention backend, checked against the kernels' preconditions
     resolve_kv_cache_groups     vLLM's KV cache groups of a model with sliding windows, each layer's
-                                group and page tensor (kvjax.accounting.hybrid's grouping)
+                                group and page tensor (kvjax.core.kv_cache_groups's grouping)
     resolve_max_model_len       the longest request: max_model_len, at most the model's positions
     resolve_step_budget         a step's token budget (max_num_batched_tokens or vLLM's default)
     resolve_num_blocks          the pool size when no profiling is needed (override, KV bytes, CPU default:
@@ -31,8 +31,11 @@ import dataclasses
 import functools
 from typing import Any
 
+from kvjax.config import attention as backends
 from kvjax.config.scheduler import SchedulerConfig, check_host_tier, check_policy, pool_limits, request_blocks
-from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, _show, check_int, is_int
+from kvjax.core import kv_cache_groups as grouping
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import INT32_MAX, MAX_SEED, check_int, is_int, show_value
 
 MAX_STEPS_PER_CALL = 1024  # the CLI's cap too
 MAX_NUM_SEQS = 2**16  # rows of every step
@@ -53,7 +56,7 @@ class EngineError(KvjaxError):
 # ----------------------------------------------------------------------------------- the parts
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroups:
-    """vLLM's KV cache groups (kvjax.accounting.hybrid): one block table per group, the j-th layer
+    """vLLM's KV cache groups (kvjax.core.kv_cache_groups): one block table per group, the j-th layer
     of every group sharing page tensor j. One full-attention group when the model has no sliding
     window, the layout is contiguous or hybrid groups are off: then windows is (None,), the two
     per-layer tuples are empty and a window, if any, is the attention mask alone."""
@@ -222,13 +225,11 @@ def resolve_kv_spec(model_config, kv_cache_dtype: str, skip_layers=(), kv_skip_d
 
 def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_parallel_size: int) -> str:
     """The attention backend: the one named, checked against what the kernels take, or by
-    default the platform's (kvjax.attention.default_impl: "pallas" on a GPU), but "reference" when
+    default the platform's (kvjax.config.attention.default_impl: "pallas" on a GPU), but "reference" when
     the pages carry per-token scales (the kernels read static scales only) or with tensor
     parallelism (the kernels are not partitioned over a mesh)."""
-    from kvjax.attention import IMPLS, default_impl
-
-    if attention_backend is not None and attention_backend not in IMPLS:
-        raise EngineError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(IMPLS)}")
+    if attention_backend is not None and attention_backend not in backends.IMPLS:
+        raise EngineError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(backends.IMPLS)}")
     per_token = any(kv_spec.layer_dtype(i).scale == "per_token" for i in range(kv_spec.num_layers))
     if attention_backend == "pallas":
         if tensor_parallel_size > 1:
@@ -240,12 +241,12 @@ def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_par
         return "pallas"
     if attention_backend == "reference":
         return "reference"
-    return "reference" if tensor_parallel_size > 1 or per_token else default_impl()
+    return "reference" if tensor_parallel_size > 1 or per_token else backends.default_impl()
 
 
 def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: bool, kv_layout: str,
                             host_tier: bool, tensor_parallel_size: int) -> KVCacheGroups:
-    """vLLM's grouping (kvjax.accounting.hybrid) for a model with sliding windows on the paged
+    """vLLM's grouping (kvjax.core.kv_cache_groups) for a model with sliding windows on the paged
     layout with hybrid groups on (vLLM's default; disable_hybrid_kv_cache_manager turns them off);
     else one full-attention group. Groups with a host tier or tensor parallelism are refused."""
     windows = tuple(model_config.layer_windows)
@@ -255,8 +256,6 @@ def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: b
         if value:
             raise EngineError(f"{what} with KV cache groups is not implemented: this model has sliding windows; "
                               "pass disable_hybrid_kv_cache_manager=True to keep every layer in one group")
-    from kvjax.accounting import hybrid as grouping
-
     try:
         groups = grouping.kv_cache_groups(kv_spec, windows, block_size)
     except grouping.HybridError as e:  # e.g. kv_cache_dtype_skip_layers giving the groups pages of two sizes
@@ -274,7 +273,7 @@ def resolve_max_model_len(max_model_len, max_position_embeddings: int) -> int:
     if max_model_len is None:
         return max_position_embeddings
     if not is_int(max_model_len) or not 1 <= max_model_len <= max_position_embeddings:
-        raise EngineError(f"max_model_len={_show(max_model_len)} must be in [1, {max_position_embeddings}] "
+        raise EngineError(f"max_model_len={show_value(max_model_len)} must be in [1, {max_position_embeddings}] "
                           "(an integer; the model's max_position_embeddings)")
     return int(max_model_len)
 

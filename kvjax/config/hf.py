@@ -22,7 +22,9 @@ from typing import Any, Mapping
 
 from kvjax.config.model import (MAX_LAYERS, MLA_TYPES, MODEL_TYPES, SCORING_FUNCS, TOPK_METHODS, ModelConfig,
                                 ModelConfigError, MoEConfig, RopeConfig, RopeError)
-from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int, read_json_object
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import INT32_MAX, check_int, is_int
+from kvjax.utils.strict_json import read_json_object
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ import dataclasses
 import math
 
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
-from kvjax.errors import INT32_MAX, KvjaxError, check_int, is_int
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import INT32_MAX, check_int, is_int
 
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3", "gemma2",
              "gemma3_text", "gpt_oss")
@@ -368,7 +369,7 @@ class ModelConfig:
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: full attention), as kvjax.accounting.hybrid groups them."""
+        """Each layer's sliding window (None: full attention), as kvjax.core.kv_cache_groups groups them."""
         sliding = set(self.sliding_layers)
         return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
 

@@ -1,8 +1,8 @@
 """The scheduler's configuration (vLLM's `vllm/config/scheduler.py`): pool size, rows, token budget,
 policy, chunked prefill and the host tier, checked once where they are given.
 
-Plain Python at import time (kvjax plan imports kvjax.config without JAX); `state_bytes` imports
-JAX when it is called.
+Plain Python (kvjax plan imports kvjax.config without JAX). The bytes of the tables a scheduler
+allocates for a config are kvjax.core.sched.tables's.
 """
 from __future__ import annotations
 
@@ -98,31 +98,9 @@ class SchedulerConfig:
         """The pool's request slots: max_requests, default 2 × max_num_seqs."""
         return self.max_requests or 2 * self.max_num_seqs
 
-    def state_bytes(self) -> int:
-        """The bytes of the pool state and host index a Scheduler allocates, from their shapes
-        (jax.eval_shape: nothing is allocated). Evaluated once per config: the engine's memory
-        check and the scheduler's both ask."""
-        return _state_bytes(self)
-
     def describe(self) -> str:
         """The sizes the tables follow from, for messages."""
         return (f"num_blocks={self.num_blocks:,}, max_num_seqs={self.max_num_seqs:,} ({self.num_slots:,} request "
                 f"slots), max_model_len={self.max_model_len:,}, block_size={self.block_size}"
                 + (f", num_host_blocks={self.num_host_blocks:,}" if self.num_host_blocks else ""))
 
-
-@functools.lru_cache(maxsize=16)
-def _state_bytes(config: SchedulerConfig) -> int:
-    import jax
-
-    from kvjax.accounting import memory as mem
-    from kvjax.core import kv_cache_manager as manager
-    from kvjax.kv_offload import manager as host_cache
-
-    z = config.block_size
-    shapes = jax.eval_shape(lambda: manager.init(config.num_blocks, z, config.num_slots,
-                                                 cdiv(config.max_model_len, z), config.prefix_caching,
-                                                 config.windows))
-    host = jax.eval_shape(lambda: host_cache.init(config.num_host_blocks, config.host_policy)) \
-        if config.num_host_blocks else ()
-    return mem.tree_bytes((shapes, host))

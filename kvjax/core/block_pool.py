@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.errors import KvjaxError, is_int, require
+from kvjax.errors import KvjaxError, require
+from kvjax.utils.checks import is_int
 
 NULL_BLOCK = 0  # vLLM's null block: never allocated to a request, target of padding writes
 NOT_LISTED = np.iinfo(np.int32).max  # the position of an entry that is not in a list
@@ -97,7 +98,7 @@ def init(num_blocks: int) -> BlockPool:
         raise KvjaxError(f"num_blocks must be an int in [2, {MAX_BLOCKS:,}] (block 0 is the null block; the ring's "
                          f"cell arithmetic stays in int32), got {num_blocks!r}")
     p = int(num_blocks)
-    # jnp, not numpy: under jax.eval_shape (SchedulerConfig.state_bytes sizing a pool before it is
+    # jnp, not numpy: under jax.eval_shape (kvjax.core.sched.tables sizing a pool before it is
     # allocated) nothing is then built, however many blocks
     pos = jnp.arange(-1, p - 1, dtype=jnp.int32).at[NULL_BLOCK].set(NOT_LISTED)
     cell = jnp.arange(p, dtype=jnp.int32)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvjax.errors import INT32_MAX, check_int
 from kvjax.quant.kv_formats import KVFormat, SpecError, kv_format  # SpecError: re-exported for the spec's users
+from kvjax.utils.checks import INT32_MAX, check_int
 
 KINDS = ("mha", "gqa", "mqa", "mla")
 

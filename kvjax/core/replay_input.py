@@ -8,7 +8,9 @@ import json
 from typing import Iterator
 
 from kvjax.core import single_type_kv_cache_manager as groups_rules
-from kvjax.errors import KvjaxError, is_int, loads
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import is_int
+from kvjax.utils.strict_json import loads
 
 
 class ReplayError(KvjaxError):
@@ -44,7 +46,7 @@ def encodable(text: str) -> bool:
 
 
 def parse_json(line: str):
-    """One op's JSON (errors.loads: nesting limit, finite numbers), as a ReplayError."""
+    """One op's JSON (kvjax.utils.strict_json.loads: nesting limit, finite numbers), as a ReplayError."""
     try:
         return loads(line)
     except KvjaxError as e:

@@ -18,7 +18,8 @@ from flax import struct
 from kvjax.core import block_pool
 from kvjax.core import kv_cache_utils as hashing
 from kvjax.core.block_pool import BlockPool
-from kvjax.errors import KvjaxError, check_int, require
+from kvjax.errors import KvjaxError, require
+from kvjax.utils.checks import check_int
 
 
 @struct.dataclass

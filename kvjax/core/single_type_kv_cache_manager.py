@@ -3,7 +3,7 @@
 `core/kv_cache_coordinator.py` (HybridKVCacheCoordinator), as array functions.
 
 A model whose layers mix full and sliding-window attention keeps one block table per KV cache
-group (kvjax.accounting.hybrid groups the layers), all drawing on one block pool. A group is
+group (kvjax.core.kv_cache_groups groups the layers), all drawing on one block pool. A group is
 named by its window: None for full attention, W for a sliding window in which a query at
 position q sees keys q - W < k <= q. The rules, as vLLM 0.33 states them:
 
@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvjax.errors import KvjaxError, is_int
+from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv
+from kvjax.utils.checks import is_int
 
 
 def check_windows(windows) -> tuple[int | None, ...]:

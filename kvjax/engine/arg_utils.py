@@ -36,7 +36,7 @@ from typing import Any, Callable
 from kvjax.config.engine import (CPU_KV_SHARE, CacheConfig, EngineConfig, EngineError, ProfilerConfig, check_settings,
                                  resolve_attention_backend, resolve_kv_cache_groups, resolve_kv_spec,
                                  resolve_max_model_len, resolve_num_blocks, resolve_step_budget)
-from kvjax.errors import INT32_MAX, MAX_GIB, check_int
+from kvjax.utils.checks import INT32_MAX, MAX_GIB, check_int
 
 # vLLM engine arguments that kvjax does not implement: (the values that mean what kvjax does
 # anyway, the reason any other value is refused).
@@ -401,8 +401,8 @@ def read_template(template: str) -> str:
     a path and is refused as a missing file (never rendered as a template)."""
     if not isinstance(template, str) or not template:
         raise LLMError(f"chat_template must be a template or a file, got {template!r:.80}")
-    from kvjax.errors import decode_utf8, read_bytes
     from kvjax.models.template_sandbox import ChatTemplate
+    from kvjax.utils.input_files import decode_utf8, read_bytes
 
     if os.path.isfile(template):
         return ChatTemplate(decode_utf8(read_bytes(template, "chat template"), template, "chat template"), template)

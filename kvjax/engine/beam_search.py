@@ -55,7 +55,7 @@ import numpy as np
 from kvjax.engine.arg_utils import LLMError
 from kvjax.engine.outputs import Logprob
 from kvjax.engine.sampling_params import MAX_N, SamplingParams, SamplingParamsError
-from kvjax.errors import INT32_MAX, check_int, is_int
+from kvjax.utils.checks import INT32_MAX, check_int, is_int
 
 # vLLM BeamSearchParams fields kvjax has no counterpart for: (their neutral values, what they are).
 _NOT_IMPLEMENTED = {"structured_outputs": ((None,), "structured outputs"),

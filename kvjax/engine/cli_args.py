@@ -3,7 +3,7 @@
 command adds the ones it takes (`add_engine_flags(parser, fields)`, with its own default, help
 or type where its meaning differs), so a flag is defined once.
 
-Each flag's type checks its value as the command line reads it (kvjax.errors' int_arg /
+Each flag's type checks its value as the command line reads it (kvjax.utils.checks' int_arg /
 float_arg, `human_int_arg` for vLLM's human-readable byte counts: `4G` = 4 GiB, `4g` = 4·10⁹), so
 a bad value is argparse's one-line error; the rules across values are EngineArgs'
 (`create_engine_config`). No JAX at import.
@@ -14,8 +14,10 @@ import argparse
 import re
 from typing import Sequence
 
-from kvjax.errors import INT32_MAX, MAX_GIB, KvjaxError, float_arg, int_arg, loads
+from kvjax.errors import KvjaxError
 from kvjax.utils.argparse_utils import human_readable_int
+from kvjax.utils.checks import INT32_MAX, MAX_GIB, float_arg, int_arg
+from kvjax.utils.strict_json import loads
 
 def human_int_arg(lo: int = 1, hi: int = INT32_MAX):
     """An argparse `type` for an integer flag in [lo, hi] that vLLM reads with human_readable_int

@@ -53,6 +53,7 @@ from kvjax.attention.metadata import build_metadata
 from kvjax.config.engine import EngineConfig, EngineError
 from kvjax.core.sched.output import StepPlan
 from kvjax.core.sched.scheduler import Scheduler, SchedulerError
+from kvjax.core.sched.tables import state_bytes
 from kvjax.engine import processor, sampling
 from kvjax.engine import steps as device
 from kvjax.engine.outputs import EngineRun, RequestResult, token_logprobs
@@ -60,10 +61,10 @@ from kvjax.engine.sampling import SamplingParams
 from kvjax.engine.metrics import EngineMetrics, FinishedRequest, cache_config_info
 from kvjax.engine.stats import RunStats, StepLog, Summary
 from kvjax.engine.structured_output import Grammar, StructuredOutputError, StructuredOutputManager
-from kvjax.errors import INT32_MAX, check_int
 from kvjax.kv_offload import host_pages as offload
 from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.utils.atomic import BatchCall, atomic, lock_of
+from kvjax.utils.checks import INT32_MAX, check_int
 from kvjax.worker import sharding as shd
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
 
@@ -149,9 +150,8 @@ class Engine:
         return lambda: PagedCache.create(cache.kv_spec, cfg.num_blocks, z, cache.scales, cache.groups.layer_slots)
 
     def _check_fits(self) -> None:
-        """Refuse, before allocating any of it, an engine whose KV pages alone, or whose KV cache,
-        scheduler tables and one step's logits rows (max_num_seqs × vocab f32) together, exceed
-        what each device could hold."""
+        """Refuse, before allocating any of it, an engine whose KV pages alone, or whose KV cache, scheduler tables
+        and one step's logits rows (max_num_seqs × vocab f32) together, exceed what each device could hold."""
         cfg, cache, tp = self.config, self.config.cache_config, self.config.tensor_parallel_size
         kv_spec = cache.kv_spec
         per_block = kv_spec.per_rank(tp).bytes_per_block(cfg.block_size)  # one rank's share of a block
@@ -167,7 +167,7 @@ class Engine:
         logits = cfg.max_num_seqs * self.vocab_size * 4
         mem.check_fits(f"the KV cache ({cache_bytes:,} B), the scheduler's tables "
                        f"({self.scheduler_config.describe()}) and one step's logits ({logits:,} B)",
-                       cache_bytes + self.scheduler_config.state_bytes() + logits, devices)
+                       cache_bytes + state_bytes(self.scheduler_config) + logits, devices)
         if cache.num_host_blocks:  # the host tier's pages fill as blocks are stored: at most this many
             per_block = kv_spec.bytes_per_block(cfg.block_size)
             mem.check_host_fits(f"the host tier's {cache.num_host_blocks:,} blocks of {per_block:,} B",

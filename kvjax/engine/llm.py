@@ -32,8 +32,8 @@ from kvjax.engine.arg_utils import EngineArgs, LLMError, read_template
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import GenerateOutputs
 from kvjax.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvjax.errors import INT32_MAX, check_int, is_int
 from kvjax.utils.atomic import BatchCall, lock_of
+from kvjax.utils.checks import INT32_MAX, check_int, is_int
 
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineArgs)}
 

@@ -42,8 +42,9 @@ from kvjax.engine.output_processor import OutputProcessor
 from kvjax.engine.outputs import Logprob, RequestOutput, prompt_logprobs
 from kvjax.engine.processor import fan_out, normalize_trace_replay
 from kvjax.engine.sampling import SamplingParams
-from kvjax.errors import KvjaxError, is_int
+from kvjax.errors import KvjaxError
 from kvjax.utils.atomic import atomic
+from kvjax.utils.checks import is_int
 
 DEFAULT_UTIL = 0.92  # vLLM's gpu_memory_utilization
 _GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
@@ -317,8 +318,8 @@ class LLMEngine:
         score_windows): each window prefilled alone into a fresh cache of this engine's KV format."""
         import jax.numpy as jnp
 
-        from kvjax.errors import INT32_MAX, check_int
         from kvjax.evaluation.scoring import prefill_layout, window_logprobs
+        from kvjax.utils.checks import INT32_MAX, check_int
         from kvjax.worker.paged_cache import PagedCache
 
         check_int(batch_size, "batch_size", 1, INT32_MAX, LLMError)
@@ -394,7 +395,7 @@ def generation_defaults(folder: str | None) -> SamplingParams:
     path = None if folder is None or not os.path.isdir(folder) else os.path.join(folder, "generation_config.json")
     if path is None or not os.path.exists(path):
         return SamplingParams()
-    from kvjax.errors import read_json_object
+    from kvjax.utils.strict_json import read_json_object
 
     config = read_json_object(path, "generation_config.json")
     values = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}

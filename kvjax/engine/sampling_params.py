@@ -25,7 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.errors import INT32_MAX, MAX_SEED, KvjaxError, check_int, is_int
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import INT32_MAX, MAX_SEED, check_int, is_int
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it

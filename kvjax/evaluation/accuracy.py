@@ -63,15 +63,16 @@ from kvjax.data import HELDOUT, PROSE
 from kvjax.engine.llm import LLM
 from kvjax.engine.sampling import SamplingParams
 from kvjax.engine.stats import COMPILE_S
-from kvjax.errors import KvjaxError, check_int
+from kvjax.errors import KvjaxError
 from kvjax.evaluation.layers import kv_outliers, layer_sensitivity, most_sensitive
 from kvjax.evaluation.metrics import BUCKETS, Tally, compare
 from kvjax.evaluation.scoring import ChunkedScorer, windows
 from kvjax.quant import nvfp4
 from kvjax.quant.calibration import calibrate, channel_amax
+from kvjax.utils.checks import check_int
 
 # What `kvjax accuracy` measures on a real LLM (any model but the built-in small-gqa / small-mla),
-# sized for SmolLM2-135M on 2 CPU cores (README: its time, phase by phase).
+# sized for SmolLM2-135M on 2 CPU cores (docs/accuracy.md: its time, phase by phase).
 FULL_SUITE = dict(data=(HELDOUT, PROSE), seq_len=256, max_windows=32, calib_windows=8, long_windows=1,
                   long_chunk=2048, long_variants="all", sensitivity_windows=2,
                   sensitivity_variant="fp8_e4m3 unit", skip_counts=(3,), outlier_map=True, prompts=8,

@@ -27,7 +27,8 @@ import re
 
 import numpy as np
 
-from kvjax.errors import KvjaxError, check_int
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import check_int
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n\n")

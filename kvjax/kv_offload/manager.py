@@ -68,8 +68,9 @@ import numpy as np
 from flax import struct
 
 from kvjax.core.block_pool import NOT_LISTED, close_up, count_before, first_holders, ordered
-from kvjax.errors import KvjaxError, _show, is_int, require
+from kvjax.errors import KvjaxError, require
 from kvjax.math_utils import pow2_bucket
+from kvjax.utils.checks import is_int, show_value
 
 POLICIES = ("lru", "arc")
 
@@ -99,7 +100,7 @@ def pad_hashes(rows, size: int | None = None) -> np.ndarray:
     return out
 
 
-def check_policy(policy, error: type = KvjaxError, name: str = "policy", show=json.dumps, got=_show) -> str:
+def check_policy(policy, error: type = KvjaxError, name: str = "policy", show=json.dumps, got=show_value) -> str:
     """The host tier's eviction policies, vLLM's kv_offloading ones: "lru" or "arc". The message
     names `name`, the choices written by `show`, the value by `got`."""
     if not isinstance(policy, str) or policy not in POLICIES:

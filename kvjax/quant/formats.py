@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import InputFileError, KvjaxError, json_type, read_json_object, write_json
+from kvjax.errors import InputFileError, KvjaxError
 from kvjax.quant.kv_formats import FP8_FORMATS, KVFormat, kv_formats
+from kvjax.utils.output_files import write_json
+from kvjax.utils.strict_json import json_type, read_json_object
 
 # The quantized formats with a page format (kvjax.quant.kv_formats's table: storage dtype, max, scale kind).
 FORMATS: dict[str, KVFormat] = {f.name: f for f in kv_formats("static", "per_token")}
@@ -137,7 +139,7 @@ class KVScales:
                 "amax_k": lst(self.amax_k), "amax_v": lst(self.amax_v)}
 
     def save(self, path: str | os.PathLike, what: str = "scales file") -> None:
-        """Write the scales as JSON, atomically (kvjax.errors.write_file; `what` names the path
+        """Write the scales as JSON, atomically (kvjax.utils.output_files.write_file; `what` names the path
         in a write failure's message)."""
         write_json(path, self.to_json(), what, indent=None)
 

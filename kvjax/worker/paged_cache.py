@@ -50,10 +50,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import KvjaxError, check_int
+from kvjax.errors import KvjaxError
 from kvjax.quant import formats as quant
 from kvjax.quant import nvfp4
 from kvjax.quant.kv_formats import KVFormat, kv_format
+from kvjax.utils.checks import check_int
 
 
 class CacheError(KvjaxError):

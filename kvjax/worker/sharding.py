@@ -65,7 +65,8 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.config.model import ModelConfig
 from kvjax.core.kv_cache_interface import KVSpec
-from kvjax.errors import KvjaxError, check_int
+from kvjax.errors import KvjaxError
+from kvjax.utils.checks import check_int
 from kvjax.worker.paged_cache import LatentPages, PagedCache
 
 AXIS = "tp"

@@ -1,5 +1,5 @@
-"""vLLM 0.33's hybrid KV cache arithmetic (kvjax.accounting.hybrid) on layer patterns worked out by
-hand from vLLM's rules (kv_cache_planning._get_kv_cache_groups_uniform_page_size,
+"""vLLM 0.33's hybrid KV cache arithmetic (kvjax.core.kv_cache_groups, kvjax.accounting.hybrid) on layer
+patterns worked out by hand from vLLM's rules (kv_cache_planning._get_kv_cache_groups_uniform_page_size,
 get_kv_cache_config_from_groups, SlidingWindowSpec.max_admission_blocks_per_request,
 kv_cache_utils.get_max_concurrency_for_kv_cache_config). vLLM's own functions give the same groups,
 bytes per block, blocks and concurrency on these patterns and on the presets with sliding-window layers
@@ -7,8 +7,8 @@ bytes per block, blocks and concurrency on these patterns and on the presets wit
 experiments/vllm_hybrid_reference.py, run on vLLM 0.33's unzipped wheel (22 of 22 the same)."""
 import pytest
 
-from kvjax.accounting import hybrid
-from kvjax.accounting.hybrid import HybridError, KVGroup, all_full, kv_cache_groups, plan_groups
+from kvjax.accounting.hybrid import plan_groups
+from kvjax.core.kv_cache_groups import HybridError, KVGroup, all_full, check_layer_windows, kv_cache_groups
 from kvjax.core.kv_cache_interface import KVSpec
 
 GIB = 2**30
@@ -103,7 +103,7 @@ def test_hybrid_layers_of_different_pages_are_refused():
     spec = KVSpec("gqa", 4, 4, 4, 8, kv_dtype="fp8", skip_layers=(3,), model_dtype="bf16")
     with pytest.raises(HybridError, match="pages of 1,024, 2,048 B"):
         kv_cache_groups(spec, [64, 64, 64, None], 16)
-    assert hybrid.check_windows([None, 5], 2) == (None, 5)
+    assert check_layer_windows([None, 5], 2) == (None, 5)
 
 
 def test_a_configs_sliding_layers_become_its_layer_windows():

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.attention import default_impl, get_impl, mla_paged_attention, paged_attention
+from kvjax.attention import get_impl, mla_paged_attention, paged_attention
+from kvjax.config.attention import default_impl
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)

@@ -484,7 +484,7 @@ def test_old_flag_names_are_refused_with_the_new_name(old, new, command, form, w
 
 
 def test_an_output_check_leaves_no_target_behind_a_dangling_symlink(tmp_path):
-    from kvjax.errors import check_output_file
+    from kvjax.utils.output_files import check_output_file
 
     link = tmp_path / "plot.png"
     os.symlink(tmp_path / "target.png", link)  # the target does not exist yet
@@ -514,8 +514,9 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
 
 
 def test_the_python_api_refuses_special_files_too(tmp_path):
-    from kvjax.errors import KvjaxError, read_text
+    from kvjax.errors import KvjaxError
     from kvjax.quant.formats import KVScales
+    from kvjax.utils.input_files import read_text
 
     fifo = tmp_path / "scales.json"
     os.mkfifo(fifo)
@@ -529,7 +530,7 @@ def test_a_byte_order_mark_is_no_part_of_a_prompt_or_a_json_file(tmp_path):
     """Windows editors start UTF-8 files with U+FEFF; it was read as the first prompt's first
     three byte tokens (and a JSON file holding one was refused)."""
     from kvjax.commands.prompts import read_prompts
-    from kvjax.errors import read_json
+    from kvjax.utils.strict_json import read_json
 
     bom = b"\xef\xbb\xbf"
     (tmp_path / "p.txt").write_bytes(bom + b"hello\r\nworld\n")
@@ -648,7 +649,7 @@ def test_a_config_eos_id_of_the_wrong_kind_is_refused_not_dropped(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Writing: every output goes through kvjax.errors.write_file (atomic, failures as one line)
+# Writing: every output goes through kvjax.utils.output_files.write_file (atomic, failures as one line)
 # --------------------------------------------------------------------------------------------
 def _kvjax_script() -> str:
     return shutil.which("kvjax", path=os.path.dirname(sys.executable)) or "kvjax"
@@ -682,7 +683,8 @@ def test_a_full_stdout_is_one_line(command, tmp_path):
 
 
 def test_write_file_replaces_atomically_replaces_links_and_keeps_modes(tmp_path):
-    from kvjax.errors import OutputPathError, write_file, write_text
+    from kvjax.errors import OutputPathError
+    from kvjax.utils.output_files import write_file, write_text
 
     target = tmp_path / "out.md"
     target.write_text("old")
@@ -753,11 +755,12 @@ def test_the_schedulers_tables_are_sized_from_their_shapes_and_checked(small_hos
     from kvjax.accounting.memory import WontFitError, tree_bytes
     from kvjax.config.scheduler import SchedulerConfig
     from kvjax.core.sched.scheduler import Scheduler
+    from kvjax.core.sched.tables import state_bytes
 
     config = SchedulerConfig(num_blocks=300, block_size=16, max_num_seqs=4, max_model_len=1000, num_host_blocks=50,
                              host_policy="arc")
     sched = Scheduler(config)
-    assert config.state_bytes() == tree_bytes((sched.state, sched.host))  # the shapes' bytes = what was allocated
+    assert state_bytes(config) == tree_bytes((sched.state, sched.host))  # the shapes' bytes = what was allocated
     huge = SchedulerConfig(num_blocks=2**20, block_size=16, max_num_seqs=65536, max_model_len=2**17)
     # block tables i32[2·65536, 2¹³] and block hashes u32[2·65536, 2¹³, 2]: 12 GiB
     with pytest.raises(WontFitError, match=r"scheduler's tables \(num_blocks=1,048,576, max_num_seqs=65,536 "

@@ -4,8 +4,8 @@ valid one with one or two fields replaced by anything) go to the trace reader
 (`kvjax.core.replay.iter_trace`), the prompts reader (`kvjax.commands.prompts.read_prompts`), the fp8
 scales reader (`kvjax.quant.formats.KVScales.load`), the config reader (`kvjax.config.model.from_hf_config`, a
 file and a dict), the GGUF header reader (`models.loader.load_config` on a `.gguf` file: random,
-truncated, byte-flipped, or with odd metadata) and the shared helpers (`kvjax.errors.read_text`,
-`read_json`, `read_jsonl`). Only `KvjaxError` is caught: a TypeError, a ZeroDivisionError, a
+truncated, byte-flipped, or with odd metadata) and the shared helpers (`kvjax.utils.input_files.read_text`,
+`kvjax.utils.strict_json.read_json`, `read_jsonl`). Only `KvjaxError` is caught: a TypeError, a ZeroDivisionError, a
 MemoryError or a plain ValueError escaping a reader fails the test, since the command line turns
 only a `KvjaxError` into its one-line refusal. Where a reader returns, its value is checked
 against the schema it promises (one of prompt/tokens per request; positive finite scales; ...),
@@ -33,9 +33,12 @@ from kvjax.commands.prompts import read_prompts
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import MODEL_TYPES, ModelConfig
 from kvjax.core.replay import iter_trace
-from kvjax.errors import INT32_MAX, KvjaxError, read_json, read_jsonl, read_text
+from kvjax.errors import KvjaxError
 from kvjax.models.loader import load_config
 from kvjax.quant.formats import FP8_FORMATS, SCALE_MODES, KVScales
+from kvjax.utils.checks import INT32_MAX
+from kvjax.utils.input_files import read_text
+from kvjax.utils.strict_json import read_json, read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -481,7 +484,7 @@ def test_gguf_odd_metadata(changes):
 
 
 # --------------------------------------------------------------------------------------------
-# 6. kvjax.errors.read_text / read_json / read_jsonl
+# 6. kvjax.utils.input_files.read_text, kvjax.utils.strict_json.read_json / read_jsonl
 # --------------------------------------------------------------------------------------------
 def read_all(data: bytes | str) -> None:
     with tempfile.TemporaryDirectory() as folder:

@@ -72,10 +72,10 @@ def run(case, attn_impl="reference", **kw):
     allocator, whose block is one group's pages, the same bytes in more blocks."""
     config, params, _ = case
     if "num_blocks" not in kw:
-        from kvjax.accounting import hybrid
+        from kvjax.core.kv_cache_groups import kv_cache_groups
 
         per_block = config.num_layers if kw.get("disable_hybrid_kv_cache_manager") else \
-            max(len(g.layers) for g in hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows, Z))
+            max(len(g.layers) for g in kv_cache_groups(config.kv_spec(), config.layer_windows, Z))
         kw["num_blocks"] = 64 * config.num_layers // per_block
     cfg = engine_config(config, **{"block_size": Z, "max_num_seqs": 4, "max_model_len": 56,
                                    "attention_backend": attn_impl, **kw})
@@ -109,10 +109,10 @@ def test_grouped_allocator_frees_what_the_window_left(case, k):
     every layer kept as full attention, and fewer layer pages held at the peak. A block of the
     grouped pool holds one page per layer of a group (vLLM's bytes per block), a block of the
     all-full pool one per layer of the model."""
-    from kvjax.accounting import hybrid
+    from kvjax.core.kv_cache_groups import kv_cache_groups
 
     config, _, want = case
-    groups = hybrid.kv_cache_groups(config.kv_spec(), config.layer_windows, Z)
+    groups = kv_cache_groups(config.kv_spec(), config.layer_windows, Z)
     assert any(g.window is not None for g in groups)
     grouped, full = run(case, steps_per_call=k), run(case, steps_per_call=k, disable_hybrid_kv_cache_manager=True)
     check(case, grouped)

@@ -1,5 +1,6 @@
-"""kvjax.LLM, the Python API: the README example, EOS and stop tokens against transformers,
-scoring against transformers' logits, the contiguous layout against the paged one, priorities.
+"""kvjax.LLM, the Python API: the README's quickstart and docs/python_api.md's AsyncLLM example, EOS and
+stop tokens against transformers, scoring against transformers' logits, the contiguous layout against the
+paged one, priorities.
 
 The reference models are tests/hf_fixtures.py's random-init transformers checkpoints; their
 greedy output is compared only up to the first near-tie (two top logits closer than MARGIN),
@@ -27,16 +28,14 @@ MARGIN = 1e-4
 NEW = 12
 
 
-def test_readme_async_example_streams_what_generate_returns():
-    """The README's AsyncLLM example as written: the DELTA texts it prints, joined, are the text
-    LLM.generate returns for the same greedy request."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("## From Python", 1)[1]
-    code = re.findall(r"```python\n(.*?)```", section, re.S)[1]
-    assert "AsyncLLM" in code
+def test_docs_async_example_streams_what_generate_returns():
+    """docs/python_api.md's AsyncLLM example as written: the DELTA texts it prints, joined, are the
+    text LLM.generate returns for the same greedy request."""
+    doc = open(os.path.join(ROOT, "docs", "python_api.md")).read()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "AsyncLLM" in block]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs/python_api.md", "exec"), {})
     llm = kvjax.LLM("small-gqa", num_gpu_blocks_override=64, use_tqdm_on_load=False)
     want = llm.generate("def fibonacci(n):", kvjax.SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert out.getvalue() == want[0].outputs[0].text and len(want[0].outputs[0].token_ids) == 16
@@ -45,7 +44,7 @@ def test_readme_async_example_streams_what_generate_returns():
 @pytest.mark.slow
 def test_readme_python_example_runs_as_written():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("## From Python", 1)[1]
+    section = readme.split("## Quickstart", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out, names = io.StringIO(), {}
     with contextlib.redirect_stdout(out):
@@ -209,8 +208,9 @@ def test_hybrid_kv_cache_sizes_by_the_groups(tmp_path_factory):
     full = kvjax.LLM(folder, disable_hybrid_kv_cache_manager=True, **common)
     cfg = hybrid.config
     page = 2 * 4 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V × 4 slots × heads × dims × fp32: one layer
-    layers_per_group = max(len(g.layers) for g in kvjax.accounting.hybrid.kv_cache_groups(
-        cfg.kv_spec(), cfg.layer_windows, 4))
+    from kvjax.core.kv_cache_groups import kv_cache_groups
+
+    layers_per_group = max(len(g.layers) for g in kv_cache_groups(cfg.kv_spec(), cfg.layer_windows, 4))
     assert hybrid.num_blocks == 1 + 2**20 // (layers_per_group * page)
     assert full.num_blocks == 1 + 2**20 // (cfg.num_layers * page)
     assert hybrid.vllm_config.cache_config.groups.hybrid and not full.vllm_config.cache_config.groups.hybrid

@@ -1,7 +1,7 @@
 """The fixtures both server test modules use, each built from the requesting module's COMMON
 (AsyncEngineArgs / LLM arguments) and PROMPTS: one `kvjax serve` per module, an OpenAI client to it,
-the offline LLM on the same arguments, and its greedy texts of PROMPTS (the reference); and the
-structured-output samples of vLLM 0.33's tests/entrypoints/conftest.py, for the ported vLLM tests."""
+the offline LLM on the same arguments, and its greedy texts of PROMPTS (the reference); and vLLM
+0.33's sample_structured_outputs_choices (its tests/entrypoints/conftest.py), for the ported tests."""
 from __future__ import annotations
 
 import openai
@@ -33,44 +33,7 @@ def greedy(llm, request):
     return [o.outputs[0].text for o in outs]
 
 
-# ---- vLLM 0.33's tests/entrypoints/conftest.py (its sdist), copied unchanged -------------------
-@pytest.fixture
-def sample_regex():
-    return (
-        r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}"
-        r"(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
-    )
-
-
-@pytest.fixture
-def sample_json_schema():
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "skills": {
-                "type": "array",
-                "items": {"type": "string", "maxLength": 10},
-                "minItems": 3,
-            },
-            "work_history": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "company": {"type": "string"},
-                        "duration": {"type": "number"},
-                        "position": {"type": "string"},
-                    },
-                    "required": ["company", "position"],
-                },
-            },
-        },
-        "required": ["name", "age", "skills", "work_history"],
-    }
-
-
+# ---- from vLLM 0.33's tests/entrypoints/conftest.py (its sdist), unchanged ---------------------
 @pytest.fixture
 def sample_structured_outputs_choices():
     return [

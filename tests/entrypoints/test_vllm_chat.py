@@ -4,16 +4,27 @@
 `kvjax serve smollm2-135m`. Changed:
 - the model: smollm2-135m (SmolLM2-135M-Instruct) for HuggingFaceH4/zephyr-7b-beta, and what follows
   from it: the prompt "you are a helpful assistant / what is 1+1?" is 26 tokens here (37 in Zephyr's
-  vocabulary), and test_complex_message_content's greedy answer is SmolLM2's "1 + 1 = 2" (Zephyr's:
-  "2"); --generation-config gives the server SmolLM2's recommended sampling (its model card's
-  temperature 0.2, top_p 0.9, as tests/entrypoints/data/smollm2_generation_config) where Zephyr's
-  replies end on their own: SmolLM2's GGUF carries no generation_config.json, and at vLLM's default
-  temperature 1.0 it rambles to the 8,192-token context;
+  vocabulary); test_complex_message_content's greedy answer is SmolLM2's "1 + 1 = 2" (Zephyr's: "2");
+  test_more_than_one_prompt_logprobs_chat reads prompt position 2, the first whose token SmolLM2 ranks
+  most likely (it ranks Zephyr's position 3, "You", 6th, so that entry lists the token beside the top
+  k); --generation-config gives the server SmolLM2's recommended sampling (its model card's temperature
+  0.2, top_p 0.9, as tests/entrypoints/data/smollm2_generation_config) where Zephyr's replies end on
+  their own: SmolLM2's GGUF carries no generation_config.json, and at vLLM's default temperature 1.0 it
+  rambles to the context's end;
+- not ported, their assertions being about what a 7B model answers: test_response_format_json_schema
+  (SmolLM2-135M, held to {"result": integer} with other properties allowed, writes other properties at
+  any temperature, never {"result": 2}), test_structured_outputs_regex_chat and
+  test_structured_outputs_json_chat (their second reply, asked for "a different one", must differ: at
+  its recommended temperature SmolLM2 repeats the first; the json one also decodes 2 x 1,000 constrained
+  tokens). The constraints themselves hold in the tests kept (choice, json_object) and in
+  tests/engine/test_structured_output.py (regex, JSON schema: every one of 100 generations valid);
+- this CPU: --max-model-len 2048 for 8192 and a pool of 256 blocks (--num-gpu-blocks-override): a
+  kvjax decode step here takes time and memory in proportion to the pool (64 tokens: 4 s with 256
+  blocks, 53 s with 1,024), and the default pool for 128 requests of 8,192 tokens is a quarter of the
+  machine's memory;
 - LoRA: the "zephyr-lora" adapter and its server arguments are left out (LoRA is not implemented in
   kvjax: --enable-lora is refused), so each parametrization over [MODEL_NAME] is over
   [MODEL_NAME];
-- this CPU: a pool of 1,024 blocks (--num-gpu-blocks-override; the default pool for 128 requests of
-  8,192 tokens is a quarter of the machine's memory, and a step's peak is about three times the pool);
 - RemoteOpenAIServer is tests/serving.py's (the same arguments through kvjax's serve parser, the
   server in-process); pytest-asyncio's markers and fixtures as anyio's; torch.iinfo(torch.long) as
   the int64 bounds;
@@ -32,7 +43,6 @@ import json
 import os
 from collections import defaultdict
 
-import jsonschema
 import openai  # use the official client for correctness check
 import pytest
 import regex as re
@@ -61,15 +71,15 @@ def server():
         # use half precision for speed and memory savings in CI environment
         "--dtype",
         "bfloat16",
-        "--max-model-len",
-        "8192",
+        "--max-model-len",  # this CPU: 2,048 for 8,192 (below)
+        "2048",
         "--enforce-eager",
         "--max-num-seqs",
         "128",
         "--generation-config",
         GENERATION_CONFIG,
-        "--num-gpu-blocks-override",  # this CPU: a 16,384-token pool (a step's memory grows with the pool)
-        "1024",
+        "--num-gpu-blocks-override",  # this CPU: a 4,096-token pool (below)
+        "256",
     ]
 
     with RemoteOpenAIServer(MODEL_NAME, args) as remote_server:
@@ -270,8 +280,8 @@ async def test_more_than_one_prompt_logprobs_chat(
     params["extra_body"] = {"prompt_logprobs": 2}
     completion_2 = await client.chat.completions.create(**params)
 
-    assert len(completion_1.prompt_logprobs[3]) == 1
-    assert len(completion_2.prompt_logprobs[3]) == 2
+    assert len(completion_1.prompt_logprobs[2]) == 1
+    assert len(completion_2.prompt_logprobs[2]) == 2
 
 
 @pytest.mark.anyio
@@ -516,86 +526,6 @@ async def test_structured_outputs_choice_chat(
 
 @pytest.mark.anyio
 @pytest.mark.slow
-async def test_structured_outputs_json_chat(
-    client: openai.AsyncOpenAI,
-    sample_json_schema,
-):
-    messages = [
-        {"role": "system", "content": "you are a helpful assistant"},
-        {
-            "role": "user",
-            "content": f"Give an example JSON for an employee profile that "
-            f"fits this schema: {sample_json_schema}",
-        },
-    ]
-    chat_completion = await client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=messages,
-        max_completion_tokens=1000,
-        extra_body=dict(structured_outputs={"json": sample_json_schema}),
-    )
-    message = chat_completion.choices[0].message
-    assert message.content is not None
-    json1 = json.loads(message.content)
-    jsonschema.validate(instance=json1, schema=sample_json_schema)
-
-    messages.append({"role": "assistant", "content": message.content})
-    messages.append(
-        {"role": "user", "content": "Give me another one with a different name and age"}
-    )
-    chat_completion = await client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=messages,
-        max_completion_tokens=1000,
-        extra_body=dict(structured_outputs={"json": sample_json_schema}),
-    )
-    message = chat_completion.choices[0].message
-    assert message.content is not None
-    json2 = json.loads(message.content)
-    jsonschema.validate(instance=json2, schema=sample_json_schema)
-    assert json1["name"] != json2["name"]
-    assert json1["age"] != json2["age"]
-
-
-@pytest.mark.anyio
-@pytest.mark.slow
-async def test_structured_outputs_regex_chat(
-    client: openai.AsyncOpenAI,
-    sample_regex,
-):
-    messages = [
-        {"role": "system", "content": "you are a helpful assistant"},
-        {
-            "role": "user",
-            "content": f"Give an example IP address with this regex: {sample_regex}",
-        },
-    ]
-    chat_completion = await client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=messages,
-        max_completion_tokens=20,
-        extra_body=dict(structured_outputs={"regex": sample_regex}),
-    )
-    ip1 = chat_completion.choices[0].message.content
-    assert ip1 is not None
-    assert re.fullmatch(sample_regex, ip1) is not None
-
-    messages.append({"role": "assistant", "content": ip1})
-    messages.append({"role": "user", "content": "Give me a different one"})
-    chat_completion = await client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=messages,
-        max_completion_tokens=20,
-        extra_body=dict(structured_outputs={"regex": sample_regex}),
-    )
-    ip2 = chat_completion.choices[0].message.content
-    assert ip2 is not None
-    assert re.fullmatch(sample_regex, ip2) is not None
-    assert ip1 != ip2
-
-
-@pytest.mark.anyio
-@pytest.mark.slow
 async def test_structured_outputs_type_error(client: openai.AsyncOpenAI):
     messages = [
         {"role": "system", "content": "you are a helpful assistant"},
@@ -661,47 +591,6 @@ async def test_response_format_json_object(client: openai.AsyncOpenAI):
                 }
             ],
             response_format={"type": "json_object"},
-        )
-
-        content = resp.choices[0].message.content
-        assert content is not None
-
-        loaded = json.loads(content)
-        assert loaded == {"result": 2}, loaded
-
-
-@pytest.mark.anyio
-@pytest.mark.slow
-async def test_response_format_json_schema(client: openai.AsyncOpenAI):
-    prompt = 'what is 1+1? The format is "result": 2'
-    # Check that this prompt cannot lead to a valid JSON without json_schema
-    for _ in range(2):
-        resp = await client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=[{"role": "user", "content": prompt}],
-        )
-        content = resp.choices[0].message.content
-        assert content is not None
-        with pytest.raises((json.JSONDecodeError, AssertionError)):
-            loaded = json.loads(content)
-            assert loaded == {"result": 2}, loaded
-
-    for _ in range(2):
-        resp = await client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=[{"role": "user", "content": prompt}],
-            response_format={
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "foo_test",
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "result": {"type": "integer"},
-                        },
-                    },
-                },
-            },
         )
 
         content = resp.choices[0].message.content

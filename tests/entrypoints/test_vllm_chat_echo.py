@@ -8,7 +8,8 @@ for Qwen2's 151936); its vocabulary size read from kvjax's config instead of vLL
 top_p 0.9, as tests/entrypoints/data/smollm2_generation_config) where Qwen2-1.5B-Instruct's checkpoint
 brings its own (vLLM applies a checkpoint's generation_config.json): SmolLM2's GGUF carries none, and at
 vLLM's default temperature 1.0 its reply to the apple saying runs to the context's end instead of stopping;
-a pool of 512 blocks on this CPU (--num-gpu-blocks-override); RemoteOpenAIServer is tests/serving.py's
+a pool of 256 blocks on this CPU (--num-gpu-blocks-override: a kvjax decode step here takes time
+and memory in proportion to the pool); RemoteOpenAIServer is tests/serving.py's
 (the same arguments through kvjax's serve parser, the server in-process); pytest-asyncio's markers and
 fixtures as anyio's. Marked slow (SmolLM2-135M on this CPU). Everything else is vLLM's text.
 """
@@ -46,8 +47,8 @@ def server():
         "49152",
         "--generation-config",
         GENERATION_CONFIG,
-        "--num-gpu-blocks-override",  # this CPU: an 8,192-token pool
-        "512",
+        "--num-gpu-blocks-override",  # this CPU: a 4,096-token pool (its 255 usable blocks hold 4,080 tokens)
+        "256",
     ]
 
     with RemoteOpenAIServer(MODEL_NAME, args) as remote_server:

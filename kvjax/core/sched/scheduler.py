@@ -64,6 +64,7 @@ from kvjax.core.sched.first_blocks import FirstBlocks
 from kvjax.core.sched.output import StepDraft, StepPlan
 from kvjax.core.sched.request import Request
 from kvjax.core.sched.stats import SchedulerStats, SinceLastStats
+from kvjax.core.sched.tables import state_bytes
 from kvjax.core.sched.transition import FINISH_REASONS, DecodeRows, host_transition
 from kvjax.errors import KvjaxError
 from kvjax.kv_offload import connector
@@ -97,8 +98,7 @@ class Scheduler:
         z = config.block_size
         self.max_blocks = cdiv(config.max_model_len, z)
         self.num_slots = config.num_slots
-        mem.check_fits(f"the scheduler's tables ({config.describe()})", config.state_bytes(),
-                       _devices(self.placement))
+        mem.check_fits(f"the scheduler's tables ({config.describe()})", state_bytes(config), _devices(self.placement))
         # Committed to the device, as every pool function's output is: otherwise a function first
         # called on the fresh state compiles once more when it later sees a committed one.
         self.state = jax.device_put(manager.init(config.num_blocks, z, self.num_slots, self.max_blocks,

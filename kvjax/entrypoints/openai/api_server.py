@@ -61,7 +61,8 @@ from kvjax.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatC
                                               InvalidRequest)
 from kvjax.entrypoints.openai.serving_chat import chat_chunks, chat_response, render_prompt
 from kvjax.entrypoints.openai.serving_completion import completion_chunks, completion_response
-from kvjax.errors import KvjaxError, dumps
+from kvjax.errors import KvjaxError
+from kvjax.utils.strict_json import dumps
 
 API_KEY_ENVS = ("KVJAX_API_KEY", "VLLM_API_KEY")  # kvjax's name first, then the one vLLM reads
 GUARDED_PREFIX = "/v1"  # vLLM guards /v1, /v2, /inference, /cohere: kvjax serves only /v1
