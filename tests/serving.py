@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from urllib.parse import urlsplit
+
+from kvjax.testing.pages_demo import post_raw, read_events  # noqa: F401 (raw sockets a test can close mid-reply)
 
 
 @contextlib.contextmanager
@@ -97,26 +97,6 @@ def http(url: str, body: dict | None = None) -> tuple[int, dict[str, str], str]:
             return r.status, dict(r.headers), r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read().decode()
-
-
-def post_raw(base: str, path: str, body: dict) -> socket.socket:
-    """A JSON POST sent on a socket of its own, the reply left unread (the caller reads or closes it)."""
-    url = urlsplit(base)
-    sock = socket.create_connection((url.hostname, url.port), timeout=60)
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
-def read_events(sock: socket.socket, count: int) -> bytes:
-    """Read a streamed reply until `count` server-sent events (`data: ...`) have come; what came."""
-    got = b""
-    while got.count(b"data: ") < count:
-        more = sock.recv(65536)
-        assert more, f"the server closed the stream after {got.count(b'data: ')} events: {got[-300:]!r}"
-        got += more
-    return got
 
 
 def wait_idle(engine, timeout: float = 10.0) -> None:

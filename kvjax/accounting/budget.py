@@ -20,18 +20,19 @@ and the simulator of SPEC "The simulator": concurrency = floor(budget / KV per r
 beside the unrounded value and beside what the block pool really admits,
 floor(usable / cdiv(context, block_size)), which also pays for the tail block's waste.
 
-Everything is exact integer/rational arithmetic: GiB inputs such as 65.2 are read as exact
+The arithmetic is kvjax.accounting.formulas's (the calculator page compiles the same file to JavaScript);
+this module reads and checks the inputs. Everything is exact integer/rational arithmetic: GiB inputs such as 65.2 are read as exact
 decimals (Fraction), never as binary floats, and a fractional byte count is rounded UP
 (a partially used byte is used). Pure Python, no JAX.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from fractions import Fraction
 from typing import Any
 
+from kvjax.accounting import formulas
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
 from kvjax.math_utils import cdiv
 from kvjax.utils.checks import MAX_GIB, check_int
@@ -81,7 +82,7 @@ def gib(value: Any, name: str = "size") -> int:
     x = exact(value, name, limit=None)
     if not 0 <= x <= MAX_GIB:
         raise BudgetError(f"{name} must be in [0, {MAX_GIB:,}] GiB, got {str(value)[:40]!r}")
-    return math.ceil(x * GiB)
+    return formulas.gib_bytes(x.numerator, x.denominator)
 
 
 def utilization(value: Any, name: str = "util") -> Fraction:
@@ -96,10 +97,10 @@ def weight_bytes(params: Any, dtype: str = "bf16") -> int:
     """Weights = parameter count × bytes per parameter (params may be fractional billions × 1e9)."""
     if dtype not in WEIGHT_DTYPE_BYTES:
         raise BudgetError(f"unknown weight dtype {dtype!r}; choose one of {', '.join(WEIGHT_DTYPE_BYTES)}")
-    n = exact(params, "params")
+    n = exact(params, "params") * WEIGHT_DTYPE_BYTES[dtype]
     if n < 0:
         raise BudgetError(f"params must be ≥ 0, got {params!r}")
-    return math.ceil(n * WEIGHT_DTYPE_BYTES[dtype])
+    return formulas.weight_bytes(n.numerator, 1, n.denominator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,66 +192,26 @@ def plan(spec: KVSpec, *, context: int, block_size: int = DEFAULT_BLOCK_SIZE,
     else:
         rank_weights = cdiv(weights_bytes, tp)
 
-    per_token = rank_spec.bytes_per_token
-    per_block = rank_spec.bytes_per_block(block_size)
-    per_request = per_token * context
-    blocks_per_request = cdiv(context, block_size)
-    tail_waste = blocks_per_request * block_size - context
-
-    requested = budget = None
-    if kv_cache_memory_bytes is not None:
-        budget = kv_cache_memory_bytes  # vLLM: overrides utilization and profiling entirely
-    elif total_bytes is not None:
-        requested = math.ceil(total_bytes * util)
-        budget = requested - rank_weights - activations_bytes - cudagraph_bytes
-    else:
-        warnings.append("no GPU memory given (--device-memory-gib or --kv-cache-memory-bytes): budget not computed")
-
-    num_blocks = usable = slots = conc = conc_blocks = None
-    conc_exact = None
-    if budget is not None:
-        if budget <= 0:
-            warnings.append(f"non-KV memory exceeds the requested memory by {-budget} bytes: no KV budget")
-        num_blocks = max(0, budget // per_block)
-        usable = max(0, num_blocks - 1)
-        slots = usable * block_size
-        conc_exact = max(0.0, budget / per_request)
-        conc = max(0, budget // per_request)
-        conc_blocks = usable // blocks_per_request
-        if budget > 0 and conc == 0:
-            warnings.append(f"budget {_h(budget)} cannot hold one request of {context} tokens "
-                            f"({_h(per_request)}): concurrency 0")
-        elif conc_blocks == 0 and budget > 0:
-            warnings.append(f"the block pool ({usable} usable blocks) cannot hold one request of "
-                            f"{blocks_per_request} blocks")
+    # The arithmetic itself is kvjax.accounting.formulas's, which the calculator page runs too.
+    s = formulas.kv_budget(rank_spec.bytes_per_token, rank_spec.bytes_per_block(block_size), context, block_size,
+                           total_bytes, util.numerator, util.denominator, rank_weights, activations_bytes,
+                           cudagraph_bytes, kv_cache_memory_bytes)
+    warnings += s["warnings"]
     host = {}
     if host_offload_bytes is not None:
         # vLLM divides kv_offloading_size by the ranks; each rank's CPU blocks mirror its device blocks
-        host_bytes = host_offload_bytes if pooled else host_offload_bytes // tp
-        num_host = host_bytes // per_block
-        if num_host == 0:
-            warnings.append(f"host tier of {host_bytes} bytes per device is smaller than one block of "
-                            f"{per_block} bytes: no host blocks")
-        host = dict(host_offload_bytes=host_offload_bytes, host_bytes=host_bytes, num_host_blocks=num_host,
-                    host_tokens=num_host * block_size,
-                    total_tokens=None if slots is None else slots + num_host * block_size)
+        host, warning = formulas.host_tier(host_offload_bytes, tp, pooled, s["bytes_per_block"], block_size,
+                                           s["token_slots"])
+        warnings += [warning] if warning else []
     return Plan(rank_spec, tp, pooled, context, block_size, util if kv_cache_memory_bytes is None else None,
-                total_bytes, requested, rank_weights, activations_bytes, cudagraph_bytes, kv_cache_memory_bytes,
-                budget, per_token, per_block, per_request, num_blocks, usable, slots, blocks_per_request,
-                tail_waste, conc, conc_exact, conc_blocks, tuple(warnings), **host)
+                total_bytes, s["requested_bytes"], rank_weights, activations_bytes, cudagraph_bytes,
+                kv_cache_memory_bytes, s["budget_bytes"], s["bytes_per_token"], s["bytes_per_block"],
+                s["kv_bytes_per_request"], s["num_blocks"], s["usable_blocks"], s["token_slots"],
+                s["blocks_per_request"], s["tail_waste_tokens"], s["concurrency"], s["concurrency_exact"],
+                s["concurrency_blocks"], tuple(warnings), **host)
 
 
-def _h(n: int) -> str:
-    return human_bytes(n)
-
-
-def human_bytes(n: float) -> str:
-    """1024-based units, exact where the value is a whole number of the unit."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            v = n / size
-            return f"{v:,.0f} {unit}" if v == int(v) else f"{v:,.6g} {unit}"
-    return f"{n:,} B"
+human_bytes = formulas.human_bytes  # 1024-based units, exact where the value is a whole number of the unit
 
 
 # --------------------------------------------------------------------------------------------

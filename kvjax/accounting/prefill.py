@@ -22,21 +22,18 @@ vLLM's profile_run measures activations with max_num_batched_tokens tokens at po
 `kvjax memory` profiles the chunk at the end of a max_model_len context instead
 (kvjax.accounting.sizing), so its measured peak holds these temporaries. `kvjax plan` is analytic:
 its budget takes --activations-gib as given (SPEC's worked examples keep 0) and prints this
-estimate as a row of its own. Pure Python, no JAX.
+estimate as a row of its own. The arithmetic is kvjax.accounting.formulas.prefill (the calculator page
+runs it too). Pure Python, no JAX.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from kvjax.accounting import formulas
+from kvjax.accounting.formulas import KV_TOKENS, Q_TILE  # kvjax.attention.tiled.PrefillTiles' defaults
 from kvjax.core.kv_cache_interface import KVSpec, SpecError
-from kvjax.math_utils import cdiv
 from kvjax.utils.checks import check_int
-
-# kvjax.attention.tiled.PrefillTiles' defaults (tests/accounting/test_prefill.py keeps them equal;
-# that module imports JAX, which kvjax plan does not).
-Q_TILE = 128
-KV_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +72,7 @@ def prefill_temporaries(spec: KVSpec, tokens: int, max_model_len: int, block_siz
         check_int(value, name, 1, None, SpecError)
     if spec.num_heads % tp:
         raise SpecError(f"tp {tp} does not divide the {spec.num_heads} query heads")
-    heads, kv_heads = spec.num_heads // tp, spec.kv_heads_per_rank(tp)
-    key_dim = spec.head_dim
     value_dim = spec.kv_lora_rank if spec.kind == "mla" else spec.head_dim
-    width = cdiv(max_model_len, block_size)  # the block table's entries
-    positions = width * block_size
-    tq = min(q_tile, tokens)
-    tk = max(1, min(kv_tokens // block_size, width)) * block_size  # tiled.PrefillTiles.pages_per_tile × Z
-    tiled = ((tokens + tq) * heads * (key_dim + value_dim) * activation_bytes  # q and the output, padded by a tile
-             + 2 * heads * tq * tk * 4  # f32 scores and their exponentials
-             + heads * tq * (key_dim + value_dim) * 4  # the f32 q tile and accumulator
-             + tk * kv_heads * (key_dim + value_dim) * 4)  # the f32 K and V tiles
-    return PrefillTemporaries(tokens, positions, heads, tokens * heads * positions * 4, tiled)
+    t = formulas.prefill(tokens, max_model_len, block_size, spec.num_heads // tp, spec.kv_heads_per_rank(tp),
+                         spec.head_dim, value_dim, activation_bytes, q_tile, kv_tokens)
+    return PrefillTemporaries(tokens, t["positions"], t["heads"], t["reference_scores_bytes"], t["tiled_bytes"])

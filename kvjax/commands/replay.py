@@ -3,21 +3,24 @@
 The trace format and what each op does are kvjax/core/replay.py's (`iter_trace`, `Replay`):
 each op prints one JSON line, the state after it. `--show` draws the pool as text after each
 JSON line (`draw`); with `--json` every output line stays one JSON object, and the drawing is
-its "drawing" field. Bad input stops the replay with one error line naming the file and line
-number.
+its "drawing" field. `--html FILE` also writes the trace as a page to step through, the pool drawn
+block by block after each op (kvjax.core.pool_view, the state the live page of `kvjax serve` draws
+too). Bad input stops the replay with one error line naming the file and line number.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import jax
 
-from kvjax.core import block_pool
+from kvjax.core import block_pool, pool_view
 from kvjax.core import kv_cache_manager as manager
 from kvjax.core.replay import Replay, ReplayError, bounded_lines, host_lists, iter_trace
 from kvjax.utils.input_files import check_input_file
+from kvjax.utils.output_files import check_output_file, write_text
 from kvjax.utils.strict_json import dumps
 
 
@@ -31,6 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="every output line is one JSON object (the default output; with --show the drawing "
                         "joins each object instead of following it as text)")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the trace as a page to step through: the pool block by block after each op "
+                        "(kvjax.entrypoints.pages)")
     return p
 
 
@@ -86,9 +92,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         f = sys.stdin.buffer
     text_drawing = args.show and not args.json
+    if args.html:
+        check_output_file(args.html, "--html")
+    steps, line = [], [b""]  # the page's steps; the trace line last read (iter_trace yields after reading it)
+
+    def lines():
+        for text in bounded_lines(f):
+            line[0] = text
+            yield text
+
     with f:
         try:
-            for out, replay in iter_trace(bounded_lines(f)):
+            for out, replay in iter_trace(lines()):
+                if args.html:
+                    steps.append(_page_step(line[0], out, replay))
                 if args.show and args.json:
                     out = dict(out, drawing=draw(replay))
                 print(dumps(out), flush=not text_drawing)
@@ -97,7 +114,20 @@ def run(args: argparse.Namespace) -> int:
         except ReplayError as e:
             sys.stdout.flush()
             raise ReplayError(f"{name}: {e}") from None
+    if args.html:
+        from kvjax.entrypoints.pages import pool_page
+
+        write_text(args.html, pool_page({"mode": "replay", "title": name, "steps": steps}), "--html")
     return 0
+
+
+def _page_step(text, out: dict, replay: Replay) -> dict:
+    """One op for the replay page: its trace line, its JSON line, and the pool after it (kvjax.core.pool_view)."""
+    s = replay.state
+    names = sorted(replay.slots, key=replay.slots.get)
+    pool = pool_view.view(pool_view.host_arrays(s), block_size=s.reqs.block_size, windows=s.windows,
+                          prefix_caching=s.prefix_caching, requests=[{"name": n, "slot": replay.slots[n]} for n in names])
+    return {"op": json.loads(text), "out": out, "pool": pool}
 
 
 if __name__ == "__main__":
