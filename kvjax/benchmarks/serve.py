@@ -181,14 +181,23 @@ class InProcessTarget:
     """Requests to an AsyncLLM in this process, streamed with RequestOutputKind.DELTA. With
     record_steps, `begin()` (benchmark calls it after the warm-up) puts a fresh StepLog
     (kvjax.engine.stats) on the engine, which records the scheduler's view of every step until
-    `end()`; `scheduler_view` sums it up."""
+    `end()`; `scheduler_view` sums it up. It also counts, from `begin()` on, the prompt tokens sent and those
+    the prefix cache held when each request was first scheduled (RequestOutput.num_cached_tokens): `hit_rate`.
+    The engine may be a data-parallel front end (kvjax.engine.data_parallel.DPAsyncLLM; no step record then)."""
 
     def __init__(self, engine, record_steps: bool = False):
         self.engine = engine
         self._next = 0
         self.record_steps, self.steps = record_steps, None
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def hit_rate(self) -> dict[str, Any]:
+        """The prefix cache's share of the measured requests' prompt tokens."""
+        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        return {"prefix_cache_hit_rate": rate, "prompt_tokens_cached": self.cached_tokens}
 
     def begin(self) -> None:
+        self.prompt_tokens = self.cached_tokens = 0
         if self.record_steps:
             from kvjax.engine.stats import StepLog
 
@@ -221,6 +230,9 @@ class InProcessTarget:
                 most_recent = now
                 out.output_tokens += len(c.token_ids)
                 text.append(c.text)
+                if ro.finished:
+                    self.prompt_tokens += req.prompt_len
+                    self.cached_tokens += ro.num_cached_tokens or 0
             out.latency = most_recent - st
             out.generated_text = "".join(text)
             out.success = out.output_tokens > 0
@@ -410,6 +422,8 @@ def run_benchmark(target, requests: Sequence[SampleRequest], *, request_rate: fl
     result = result_dict(metrics, outputs, output_lens, duration, percentile_metrics, goodput)
     if getattr(target, "steps", None) is not None:
         result.update(scheduler_view(target.steps))
+    if isinstance(target, InProcessTarget):
+        result.update(target.hit_rate())
     return result
 
 
@@ -423,6 +437,7 @@ _TABLE_ROWS = (("Successful requests:", "completed", ""), ("Failed requests:", "
                ("Peak output token throughput (tok/s):", "max_output_tokens_per_s", ".2f"),
                ("Peak concurrent requests:", "max_concurrent_requests", ".2f"),
                ("Total token throughput (tok/s):", "total_token_throughput", ".2f"),
+               ("Prefix cache hit rate:", "prefix_cache_hit_rate", ".4f"),  # in-process: cached / prompt tokens
                # in-process only: the scheduler's view (scheduler_view)
                ("Peak running requests (scheduler):", "peak_running_requests", ""),
                ("Preemptions:", "preemptions", ""), ("Recompute tax:", "recompute_tax", ".4f"))

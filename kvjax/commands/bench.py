@@ -94,6 +94,9 @@ def add_parser(sub) -> None:
                    help="the model id sent with --base-url (default: --model)")
     s.add_argument("--json", action="store_true", help="print the result JSON instead of the table")
     s.add_argument("--save-result", default=None, metavar="FILE", help="also write the result JSON to FILE")
+    s.add_argument("--data-parallel-routing", choices=("prefix", "load"), default="prefix",  # data_parallel.ROUTINGS
+                   help="with --data-parallel-size > 1 in this process: route to the replica that may hold a prompt's "
+                        "first block (prefix, default) or by load alone, as vLLM does (load)")
     add_engine_flags(s, tuple(f for f in FLAGS if f != "seed"), "engine arguments, without --base-url (vLLM's EngineArgs)",
                      defaults={"model": "small-gqa"})
 
@@ -251,15 +254,15 @@ def run(args) -> int:
         tok = _client_tokenizer(args)
     else:
         from kvjax.engine.arg_utils import AsyncEngineArgs
-        from kvjax.engine.async_llm import AsyncLLM
+        from kvjax.engine.data_parallel import serving_engine
 
         try:
             engine_args = AsyncEngineArgs.from_cli_args(args)
             engine_args.create_engine_config()
         except KvjaxError as e:
             raise UsageError(as_flags(str(e))) from None
-        engine = AsyncLLM.from_engine_args(engine_args)
-        target = B.InProcessTarget(engine, record_steps=True)
+        engine = serving_engine(engine_args, args.data_parallel_routing)  # -dp N: replicas behind one router
+        target = B.InProcessTarget(engine, record_steps=engine_args.data_parallel_size == 1)
         tok = engine.get_tokenizer()
     vocab = args.vocab_size or (tok.vocab_size if tok is not None else 256)
     special = list(getattr(tok, "all_special_ids", ()))
@@ -276,6 +279,8 @@ def run(args) -> int:
                    "tokenizer_id": args.tokenizer or args.model, "num_prompts": args.num_prompts,
                    "request_rate": args.request_rate, "burstiness": args.burstiness,
                    "max_concurrency": args.max_concurrency})
+    if getattr(engine, "routed", None) is not None:  # -dp N in this process: how the router split the requests
+        result.update(data_parallel_routing=args.data_parallel_routing, routed=list(engine.routed))  # warm-ups too
     if args.save_result:
         with write_file(args.save_result, "--save-result") as f:
             f.write(dumps(result))

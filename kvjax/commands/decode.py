@@ -66,7 +66,8 @@ ENGINE_FLAGS = ("kv_cache_dtype", "kv_cache_dtype_skip_layers", "scales", "block
                 "kv_offloading_size", "kv_transfer_config", "disable_hybrid_kv_cache_manager", "enable_chunked_prefill",
                 "max_num_seqs", "max_model_len", "max_num_batched_tokens", "scheduling_policy", "attention_backend",
                 "tensor_parallel_size", "seed", "max_logprobs", "steps_per_call", "enforce_eager", "hf_overrides",
-                "generation_config")
+                "generation_config", "decode_context_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
+                "distributed_timeout_seconds")  # the last five: one job over processes (docs/distributed.md)
 
 
 def add_parser(sub) -> None:
@@ -158,7 +159,9 @@ def _llm(engine_args: EngineArgs, loaded, requests: list[dict], n: int):
     from kvjax.engine.llm import LLM
 
     lens = [len(r["tokens"]) + r["max_tokens"] for r in requests for _ in range(n)]
-    return LLM.from_engine_args(dataclasses.replace(engine_args, model=loaded), request_lens=lens)
+    # a multi-process job loads the model on every rank from its name (kvjax.engine.llm_engine), not from `loaded`
+    model = loaded if engine_args.nnodes == 1 else engine_args.model
+    return LLM.from_engine_args(dataclasses.replace(engine_args, model=model), request_lens=lens)
 
 
 def _check_requests(llm, runnable: list, refused: dict) -> tuple[list, dict]:

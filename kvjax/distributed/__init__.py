@@ -9,8 +9,10 @@ runs here and the second LLM finds the first one's device memory free.
 
 vLLM tears down its process groups (model parallel, then the distributed environment), optionally
 shuts Ray down, collects garbage and empties the accelerator's caching allocator. kvjax has no
-process groups: tensor parallelism is one process driving a JAX mesh, whose devices need no
-teardown. What is left for it is the Python side: device buffers that nothing reachable refers to
+process groups: tensor parallelism is one JAX mesh, whose devices need no teardown, and a job over
+several processes (`runtime`: JAX's distributed runtime; `channel`: rank 0's messages over its
+collectives) leaves the runtime once, when the process ends (runtime.finish), not between two LLMs.
+What is left for it is the Python side: device buffers that nothing reachable refers to
 any more but that a reference cycle still holds, which only the garbage collector breaks.
 
 JAX's caches of compiled programs are kept, as vLLM keeps torch's compiled graphs: kvjax's jitted

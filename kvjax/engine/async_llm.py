@@ -27,8 +27,10 @@ import threading
 from typing import AsyncGenerator, Iterable
 
 from kvjax.config.engine import EngineConfig
+from kvjax.distributed.runtime import TICK_S
 from kvjax.engine.arg_utils import AsyncEngineArgs, EngineArgs, LLMError
 from kvjax.engine.llm_engine import LLMEngine
+from kvjax.engine.lockstep import LockstepEngine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import KvjaxError
@@ -122,7 +124,7 @@ class AsyncLLM:
                 block = not engine.has_unfinished_requests()
                 if block:  # the last request finished or was aborted: vLLM's gauges read an idle engine
                     engine.engine.metrics.record_idle()
-                command = self._inbox.get() if block else self._next_command()
+                command = self._wait() if block else self._next_command()
                 while command is not None:
                     if command[0] == "stop":
                         raise EngineDeadError("the engine was shut down")
@@ -137,6 +139,16 @@ class AsyncLLM:
                 streams, self._streams = list(self._streams.items()), {}
             for _, (loop, stream) in streams:
                 _put(loop, stream, self._dead)
+
+    def _wait(self):
+        """The next command, waiting for it; rank 0 of a multi-process job steps anyway (None) after
+        kvjax.distributed.runtime.TICK_S idle, so that the other ranks' loss shows (kvjax.engine.lockstep)."""
+        if not isinstance(self.llm_engine.engine, LockstepEngine):
+            return self._inbox.get()
+        try:
+            return self._inbox.get(timeout=TICK_S)
+        except queue.Empty:
+            return None
 
     def _next_command(self):
         try:
@@ -229,8 +241,33 @@ class AsyncLLM:
                          loop, future))
         return await future
 
+    async def call_between_steps(self, fn):
+        """fn() run by the engine thread between two steps, where no step holds or donates the engine's arrays
+        (the live pool page's snapshots, kvjax.engine.pool_snapshot): its result, or its exception raised here,
+        never in the engine thread. Waits for the step in flight; EngineDeadError once the engine is dead."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+
+        def guarded():
+            try:
+                return True, fn()
+            except Exception as e:  # noqa: BLE001 (the caller's error, not the engine's: handed back to it)
+                return False, e
+
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", guarded, loop, future))
+        ok, value = await future
+        if not ok:
+            raise value
+        return value
+
     def get_metrics(self):
         return self.llm_engine.get_metrics()
+
+    def render_metrics(self) -> str:
+        """The engine's metrics in Prometheus text (the server's /metrics)."""
+        return self.llm_engine.engine.metrics.render_prometheus()
 
 
 def _put(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item) -> None:

@@ -137,6 +137,22 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                                               "elsewhere")),
     "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), dict(
         type=int_arg(1, 256), default=1, metavar="N", help="devices the weights and KV pages are split over (1)")),
+    "decode_context_parallel_size": (("--decode-context-parallel-size", "-dcp"), dict(
+        type=int_arg(1, 256), default=1, metavar="D", help="split MLA's latent cache by token over D of the "
+                                                           "tensor-parallel ranks (1; D divides -tp)")),
+    "data_parallel_size": (("--data-parallel-size", "-dp"), dict(
+        type=int_arg(1, 1024), default=1, metavar="N", help="engine replicas behind one server (1; kvjax serve)")),
+    "nnodes": (("--nnodes", "-n"), dict(type=int_arg(1, 4096), default=1, metavar="N",
+                                        help="processes (hosts) of one multi-process job (1)")),
+    "node_rank": (("--node-rank", "-r"), dict(type=int_arg(0, 4095), default=0, metavar="R",
+                                              help="this process's rank in the job (0: the one with the front end)")),
+    "master_addr": (("--master-addr",), dict(default="127.0.0.1", metavar="HOST",
+                                             help="rank 0's address, where the job's ranks meet (127.0.0.1)")),
+    "master_port": (("--master-port",), dict(type=int_arg(1, 65535), default=29501, metavar="PORT",
+                                             help="rank 0's port for the job (29501)")),
+    "distributed_timeout_seconds": (("--distributed-timeout-seconds",), dict(
+        type=int_arg(1, 86400), metavar="S", help="how long ranks wait for each other to join, and a silent rank "
+                                                  "lives on, before every process ends (default 60)")),
     "profiler_config": (("--profiler-config",), dict(type=json_object_arg, metavar="JSON",
                         help='e.g. \'{"profiler": "torch", "torch_profiler_dir": "./trace"}\' (a JAX trace)')),
     "disable_log_stats": (("--disable-log-stats",), dict(action="store_true", help="accepted; kvjax logs no stats")),

@@ -392,31 +392,42 @@ class EngineMetrics:
                 out.append(Gauge(_INFO_NAME, dict(self._info), 1.0))
         return out
 
+    def gauge(self, name: str) -> float:
+        """An unlabelled gauge's value now (kvjax.engine.data_parallel's router reads queues and usage)."""
+        with self._lock:
+            return float(self._values[(name, None)])
+
     def render_prometheus(self) -> str:
         """The metrics in Prometheus text format 0.0.4 (serve with CONTENT_TYPE), line for line what
         prometheus_client's generate_latest writes for vLLM's: counters as `<name>_total`, and each
         counter's and histogram's `<name>_created` series after it."""
-        lines: list[str] = []
-        snap = self.snapshot()
-        for f, (_, group) in zip(_FAMILIES, itertools.groupby(snap, key=lambda m: m.name)):
-            mine = list(group)
-            name = f.name + "_total" if f.kind == "counter" else f.name
-            lines += [f"# HELP {name} {_escape(f.help, quote=False)}", f"# TYPE {name} {f.kind}"]
-            for m in mine:
-                if isinstance(m, Histogram):
-                    lines += [_sample(f.name + "_bucket", {**m.labels, "le": le}, c) for le, c in m.buckets.items()]
-                    lines += [_sample(f.name + "_count", m.labels, m.count), _sample(f.name + "_sum", m.labels, m.sum)]
-                else:
-                    lines.append(_sample(name, m.labels, m.value))
-            if f.kind != "gauge":
-                created = f.name + "_created"
-                lines += [f"# HELP {created} {_escape(f.help, quote=False)}", f"# TYPE {created} gauge"]
-                lines += [_sample(created, m.labels, self._created) for m in mine]
-        info = [m for m in snap if m.name == _INFO_NAME]
-        if info:
-            lines += [f"# HELP {_INFO_NAME} {_INFO_HELP}", f"# TYPE {_INFO_NAME} gauge",
-                      _sample(_INFO_NAME, info[0].labels, info[0].value)]
-        return "\n".join(lines) + "\n"
+        return render_prometheus([self.snapshot()], self._created)
+
+
+def render_prometheus(snapshots: list[list[Metric]], created_s: float) -> str:
+    """Several engines' snapshots (the same families in the same order, told apart by their `engine` label) in
+    one Prometheus text, each family's samples together, as prometheus_client writes several label sets."""
+    lines: list[str] = []
+    grouped = [[list(group) for _, group in itertools.groupby(snap, key=lambda m: m.name)] for snap in snapshots]
+    for i, f in enumerate(_FAMILIES):
+        mine = [m for groups in grouped for m in groups[i]]
+        name = f.name + "_total" if f.kind == "counter" else f.name
+        lines += [f"# HELP {name} {_escape(f.help, quote=False)}", f"# TYPE {name} {f.kind}"]
+        for m in mine:
+            if isinstance(m, Histogram):
+                lines += [_sample(f.name + "_bucket", {**m.labels, "le": le}, c) for le, c in m.buckets.items()]
+                lines += [_sample(f.name + "_count", m.labels, m.count), _sample(f.name + "_sum", m.labels, m.sum)]
+            else:
+                lines.append(_sample(name, m.labels, m.value))
+        if f.kind != "gauge":
+            created = f.name + "_created"
+            lines += [f"# HELP {created} {_escape(f.help, quote=False)}", f"# TYPE {created} gauge"]
+            lines += [_sample(created, m.labels, created_s) for m in mine]
+    info = [m for snap in snapshots for m in snap if m.name == _INFO_NAME]
+    if info:
+        lines += [f"# HELP {_INFO_NAME} {_INFO_HELP}", f"# TYPE {_INFO_NAME} gauge"]
+        lines += [_sample(_INFO_NAME, m.labels, m.value) for m in info]
+    return "\n".join(lines) + "\n"
 
 
 def cache_config_info(config) -> dict[str, str]:

@@ -221,9 +221,12 @@ class ModelCost:
         return self.weight_bytes - self.expert_weight_bytes * (1.0 - touched)
 
     @classmethod
-    def from_config(cls, config, spec, *, weight_bytes: int, weight_dtype: str = "bf16", tp: int = 1) -> "ModelCost":
+    def from_config(cls, config, spec, *, weight_bytes: int, weight_dtype: str = "bf16", tp: int = 1,
+                    dcp: int = 1) -> "ModelCost":
         """config: a kvjax ModelConfig; spec: its KVSpec in the KV format asked for (whole model);
-        weight_bytes: the whole model's (kvjax plan's weights)."""
+        weight_bytes: the whole model's (kvjax plan's weights). dcp > 1 (MLA, kvjax.attention.dcp): a rank reads
+        1/dcp of every context for dcp times the heads, so its KV bytes per token are divided by dcp and its
+        attention work is unchanged (the merge's all-gathers are left out of the cost)."""
         heads = config.num_heads // tp
         if config.is_mla:
             key, value = config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
@@ -236,7 +239,7 @@ class ModelCost:
             experts = int(params * weight_bytes / config.num_params)
         windows = [w for w in config.layer_windows if w is not None]
         return cls(config.name or config.model_type, config.num_layers, heads, key, value, config.hidden_size,
-                   spec.per_rank(tp).bytes_per_token, weight_bytes // tp, active_params(config) // tp,
+                   spec.per_rank(tp).bytes_per_token // dcp, weight_bytes // tp, active_params(config) // tp,
                    weight_dtype.startswith("fp8"), tp, experts // tp, moe.num_experts if moe else 0,
                    moe.top_k if moe else 0, tuple((w, windows.count(w)) for w in sorted(set(windows))))
 

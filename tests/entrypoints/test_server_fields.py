@@ -193,6 +193,10 @@ def test_the_context_length_as_vllm_words_it(client, llm):
     resp = client.completions.create(model=M, prompt=long, max_tokens=4, temperature=0, extra_body=dict(
         truncate_prompt_tokens=-1, truncation_side="left", return_token_ids=True))
     assert resp.choices[0].prompt_token_ids == long[-127:] and resp.usage.completion_tokens == 1
+    # a chat request without max_tokens runs to the context's end (vLLM's get_max_tokens with no
+    # generation_config max_new_tokens), not SamplingParams' default 16; small-gqa has no EOS
+    resp = client.chat.completions.create(model=M, messages=USER, temperature=0)
+    assert resp.usage.total_tokens == 128 and resp.choices[0].finish_reason == "length"
 
 
 def test_request_id_names_the_response(client):

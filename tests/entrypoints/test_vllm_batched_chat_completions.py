@@ -6,7 +6,7 @@ Changed: the model (smollm2-135m, SmolLM2-135M-Instruct, for Qwen/Qwen2.5-1.5B-I
 writes JSON by itself: a random one pads a schema's whitespace to the context's end), with SmolLM2's
 recommended sampling where Qwen2.5's checkpoint brings its own (--generation-config: its model card's
 temperature 0.2, top_p 0.9, as tests/entrypoints/data/smollm2_generation_config) and a pool of 256
-blocks on this CPU; RemoteOpenAIServer is tests/serving.py's (the same arguments through
+blocks and 600-second request timeouts (vLLM's: 60) on this CPU; RemoteOpenAIServer is tests/serving.py's (the same arguments through
 kvjax's serve parser, the server in-process); pytest-asyncio's markers as anyio's; httpx as httpx2
 (the HTTP library the openai client installs here). Not ported:
 test_batched_chat_completions_logprob_token_ids (kvjax refuses `logprob_token_ids` with a 400,
@@ -73,7 +73,7 @@ async def test_batched_chat_completions(
                 "model": model_name,
                 "messages": conversations,
             },
-            timeout=60,
+            timeout=600,  # this CPU: 60 in vLLM
         )
 
     assert response.status_code == 200, response.text
@@ -121,7 +121,7 @@ async def test_batched_chat_completions_with_json_schema(
                     "json_schema": {"name": "answer", "schema": schema, "strict": True},
                 },
             },
-            timeout=60,
+            timeout=600,  # this CPU: 60 in vLLM
         )
 
     assert response.status_code == 200, response.text
@@ -162,7 +162,7 @@ async def test_batched_chat_completions_logprobs_not_token_id_placeholders(
                 "top_logprobs": 1,
                 "return_token_ids": True,
             },
-            timeout=60,
+            timeout=600,  # this CPU: 60 in vLLM
         )
 
     assert response.status_code == 200, response.text
@@ -201,7 +201,7 @@ async def test_batched_chat_completions_return_tokens_as_token_ids(
                 "top_logprobs": 1,
                 "return_tokens_as_token_ids": True,
             },
-            timeout=60,
+            timeout=600,  # this CPU: 60 in vLLM
         )
 
     assert response.status_code == 200, response.text

@@ -4,7 +4,8 @@
     curl localhost:8000/v1/completions -H "Authorization: Bearer KEY" \\
         -d '{"model": "small-gqa", "prompt": "def f(x):", "max_tokens": 8}'
 
-Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, GET /metrics (vLLM's metric names,
+Endpoints: GET / (the KV cache calculator) and GET /pool (the live block pool), with their JSON
+(kvjax.entrypoints.page_routes), GET /health, GET /v1/models, GET /v1/models/{id}, GET /metrics (vLLM's metric names,
 Prometheus text), POST /v1/completions, POST /v1/chat/completions and POST /v1/chat/completions/batch
 (vLLM's: a list of conversations, one choice each), and SageMaker's GET/POST /ping and POST
 /invocations (a chat or completions body, routed by its shape, as vLLM). Each HTTP request is one or
@@ -61,6 +62,7 @@ from kvjax.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatC
                                               InvalidRequest)
 from kvjax.entrypoints.openai.serving_chat import chat_chunks, chat_response, render_prompt
 from kvjax.entrypoints.openai.serving_completion import completion_chunks, completion_response
+from kvjax.entrypoints.page_routes import add_page_routes
 from kvjax.errors import KvjaxError
 from kvjax.utils.strict_json import dumps
 
@@ -205,7 +207,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key=No
 
     @app.get("/metrics")
     async def metrics():
-        text = engine.llm_engine.engine.metrics.render_prometheus()
+        text = engine.render_metrics()  # with data parallelism: every replica's series and their sum
         return PlainTextResponse(text, headers={"Content-Type": CONTENT_TYPE})
 
     def check_model(name: str | None) -> None:
@@ -258,8 +260,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key=No
         for prompt in prompts:
             text, ids = tokenize(prompt, body)
             requested = body._max_tokens()
-            if requested is None:
-                requested = default.max_tokens if default.max_tokens is not None else None
+            if requested is None:  # vLLM's get_max_tokens: the generation config's, else up to the context's end
+                requested = llm_engine.get_diff_sampling_param().get("max_tokens")
             echo_only = isinstance(body, CompletionRequest) and body.echo and body.max_tokens == 0
             new = 1 if echo_only else min(m - len(ids), requested if requested is not None else m)
             if body.use_beam_search:
@@ -372,6 +374,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key=No
             reply["metrics"] = timing_metrics(outs[0].metrics, reply["usage"]["completion_tokens"])
         return reply
 
+    add_page_routes(app, engine)  # the calculator at /, the live block pool at /pool (kvjax.entrypoints.page_routes)
     return app
 
 
@@ -452,8 +455,9 @@ def run_server(args) -> None:
     import uvicorn
 
     from kvjax.engine.arg_utils import AsyncEngineArgs
+    from kvjax.engine.data_parallel import serving_engine
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+    engine = serving_engine(AsyncEngineArgs.from_cli_args(args), getattr(args, "data_parallel_routing", "prefix"))
     try:
         app = build_app(engine, args.served_model_name or args.model, getattr(args, "api_key", None),
                         enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
