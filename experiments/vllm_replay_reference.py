@@ -2,9 +2,11 @@
 
 Random traces (`kvjax replay`'s ops: add, append, free, reset_prefix_cache) on a pool with KV
 cache groups (a full-attention and a sliding-window group, in either order, sometimes more
-groups or a lone sliding group, prefix caching on and off, small pools that refuse) are run
-through vLLM's KVCacheManager, built from vLLM's own KVCacheConfig / FullAttentionSpec /
-SlidingWindowSpec, and through `kvjax replay` (kvjax.core.replay.iter_trace). After every op the
+groups or a lone sliding group, prefix caching on and off, small pools that refuse; with --mamba,
+Mamba groups beside them, vLLM's MambaSpec in mamba_cache_mode "none" whose block size is
+max_model_len, prefix caching off as that mode requires) are run through vLLM's KVCacheManager,
+built from vLLM's own KVCacheConfig / FullAttentionSpec / SlidingWindowSpec / MambaSpec, and through
+`kvjax replay` (kvjax.core.replay.iter_trace). After every op the
 two states are compared: ok, each group's hit blocks, new blocks and whole table (null block 0),
 the free queue head to tail, ref counts, cached blocks, num_free and usage. The block hashes
 themselves differ (vLLM hashes with sha256, kvjax with its own jittable hash); what is compared
@@ -44,7 +46,7 @@ def _vllm(src: str, deps: str | None):
     return dict(torch=mod("torch"), SamplingParams=mod("vllm.sampling_params").SamplingParams, sha256=sha256,
                 KVCacheManager=mod("vllm.v1.core.kv_cache_manager").KVCacheManager,
                 hasher=utils.get_request_block_hasher, Full=interface.FullAttentionSpec,
-                Config=interface.KVCacheConfig, Group=interface.KVCacheGroupSpec,
+                Config=interface.KVCacheConfig, Group=interface.KVCacheGroupSpec, Mamba=interface.MambaSpec,
                 Sliding=interface.SlidingWindowSpec, Request=mod("vllm.v1.request").Request)
 
 
@@ -57,11 +59,17 @@ class VllmReplay:
     def __init__(self, v: dict, num_blocks: int, block_size: int, windows, prefix_caching: bool):
         self.v, self.z, self.windows, self.capacity = v, block_size, windows, (num_blocks - 1) * block_size
         spec = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=v["torch"].bfloat16)
-        groups = [v["Group"]([f"layer{g}"], v["Full"](**spec) if w is None else v["Sliding"](**spec, sliding_window=w))
-                  for g, w in enumerate(windows)]
+        # a Mamba layer's state, one page a request: its block size is max_model_len (mamba_cache_mode "none")
+        mamba = v["Mamba"](shapes=((2, 8),), dtypes=(v["torch"].bfloat16,), block_size=self.capacity,
+                           mamba_cache_mode="none")
+        groups = [v["Group"]([f"layer{g}"], mamba if w == "mamba" else v["Full"](**spec) if w is None
+                             else v["Sliding"](**spec, sliding_window=w)) for g, w in enumerate(windows)]
         config = v["Config"](num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-        self.mgr = v["KVCacheManager"](config, max_model_len=self.capacity, scheduler_block_size=block_size,
-                                       hash_block_size=block_size, enable_caching=prefix_caching)
+        # resolve_kv_cache_block_sizes: the scheduler's block is the lcm of the groups' (a Mamba group's is
+        # max_model_len), and without prefix caching the hashes are taken at it too
+        sched = self.capacity if "mamba" in windows else block_size
+        self.mgr = v["KVCacheManager"](config, max_model_len=self.capacity, scheduler_block_size=sched,
+                                       hash_block_size=sched, enable_caching=prefix_caching)
         self.reqs: dict = {}
         self.hasher = v["hasher"](block_size, v["sha256"])
 
@@ -121,17 +129,21 @@ class VllmReplay:
 
 LAYOUTS = (["full", "sliding"], ["sliding", "full"], ["full", "sliding", "sliding"], ["sliding", "full", "full"],
            ["sliding"], ["full"])
+# Granite-4.0-H's and Jamba's order (Mamba groups first), Falcon-H1's (attention first), more Mamba groups
+# than attention ones, and a sliding window beside a Mamba group
+MAMBA_LAYOUTS = (["mamba", "full"], ["full", "mamba"], ["mamba", "mamba", "full"], ["mamba", "full", "mamba"],
+                 ["sliding", "mamba"], ["mamba", "sliding", "full"])
 
 
-def random_trace(rng: random.Random, v: dict, hybrid_only: bool) -> tuple[list[dict], list[dict]]:
+def random_trace(rng: random.Random, v: dict, hybrid_only: bool, mamba: bool = False) -> tuple[list[dict], list[dict]]:
     """A random trace and vLLM's state after each op (the names it adds are the ones vLLM took)."""
     z = rng.choice([1, 2, 4, 16])
-    layout = rng.choice(LAYOUTS[:4] if hybrid_only else LAYOUTS)
+    layout = rng.choice(MAMBA_LAYOUTS if mamba else LAYOUTS[:4] if hybrid_only else LAYOUTS)
     w = rng.randint(1, 6 * z)
-    windows = [None if k == "full" else w for k in layout]
-    num_blocks, pc = rng.randint(4, 40), rng.random() < 0.75
-    groups = [{"type": "full_attention"} if x is None else {"type": "sliding_window", "sliding_window": x}
-              for x in windows]
+    windows = [None if k == "full" else "mamba" if k == "mamba" else w for k in layout]
+    num_blocks, pc = rng.randint(4, 40), rng.random() < 0.75 and not mamba
+    groups = [{"type": "full_attention"} if x is None else {"type": "mamba"} if x == "mamba" else
+              {"type": "sliding_window", "sliding_window": x} for x in windows]
     ops = [{"op": "init", "num_blocks": num_blocks, "block_size": z, "prefix_caching": pc, "groups": groups}]
     ref = VllmReplay(v, num_blocks, z, windows, pc)
     states = [None]
@@ -167,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hybrid-only", action="store_true", help="only layouts with a full and a sliding group")
+    ap.add_argument("--mamba", action="store_true", help="layouts with Mamba groups (written to "
+                                                         "vllm_replay_reference_mamba.{md,json})")
     args = ap.parse_args(argv)
     v = _vllm(args.vllm_src, args.deps)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -177,7 +191,7 @@ def main(argv=None) -> int:
     rng, t0 = random.Random(args.seed), time.time()
     ops_run, layouts = 0, {}
     for i in range(args.traces):
-        ops, want = random_trace(rng, v, args.hybrid_only)
+        ops, want = random_trace(rng, v, args.hybrid_only, args.mamba)
         got = [out for out, _ in iter_trace(dumps(op) for op in ops)]
         for k in range(1, len(ops)):
             if got[k] != want[k]:
@@ -187,17 +201,19 @@ def main(argv=None) -> int:
                         print(f"  {key}: vLLM {want[k][key]}  kvjax {got[k].get(key)}")
                 return 1
         ops_run += len(ops) - 1
-        kinds = "+".join("full" if g["type"] == "full_attention" else "sliding" for g in ops[0]["groups"])
+        kinds = "+".join({"full_attention": "full", "sliding_window": "sliding"}.get(g["type"], g["type"])
+                         for g in ops[0]["groups"])
         layouts[kinds] = layouts.get(kinds, 0) + 1
     result = {"vllm": "0.33.0", "traces": args.traces, "ops": ops_run, "seed": args.seed, "identical": True,
               "layouts": layouts, "seconds": round(time.time() - t0, 1)}
     OUT.mkdir(exist_ok=True)
-    write_json(OUT / "vllm_replay_reference.json", result, "--out")
+    stem = "vllm_replay_reference" + ("_mamba" if args.mamba else "")
+    write_json(OUT / f"{stem}.json", result, "--out")
     rows = "\n".join(f"| {k} | {n} |" for k, n in sorted(layouts.items()))
-    write_text(OUT / "vllm_replay_reference.md",
+    write_text(OUT / f"{stem}.md",
         "# kvjax replay against vLLM 0.33's KVCacheManager\n\n"
         f"`python experiments/vllm_replay_reference.py --vllm-src ... --deps ... --traces {args.traces} "
-        f"--seed {args.seed}`: {args.traces} random traces, {ops_run} ops, the state after every op identical "
+        f"--seed {args.seed}{' --mamba' if args.mamba else ''}`: {args.traces} random traces, {ops_run} ops, the state after every op identical "
         "(each group's hit, new and whole block table, free queue, ref counts, cached blocks, num_free, usage).\n\n"
         f"| groups | traces |\n|---|---:|\n{rows}\n", "--out")
     print(dumps(result))

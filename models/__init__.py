@@ -6,6 +6,10 @@
     cache = PagedCache.create(config.kv_spec(), num_blocks, block_size)
     step = make_step(model)                                # kvjax.worker.model_runner; donates the cache
     logits, cache = step(params, tokens, metadata, cache)  # tokens i32[T], metadata: BatchMetadata
+
+An attention + Mamba hybrid (Bamba, Granite-4.0-H, Nemotron-H: models.hybrid) takes the cache of
+kvjax.worker.mamba_state.create_hybrid_cache and metadata with its KV cache groups (build_metadata's windows and
+layer_groups: the Mamba layers' state block is their group's table entry).
 """
 from __future__ import annotations
 
@@ -22,17 +26,24 @@ from kvjax.config.model import ModelConfig, ModelConfigError
 from kvjax.config.presets import PRESETS, preset
 from kvjax.models.deepseek import DeepseekForCausalLM
 from kvjax.models.gemma import GemmaForCausalLM
+from kvjax.core.kv_cache_groups import MAMBA
 from kvjax.models.gpt_oss import GptOssForCausalLM
+from kvjax.models.hybrid import HybridForCausalLM, check_hybrid
 from kvjax.models.layers import GEMMA_TYPES, CausalLM, UnsupportedModelError, check_supported
 from kvjax.models.llama import LlamaForCausalLM
+from kvjax.worker.mamba_state import create_hybrid_cache
 from kvjax.worker.paged_cache import PagedCache
 
 
 def build_model(config: ModelConfig, attn_impl: str | None = None) -> CausalLM:
     """The Flax module for `config`; refuses unsupported layers and unknown attn_impl up front.
     attn_impl None: kvjax.config.attention.default_impl() ("pallas" on GPU, "reference" elsewhere)."""
-    check_supported(config)
     attn_impl = attn_impl or default_impl()
+    if config.layer_types:  # an attention + Mamba hybrid (models.hybrid)
+        check_hybrid(config)
+        get_impl(attn_impl)
+        return HybridForCausalLM(config, attn_impl)
+    check_supported(config)
     get_impl(attn_impl)
     if config.is_mla:
         return DeepseekForCausalLM(config, attn_impl)
@@ -108,10 +119,16 @@ def param_shapes(model: CausalLM):
 
 
 def _dummy_inputs(config: ModelConfig):
+    if config.layer_types:  # a hybrid: one attention group (0) and one Mamba group (1), sharing block 1
+        groups = tuple(int(t == "mamba") for t in config.layer_types)
+        md = build_metadata([0], [1], [[[1], [1]]], block_size=1, max_tokens=1, max_seqs=1, max_blocks_per_seq=1,
+                            windows=(None, MAMBA), layer_groups=groups)
+        cache = create_hybrid_cache(config.kv_spec(), config.mamba.state_spec(config.dtype), config.layer_types, 2, 1)
+        return jnp.zeros((1,), jnp.int32), md, cache
     md = build_metadata([0], [1], [[1]], block_size=1, max_tokens=1, max_seqs=1, max_blocks_per_seq=1)
     return jnp.zeros((1,), jnp.int32), md, PagedCache.create(config.kv_spec(), 2, 1)
 
 
-__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
+__all__ = ["PRESETS", "CausalLM", "DeepseekForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "HybridForCausalLM", "LlamaForCausalLM",
            "ModelConfig", "ModelConfigError", "UnsupportedModelError", "build_model", "from_hf_config", "init_params",
            "param_shapes", "preset", "random_params"]

@@ -57,6 +57,9 @@ from kvjax.utils.strict_json import read_json_object
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# A Mamba2 mixer's parameter leaves (models.mamba2) → their Hugging Face names under the mixer, none transposed
+MIXER_LEAVES = {"conv1d": "conv1d.weight", "conv1d_bias": "conv1d.bias", "norm": "norm.weight", "dt_bias": "dt_bias",
+                "A_log": "A_log", "D": "D"}
 
 
 class SafetensorsSource(TensorSource):
@@ -158,6 +161,10 @@ def load_params(source: TensorSource | str | os.PathLike, config: ModelConfig) -
             return jnp.asarray(_gpt_oss_experts(read, available, *expert, leaf.shape, leaf.dtype), dtype=leaf.dtype)
         if expert is not None:
             return jnp.asarray(_read_experts(read, available, config, *expert, leaf.shape), dtype=leaf.dtype)
+        granite = _granite_experts(path)
+        if granite is not None:  # Granite-4.0-H's stacked experts: [E, out, in] in the checkpoint, [E, in, out] here
+            e, n_in, n_out = leaf.shape
+            return jnp.asarray(np.swapaxes(read(granite, (e, n_out, n_in)), 1, 2), dtype=leaf.dtype)
         name, transpose = hf_name(path, config)
         array = read(name, tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape), _fused_name(name))
         return jnp.asarray(array.T if transpose else array, dtype=leaf.dtype)
@@ -211,12 +218,27 @@ def hf_name(path, config: ModelConfig | None = None) -> tuple[str, bool]:
         modules[0] = "layers." + modules[0].split("_")[1]
         if config is not None and config.model_type == "mixtral" and modules[1:2] == ["mlp"]:
             modules[1] = "block_sparse_moe"
-    prefix = "" if modules[0] == "lm_head" else "model."
+    # Nemotron-H's checkpoints (NVIDIA's and save_pretrained's) name the decoder "backbone"
+    prefix = "" if modules[0] == "lm_head" else "backbone." if config and config.model_type == "nemotron_h" else "model."
+    if modules[1:3] == ["block_sparse_moe", "router"]:  # Granite-4.0-H's router: a Linear named `layer`
+        modules = modules[:3] + ["layer"]
+    if leaf in MIXER_LEAVES:  # a Mamba2 mixer's own parameters (models.mamba2)
+        return prefix + ".".join(modules + [MIXER_LEAVES[leaf]]), False
     suffix = leaf if leaf in ("e_score_correction_bias", "sinks", "bias") else "weight"  # kernel, embedding
     return prefix + ".".join(modules + [suffix]), leaf == "kernel"
 
 
 # ---- MoE experts: one stacked Flax array per layer and projection --------------------------------
+def _granite_experts(path) -> str | None:
+    """The checkpoint name of Granite-4.0-H's stacked expert leaf (`layers_{i}/block_sparse_moe/experts/...`):
+    `input_linear` [E, 2I, D] (gate then up) or `output_linear` [E, D, I]; else None."""
+    keys = [getattr(p, "key", str(p)) for p in path]
+    if len(keys) == 4 and keys[1:3] == ["block_sparse_moe", "experts"]:
+        proj = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}[keys[3]]
+        return f"model.layers.{keys[0].split('_')[1]}.block_sparse_moe.{proj}.weight"
+    return None
+
+
 def _expert_leaf(path) -> tuple[int, str] | None:
     """(layer, leaf) of a stacked expert weight (`layers_{i}/mlp/experts/{leaf}`), else None."""
     keys = [getattr(p, "key", str(p)) for p in path]

@@ -56,7 +56,8 @@ def test_wheel_installs_only_kvjax(wheel):
     version = _pyproject()["project"]["version"]
     assert {n.split("/")[0] for n in names} == {"kvjax", f"kvjax-{version}.dist-info"}
     for path in ("kvjax/models/hub.py", "kvjax/models/checkpoints/small-gqa/model.safetensors",
-                 "kvjax/experiments/decode_bench.py", "kvjax/experiments/gpu_check.sh", "kvjax/data/stdlib_heldout.txt"):
+                 "kvjax/experiments/decode_bench.py", "kvjax/experiments/gpu_check.sh", "kvjax/data/stdlib_heldout.txt",
+                 "kvjax/entrypoints/static/calculator.js", "kvjax/entrypoints/static/pool.html"):
         assert path in names, path
 
 

@@ -97,7 +97,10 @@ def check_fits(what: str, nbytes: int, devices: jax.Device | Sequence[jax.Device
     when that is more than one device's bytes_limit, or, for devices that report none (CPU,
     whose devices all share the host), when their sum is more than the host's RAM.
     WontFitError names `what`, both byte counts and where the ceiling comes from."""
-    devs = [jax.devices()[0]] if devices is None else [devices] if isinstance(devices, jax.Device) else list(devices)
+    devs = [jax.local_devices()[0]] if devices is None else [devices] if isinstance(devices, jax.Device) else list(devices)
+    devs = [d for d in devs if d.process_index == jax.process_index()]  # another host's devices hold its own memory
+    if not devs:
+        return
     limit = bytes_limit(devs[0])
     if limit is not None:
         need, ceiling, where = nbytes, limit, f"the {devs[0].platform} device's bytes_limit"

@@ -111,23 +111,28 @@ class ProfileStep:
     xla: mem.CompiledMemory  # XLA's buffer plan of `compiled`, per device
     inputs: tuple  # (ids i32[T], BatchMetadata, logits rows i32[1]), numpy
     cache_blocks: int  # the profile's own cache: cdiv(T, Z) + 1 blocks + the null block
+    pool: Any = None  # an attention + Mamba hybrid's kvjax.accounting.mamba_pool.MambaPool (+ a state block a group)
 
     def make_cache(self):
+        if self.pool is not None:
+            return self.pool.cache_maker(self.layout.cache_spec, self.cache_blocks, self.block_size)
         return shd.cache_maker(self.layout, self.cache_blocks, self.block_size)
 
 
-def _profile_inputs(vocab_size: int, tokens: int, block_size: int, context: int):
+def _profile_inputs(vocab_size: int, tokens: int, block_size: int, context: int, pool=None):
     """One sequence's last `tokens` tokens of a `context`-token context, its table cdiv(context, Z)
     wide with entries cycling over blocks 1..cdiv(tokens, Z) + 1 (module docstring): (ids, metadata,
     logits row, cache blocks with the null block), as host arrays, so that they reach the devices
     only when the profile measures them."""
     width, pages = cdiv(context, block_size), cdiv(tokens, block_size) + 1  # + 1: an unaligned chunk's extra page
     table = [1 + j % pages for j in range(width)]
-    md = build_metadata([context - tokens], [tokens], [table], block_size=block_size, max_tokens=tokens,
-                        max_seqs=1, max_blocks_per_seq=width)
+    groups = {} if pool is None else dict(windows=pool.groups.windows, layer_groups=pool.groups.layer_groups)
+    tables = [table if pool is None else pool.profile_tables(table, pages + 1)]  # a hybrid: one table a group
+    md = build_metadata([context - tokens], [tokens], tables, block_size=block_size, max_tokens=tokens, max_seqs=1,
+                        max_blocks_per_seq=width, **groups)
     md = jax.tree_util.tree_map(np.array, md)  # copies: a numpy view would keep the device buffer alive
     ids = (np.arange(tokens) % vocab_size).astype(np.int32)  # i32[T]
-    return ids, md, md.logits_indices.copy(), pages + 1
+    return ids, md, md.logits_indices.copy(), pages + 1 + (0 if pool is None else pool.mamba_groups)
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -148,7 +153,7 @@ def _param_abstract(params: Any, mesh: Mesh) -> Any:
 def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = None,
                     block_size: int = bud.DEFAULT_BLOCK_SIZE,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    max_model_len: int | None = None) -> ProfileStep:
+                    max_model_len: int | None = None, pool=None) -> ProfileStep:
     """Compile the profiling prefill of `model` (a models.build_model decoder with a `.config`):
     max_num_batched_tokens new tokens at the end of a max_model_len context (None: no context
     before them), the worst prefill step (module docstring).
@@ -162,16 +167,17 @@ def compile_profile(model, params: Any, spec: KVSpec, *, mesh: Mesh | None = Non
     if max_model_len is not None:
         _check_positive(max_model_len=max_model_len)
     mesh = mesh if mesh is not None else shd.make_mesh(1)
-    layout = shd.tp_layout(spec, mesh.shape[shd.AXIS])
+    layout = shd.tp_layout(spec, shd.tp_size(mesh))
     context = max(max_num_batched_tokens, max_model_len or 0)
-    ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size, context)
-    cache_shapes = jax.eval_shape(shd.cache_maker(layout, blocks, block_size))
+    ids, md, rows, blocks = _profile_inputs(model.config.vocab_size, max_num_batched_tokens, block_size, context, pool)
+    cache_shapes = jax.eval_shape(shd.cache_maker(layout, blocks, block_size) if pool is None else
+                                  pool.cache_maker(layout.cache_spec, blocks, block_size))
     whole = NamedSharding(mesh, P())
     compiled = make_step(model, mesh, cache_shapes).lower(
         _param_abstract(params, mesh), _abstract(ids, whole), _abstract(md, whole),
         _abstract(cache_shapes, shd.cache_shardings(cache_shapes, mesh)), _abstract(rows, whole)).compile()
     return ProfileStep(mesh, layout, block_size, max_num_batched_tokens, context, compiled, mem.analyse(compiled),
-                       (ids, md, rows), blocks)
+                       (ids, md, rows), blocks, pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +265,8 @@ class SizingReport:
     weight_arrays: tuple[int, ...]  # bytes of each parameter on one device
     profile: Profile
     plan: bud.Plan  # budget.plan of layout.rank_spec
-    groups: Any = None  # kvjax.accounting.hybrid.GroupPlan for a model with sliding windows, else None
+    groups: Any = None  # kvjax.accounting.hybrid.GroupPlan for a model with sliding windows or Mamba layers, else None
+    pool: Any = None  # with Mamba layers: kvjax.accounting.mamba_pool.MambaPool (the engine's groups and arrays)
 
     @property
     def num_blocks(self) -> int:
@@ -275,6 +282,8 @@ class SizingReport:
         """Each layer's page tensor with groups (its place in its group), else ()."""
         if self.groups is None:
             return ()
+        if self.pool is not None:  # with Mamba layers: each attention layer's
+            return tuple(self.pool.groups.layer_slots)
         slots = [0] * self.spec.num_layers
         for g in self.groups.groups:
             for j, layer in enumerate(g.layers):
@@ -319,7 +328,8 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
                      max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                      max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                      mesh: Mesh | None = None, weights_bytes: int | Sequence[int] | None = None,
-                     step: ProfileStep | None = None, windows: Sequence[int | None] | None = None) -> SizingReport:
+                     step: ProfileStep | None = None, windows: Sequence[int | None] | None = None,
+                     pool=None) -> SizingReport:
     """Profile `model` with `params` (already on the mesh's devices) and size its KV cache.
 
     model: a models.build_model decoder (its `.config` gives vocab and max_position_embeddings);
@@ -332,6 +342,9 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
     windows: each layer's sliding window (None: full attention) for vLLM's hybrid KV cache: the
     budget then buys blocks of the groups' bytes per block (kvjax.accounting.hybrid), which the
     engine's grouped pool holds; None or no window: every layer full, as before.
+    pool: an attention + Mamba hybrid's kvjax.accounting.mamba_pool.MambaPool (block_size already grown,
+    kvjax.config.engine.resolve_block_size): the profile runs on its hybrid cache, and the budget buys
+    vLLM's blocks of its groups (spec: the attention layers' alone).
     Raises NoUsableBlockError when the budget leaves no block besides the null block.
     """
     _check_positive(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
@@ -343,8 +356,8 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
     context = max(max_num_batched_tokens, max_model_len)
     if step is not None:
         mesh = step.mesh if mesh is None else mesh
-        got = (step.mesh, step.layout.spec, step.block_size, step.tokens, step.context)
-        if got != (mesh, spec, block_size, max_num_batched_tokens, context):
+        got = (step.mesh, step.layout.spec, step.block_size, step.tokens, step.context, step.pool)
+        if got != (mesh, spec, block_size, max_num_batched_tokens, context, pool):
             raise SizingError(f"the profile step was compiled for block_size {step.block_size}, "
                               f"max_num_batched_tokens {step.tokens} over a context of {step.context} on "
                               f"{step.mesh.shape} devices; asked for {block_size}, {max_num_batched_tokens} over "
@@ -361,21 +374,24 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
         if len(weights) != len(devices) or any(w < 0 for w in weights):
             raise SizingError(f"weights_bytes must be ≥ 0 for each of the {len(devices)} devices, "
                               f"got {weights_bytes}")
-    layout = shd.tp_layout(spec, mesh.shape[shd.AXIS])
+    layout = shd.tp_layout(spec, shd.tp_size(mesh))
     # The plan without non-KV bytes checks util, total and the sizes before anything compiles.
     bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total, util=util)
     if step is None:
         step = compile_profile(model, params, spec, mesh=mesh, block_size=block_size,
-                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, pool=pool)
     profile = run_profile(step, params)
     # The budget of one device for the layout one rank holds: its weights are already per rank.
     plan = bud.plan(layout.rank_spec, context=max_model_len, block_size=block_size, total_bytes=total,
                     util=util, weights_bytes=max(weights), activations_bytes=profile.activations)
     groups = None
-    if windows is not None and any(w is not None for w in windows):
+    if pool is not None:  # Mamba layers: vLLM's groups (tensor parallelism is refused by the engine's resolver)
+        groups = pool.plan(layout.rank_spec, max(plan.budget_bytes or 0, 0), block_size=block_size,
+                           max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+    elif windows is not None and any(w is not None for w in windows):
         from kvjax.accounting import hybrid
 
-        if mesh.shape[shd.AXIS] > 1:
+        if shd.tp_size(mesh) > 1:
             raise SizingError("tensor parallelism with KV cache groups is not implemented (a model with sliding "
                               "windows): size it with every layer full")
         groups = hybrid.plan_groups(layout.rank_spec, windows, max(plan.budget_bytes or 0, 0), block_size=block_size,
@@ -385,4 +401,4 @@ def profile_and_size(model, params: Any, spec: KVSpec, *, util: Any = None, tota
     leaves = jax.tree_util.tree_leaves(params)
     arrays = tuple(shd.shard_nbytes(x, x.sharding) for x in leaves)
     return SizingReport(spec, layout, mesh, block_size, max_num_batched_tokens, max_num_seqs, max_model_len,
-                        total, total_from_device, tuple(weights), sum(arrays), arrays, profile, plan, groups)
+                        total, total_from_device, tuple(weights), sum(arrays), arrays, profile, plan, groups, pool)

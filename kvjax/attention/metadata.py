@@ -37,6 +37,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.core.block_pool import NULL_BLOCK
+from kvjax.core.kv_cache_groups import MAMBA
 from kvjax.math_utils import cdiv
 
 
@@ -92,7 +93,8 @@ def build_metadata(num_computed: Sequence[int], num_new: Sequence[int], block_ta
                    rows: Sequence[int] | None = None, max_query_len: int | None = None,
                    windows: Sequence[int | None] | None = None, layer_groups: tuple = ()) -> BatchMetadata:
     """Host-side metadata for one step (numpy, validated); see `_build`. With KV cache groups
-    (windows: each group's sliding window, None = full attention; layer_groups: each layer's group),
+    (windows: each group's sliding window, None = full attention, "mamba" = a Mamba group, whose table holds one
+    state block and whose slots stay null; layer_groups: each layer's group),
     block_tables[i] is sequence i's table in every group, and a sliding group's table may hold the
     null block where its window no longer reaches (before the first query's window)."""
     if windows is None:
@@ -160,14 +162,14 @@ def _build(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Se
         if done < 0 or new < 0:
             raise MetadataError(f"sequence {i}: num_computed {done} and num_new {new} must be >= 0")
         end = done + new
-        needed = cdiv(end, block_size)
+        needed = min(end, 1) if window == MAMBA else cdiv(end, block_size)  # a Mamba group: one state block
         if needed > max_blocks_per_seq:
             raise MetadataError(f"sequence {i}: {end} tokens need {needed} blocks of {block_size}, "
                                 f"more than max_blocks_per_seq {max_blocks_per_seq}")
         if len(table) < needed:
             raise MetadataError(f"sequence {i}: {end} tokens need {needed} blocks of {block_size}, "
                                 f"its block table has {len(table)}")
-        seen = 0 if window is None else max(0, done - window + 1) // block_size  # the window's first block
+        seen = 0 if window is None or window == MAMBA else max(0, done - window + 1) // block_size  # window's first
         if NULL_BLOCK in table[seen:needed]:
             raise MetadataError(f"sequence {i}: block table {list(table[:needed])} uses the null block "
                                 f"{NULL_BLOCK}, which never holds KV" + (f", at or after block {seen}, "
@@ -176,7 +178,8 @@ def _build(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Se
         tables[row, :width] = table[:width]
         pos = np.arange(done, end, dtype=np.int32)
         positions[t:t + new] = pos
-        slots[t:t + new] = slot_of(tables[row, pos // block_size], pos, block_size)
+        if window != MAMBA:  # a Mamba layer writes its state block, not token slots: its slots stay null
+            slots[t:t + new] = slot_of(tables[row, pos // block_size], pos, block_size)
         seq_ids[t:t + new] = row
         valid[t:t + new] = True
         context_lens[row] = end

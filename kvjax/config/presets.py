@@ -5,7 +5,8 @@ scaling, and three mixture-of-experts ones: Qwen3-MoE-,
 DeepSeek-V3- and gpt-oss-shaped), the published configs
 of SPEC Tables 1-2 (Llama-2/3, SmolLM2, DeepSeek-V3) for random-weight benchmarks and the tables, models
 with sliding-window layers for the hybrid KV cache (Gemma 2 and 3, gpt-oss, Mistral-7B-v0.1), and
-mixture-of-experts models (DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss): each a
+mixture-of-experts models (DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss), attention +
+Mamba hybrids (Granite-4.0-H tiny and small, Nemotron-H-8B, Bamba-9B, Falcon-H1-0.5B, Jamba-v0.1): each a
 `kvjax.config.model.ModelConfig`. The hybrid and MoE ones are their config.json files (`HF_CONFIGS`,
 `MOE_CONFIGS`) read by `kvjax.config.hf.from_hf_config`, so a preset and the real file parse the same.
 Every published preset's parameter count is counted from its shapes (`ModelConfig.num_params`, every
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvjax.config.hf import from_hf_config
+from kvjax.config.mamba_presets import MAMBA_CONFIGS, MAMBA_TITLES
 from kvjax.config.model import ModelConfig, ModelConfigError, MoEConfig, RopeConfig
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -216,6 +218,16 @@ _TINY_GPT_OSS = {**_GPT_OSS_20B, "vocab_size": 128, "hidden_size": 64, "intermed
                  "num_experts_per_tok": 2, "sliding_window": 8,
                  "layer_types": ["sliding_attention", "full_attention"] * 2, "torch_dtype": "float32"}
 PRESETS["tiny-gpt-oss"] = from_hf_config(_TINY_GPT_OSS).replace(name="tiny-gpt-oss")
+# Attention + state-space hybrids (Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1, Jamba): their config.json
+# files (kvjax.config.mamba_presets), parsed
+PRESETS.update({name: from_hf_config(cfg).replace(name=name, title=MAMBA_TITLES[name])
+                for name, cfg in MAMBA_CONFIGS.items()})
+# A tiny Bamba (3 Mamba2 layers of 8 heads in 2 groups around 1 attention layer), for random-weight runs
+PRESETS["tiny-bamba"] = from_hf_config({
+    "model_type": "bamba", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "attn_layer_indices": [1],
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+    "mamba_expand": 2, "mamba_chunk_size": 8, "torch_dtype": "float32"}).replace(name="tiny-bamba")
 
 
 def preset(name: str) -> ModelConfig:

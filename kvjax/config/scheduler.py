@@ -34,8 +34,9 @@ def request_blocks(windows: tuple, block_size: int, max_num_batched_tokens: int,
     cdiv(num_tokens, Z) in a full group; in a sliding one at most its window's blocks plus one
     step's chunk (freed at the next step)."""
     full = cdiv(num_tokens, block_size)
-    return sum(full if w is None else min(full, cdiv(w - 1 + max_num_batched_tokens, block_size) + 1)
-               for w in windows)
+    return sum(full if w is None else 1 if w == "mamba" else min(full, cdiv(w - 1 + max_num_batched_tokens,
+                                                                            block_size) + 1)
+               for w in windows)  # a Mamba group ("mamba"): one state block
 
 
 def pool_limits(windows: tuple, block_size: int, max_num_batched_tokens: int, usable_blocks: int,
@@ -63,7 +64,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True  # False: a waiting request is admitted only if all its tokens fit the budget
     num_host_blocks: int = 0  # E host offload tier slots (kvjax.kv_offload.manager); 0 = no tier
     host_policy: str = "lru"  # the tier's eviction policy: "lru" or "arc"
-    windows: tuple = (None,)  # each KV cache group's sliding window (None: full attention), one block table each
+    windows: tuple = (None,)  # each KV cache group's sliding window (None: full attention; "mamba"), one table each
 
     def __post_init__(self):
         check_policy(self.policy)
@@ -85,6 +86,10 @@ class SchedulerConfig:
         if self.num_host_blocks < 0:
             raise KvjaxError(f"num_host_blocks={self.num_host_blocks}: a host tier needs >= 0 blocks")
         check_host_tier(self.num_host_blocks, self.prefix_caching)
+        if "mamba" in self.windows and self.prefix_caching:  # kvjax.core.single_type_kv_cache_manager's rule
+            raise KvjaxError("prefix caching with Mamba groups needs vLLM's mamba_cache_mode='align', which kvjax does "
+                             "not implement; vLLM's 'none' mode, kvjax's, runs without prefix caching "
+                             "(enable_prefix_caching=False, --no-enable-prefix-caching)")
         if self.max_requests is not None and self.max_requests < self.max_num_seqs:
             raise KvjaxError(f"max_requests={self.max_requests} < max_num_seqs={self.max_num_seqs}")
 

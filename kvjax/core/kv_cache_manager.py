@@ -67,7 +67,7 @@ def init(num_blocks: int, block_size: int, max_requests: int, max_blocks_per_req
     """A fresh pool (every usable block free, in id order) and an empty request table with one
     block table per KV cache group (windows: each group's sliding window, None = full attention).
     max_blocks_per_request defaults to num_blocks - 1 (no request can hold more)."""
-    windows = groups.check_windows(windows)
+    windows = groups.check_windows(windows, prefix_caching)
     pool = block_pool.init(num_blocks)
     return KVCacheManager(prefix_caching=bool(prefix_caching), windows=windows, pool=pool,
                           reqs=request_table.empty(block_size, max_requests,
@@ -160,7 +160,8 @@ def _group_need(state: KVCacheManager, reqs, num_new, num_hits=0):
     t = state.reqs
     r = jnp.clip(reqs, 0, t.max_requests - 1)
     total = t.num_computed[r] + num_hits * t.block_size + num_new
-    return jnp.maximum(cdiv(total, t.block_size)[..., None] - t.num_held[r] - jnp.asarray(num_hits)[..., None], 0)
+    wanted = groups.blocks_wanted(state.windows, total, t.block_size)  # a Mamba group: one state block
+    return jnp.maximum(wanted - t.num_held[r] - jnp.asarray(num_hits)[..., None], 0)
 
 
 def blocks_needed(state: KVCacheManager, reqs, num_new, num_hits=0):

@@ -42,7 +42,8 @@ slot ids, ghost hashes as 16 hex digits (lane 0 then lane 1 of the block hash): 
 KV cache groups (vLLM's hybrid KV cache manager, kvjax/core/single_type_kv_cache_manager.py):
 `init` may carry "groups": [{"type": "full_attention"}, {"type": "sliding_window",
 "sliding_window": W}, ...] (in that order; all share block_size; one window size at most;
-no host tier). Every op's hit_blocks, new_blocks and blocks are then one list per group, in
+no host tier; {"type": "mamba"} is a Mamba group, vLLM's MambaManager in mamba_cache_mode "none":
+one state block per request, prefix caching off). Every op's hit_blocks, new_blocks and blocks are then one list per group, in
 that order, a window's freed blocks as the null block 0; hit_tokens is the hit the groups
 agreed on. An `append` first frees the blocks its windows no longer see, and those stay freed
 if the allocation is refused (vLLM's order). A trace without "groups" prints what it always did.
@@ -293,7 +294,7 @@ def _init(op: dict) -> Replay:
     host_blocks = int_field(op.get("host_blocks", 0), "host_blocks", 0, MAX_HOST_BLOCKS)
     policy = op.get("host_policy", "lru")
     host_cache.check_policy(policy, ReplayError, "host_policy")
-    windows = groups_field(op["groups"]) if "groups" in op else None
+    windows = groups_field(op["groups"], pc) if "groups" in op else None
     return Replay(num_blocks, block_size, pc, host_blocks=host_blocks, host_policy=policy, windows=windows)
 
 

@@ -8,6 +8,7 @@ import json
 from typing import Iterator
 
 from kvjax.core import single_type_kv_cache_manager as groups_rules
+from kvjax.core.kv_cache_groups import MAMBA
 from kvjax.errors import KvjaxError
 from kvjax.utils.checks import is_int
 from kvjax.utils.strict_json import loads
@@ -73,9 +74,10 @@ def req_field(op: dict) -> str:
 MAX_GROUPS = 64  # Gemma 3's 5:1 pattern gives 7; a trace is for reading the rules, not for sizing
 
 
-def groups_field(groups) -> tuple[int | None, ...]:
-    """init's "groups": [{"type": "full_attention"} | {"type": "sliding_window", "sliding_window": W}, ...]
-    -> each group's window (None: full attention), in the order given."""
+def groups_field(groups, prefix_caching: bool = False) -> tuple[int | str | None, ...]:
+    """init's "groups": [{"type": "full_attention"} | {"type": "sliding_window", "sliding_window": W} |
+    {"type": "mamba"}, ...] -> each group's window (None: full attention, MAMBA: a Mamba group), in the
+    order given (a Mamba group refuses prefix caching: vLLM's mamba_cache_mode "none")."""
     if not isinstance(groups, list) or not 1 <= len(groups) <= MAX_GROUPS:
         raise ReplayError(f"'groups' must be a list of 1 to {MAX_GROUPS} groups, got {json.dumps(groups)[:60]}")
     windows = []
@@ -85,11 +87,13 @@ def groups_field(groups) -> tuple[int | None, ...]:
             windows.append(None)
         elif kind == "sliding_window" and set(g) == {"type", "sliding_window"}:
             windows.append(int_field(g["sliding_window"], f"group {i}'s sliding_window", 1, MAX_REQUEST_TOKENS))
+        elif kind == MAMBA and set(g) == {"type"}:
+            windows.append(MAMBA)
         else:
-            raise ReplayError(f"group {i} must be {{\"type\": \"full_attention\"}} or {{\"type\": \"sliding_window\", "
-                              f"\"sliding_window\": W}}, got {json.dumps(g)[:60]}")
+            raise ReplayError(f"group {i} must be {{\"type\": \"full_attention\"}}, {{\"type\": \"sliding_window\", "
+                              f"\"sliding_window\": W}} or {{\"type\": \"mamba\"}}, got {json.dumps(g)[:60]}")
     try:
-        return groups_rules.check_windows(windows)
+        return groups_rules.check_windows(windows, prefix_caching)
     except KvjaxError as e:
         raise ReplayError(str(e)) from None
 

@@ -28,49 +28,70 @@ position q sees keys q - W < k <= q. The rules, as vLLM 0.33 states them:
   model, which is every hybrid model vLLM serves with attention only (Gemma 2 and 3, gpt-oss,
   Cohere 2, Qwen with max_window_layers; Mistral's single all-sliding group).
 
+* Mamba groups (vLLM's MambaManager with `mamba_cache_mode="none"`, windows entry `MAMBA`): a
+  request holds one state block in each from its first allocation to its end (the group's block
+  size is max_model_len, so cdiv(tokens, it) is 1), skips nothing, caches nothing and hits nothing:
+  vLLM's none mode runs with prefix caching off ("Mamba prefix caching requires
+  mamba_cache_mode='align'"), so a pool with a Mamba group refuses prefix caching.
+
 Axes: the kvjax package docstring's legend; here G is the KV cache groups.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kvjax.core.kv_cache_groups import MAMBA
 from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv
 from kvjax.utils.checks import is_int
 
 
-def check_windows(windows) -> tuple[int | None, ...]:
-    """The groups' windows as a tuple (None: full attention), refused by name when malformed or
-    when two sliding groups have different windows."""
+def check_windows(windows, prefix_caching: bool = False) -> tuple[int | str | None, ...]:
+    """The groups' windows as a tuple (None: full attention, MAMBA: a Mamba group), refused by name
+    when malformed, when two sliding groups have different windows, or when a Mamba group would be
+    prefix-cached."""
     if not isinstance(windows, (tuple, list)) or not windows:
         raise KvjaxError(f"windows must be a non-empty tuple of None (full attention) or window sizes, "
                          f"got {windows!r}")
+    if MAMBA in windows and prefix_caching:
+        raise KvjaxError("prefix caching with Mamba groups needs vLLM's mamba_cache_mode='align', which kvjax does "
+                         "not implement; vLLM's 'none' mode, kvjax's, runs without prefix caching")
+    if all(w == MAMBA for w in windows):
+        raise KvjaxError("every group is a Mamba group: an attention-free pool is not supported")
     for w in windows:
-        if w is not None and (not is_int(w) or w < 1):
+        if w is not None and w != MAMBA and (not is_int(w) or w < 1):
             raise KvjaxError(f"a group's sliding window must be an integer >= 1 (or None for full attention), "
                              f"got {w!r}")
-    sizes = sorted({int(w) for w in windows if w is not None})
+    sizes = sorted({int(w) for w in windows if w is not None and w != MAMBA})
     if len(sizes) > 1:
         raise KvjaxError(f"groups with different sliding windows {sizes} are not supported: vLLM's hybrid "
                          "coordinator needs a fixed-point search for them, and no attention-only model has them")
-    return tuple(None if w is None else int(w) for w in windows)
+    return tuple(w if w is None or w == MAMBA else int(w) for w in windows)
 
 
-def sliding_window(windows: tuple[int | None, ...]) -> int | None:
-    """The one sliding window among the groups, None when every group is full attention."""
-    return next((w for w in windows if w is not None), None)
+def sliding_window(windows: tuple[int | str | None, ...]) -> int | None:
+    """The one sliding window among the groups, None when none slides."""
+    return next((w for w in windows if w is not None and w != MAMBA), None)
 
 
-def caches(windows: tuple[int | None, ...], block_size: int) -> tuple[bool, ...]:
-    """Whether each group puts its full blocks in the prefix cache (all but W = 1)."""
-    return tuple(w is None or cdiv(w - 1, block_size) >= 1 for w in windows)
+def caches(windows: tuple[int | str | None, ...], block_size: int) -> tuple[bool, ...]:
+    """Whether each group puts its full blocks in the prefix cache (all but W = 1 and Mamba groups)."""
+    return tuple(w is None or (w != MAMBA and cdiv(w - 1, block_size) >= 1) for w in windows)
+
+
+def blocks_wanted(windows: tuple[int | str | None, ...], total, block_size: int):
+    """The table entries each group needs for `total` tokens (i32[...]): cdiv(total, Z) for
+    attention, one state block for a Mamba group once there is a token. -> i32[..., G]."""
+    t = jnp.asarray(total, jnp.int32)[..., None]
+    mamba = jnp.asarray([w == MAMBA for w in windows])
+    return jnp.where(mamba, (t > 0).astype(jnp.int32), cdiv(t, block_size)).astype(jnp.int32)
 
 
 def skipped_blocks(windows: tuple[int | None, ...], computed, block_size: int):
     """The leading blocks each group no longer attends to once `computed` tokens (i32[...]) are
     computed: max(0, computed - W + 1) // Z for a sliding group, 0 for full. -> i32[..., G]."""
-    w = jnp.asarray([0 if x is None else x for x in windows], jnp.int32)
-    slides = jnp.asarray([x is not None for x in windows])
+    w = jnp.asarray([0 if x is None or x == MAMBA else x for x in windows], jnp.int32)
+    slides = jnp.asarray([x is not None and x != MAMBA for x in windows])
     c = jnp.asarray(computed, jnp.int32)[..., None]
     return jnp.where(slides, jnp.maximum(c - w + 1, 0) // block_size, 0).astype(jnp.int32)
 

@@ -34,8 +34,9 @@ import os
 from typing import Any, Callable
 
 from kvjax.config.engine import (CPU_KV_SHARE, CacheConfig, EngineConfig, EngineError, ProfilerConfig, check_settings,
-                                 resolve_attention_backend, resolve_kv_cache_groups, resolve_kv_spec,
+                                 resolve_attention_backend, resolve_block_size, resolve_kv_cache_groups, resolve_kv_spec,
                                  resolve_max_model_len, resolve_num_blocks, resolve_step_budget)
+from kvjax.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, ParallelConfig
 from kvjax.utils.checks import INT32_MAX, MAX_GIB, check_int
 
 # vLLM engine arguments that kvjax does not implement: (the values that mean what kvjax does
@@ -51,7 +52,6 @@ _NOT_HERE = {
     "enable_lora": ((False,), "LoRA is not implemented"),
     "speculative_config": ((None,), "speculative decoding is not implemented"),
     "pipeline_parallel_size": ((1,), "pipeline parallelism is not implemented"),
-    "data_parallel_size": ((1,), "data parallelism is not implemented"),
     "calculate_kv_scales": ((False,), "dynamic KV scales are not implemented (pass scales=)"),
     "kv_offloading_backend": (("native",), "kvjax's host tier is vLLM's native backend"),
     "compilation_config": ((None,), "kvjax compiles every step with XLA"),
@@ -106,6 +106,14 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = False
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
+    # vLLM's ParallelConfig fields (kvjax.config.parallel): processes, replicas, decode context parallelism
+    data_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    distributed_timeout_seconds: int | None = None
     profiler_config: ProfilerConfig | dict | None = None
     disable_log_stats: bool = False
     use_tqdm_on_load: bool = True
@@ -127,7 +135,6 @@ class EngineArgs:
     enable_lora: bool = False
     speculative_config: dict | None = None
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
     calculate_kv_scales: bool = False
     kv_offloading_backend: str = "native"
     compilation_config: Any = None
@@ -165,6 +172,7 @@ class EngineArgs:
         max_model_len (kvjax.config.engine.resolve_num_blocks)."""
         self._refuse_not_here()
         self._check_values()
+        parallel = self.parallel_config()  # before JAX starts: a multi-process job joins its runtime first
         if request_lens is not None:
             request_lens = [check_int(n, "a request_lens entry", 1, INT32_MAX, LLMError) for n in request_lens]
         import jax
@@ -180,9 +188,11 @@ class EngineArgs:
         from kvjax.kv_offload import host_pages as offload
 
         z = 16 if self.block_size is None else self.block_size
+        dcp = parallel.decode_context_parallel_size
         max_num_seqs = 8 if self.max_num_seqs is None else self.max_num_seqs
         chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
-        prefix = True if self.enable_prefix_caching is None else self.enable_prefix_caching
+        # beside Mamba layers kvjax runs vLLM's mamba_cache_mode "none", which caches no prefix
+        prefix = model_config.mamba is None if self.enable_prefix_caching is None else self.enable_prefix_caching
         steps = 1 if self.enforce_eager else self.steps_per_call
         kv_spec = resolve_kv_spec(model_config, self.kv_cache_dtype, self.kv_cache_dtype_skip_layers,
                                   self.kv_skip_dtype)
@@ -195,12 +205,17 @@ class EngineArgs:
                        tensor_parallel_size=self.tensor_parallel_size, scheduling_policy=self.scheduling_policy,
                        kv_layout=self.kv_layout, enable_prefix_caching=prefix, enable_chunked_prefill=chunked,
                        num_host_blocks=host_blocks)
+        z = resolve_block_size(model_config, kv_spec, z)  # beside Mamba layers, grown to hold a state
         tp = self.tensor_parallel_size
+        if dcp > 1:
+            from kvjax.attention.dcp import check_dcp
+
+            check_dcp(kv_spec, tp, dcp, z, LLMError)
         backend = resolve_attention_backend(self.attention_backend, kv_spec, tp)
         groups = resolve_kv_cache_groups(model_config, kv_spec, z, hybrid=not self.disable_hybrid_kv_cache_manager,
                                          kv_layout=self.kv_layout, host_tier=host_blocks > 0, tensor_parallel_size=tp)
         max_len = resolve_max_model_len(self.max_model_len, model_config.max_position_embeddings)
-        cache = CacheConfig(block_size=z, kv_spec=kv_spec, scales=scales, enable_prefix_caching=prefix, groups=groups,
+        cache = CacheConfig(block_size=z * dcp, dcp=dcp, kv_spec=kv_spec, scales=scales, enable_prefix_caching=prefix, groups=groups,
                             kv_layout=self.kv_layout, gpu_memory_utilization=self.gpu_memory_utilization,
                             total_memory_bytes=self.total_memory_bytes if self.total_memory_bytes is not None
                             or self.gpu_memory_utilization is None or platform != "cpu" else _node_memory_bytes(),
@@ -215,7 +230,8 @@ class EngineArgs:
             enable_trace_replay=self.enable_trace_replay,
             generation_config=self.generation_config,
             chat_template=None if self.chat_template is None else read_template(self.chat_template),
-            profiler_config=ProfilerConfig.from_any(self.profiler_config), disable_log_stats=self.disable_log_stats)
+            profiler_config=ProfilerConfig.from_any(self.profiler_config), disable_log_stats=self.disable_log_stats,
+            parallel_config=parallel)
         num_blocks, why = resolve_num_blocks(cache, kv_cache_memory_bytes=kv_bytes,
                                              num_gpu_blocks_override=self.num_gpu_blocks_override,
                                              max_num_seqs=max_num_seqs, max_model_len=max_len,
@@ -224,6 +240,18 @@ class EngineArgs:
                                              cpu_kv_budget_bytes=int(CPU_KV_SHARE * _node_memory_bytes())
                                              if default_budget else None, request_lens=request_lens)
         return config if num_blocks is None else config.with_num_blocks(num_blocks, why)
+
+    def parallel_config(self) -> ParallelConfig:
+        """vLLM's parallel fields, checked (kvjax.config.parallel); with nnodes > 1 this process joins the job's
+        runtime first (kvjax.distributed.runtime.initialize: before JAX starts, once per process)."""
+        parallel = ParallelConfig(self.data_parallel_size, self.decode_context_parallel_size, self.nnodes,
+                                  self.node_rank, self.master_addr, self.master_port,
+                                  self.distributed_timeout_seconds).check(self.tensor_parallel_size, LLMError)
+        if parallel.multi_process:
+            from kvjax.distributed import runtime
+
+            runtime.initialize(parallel, self.tensor_parallel_size)
+        return parallel
 
     def _model_config(self):
         """The architecture `model` names, dtype and hf_overrides applied (no weights are read)."""

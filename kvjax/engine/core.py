@@ -66,9 +66,8 @@ from kvjax.math_utils import cdiv, pow2_bucket
 from kvjax.utils.atomic import BatchCall, atomic, lock_of
 from kvjax.utils.checks import INT32_MAX, check_int
 from kvjax.worker import sharding as shd
+from kvjax.worker.mamba_state import create_hybrid_cache
 from kvjax.worker.paged_cache import ContiguousCache, PagedCache
-
-
 
 
 @dataclasses.dataclass
@@ -92,16 +91,16 @@ class Engine:
     owner: the block pool, its prefix cache and the host tier carry over from one `generate`
     call to the next (vLLM's engine core), until `reset_prefix_cache`."""
 
+    scheduler_cls = Scheduler  # kvjax.engine.lockstep's checks every rank's plan against rank 0's
+
     def __init__(self, model, params, config: EngineConfig, *, eos_token_ids=(), tokenizer=None, mesh=None):
-        """config: the resolved config with its pool sized (kvjax.engine.arg_utils.EngineArgs.
-        create_engine_config, then EngineConfig.with_num_blocks): the engine reads every value
-        from it and derives none. tokenizer: anything with decode(ids) → str (results' text, stop
-        strings). With tensor_parallel_size > 1 the params and KV pages are placed on a mesh
-        (kvjax.worker.sharding); `model` and `params` must already be the TP model's
-        (sharding.tp_model_config, sharding.tp_params: kv heads repeated when ranks outnumber them,
-        MoE gate/up columns one block a rank), as kvjax.engine.llm_engine does.
-        eos_token_ids: the first is the primary EOS (its stop has stop_reason None; the others act
-        as stop_token_ids, as in vLLM)."""
+        """config: the resolved config with its pool sized (kvjax.engine.arg_utils.EngineArgs.create_engine_config,
+        then EngineConfig.with_num_blocks): the engine reads every value from it and derives none. tokenizer:
+        anything with decode(ids) → str (results' text, stop strings). With tensor_parallel_size > 1 the params and
+        KV pages are placed on a mesh (kvjax.worker.sharding); `model` and `params` must already be the TP model's
+        (sharding.tp_model_config, sharding.tp_params: kv heads repeated when ranks outnumber them, MoE gate/up
+        columns one block a rank), as kvjax.engine.llm_engine does. eos_token_ids: the first is the primary EOS (its
+        stop has stop_reason None; the others act as stop_token_ids, as in vLLM)."""
         if config.scheduler_config is None:
             raise EngineError("the engine needs a sized pool: EngineConfig.with_num_blocks(...)")
         self.model, self.params, self.config, self.tokenizer = model, params, config, tokenizer
@@ -119,16 +118,16 @@ class Engine:
         self._check_fits()
         if tp > 1:  # Megatron TP as vLLM applies it, as shardings the partitioner propagates
             self.cache = shd.create_cache(shd.tp_layout(cache.kv_spec, tp), config.num_blocks, config.block_size,
-                                          self.mesh, cache.scales)
+                                          self.mesh, cache.scales, dcp=cache.dcp)
             if mesh is None:
                 self.params = shd.shard_params(params, self.mesh)
             placement = NamedSharding(self.mesh, PartitionSpec())  # the pool state: on every rank
         else:
-            placement = jax.devices()[0]
+            placement = jax.devices()[0] if mesh is None else mesh.devices.flat[0]  # a data-parallel replica's
             # Committed to the device, as every step's output is: otherwise the first call of each
             # compiled step would see an uncommitted cache, a second jit cache entry to compile.
             self.cache = jax.device_put(self._make_cache()(), placement)
-        self.scheduler = Scheduler(sched, placement=placement)
+        self.scheduler = self.scheduler_cls(sched, placement=placement)
         self.host_pages = offload.HostPages(sched.num_host_blocks, self.cache) if sched.num_host_blocks else None
         self._next_request = 0  # request numbers: the random stream of unseeded requests
         self._batch = BatchCall()  # generate's bookkeeping
@@ -147,6 +146,9 @@ class Engine:
         if cache.kv_layout == "contiguous":
             rows = cdiv(self.scheduler_config.max_model_len, z) * z
             return lambda: ContiguousCache.create(cache.kv_spec, cfg.max_num_seqs, rows)
+        if cache.groups.state is not None:  # attention + Mamba: the attention pages, and each Mamba layer's states
+            return lambda: create_hybrid_cache(cache.kv_spec, cache.groups.state, cfg.model_config.layer_types,
+                                               cfg.num_blocks, z, cache.groups.layer_slots, cache.scales)
         return lambda: PagedCache.create(cache.kv_spec, cfg.num_blocks, z, cache.scales, cache.groups.layer_slots)
 
     def _check_fits(self) -> None:
@@ -176,10 +178,9 @@ class Engine:
     # ------------------------------------------------------------------ the prefix cache
     @atomic
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`):
-        False, changing nothing, while requests hold blocks, unless reset_running_requests, which
-        first preempts every running request (each recomputes when next scheduled, as vLLM's);
-        reset_connector also empties the host tier."""
+        """Forget every cached block, so that no later request hits (vLLM's `reset_prefix_cache`): False, changing
+        nothing, while requests hold blocks, unless reset_running_requests, which first preempts every running
+        request (each recomputes when next scheduled, as vLLM's); reset_connector also empties the host tier."""
         return self.scheduler.reset_prefix_cache(reset_running=reset_running_requests, reset_host=reset_connector)
 
     # ------------------------------------------------------------------ requests
@@ -252,12 +253,11 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @atomic
     def step(self) -> list[RequestResult]:
-        """One engine step (vLLM's `EngineCore.step`): schedule, copy in host-tier hits, run the
-        model (one ragged step, or a decode plan's device loop of up to steps_per_call steps),
-        take the sampled tokens back, check stop strings, copy newly full blocks out to the host
-        tier. → the results of the requests that got tokens in it (`new_tokens` says how many) or
-        finished; a finished request is complete and the engine forgets it. [] when nothing is
-        unfinished."""
+        """One engine step (vLLM's `EngineCore.step`): schedule, copy in host-tier hits, run the model (one ragged
+        step, or a decode plan's device loop of up to steps_per_call steps), take the sampled tokens back, check stop
+        strings, copy newly full blocks out to the host tier. → the results of the requests that got tokens in it
+        (`new_tokens` says how many) or finished; a finished request is complete and the engine forgets it. [] when
+        nothing is unfinished."""
         sched, host = self.scheduler, self.host_pages
         if not sched.has_unfinished():
             return []
@@ -413,9 +413,9 @@ class Engine:
         return ended
 
     def _sampling_rows(self, plan: StepPlan, rows: list[int]) -> sampling.SamplingRows:
-        """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused).
-        The same requests in the same rows get the same rows as the step before, on the device
-        already, unless one of them reads its output (penalties, bad words)."""
+        """The plan's requests' sampling parameters laid out by row (empty rows: greedy, unused). The same requests in
+        the same rows get the same rows as the step before, on the device already, unless one of them reads its
+        output (penalties, bad words)."""
         key = (plan.req_ids, tuple(rows))
         if self._rows_cache is not None and self._rows_cache[0] == key:
             return self._rows_cache[1]

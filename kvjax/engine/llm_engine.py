@@ -33,10 +33,12 @@ import os
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from kvjax.config.engine import EngineConfig, EngineError
 from kvjax.engine.arg_utils import EngineArgs, LLMError
+from kvjax.engine import lockstep
 from kvjax.engine.core import Engine
 from kvjax.engine.output_processor import OutputProcessor
 from kvjax.engine.outputs import Logprob, RequestOutput, prompt_logprobs
@@ -54,31 +56,46 @@ _GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penal
 class LLMEngine:
     """See the module docstring."""
 
-    def __init__(self, vllm_config: EngineConfig, *, model=None, use_tqdm_on_load: bool = False):
+    def __init__(self, vllm_config: EngineConfig, *, model=None, use_tqdm_on_load: bool = False, devices=None):
         """vllm_config: the resolved config (EngineArgs.create_engine_config). model: an already
         loaded models.hub.LoadedModel for it (default: loaded here, with a progress bar on stderr
-        if use_tqdm_on_load)."""
+        if use_tqdm_on_load). devices: the tensor_parallel_size devices it runs on (a data-parallel replica's,
+        kvjax.engine.data_parallel; default the first). In a multi-process job (kvjax.distributed.runtime) rank 0
+        announces the config to the other ranks first, and every rank runs kvjax.engine.lockstep's engine."""
+        from kvjax.distributed import runtime
         from kvjax.models import build_model
         from kvjax.models.hub import load_model
 
         config = vllm_config
+        multi = runtime.is_multi_process()
+        if multi and runtime.rank() == 0:
+            if model is not None:
+                raise LLMError("a multi-process job loads its model on every rank: give the model by name, folder "
+                               "or preset, not as a loaded model")
+            lockstep.announce(config)
+        if config.parallel_config.data_parallel_size > 1 and devices is None:
+            raise LLMError(f"data_parallel_size={config.parallel_config.data_parallel_size}: an engine is one "
+                           "replica; data-parallel replicas run behind `kvjax serve --data-parallel-size` "
+                           "(kvjax.engine.data_parallel)")
         if model is None:
             model = load_model(config.model, config=config.model_config, attn_impl=config.attention_backend,
                                seed=config.seed, progress=use_tqdm_on_load)
         elif model.module.attn_impl != config.attention_backend:
             model = model.replace(module=build_model(model.config, attn_impl=config.attention_backend))
         self.model, self.tokenizer = model, model.tokenizer
-        module, params, mesh = self._place(config)
+        module, params, mesh = self._place(config, devices)
         if config.cache_config.num_gpu_blocks is None:
-            config = config.with_num_blocks(self._profile_num_blocks(config, module, params, mesh))
+            num_blocks = self._profile_num_blocks(config, module, params, mesh)
+            config = config.with_num_blocks(lockstep.rank0_value(num_blocks) if multi else num_blocks)
         self.vllm_config = config
-        self.engine = Engine(module, params, config, eos_token_ids=model.eos_token_ids, tokenizer=self.tokenizer,
-                             mesh=mesh)
+        self.engine = (lockstep.LockstepEngine if multi else Engine)(
+            module, params, config, eos_token_ids=model.eos_token_ids, tokenizer=self.tokenizer, mesh=mesh)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_template = config.chat_template if config.chat_template is not None else model.chat_template
-        self.default_sampling_params = generation_defaults(
-            None if config.generation_config == "vllm" else model.folder if config.generation_config == "auto"
-            else config.generation_config)
+        folder = None if config.generation_config == "vllm" else model.folder if config.generation_config == "auto" \
+            else config.generation_config
+        self.diff_sampling_param = generation_config_values(folder)  # what the checkpoint's file sets
+        self.default_sampling_params = generation_defaults(folder)
         self._profile: _Profile | None = None
 
     @classmethod
@@ -88,6 +105,8 @@ class LLMEngine:
         from kvjax.models.hub import LoadedModel
 
         config = engine_args.create_engine_config(request_lens=request_lens)
+        if config.parallel_config.multi_process and config.parallel_config.node_rank > 0:
+            serve_rank0()  # does not return: the same script on every rank runs its front end on rank 0 only
         model = engine_args.model if isinstance(engine_args.model, LoadedModel) else None
         return cls(config, model=model, use_tqdm_on_load=engine_args.use_tqdm_on_load)
 
@@ -96,19 +115,21 @@ class LLMEngine:
         return cls(vllm_config)
 
     # ------------------------------------------------------------------ building
-    def _place(self, config: EngineConfig):
-        """(module, params, mesh) the engine runs: the loaded model on one device, or with
+    def _place(self, config: EngineConfig, devices=None):
+        """(module, params, mesh) the engine runs: the loaded model on one device (devices[0]), or with
         tensor_parallel_size > 1 its params on a mesh (kvjax.worker.sharding: Megatron's column /
         row split, the KV pages by kv heads, each expert's intermediate width), each kv head
         repeated when ranks outnumber kv heads and the experts' gate/up columns in one block a rank."""
         tp = config.tensor_parallel_size
-        if tp == 1:
-            return self.model.module, self.model.params, None
         from kvjax.worker import sharding as shd
 
+        if tp == 1:
+            if devices is None:
+                return self.model.module, self.model.params, None
+            return self.model.module, jax.device_put(self.model.params, devices[0]), shd.make_mesh(1, devices)
         try:
             layout = shd.tp_layout(config.cache_config.kv_spec, tp)
-            mesh = shd.make_mesh(tp)
+            mesh = shd.make_mesh(tp, devices, dcp=config.parallel_config.decode_context_parallel_size)
             run_config = shd.tp_model_config(self.model.config, layout)
         except shd.ShardingError as e:
             raise LLMError(f"tensor_parallel_size={tp}: {e}") from None
@@ -128,6 +149,9 @@ class LLMEngine:
         from kvjax.accounting.sizing import profile_and_size
 
         cache = config.cache_config
+        if cache.groups.state is not None:  # the profile sizes attention pages only
+            raise LLMError("sizing the pool by gpu_memory_utilization beside Mamba layers is not implemented: pass "
+                           "kv_cache_memory_bytes or num_gpu_blocks_override")
         util = DEFAULT_UTIL if cache.gpu_memory_utilization is None else cache.gpu_memory_utilization
         report = profile_and_size(
             module, params, cache.kv_spec, mesh=mesh, util=util, total_bytes=cache.total_memory_bytes,
@@ -295,6 +319,12 @@ class LLMEngine:
         if profile is not None:
             profile.stop()
 
+    def get_diff_sampling_param(self) -> dict:
+        """vLLM's ModelConfig.get_diff_sampling_param: only the sampling values the generation config sets
+        (max_new_tokens as max_tokens); the server reads max_tokens from it, so that a chat request without
+        max_tokens may run to the context's end instead of SamplingParams' 16, as vLLM's server does."""
+        return dict(self.diff_sampling_param)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """A copy of the SamplingParams used when none are given: the checkpoint's
         generation_config.json values over vLLM's defaults (generation_config="auto")."""
@@ -318,9 +348,8 @@ class LLMEngine:
         score_windows): each window prefilled alone into a fresh cache of this engine's KV format."""
         import jax.numpy as jnp
 
-        from kvjax.evaluation.scoring import prefill_layout, window_logprobs
+        from kvjax.evaluation.scoring import empty_cache, prefill_layout, window_logprobs
         from kvjax.utils.checks import INT32_MAX, check_int
-        from kvjax.worker.paged_cache import PagedCache
 
         check_int(batch_size, "batch_size", 1, INT32_MAX, LLMError)
         model_config, cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
@@ -338,7 +367,8 @@ class LLMEngine:
         if len(windows) == 0:  # no window: no scores, in the shape of many
             return np.zeros((0, windows.shape[1], model_config.vocab_size), np.float32)
         z = cache_config.block_size
-        cache = PagedCache.create(cache_config.kv_spec, prefill_layout(windows.shape[1], z)[1], z, cache_config.scales)
+        blocks = prefill_layout(windows.shape[1], z, layer_types=model_config.layer_types)[1]
+        cache = empty_cache(model_config, cache_config.kv_spec, blocks, z, cache_config.scales)
         parts = [window_logprobs(self.model.module, self.model.params,
                                  jnp.asarray(windows[i:i + batch_size], jnp.int32), cache)
                  for i in range(0, len(windows), batch_size)]
@@ -382,6 +412,19 @@ class _Profile:
                 self.stop()
 
 
+
+def serve_rank0(expect_model: str | None = None) -> None:
+    """A rank > 0 of a multi-process job (nnodes > 1): run the engines rank 0 announces, in lockstep with it
+    (kvjax.engine.lockstep.run_follower), until rank 0 ends the job; then leave the runtime and end the process
+    (status 0). `LLM(...)`, `LLMEngine.from_engine_args` and `kvjax decode` call it on such a rank, so one
+    script started on every host runs its front end on rank 0 only; `kvjax serve --headless` calls it too.
+    expect_model: the model this rank was started with, if any (rank 0's must be the same)."""
+    from kvjax.distributed import runtime
+
+    lockstep.run_follower(LLMEngine, expect_model)
+    runtime.finish()
+    raise SystemExit(0)
+
 def _ids(ids) -> list[int]:
     ids = list(ids) if isinstance(ids, (list, tuple, np.ndarray)) else None
     if ids is None or not all(is_int(t) for t in ids):
@@ -389,22 +432,33 @@ def _ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-def generation_defaults(folder: str | None) -> SamplingParams:
-    """vLLM's get_default_sampling_params: the generation_config.json values it reads (max_new_tokens
-    as max_tokens), over SamplingParams()."""
+def _generation_config_path(folder: str | None) -> str | None:
     path = None if folder is None or not os.path.isdir(folder) else os.path.join(folder, "generation_config.json")
-    if path is None or not os.path.exists(path):
-        return SamplingParams()
+    return path if path is not None and os.path.exists(path) else None
+
+
+def generation_config_values(folder: str | None) -> dict:
+    """vLLM's get_diff_sampling_param: the sampling values folder's generation_config.json sets
+    (max_new_tokens as max_tokens); {} without one."""
+    path = _generation_config_path(folder)
+    if path is None:
+        return {}
     from kvjax.utils.strict_json import read_json_object
 
     config = read_json_object(path, "generation_config.json")
     values = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
     if "max_new_tokens" in values:
         values["max_tokens"] = values.pop("max_new_tokens")
+    return values
+
+
+def generation_defaults(folder: str | None) -> SamplingParams:
+    """vLLM's get_default_sampling_params: the generation_config.json values it reads (max_new_tokens
+    as max_tokens), over SamplingParams()."""
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**generation_config_values(folder))
     except KvjaxError as e:
-        raise LLMError(f"{path}: {e}") from None
+        raise LLMError(f"{_generation_config_path(folder)}: {e}") from None
 
 
 __all__ = ["LLMEngine"]

@@ -193,6 +193,9 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     model_name = loaded.name
     config = loaded.config
+    if config.mamba is not None and sensitivity_windows:  # its skip variants keep some attention layers in bf16
+        raise KvjaxError(f"{model_name}: layer sensitivity and its skip variants need per-layer KV dtypes, which vLLM's "
+                         "one page size beside Mamba layers does not allow: pass sensitivity_windows=0")
     packs_nvfp4 = nvfp4.page_refusal(config.kv_spec().kind, config.head_dim) is None
     known = {v["name"]: v for v in variants(config.num_layers)}  # every name; this model's below
     if isinstance(long_variants, str) and long_variants != "all":
@@ -267,7 +270,7 @@ def evaluate(model, data, calib: str, *, seq_len: int = 256, max_windows: int = 
         llms = {v["name"]: LLM(loaded, kv_cache_dtype=v["kv_dtype"], scales=scales_for(v),
                                kv_cache_dtype_skip_layers=v.get("skip", ()),
                                kv_skip_dtype="bf16", block_size=block_size, max_num_seqs=prompts,
-                               disable_hybrid_kv_cache_manager=True,
+                               disable_hybrid_kv_cache_manager=config.mamba is None,  # Mamba: groups only
                                max_model_len=prompt_len + decode_tokens + 1, steps_per_call=8,
                                enable_trace_replay=True) for v in vlist}
     with phase("score"):

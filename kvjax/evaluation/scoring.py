@@ -12,7 +12,8 @@ same for every row, only tokens (and so the pages) differ.
 
 `ChunkedScorer` scores one long window the way vLLM's chunked prefill serves it: chunk after
 chunk, each chunk's K/V written into the paged cache (in the variant's dtype and scales) and
-its queries attending to every position cached so far, read back from the pages. A one-step
+its queries attending to every position cached so far, read back from the pages (an attention + Mamba
+hybrid's state carried from chunk to chunk in its state block). A one-step
 prefill of 8,192 tokens would make the reference attention hold B × Q × N × S f32 scores per
 layer (9 heads × 8192² × 4 B = 2.4 GB for SmolLM2, and several such temporaries); a chunk of T
 queries holds T / S of that. Chunk c's block table covers only the (c + 1) × T positions it
@@ -29,10 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention.metadata import build_metadata
+from kvjax.core.kv_cache_groups import MAMBA
 from kvjax.core.kv_cache_interface import KVSpec
 from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv
 from kvjax.worker.model_runner import forward
+from kvjax.worker.mamba_state import create_hybrid_cache
 from kvjax.worker.paged_cache import PagedCache
 
 
@@ -44,13 +47,32 @@ def windows(tokens, seq_len: int, max_windows: int) -> np.ndarray:
     return np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)
 
 
-def prefill_layout(seq_len: int, block_size: int, start: int = 0):
+def prefill_layout(seq_len: int, block_size: int, start: int = 0, layer_types: tuple = (),
+                   state_block: int | None = None):
     """(metadata, num_blocks) for prefilling positions start..seq_len-1 of one sequence in blocks
-    1..cdiv(seq_len, Z), positions before start already cached (a chunk of a chunked prefill)."""
+    1..cdiv(seq_len, Z), positions before start already cached (a chunk of a chunked prefill).
+
+    layer_types: an attention + Mamba hybrid's (ModelConfig.layer_types): its Mamba layers form a second KV cache
+    group whose one block, state_block (default: the one after the attention blocks), holds every Mamba layer's
+    state (kvjax.worker.mamba_state), the same block for every chunk of a sequence."""
     blocks = cdiv(seq_len, block_size)
-    md = build_metadata([start], [seq_len - start], [list(range(1, blocks + 1))], block_size=block_size,
-                        max_tokens=seq_len - start, max_seqs=1, max_blocks_per_seq=blocks)
-    return md, blocks + 1
+    tables, groups = [list(range(1, blocks + 1))], {}
+    if "mamba" in layer_types:
+        state_block = blocks + 1 if state_block is None else state_block
+        tables = [[tables[0], [state_block]]]
+        groups = dict(windows=(None, MAMBA), layer_groups=tuple(int(t == "mamba") for t in layer_types))
+    md = build_metadata([start], [seq_len - start], tables, block_size=block_size,
+                        max_tokens=seq_len - start, max_seqs=1, max_blocks_per_seq=blocks, **groups)
+    return md, (blocks if state_block is None else max(blocks, state_block)) + 1
+
+
+def empty_cache(config, kv_spec: KVSpec, num_blocks: int, block_size: int, scales=None) -> PagedCache:
+    """A zeroed cache of kv_spec for `config`'s model: its pages, and beside a hybrid's attention pages its Mamba
+    layers' state pages (kvjax.worker.mamba_state.create_hybrid_cache)."""
+    if config.mamba is None:
+        return PagedCache.create(kv_spec, num_blocks, block_size, scales)
+    return create_hybrid_cache(kv_spec, config.mamba.state_spec(config.dtype), config.layer_types, num_blocks,
+                               block_size, scales=scales)
 
 
 def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec | None, block_size: int = 16,
@@ -61,9 +83,9 @@ def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec | None, block_size
     cache: the empty cache every row starts from, of `prefill_layout`'s blocks (a KV format's
     dtype and scales: `LLM.score_windows` passes its own); default `PagedCache.create(kv_spec, ...)`.
     """
-    md, num_blocks = prefill_layout(tokens.shape[1], block_size)
+    md, num_blocks = prefill_layout(tokens.shape[1], block_size, layer_types=model.config.layer_types)
     if cache is None:
-        cache = PagedCache.create(kv_spec, num_blocks, block_size)
+        cache = empty_cache(model.config, kv_spec, num_blocks, block_size)
     elif (cache.num_blocks, cache.block_size) != (num_blocks, block_size):
         raise KvjaxError(f"a prefill of {tokens.shape[1]} tokens in blocks of {block_size} needs a cache of "
                          f"{num_blocks} blocks of {block_size}, got {cache.num_blocks} of {cache.block_size}")
@@ -104,15 +126,18 @@ def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def chunk_layouts(seq_len: int, chunk: int, block_size: int) -> tuple[list, int]:
+def chunk_layouts(seq_len: int, chunk: int, block_size: int, layer_types: tuple = ()) -> tuple[list, int]:
     """([(start, metadata)] per chunk, num_blocks) for prefilling one sequence of seq_len tokens
     chunk tokens at a time into blocks 1..cdiv(seq_len, Z) (block 0 null). Chunk c's block table
-    covers positions < its own end only: what it may attend to."""
+    covers positions < its own end only: what it may attend to. A hybrid's (layer_types) Mamba state lives in
+    the block after them, which every chunk continues."""
     if chunk <= 0 or seq_len <= 0:
         raise KvjaxError(f"seq_len {seq_len} and chunk {chunk} must be positive")
-    layouts = [(start, prefill_layout(min(start + chunk, seq_len), block_size, start)[0])
+    hybrid = "mamba" in layer_types
+    state = cdiv(seq_len, block_size) + 1 if hybrid else None
+    layouts = [(start, prefill_layout(min(start + chunk, seq_len), block_size, start, layer_types, state)[0])
                for start in range(0, seq_len, chunk)]
-    return layouts, cdiv(seq_len, block_size) + 1
+    return layouts, cdiv(seq_len, block_size) + 1 + hybrid
 
 
 class ChunkedScorer:
@@ -129,7 +154,7 @@ class ChunkedScorer:
             raise KvjaxError(f"windows of {seq_len} tokens exceed the model's max_position_embeddings "
                              f"{llm.config.max_position_embeddings}")
         self.llm, self.seq_len = llm, seq_len
-        self.layouts, self.num_blocks = chunk_layouts(seq_len, chunk, llm.block_size)
+        self.layouts, self.num_blocks = chunk_layouts(seq_len, chunk, llm.block_size, llm.config.layer_types)
 
     def chunks(self, window) -> Iterator[tuple[int, jax.Array]]:
         """(start, log-probs f32[T, V], T = the chunk) of window i32[S] (S = seq_len), chunk after chunk."""
@@ -137,7 +162,7 @@ class ChunkedScorer:
         if window.shape != (self.seq_len,):
             raise ValueError(f"a window must be i32[{self.seq_len}], got {window.shape}")
         llm = self.llm
-        cache = PagedCache.create(llm.kv_spec, self.num_blocks, llm.block_size, llm.scales)
+        cache = empty_cache(llm.config, llm.kv_spec, self.num_blocks, llm.block_size, llm.scales)
         for start, md in self.layouts:
             n = md.num_tokens
             logp, cache = _chunk_logprobs(llm.model.module, llm.model.params,

@@ -29,6 +29,8 @@ def cache_amax(caches) -> tuple[list, list]:
     """
     amax_k, amax_v = [], []
     for layer in caches.layers:
+        if hasattr(layer, "ssm"):  # a Mamba layer's state (kvjax.worker.mamba_state): no K/V to scale
+            continue
         if hasattr(layer, "latent"):
             lat = jnp.abs(layer.latent[:, 1:].astype(jnp.float32))  # [B, P-1, Z, C]
             amax_k.append(jnp.max(lat, axis=(0, 1, 2)))
@@ -50,6 +52,8 @@ def channel_amax(config, model, params, token_windows, block_size: int = 16, bat
         caches = prefill_caches(model, params, jnp.asarray(token_windows[i:i + batch]), spec, block_size)
         k, v = [], []
         for layer in caches.layers:
+            if hasattr(layer, "ssm"):  # a Mamba layer's state: no K/V
+                continue
             if hasattr(layer, "latent"):
                 k.append(np.max(np.abs(np.asarray(layer.latent[:, 1:], np.float32)), axis=(0, 1, 2))[None])
                 v.append(None)

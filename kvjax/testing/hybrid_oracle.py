@@ -7,6 +7,10 @@ index 0), and the steps of vLLM's `KVCacheManager.allocate_slots` in its order:
 it (full groups left to right, then the sliding groups right to left within that length); `free`
 group by group. Only the block hash is shared with the library (`block_hash_np`).
 
+A Mamba group (windows entry "mamba": vLLM's MambaManager with mamba_cache_mode "none", prefix caching
+off) runs the same steps with its own block size, max_model_len (here the most tokens a request may
+hold), and MambaManager's skipped tokens, computed − 1.
+
 `HybridOracle` speaks in request names and whole ops (add / append / free / reset_prefix_cache)
 and returns one `kvjax replay` line of a grouped trace, so tests compare the two line for line.
 """
@@ -37,6 +41,9 @@ class HybridOracle:
         self.num_blocks, self.block_size, self.windows = num_blocks, block_size, list(windows)
         self.prefix_caching = prefix_caching
         self.max_blocks = num_blocks - 1 if max_blocks_per_request is None else max_blocks_per_request
+        assert not (prefix_caching and "mamba" in self.windows), "Mamba prefix caching requires mamba_cache_mode='align'"
+        # each group's block size: a Mamba group's is max_model_len (MambaSpec.block_size in mode "none")
+        self.sizes = [self.max_blocks * block_size if w == "mamba" else block_size for w in self.windows]
         self.ref_cnt = [0] * num_blocks
         self.block_key: list[tuple | None] = [None] * num_blocks  # (hash, group) a block is cached under
         self.cached: dict[tuple, list[int]] = {}  # (hash, group) -> blocks, oldest first
@@ -90,11 +97,13 @@ class HybridOracle:
     # ------------------------------------------------------------------ single-type managers
     def skipped_tokens(self, g: int, computed: int) -> int:
         w = self.windows[g]
+        if w == "mamba":  # MambaManager.get_num_skipped_tokens
+            return max(0, computed - 1)
         return 0 if w is None else max(0, computed - w + 1)
 
     def remove_skipped_blocks(self, req: _Request, computed: int) -> None:
         for g, table in enumerate(req.tables):
-            n = min(self.skipped_tokens(g, computed) // self.block_size, len(table))
+            n = min(self.skipped_tokens(g, computed) // self.sizes[g], len(table))
             freed = []
             for i in range(n - 1, -1, -1):
                 if table[i] == 0:
@@ -145,7 +154,7 @@ class HybridOracle:
         return [hits[g] for g in range(len(self.windows))], length
 
     def num_blocks_to_allocate(self, req: _Request, g: int, num_tokens: int, hits: list[int], total: int) -> int:
-        z, table = self.block_size, req.tables[g]
+        z, table = self.sizes[g], req.tables[g]
         required = _cdiv(num_tokens, z)
         if req.num_cached is not None:
             return max(required - len(table), 0)
@@ -170,7 +179,7 @@ class HybridOracle:
         if req.num_cached is None:  # add_local_computed_blocks, group by group
             req.num_cached = []
             for g in groups:
-                skipped = self.skipped_tokens(g, total) // z
+                skipped = self.skipped_tokens(g, total) // self.sizes[g]
                 rest = hits[g][skipped:]
                 if self.prefix_caching:
                     self.touch(rest)
@@ -178,7 +187,7 @@ class HybridOracle:
                 req.num_cached.append(len(req.tables[g]))
         new = []
         for g in groups:
-            got = self.get_new_blocks(max(_cdiv(need_tokens, z) - len(req.tables[g]), 0))
+            got = self.get_new_blocks(max(_cdiv(need_tokens, self.sizes[g]) - len(req.tables[g]), 0))
             req.tables[g] += got
             new.append(got)
         req.num_computed = need_tokens

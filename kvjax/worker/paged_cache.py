@@ -45,6 +45,8 @@ formula: ... quantization scales").
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -81,6 +83,9 @@ class LatentPages:
     scale: jax.Array | None = None  # fp8: f32[C] per channel; int8_per_token_head: f32[P, Z]; else None
     nonfinite: jax.Array | None = None  # i32[]
     kv_dtype: str | None = struct.field(pytree_node=False, default=None)  # its kvjax.quant.kv_formats name
+    # decode context parallelism: the mesh whose "dcp" axis splits the token axis Z (kvjax.worker.dcp_pages: which
+    # rank holds which token); None: every rank holds every token
+    dcp_mesh: Any = struct.field(pytree_node=False, default=None)
 
 
 LayerPages = KVPages | LatentPages
@@ -263,6 +268,8 @@ def _check_scales(spec: KVSpec, scales: quant.KVScales | None) -> None:
 
 
 def _scales(layer: LayerPages) -> list[jax.Array]:
+    if not isinstance(layer, (KVPages, LatentPages)):  # a Mamba layer's state (kvjax.worker.mamba_state): no scales
+        return []
     found = [layer.k_scale, layer.v_scale] if isinstance(layer, KVPages) else [layer.scale]
     return [a for a in found if a is not None]
 
@@ -271,6 +278,8 @@ def _per_slot_arrays(cache: "PagedCache") -> list[jax.Array]:
     """Arrays with a value per token slot: pages, and per-token scale pages."""
     out = []
     for layer in cache.layers:
+        if not isinstance(layer, (KVPages, LatentPages)):  # a Mamba state: one per block, not per token slot
+            continue
         out += [layer.k, layer.v] if isinstance(layer, KVPages) else [layer.latent]
         out += [a for a in _scales(layer) if a.ndim >= 2]
     return out
@@ -337,7 +346,12 @@ def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 
 
 def write_latent(pages: LatentPages, latent: jax.Array, slot_mapping: jax.Array) -> LatentPages:
-    """latent: [T, C] (c_kv then rope key); slot_mapping: i32[T]."""
+    """latent: [T, C] (c_kv then rope key); slot_mapping: i32[T]. Pages split by token over a DCP mesh write on
+    each rank the tokens it holds (kvjax.worker.dcp_pages)."""
+    if pages.dcp_mesh is not None:
+        from kvjax.worker.dcp_pages import write_latent_dcp
+
+        return write_latent_dcp(pages, latent, slot_mapping, write_latent)
     page, scale, bad = _encode(pages.latent, pages.scale, latent, slot_mapping, pages.kv_dtype)
     return pages.replace(latent=page, scale=scale, nonfinite=None if pages.nonfinite is None else pages.nonfinite + bad)
 

@@ -70,6 +70,7 @@ from kvjax.utils.checks import check_int
 from kvjax.worker.paged_cache import LatentPages, PagedCache
 
 AXIS = "tp"
+DCP_AXIS = "dcp"  # decode context parallelism: the minor axis of a 2-D mesh (tp / dcp, dcp); TP splits over both
 
 # Parameter module names (Hugging Face's, which the Flax trees keep) → the axis of the kernel
 # [in, out] that is split. Biases of column-parallel layers split with their output axis;
@@ -91,8 +92,11 @@ class ShardingError(KvjaxError):
     """A tensor-parallel size or a tensor that cannot be split as asked; the message names it."""
 
 
-def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A one-axis mesh ("tp") over the first `tp` devices (or the ones given).
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None, dcp: int = 1) -> Mesh:
+    """A one-axis mesh ("tp") over the first `tp` devices (or the ones given); with decode context parallelism
+    (dcp > 1, dividing tp) the same devices as a (tp / dcp, dcp) mesh ("tp", "dcp"): the tensor-parallel split
+    runs over both axes (`tp_axes`), device i·dcp + j holding shard i·dcp + j as in the one-axis mesh, and MLA's
+    latent pages split by token over "dcp" (vLLM: DCP reuses the TP ranks, consecutive ranks one DCP group).
 
     Auto axis types: shardings are hints the partitioner propagates through the unchanged
     model code (JAX's default for `jax.make_mesh` is now Explicit, which would require every
@@ -104,7 +108,29 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
         hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
                 if available and available[0].platform == "cpu" else "")
         raise ShardingError(f"tp {tp} needs {tp} devices, {len(available)} available{hint}")
-    return Mesh(np.array(available[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+    if dcp == 1:
+        return Mesh(np.array(available[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+    check_int(dcp, "dcp", 1, tp, ShardingError)
+    if tp % dcp:
+        raise ShardingError(f"tp_size={tp} must be divisible by dcp_size={dcp}.")
+    return Mesh(np.array(available[:tp]).reshape(tp // dcp, dcp), (AXIS, DCP_AXIS),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def tp_axes(mesh: Mesh):
+    """The mesh axes the tensor-parallel split runs over: "tp", or ("tp", "dcp") on a DCP mesh."""
+    return (AXIS, DCP_AXIS) if DCP_AXIS in mesh.axis_names else AXIS
+
+
+def tp_size(mesh: Mesh) -> int:
+    """Ranks of the tensor-parallel split (every device of a DCP mesh)."""
+    return math.prod(mesh.shape[a] for a in mesh.axis_names if a in (AXIS, DCP_AXIS))
+
+
+def on_mesh(spec: P, mesh: Mesh) -> P:
+    """spec with its "tp" entries split over `tp_axes(mesh)` (the identity on a one-axis mesh)."""
+    axes = tp_axes(mesh)
+    return spec if axes == AXIS else P(*(axes if entry == AXIS else entry for entry in spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +207,7 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
     Raises ShardingError naming the first tensor whose split axis tp does not divide.
     """
-    tp = mesh.shape[AXIS]
+    tp = tp_size(mesh)
 
     def one(path, leaf):
         spec = param_partition(path, len(leaf.shape))
@@ -189,7 +215,7 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
             if name == AXIS and leaf.shape[axis] % tp:
                 raise ShardingError(f"parameter {'/'.join(_keys(path))} {tuple(leaf.shape)}: axis {axis} "
                                     f"({leaf.shape[axis]}) does not split over tp {tp}")
-        return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, on_mesh(spec, mesh))
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -277,8 +303,19 @@ def replicate_scales(scales, layout: TPLayout):
 
 
 def shard_params(params: Any, mesh: Mesh) -> Any:
-    """Place `params` on the mesh by the rules above (a copy; drop the unsharded tree after)."""
-    return jax.device_put(params, param_shardings(params, mesh))
+    """Place `params` on the mesh by the rules above (a copy; drop the unsharded tree after).
+
+    A mesh over several processes (kvjax.distributed.runtime): every process holds the same host weights and
+    builds only its own devices' shards from them (jax.make_array_from_callback), where device_put would first
+    all-gather every tensor to check that the processes agree."""
+    shardings = param_shardings(params, mesh)
+    if mesh.is_multi_process:
+        return jax.tree.map(lambda a, s: _from_host(np.asarray(a), s), params, shardings)
+    return jax.device_put(params, shardings)
+
+
+def _from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,9 +325,11 @@ def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
     """A PagedCache-shaped pytree of NamedShardings (`cache` may hold ShapeDtypeStructs).
 
     KVPages: pages [P, Z, K, H] and int8 scale pages [P, Z, K] split on K, static fp8 scales
-    f32[K] split on K; LatentPages replicated; the non-finite counters replicated.
+    f32[K] split on K; LatentPages replicated, or on a DCP mesh their pages [P, Zv, C] (and per-token scale
+    pages [P, Zv]) split on the token axis over "dcp" (kvjax.attention.dcp: which rank holds which token);
+    the non-finite counters replicated.
     """
-    tp = mesh.shape[AXIS]
+    tp = tp_size(mesh)
     whole = NamedSharding(mesh, P())
 
     def heads(a):
@@ -302,9 +341,12 @@ def cache_shardings(cache: PagedCache, mesh: Mesh) -> PagedCache:
                                 "build the cache from TPLayout.cache_spec")
         spec = [None] * a.ndim
         spec[axis] = AXIS
-        return NamedSharding(mesh, P(*spec))
+        return NamedSharding(mesh, on_mesh(P(*spec), mesh))
 
-    return cache.replace(layers=tuple(jax.tree.map(lambda a: whole if isinstance(layer, LatentPages) else heads(a),
+    def latent(a):  # token axis 1 of pages [P, Zv, C] and scale pages [P, Zv]; the static f32[C] scale whole
+        return NamedSharding(mesh, P(None, DCP_AXIS)) if DCP_AXIS in mesh.axis_names and a.ndim >= 2 else whole
+
+    return cache.replace(layers=tuple(jax.tree.map(lambda a: latent(a) if isinstance(layer, LatentPages) else heads(a),
                                                    layer) for layer in cache.layers))
 
 
@@ -316,11 +358,24 @@ def cache_maker(layout: TPLayout, num_blocks: int, block_size: int, scales=None,
     return lambda: PagedCache.create(spec, num_blocks, block_size, scales, layer_slots)
 
 
-def create_cache(layout: TPLayout, num_blocks: int, block_size: int, mesh: Mesh, scales=None) -> PagedCache:
+def create_cache(layout: TPLayout, num_blocks: int, block_size: int, mesh: Mesh, scales=None,
+                 dcp: int = 1) -> PagedCache:
     """Zeroed paged cache for `layout.cache_spec`, created directly in its shards (no full copy
-    on one device)."""
+    on one device). dcp > 1: MLA latent pages marked for decode context parallelism (LatentPages.dcp; the
+    mesh must be make_mesh(..., dcp=dcp)'s), each rank holding block_size / dcp tokens of every block."""
     make = cache_maker(layout, num_blocks, block_size, scales)
+    if dcp > 1:
+        if mesh.shape.get(DCP_AXIS) != dcp:
+            raise ShardingError(f"a cache split over dcp {dcp} needs make_mesh(..., dcp={dcp})'s mesh, got {mesh.shape}")
+        plain = make
+        make = lambda: mark_dcp(plain(), mesh)  # noqa: E731
     return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), mesh))()
+
+
+def mark_dcp(cache: PagedCache, mesh: Mesh) -> PagedCache:
+    """The cache with every latent layer split by token over `mesh`'s "dcp" axis (LatentPages.dcp_mesh)."""
+    return cache.replace(layers=tuple(layer.replace(dcp_mesh=mesh) if isinstance(layer, LatentPages) else layer
+                                      for layer in cache.layers))
 
 
 def replicated(mesh: Mesh, tree: Any) -> Any:

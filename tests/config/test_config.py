@@ -37,7 +37,9 @@ def test_preset_registry():
     assert list(PRESETS) == ["tiny", "tiny-mha", "tiny-mqa", "tiny-mla", "tiny-moe", "tiny-moe-mla", "tiny-long",
                              "llama-2-7b", "llama-3-8b", "llama-3-70b", "smollm2-135m", "deepseek-v3", "gemma-3-27b",
                              "gemma-3-270m", "gemma-2-9b", "gpt-oss-20b", "gpt-oss-120b", "mistral-7b-v0.1",
-                             "deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-gpt-oss"]
+                             "deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-gpt-oss", "granite-4.0-h-tiny",
+                             "granite-4.0-h-small", "nemotron-h-8b", "bamba-9b", "falcon-h1-0.5b", "jamba-v0.1",
+                             "tiny-bamba"]
     assert preset("Llama-3-8B") is preset("llama-3-8b")
     assert [preset(n).title for n in (*PUBLISHED_PARAMS, "deepseek-v3")] == ["Llama-2-7B", "Llama-3-8B", "Llama-3-70B",
                                                                             "DeepSeek-V3"]

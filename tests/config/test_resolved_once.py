@@ -16,8 +16,8 @@ import kvjax.engine.arg_utils as arg_utils
 from kvjax.config import engine as config_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESOLVERS = ("resolve_kv_spec", "resolve_attention_backend", "resolve_kv_cache_groups", "resolve_max_model_len",
-             "resolve_step_budget", "resolve_num_blocks")
+RESOLVERS = ("resolve_kv_spec", "resolve_attention_backend", "resolve_block_size", "resolve_kv_cache_groups",
+             "resolve_max_model_len", "resolve_step_budget", "resolve_num_blocks")
 # What the resolvers derive from, below them: nothing in the engine's layers may call these again.
 DERIVATIONS = set(RESOLVERS) | {"resolve_kv_dtype", "kv_cache_groups", "pool_limits", "default_impl", "kv_spec",
                                 "with_num_blocks", "create_engine_config", "step_budget", "model_len"}

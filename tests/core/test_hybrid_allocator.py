@@ -135,7 +135,7 @@ def test_trace_without_groups_prints_what_it_did():
 
 
 @pytest.mark.parametrize("groups, match", [
-    ([], "list of 1 to 64"), ([{"type": "mamba"}], "group 0 must be"),
+    ([], "list of 1 to 64"), ([{"type": "ssm"}], "group 0 must be"), ([{"type": "mamba"}], "mamba_cache_mode"),
     ([{"type": "sliding_window"}], "group 0 must be"), ([{"type": "sliding_window", "sliding_window": 0}], ">= 1"),
     ([{"type": "sliding_window", "sliding_window": 4}, {"type": "sliding_window", "sliding_window": 8}],
      r"different sliding windows \[4, 8\]")])

@@ -28,8 +28,20 @@ class FirstBlocks:
         self.pending: set[Request] = set()  # requests whose first block is not full yet
 
     def _bit(self, req: Request) -> tuple[int, int]:
-        k = hash((req.salt, *req.token_range(0, self.block_size))) & (BITS - 1)
+        return self._bit_of(req.salt, req.token_range(0, self.block_size))
+
+    def _bit_of(self, salt, first_block) -> tuple[int, int]:
+        k = hash((salt, *first_block)) & (BITS - 1)
         return k >> 3, 1 << (k & 7)
+
+    def may_hold(self, prompt, salt: str | None = None) -> bool:
+        """Whether a prompt's first block may be in this pool (an earlier request had it): the data-parallel
+        router's question to each replica (kvjax.engine.data_parallel); False for a prompt shorter than a block.
+        A plain read of the record, safe from another thread (a stale answer routes worse, never wrongly)."""
+        if len(prompt) < self.block_size:
+            return False
+        byte, bit = self._bit_of(salt, tuple(int(t) for t in prompt[:self.block_size]))
+        return bool(self.bits[byte] & bit)
 
     def may_hit(self, req: Request) -> bool:
         """False when req cannot hit the prefix cache: no earlier request had its first block, or it
