@@ -161,6 +161,7 @@ def _served(monkeypatch, argv: list[str], client) -> object:
     return got[0]
 
 
+@pytest.mark.slow  # two gpt-oss engines of 128 rows; the bench serve test below starts the same server by default
 def test_serve_with_128_rows_starts_within_the_cpus_kv_budget(small_machine, checkpoints, monkeypatch):
     from serving import http
 

@@ -29,7 +29,8 @@ two 4,500-byte prompts, 100 tokens each; prefix_caching_offline: three LLMs; res
 1,900-byte prompts and 128-token samples, preempted once; beam search: 50 steps), simple_profiling
 (a trace of the whole call; run_one_batch in the fast set traces too), and those that compile
 programs of their own that the fast set does not share (the chat examples, fp8 pages, the
-streaming example's reference run). The fast set: basic, generate, llm_engine_example, metrics, trace replay,
+streaming example's reference run, trace replay: transformers' teacher-forced log-probabilities;
+tests/engine/test_trace_replay.py checks replay in the fast set). The fast set: basic, generate, llm_engine_example, metrics,
 run_one_batch with a decode profile, the two LLM.generate snippets and the skip-layers snippet
 (on small-gqa, then on a tiny Gemma-3 with sliding windows: refused in one line with hybrid
 groups, run with them off).
@@ -394,6 +395,7 @@ def test_metrics(run, recorder):
     assert "vllm:cache_config_info (gauge) = 1.0\n" in out
 
 
+@pytest.mark.slow
 def test_trace_replay(run, recorder, hf_small):
     # examples/generate/trace_replay_offline.py: a greedy run's 8 tokens replayed (enable_trace_replay,
     # trace_decode_token_ids); the replay's per-token log-probabilities and ranks are transformers' teacher-forced

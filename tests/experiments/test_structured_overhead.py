@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvjax.experiments import structured_overhead
 
 
+@pytest.mark.slow  # a whole experiment (five variants compiled); tests/engine/test_structured_output.py checks the same
 def test_tiny_run_writes_its_table(tmp_path):
     structured_overhead.main(["--batch", "2", "--prompt", "8", "--new", "12", "--steps-per-call", "4",
                               "--rounds", "1", "--out", str(tmp_path)])
