@@ -64,12 +64,11 @@ def _family(kind: str, q, pages, block_tables, *, group: int, kv_dtype=None, bat
 
     return choose(kind, q.dtype, pages.dtype, head_dim=q.shape[-1], block_size=pages.shape[1], group=group,
                   batch=q.shape[0] if batch is None else batch, context=block_tables.shape[1] * pages.shape[1],
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype, num_kv_heads=pages.shape[2] if pages.ndim == 4 else None)
 
 
 def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None,
-                   window=None, sinks=None, softcap=None, kv_dtype=None):
-    _static_scale_only(kv_dtype)
+                   window=None, sinks=None, softcap=None, kv_dtype=None):  # both decode kernels read per-token scales
     if _family("gqa", q, k_pages, block_tables, group=q.shape[1] // k_pages.shape[2], kv_dtype=kv_dtype) == "mosaic":
         from kvjax.attention.mgpu_decode import paged_decode
     else:
@@ -152,6 +151,10 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, pages: LatentPag
     """q_latent: [T, N, kv_lora_rank]; q_rope: [T, N, rope]; pages.latent: [P, Z, C] (or contiguous
     rows [B, S, C]) → [T, N, kv_lora_rank]."""
     fns = get_impl(impl)
+    if isinstance(pages, LatentPages) and pages.dcp_mesh is not None:  # split by token over ranks: kvjax.attention.dcp
+        from kvjax.attention.dcp import mla_dcp_attention
+
+        return mla_dcp_attention(q_latent, q_rope, pages, md, scale=scale)
     if isinstance(pages, ContiguousLatent):
         if md.decode:
             return ref.mla_contiguous_decode_reference(q_latent, q_rope, pages.latent, md.context_lens, scale=scale)

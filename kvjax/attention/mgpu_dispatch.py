@@ -8,8 +8,9 @@ experiments/kernel_bench.py times both on the GPU's shapes and writes `mgpu_tabl
 measured shapes → winner) for the lead to commit beside this module. `choose` reads it:
 
 1. Mosaic GPU only where it can run: a CUDA device of compute capability 9.x, and a shape and
-   format its kernels take (`eligible`: bf16 / f16 queries, pages of q's dtype or static-scale
-   fp8, pages of a multiple of 8 tokens, ...). Everything else is Triton, as before.
+   format its kernels take (`eligible`: bf16 / f16 queries, pages of q's dtype, static-scale
+   fp8 or (GQA decode) nvfp4 and per-token-head pages, pages of a multiple of 8 tokens, ...).
+   Everything else is Triton, as before.
 2. Among the measured shapes of the same kind, dtypes and head layout on this device kind, the
    nearest in (log batch, log context) decides; a shape with no measured neighbour gets Triton
    (the default until a GPU run has measured it).
@@ -41,13 +42,26 @@ def device_kind() -> str | None:
 
 
 def eligible(kind: str, q_dtype, page_dtype, *, head_dim: int, block_size: int, group: int = 1,
-             kv_dtype: str | None = None) -> bool:
+             kv_dtype: str | None = None, num_kv_heads: int | None = None) -> bool:
     """Whether the Mosaic GPU kernel of `kind` ("gqa", "mla" decode; "ragged") takes this shape (their
-    ValueError rules). MLA's ragged steps have no Mosaic GPU kernel: they are not a kind here."""
+    ValueError rules). MLA's ragged steps have no Mosaic GPU kernel: they are not a kind here.
+    nvfp4 and per-token-head pages: GQA decode only, which needs num_kv_heads (both read boxes
+    spanning every kv head's bytes or scales)."""
     from kvjax.attention.mgpu_decode import FP8_DTYPES, Q_DTYPES
+    from kvjax.attention.mgpu_nvfp4 import MAX_HEAD_DIM
     from kvjax.quant.kv_formats import kv_format
 
-    if kv_dtype is not None and kv_format(kv_dtype).scale not in ("none", "static"):
+    scale = "none" if kv_dtype is None else kv_format(kv_dtype).scale
+    if scale == "per_block":  # nvfp4's packed pages (mgpu_nvfp4.check_pages' rules)
+        return (kind == "gqa" and num_kv_heads is not None and jnp.dtype(q_dtype) in Q_DTYPES
+                and jnp.dtype(page_dtype) == jnp.dtype(jnp.uint8) and block_size % 8 == 0 and head_dim % 16 == 0
+                and 64 <= head_dim <= MAX_HEAD_DIM and group <= 64
+                and (num_kv_heads * (head_dim // 2 + head_dim // 16)) % 16 == 0)
+    if scale == "per_token":  # mgpu_decode's check_shapes: a page's [Z, K] scales fill WGMMA columns
+        return (kind == "gqa" and num_kv_heads is not None and num_kv_heads % 8 == 0
+                and jnp.dtype(q_dtype) in Q_DTYPES and jnp.dtype(page_dtype) == jnp.dtype(kv_format(kv_dtype).dtype)
+                and block_size % 8 == 0 and head_dim % 16 == 0 and group <= 64)
+    if scale not in ("none", "static"):
         return False
     q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
     if q_dtype not in Q_DTYPES or page_dtype not in (q_dtype, *FP8_DTYPES) or block_size % 8:
@@ -85,12 +99,13 @@ def measured_table() -> dict:
 
 
 def choose(kind: str, q_dtype, page_dtype, *, head_dim: int, block_size: int, group: int, batch: int,
-           context: int, kv_dtype: str | None = None, table: dict | None = None, device: str | None = None) -> str:
+           context: int, kv_dtype: str | None = None, table: dict | None = None, device: str | None = None,
+           num_kv_heads: int | None = None) -> str:
     """"mosaic" or "triton" for one step's kernel (module docstring). device: the device kind
     (None: this process's, when it is a Hopper GPU); table: None → `measured_table()`."""
     device = device_kind() if device is None else device
     if device is None or not eligible(kind, q_dtype, page_dtype, head_dim=head_dim, block_size=block_size,
-                                      group=group, kv_dtype=kv_dtype):
+                                      group=group, kv_dtype=kv_dtype, num_kv_heads=num_kv_heads):
         return "triton"
     forced = os.environ.get(_ENV, "table").strip().lower()
     if forced in FAMILIES:

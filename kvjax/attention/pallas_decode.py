@@ -21,6 +21,10 @@ Numerics:
   value is a bf16 value). A per-tensor scale is the same number for every head.
 - nvfp4 pages (uint8 [P, Z, K, H/2 + H/16], kvjax.quant.nvfp4) go to kvjax.attention.pallas_nvfp4's
   kernel, this one with the values and block scales loaded as two blocks and unpacked in the kernel.
+- Per-token-head pages (int8_per_token_head, fp8_per_token_head: a scale per token and kv head,
+  scale pages f32 [P, Z, K]) load each step's scales beside its pages: K's multiply the f32
+  logits column by column (exact), V's multiply V's rows in f32 before the one rounding to the
+  dot dtype (int8 and e4m3 values are exact in bf16; their product with a scale is not).
 - Dots run in q's dtype when every page value is exact in it (bf16/f16 q with same-dtype or
   fp8 pages), else in f32 with Precision.HIGHEST (Triton's default f32 dot is TF32); both
   accumulate in f32. Probabilities are cast to the dot dtype for the P·V product, as
@@ -64,8 +68,8 @@ from kvjax.quant import nvfp4
 from kvjax.quant.kv_formats import kv_format, kv_formats
 
 # From kvjax.quant.kv_formats's table: the kernels read unscaled pages, pages with a static
-# scale (fp8) and nvfp4's packed uint8 pages, not per-token scales (int8_per_token_head); q comes
-# in an unscaled (model) dtype.
+# scale (fp8) and nvfp4's packed uint8 pages (PAGE_DTYPES), and per-token-head pages (int8 / e4m3
+# with f32 [P, Z, K] scale pages, named by their kv_dtype); q comes in an unscaled (model) dtype.
 FP8_DTYPES = tuple(f.dtype for f in kv_formats("static"))  # float8_e4m3fn, float8_e5m2
 NVFP4_DTYPE = jnp.dtype(jnp.uint8)
 PAGE_DTYPES = tuple(f.dtype for f in kv_formats("none", "static", "per_block"))
@@ -82,11 +86,12 @@ def _gqa_kernel(
     v_ref,  # [P, Z, H]: this kv head's V pages
     k_scale_ref,  # f32[1]: K dequant scale of this kv head
     v_scale_ref,  # f32[1]: V dequant scale of this kv head
-    o_ref,  # f32[block_h, H]: this split's normalized output
-    lse_ref,  # f32[block_h]: this split's logsumexp (-inf when it saw no token)
-    *, sm_scale: float, pages_per_block: int, pages_per_split: int, max_blocks: int, window: int | None,
-    softcap: float | None, compute_dtype, precision,
+    *refs,  # per_token: ks_ref, vs_ref f32[P, Z] (this kv head's scale pages); then o_ref, lse_ref
+    sm_scale: float, pages_per_block: int, pages_per_split: int, max_blocks: int, window: int | None,
+    softcap: float | None, compute_dtype, precision, per_token: bool = False,
 ):
+    ks_ref, vs_ref, o_ref, lse_ref = refs if per_token else (None, None, *refs)
+    # o_ref f32[block_h, H]: this split's normalized output; lse_ref f32[block_h]: its logsumexp (-inf: no token)
     block_h, head_dim = q_ref.shape
     block_size, block_k, length, first_page, n_pages, n_steps = program_split(
         lens_ref, k_ref, pages_per_block=pages_per_block, pages_per_split=pages_per_split, max_blocks=max_blocks,
@@ -99,9 +104,13 @@ def _gqa_kernel(
         pages, pos = step_pages(tables_ref, step, n_pages, first_page, block_size, pages_per_block)
         valid = in_view(pos, length, window)  # bool[block_k]
         k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
-        v = v_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
-        v = jnp.where(valid[:, None], v, 0)  # garbage slots must not meet a zero weight
+        v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, H]
+        if per_token:  # V rows × their token's scale, rounded once to the dot dtype; K's scale on the logits
+            v = v.astype(jnp.float32) * vs_ref[pages].reshape(block_k)[:, None]
+        v = jnp.where(valid[:, None], v.astype(compute_dtype), 0)  # garbage slots must not meet a zero weight
         logits = dot_f32(q, k, contract_b=1, precision=precision) * logit_scale  # f32[block_h, block_k]
+        if per_token:
+            logits = logits * ks_ref[pages].reshape(block_k)[None, :]  # NaN past the view: masked by a select
         if softcap is not None:  # Gemma 2: after the scales, before the mask
             logits = softcap * jnp.tanh(logits / softcap)
         return online_softmax_step(carry, logits, valid, v, compute_dtype, precision)
@@ -163,8 +172,8 @@ def merge_splits(o, lse, axis: int, sinks=None):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "tiles", "interpret", "packed"))
-def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks, *, scale, window, softcap,
-                  tiles, interpret, packed):
+def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks, token_scales, *, scale,
+                  window, softcap, tiles, interpret, packed):
     batch, num_heads, head_dim = q.shape  # [B, N, H]
     _, block_size, num_kv_heads, _ = k_pages.shape  # [P, Z, K, H]
     group = num_heads // num_kv_heads
@@ -177,7 +186,8 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
     compute_dtype = compute_dtype_for(q.dtype, k_pages.dtype)
     kernel = functools.partial(_gqa_kernel, sm_scale=scale, pages_per_block=tiles.pages_per_block,
                                pages_per_split=pages_per_split, max_blocks=block_tables.shape[1], window=window,
-                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype))
+                               softcap=softcap, compute_dtype=compute_dtype, precision=dot_precision(compute_dtype),
+                               **({} if token_scales is None else dict(per_token=True)))
     variant = ("" if window is None else f"_w{window}") + ("" if softcap is None else "_cap")
     head_scalar_spec = pl.BlockSpec((1,), lambda b, h, s: (h,))
     call = dict(grid=(batch, num_kv_heads, num_splits), interpret=interpret,
@@ -189,15 +199,17 @@ def _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
                                    block_h=block_h, head_scalar_spec=head_scalar_spec)
     else:
         page_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
+        token_spec = pl.BlockSpec((k_pages.shape[0], block_size, None), lambda b, h, s: (0, 0, h))  # [P, Z]
         o, lse = pl.pallas_call(
             kernel,
             in_specs=[
                 *split_inputs(tables.shape[1]),
                 pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
                 page_spec, page_spec, head_scalar_spec, head_scalar_spec,
+                *([token_spec, token_spec] if token_scales is not None else []),
             ],
             **split_outputs(batch, num_kv_heads, num_splits, block_h, head_dim), **call,
-        )(lens, tables, q4, k_pages, v_pages, k_scale, v_scale)
+        )(lens, tables, q4, k_pages, v_pages, k_scale, v_scale, *(token_scales or ()))
     if sinks is not None:  # [N] → [K, 1, block_h] (padded rows: no sink), once per query head
         sinks = jnp.pad(sinks.reshape(num_kv_heads, 1, group), ((0, 0), (0, 0), (0, block_h - group)),
                         constant_values=-jnp.inf)
@@ -244,6 +256,14 @@ def check_dtypes(q_dtype, page_dtype, q_name: str, page_name: str) -> None:
         raise ValueError(f"{page_name} dtype {page_dtype} unsupported; use one of {[str(d) for d in PAGE_DTYPES]}")
 
 
+def check_token_scales(name: str, value, shape: tuple):
+    """Per-token scale pages must be f32 [P, Z, K] (one per token and kv head); ValueError."""
+    if value is None or tuple(jnp.shape(value)) != shape or jnp.result_type(value) != jnp.float32:
+        got = None if value is None else f"{jnp.result_type(value)} {tuple(jnp.shape(value))}"
+        raise ValueError(f"per-token pages need {name} f32{list(shape)} (a scale per token and kv head); got {got}")
+    return value
+
+
 def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: float, k_scale=None, v_scale=None,
                  window: int | None = None, sinks=None, softcap: float | None = None,
                  tiles: DecodeTiles | None = None, interpret: bool | None = None,
@@ -251,13 +271,14 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
     """Decode attention of one query token per sequence over a paged K/V cache (Pallas kernel).
 
     q [B, N, H] (f32, bf16, f16; unscaled); k_pages, v_pages [P, Z, K, H] (f32, bf16, f16,
-    float8_e4m3fn, float8_e5m2; nvfp4: uint8 [P, Z, K, H/2 + H/16]); block_tables i32[B, M]
-    (entries past a sequence's last page are never read); context_lens i32[B] (0 <= len <= M × Z; 0 gives
-    a zero output); scale: softmax scale, applied in the kernel; k_scale, v_scale: None (1.0), a per-tensor
-    scalar or per-kv-head f32[K] dequant scales; window (int >= 1), sinks (f32[N]), softcap
-    (> 0): the layer's variants (module docstring), None for off; tiles: None → `default_tiles`
-    for the pages in view; interpret: None → True on CPU; kv_dtype: the pages' KV format (the
-    cache's pages carry it; "nvfp4" for the packed pages; None for pages read as they are).
+    float8_e4m3fn, float8_e5m2; per-token formats: int8 / e4m3; nvfp4: uint8 [P, Z, K, H/2 + H/16]);
+    block_tables i32[B, M] (entries past a sequence's last page are never read); context_lens i32[B]
+    (0 <= len <= M × Z; 0 gives a zero output); scale: softmax scale, applied in the kernel; k_scale,
+    v_scale: None (1.0), a per-tensor scalar or per-kv-head f32[K] dequant scales (per-token formats:
+    f32[P, Z, K] scale pages); window (int >= 1), sinks (f32[N]), softcap (> 0): the layer's variants
+    (module docstring), None for off; tiles: None → `default_tiles` for the pages in view; interpret:
+    None → True on CPU; kv_dtype: the pages' KV format (the cache's pages carry it; "nvfp4",
+    "int8_per_token_head", ...; None for pages read as they are).
     Returns [B, N, H] in q's dtype. Shapes and dtypes are checked here, outside jit; bad ones raise
     ValueError.
     """
@@ -270,7 +291,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
                          f" {tuple(k_pages.shape)} {k_pages.dtype}")
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, page_head_dim = k_pages.shape
-    packed = kv_dtype is not None and kv_format(kv_dtype).scale == "per_block"
+    kind = "none" if kv_dtype is None else kv_format(kv_dtype).scale
+    packed, token_scales = kind == "per_block", None
     if packed != (k_pages.dtype == NVFP4_DTYPE):
         raise ValueError(f"nvfp4 pages are uint8 and uint8 pages nvfp4's: kv_dtype {kv_dtype!r} with {k_pages.dtype} "
                          "pages")
@@ -282,7 +304,15 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
         raise ValueError(f"head dim of q ({head_dim}) must equal that of the pages ({page_head_dim})")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads N={num_heads} must be a multiple of kv heads K={num_kv_heads}")
-    check_dtypes(q.dtype, k_pages.dtype, "q", "k_pages")
+    if kind == "per_token":  # int8 / e4m3 pages with f32[P, Z, K] scale pages, read in the kernel
+        check_dtypes(q.dtype, q.dtype, "q", "k_pages")
+        if jnp.dtype(k_pages.dtype) != jnp.dtype(kv_format(kv_dtype).dtype):
+            raise ValueError(f"{kv_dtype} pages are {jnp.dtype(kv_format(kv_dtype).dtype)}, got {k_pages.dtype}")
+        token_scales = tuple(check_token_scales(name, x, tuple(k_pages.shape[:3]))
+                             for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
+        k_scale = v_scale = None
+    else:
+        check_dtypes(q.dtype, k_pages.dtype, "q", "k_pages")
     for name, n in (("head dim", head_dim), ("block size", block_size)):
         if not is_power_of_two(n):
             raise ValueError(f"{name} {n} must be a power of two (Triton tiles); use the reference path")
@@ -296,6 +326,6 @@ def paged_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: floa
         tiles = default_tiles(batch=batch, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                               block_size=block_size, max_blocks=view)
     tiles.check(block_size=block_size, rows=group)
-    return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks,
+    return _paged_decode(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, sinks, token_scales,
                          scale=float(scale), window=window, softcap=softcap, tiles=tiles,
                          interpret=resolve_interpret(interpret), packed=packed)

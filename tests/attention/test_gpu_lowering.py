@@ -27,7 +27,9 @@ from kvjax.models import build_model, init_params, preset
 from kvjax.worker.paged_cache import PagedCache
 
 S = jax.ShapeDtypeStruct
-FP8 = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "nvfp4": jnp.uint8}
+FP8 = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "nvfp4": jnp.uint8, "int8": jnp.int8,
+       "fp8-token": jnp.float8_e4m3fn}
+DECODE_FORMATS = {"nvfp4": "nvfp4", "int8": "int8_per_token_head", "fp8-token": "fp8_per_token_head"}  # else None
 
 
 def lower_for_cuda(fn, *args) -> str:
@@ -40,7 +42,7 @@ def triton_kernels(module: str) -> list[str]:
     return [re.search(r'name = "([^"]+)"', line).group(1) for line in calls]
 
 
-@pytest.mark.parametrize("kv", ["bf16", "e4m3", "e5m2", "nvfp4"])
+@pytest.mark.parametrize("kv", ["bf16", "e4m3", "e5m2", "nvfp4", "int8", "fp8-token"])
 @pytest.mark.parametrize("group,head_dim,block_size,splits", [
     (1, 64, 16, 1), (2, 128, 4, 4), (4, 128, 64, 1), (7, 64, 16, 4), (16, 128, 16, 1), (4, 128, 64, 4)])
 def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
@@ -49,11 +51,12 @@ def test_gqa_kernel_lowers_for_cuda(kv, group, head_dim, block_size, splits):
                                               block_size=block_size, max_blocks=max_blocks), num_splits=splits)
     width = head_dim // 2 + head_dim // 16 if kv == "nvfp4" else head_dim  # nvfp4: values, then block scales
     page = S((blocks, block_size, kv_heads, width), FP8[kv])
-    scale = None if kv == "bf16" else S((kv_heads,), jnp.float32)
+    per_token = kv in ("int8", "fp8-token")  # a scale per token and kv head
+    scale = None if kv == "bf16" else S((blocks, block_size, kv_heads) if per_token else (kv_heads,), jnp.float32)
 
     def fn(q, k, v, tables, lens, k_scale, v_scale):
         return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
-                            tiles=tiles, interpret=False, kv_dtype="nvfp4" if kv == "nvfp4" else None)
+                            tiles=tiles, interpret=False, kv_dtype=DECODE_FORMATS.get(kv))
 
     module = lower_for_cuda(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
                             S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scale, scale)

@@ -145,7 +145,7 @@ def _args(**override):
     ({}, dict(tiles=MosaicDecodeTiles(4, 1, 1)), "stages must be >= 2"),
     ({}, dict(tiles=MosaicDecodeTiles(4, 0)), "num_splits must be a positive int"),
     ({}, dict(tiles=MosaicDecodeTiles(16, 1, 8)), "bytes of shared memory"),
-    ({}, dict(kv_dtype="int8_per_token_head"), "static-scale pages"),
+    ({}, dict(kv_dtype="int8_per_token_head"), "int8_per_token_head pages are int8"),
 ])
 def test_bad_inputs(override, kwargs, match):
     with pytest.raises(ValueError, match=match):

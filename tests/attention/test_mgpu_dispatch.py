@@ -32,9 +32,16 @@ def test_only_what_the_mosaic_kernels_take(monkeypatch):
     base = dict(batch=32, context=8192, table=TABLE, device=H200)
     assert choose("gqa", BF16, BF16, **GQA, **base) == "mosaic"
     assert choose("gqa", BF16, E4M3, **GQA, kv_dtype="fp8_e4m3", **base) == "mosaic"
+    assert choose("gqa", BF16, jnp.uint8, **GQA, kv_dtype="nvfp4", num_kv_heads=8, **base) == "mosaic"
+    assert choose("gqa", BF16, jnp.int8, **GQA, kv_dtype="int8_per_token_head", num_kv_heads=8, **base) == "mosaic"
+    assert choose("ragged", BF16, jnp.int8, **GQA, kv_dtype="int8_per_token_head", num_kv_heads=8, **base) == "triton"
     for q, page, kw in [(jnp.float32, jnp.float32, {}),  # wgmma: no exact f32
-                        (BF16, jnp.uint8, dict(kv_dtype="nvfp4")),
-                        (BF16, jnp.int8, dict(kv_dtype="int8_per_token_head")),
+                        (BF16, jnp.uint8, dict(kv_dtype="nvfp4")),  # nvfp4 needs the kv heads (its TMA view)
+                        (BF16, jnp.uint8, dict(kv_dtype="nvfp4", num_kv_heads=1)),  # 72 bytes a row: no TMA tensor
+                        (BF16, jnp.uint8, dict(kv_dtype="nvfp4", num_kv_heads=8, head_dim=256)),  # SMEM
+                        (BF16, jnp.int8, dict(kv_dtype="int8_per_token_head")),  # needs the kv heads
+                        (BF16, jnp.int8, dict(kv_dtype="int8_per_token_head", num_kv_heads=4)),  # < 8 WGMMA columns
+                        (BF16, jnp.int8, dict(kv_dtype="int8_per_token_head", num_kv_heads=8, block_size=4)),
                         (BF16, BF16, dict(block_size=4))]:
         assert choose("gqa", q, page, **{**GQA, **kw}, **base) == "triton", (q, page, kw)
     monkeypatch.setattr(mgpu_dispatch, "device_kind", lambda: None)  # what a CPU or a pre-Hopper GPU reports

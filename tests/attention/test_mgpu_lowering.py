@@ -99,3 +99,47 @@ def test_ragged_prefill_lowers_for_cuda(monkeypatch, semantics, kv, group, head_
                            ragged_metadata(tokens, seqs, max_blocks, 128), scale, scale,
                            S((kv_heads * group,), jnp.float32))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("head_dim, kv_heads, block_size, ppb, splits, stages, window, softcap", [
+    (128, 2, 16, 4, 2, 2, 33, 30.0), (64, 4, 8, 16, 1, 3, None, None), (128, 8, 64, 1, 4, 2, None, None)])
+def test_nvfp4_decode_lowers_for_cuda(monkeypatch, semantics, head_dim, kv_heads, block_size, ppb, splits, stages,
+                                      window, softcap):
+    """nvfp4 pages (kvjax.attention.mgpu_nvfp4): two boxes per page and head from the [P, Z, K·W] view, the
+    nibbles decoded through padded SMEM, the block scales broadcast by a wgmma. The kernel pins Lane
+    semantics, so it lowers the same under either setting."""
+    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    batch, group, pages, max_blocks = 3, 4, 40, 12
+    page = S((pages, block_size, kv_heads, head_dim // 2 + head_dim // 16), jnp.uint8)
+
+    def fn(q, k, v, tables, lens):
+        return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=0.5, v_scale=2.0, window=window,
+                            softcap=softcap, kv_dtype="nvfp4", tiles=MosaicDecodeTiles(ppb, splits, stages),
+                            interpret=False)
+
+    calls = mosaic_kernels(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                           S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("fmt, head_dim, kv_heads, block_size, ppb, splits, stages, window, softcap", [
+    ("int8_per_token_head", 128, 8, 16, 8, 1, 2, None, None), ("fp8_per_token_head", 64, 8, 64, 1, 4, 3, 33, 30.0),
+    ("int8_per_token_head", 128, 16, 16, 4, 2, 2, None, 50.0)])
+def test_per_token_decode_lowers_for_cuda(monkeypatch, semantics, fmt, head_dim, kv_heads, block_size, ppb, splits,
+                                          stages, window, softcap):
+    """Per-token-head pages: [Z, K] scale boxes beside each page, each slot scaled row by row while widening."""
+    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    batch, group, pages, max_blocks = 3, 2, 40, 12
+    dtype = jnp.int8 if fmt.startswith("int8") else jnp.float8_e4m3fn
+    page, scales = S((pages, block_size, kv_heads, head_dim), dtype), S((pages, block_size, kv_heads), jnp.float32)
+
+    def fn(q, k, v, tables, lens, k_scale, v_scale):
+        return paged_decode(q, k, v, tables, lens, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                            window=window, softcap=softcap, kv_dtype=fmt, tiles=MosaicDecodeTiles(ppb, splits, stages),
+                            interpret=False)
+
+    calls = mosaic_kernels(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                           S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scales, scales)
+    assert len(calls) == 1
