@@ -65,7 +65,7 @@ class KVCacheGroups:
 
     windows: tuple = (None,)  # each group's sliding window (None: full attention; "mamba": a Mamba group)
     layer_groups: tuple = ()  # each layer's group
-    layer_slots: tuple = ()  # each layer's page tensor (with Mamba layers: each attention layer's)
+    layer_slots: tuple = ()  # each layer's page tensor (with Mamba layers: each decoder layer's, its state inside)
     # With Mamba layers (resolve_kv_cache_groups): one layer's state (kvjax.core.mamba_spec.MambaSpec) and one
     # block's bytes, the largest group's pages with every Mamba page padded to the attention page
     state: Any = None
@@ -234,18 +234,19 @@ def resolve_kv_spec(model_config, kv_cache_dtype: str, skip_layers=(), kv_skip_d
 def resolve_attention_backend(attention_backend: str | None, kv_spec, tensor_parallel_size: int) -> str:
     """The attention backend: the one named, checked against what the kernels take, or by
     default the platform's (kvjax.config.attention.default_impl: "pallas" on a GPU), but "reference" when
-    the pages carry per-token scales (the kernels read static scales only) or with tensor
-    parallelism (the kernels are not partitioned over a mesh)."""
+    MLA's latent pages carry per-token scales (the MLA kernels read static scales only; the GQA kernels read
+    per-token-head scales too) or with tensor parallelism (the kernels are not partitioned over a mesh)."""
     if attention_backend is not None and attention_backend not in backends.IMPLS:
         raise EngineError(f"attention_backend={attention_backend!r}: kvjax's backends are {', '.join(backends.IMPLS)}")
-    per_token = any(kv_spec.layer_dtype(i).scale == "per_token" for i in range(kv_spec.num_layers))
+    per_token = kv_spec.kind == "mla" and any(kv_spec.layer_dtype(i).scale == "per_token"
+                                               for i in range(kv_spec.num_layers))
     if attention_backend == "pallas":
         if tensor_parallel_size > 1:
             raise EngineError(f"attention_backend='pallas' with tensor_parallel_size={tensor_parallel_size}: the "
                               "Pallas kernels are not partitioned over a mesh; use 'reference'")
         if per_token:
-            raise EngineError(f"attention_backend='pallas' reads static scales only; {kv_spec.kv_dtype} pages "
-                              "carry per-token scales: use 'reference'")
+            raise EngineError(f"attention_backend='pallas': the MLA kernels read static scales only; "
+                              f"{kv_spec.kv_dtype} latent pages carry per-token scales: use 'reference'")
         return "pallas"
     if attention_backend == "reference":
         return "reference"
@@ -309,12 +310,11 @@ def _mamba_groups(model_config, kv_spec, block_size: int, *, hybrid: bool, kv_la
         groups = grouping.kv_cache_groups(kv_spec, windows, block_size, layer_ids=layer_ids, mamba_page=state.page_bytes)
     except grouping.HybridError as e:
         raise EngineError(str(e)) from None
-    attention = model_config.attention_layers
-    layer_groups, slots = [0] * model_config.num_layers, {}
+    layer_groups, slots = [0] * model_config.num_layers, [0] * model_config.num_layers
     for g, group in enumerate(groups):
         for j, layer in enumerate(group.layers):
             layer_groups[layer], slots[layer] = g, j
-    return KVCacheGroups(tuple(g.window for g in groups), tuple(layer_groups), tuple(slots[i] for i in attention),
+    return KVCacheGroups(tuple(g.window for g in groups), tuple(layer_groups), tuple(slots),
                          state=state, block_bytes=max(g.block_bytes for g in groups))
 
 

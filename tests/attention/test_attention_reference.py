@@ -12,6 +12,7 @@ import pytest
 
 from kvjax.attention import get_impl, mla_paged_attention, paged_attention
 from kvjax.config.attention import default_impl
+from kvjax.config.engine import EngineError
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import (mla_paged_attention_reference, mla_paged_decode_reference,
                                        paged_attention_reference, paged_decode_reference)
@@ -196,7 +197,11 @@ def test_default_impl_is_pallas_on_gpu_only(monkeypatch):
 
     config = preset("tiny")
     assert resolve_attention_backend(None, config.kv_spec("fp8_e4m3"), 1) == "pallas"
-    assert resolve_attention_backend(None, config.kv_spec("int8_per_token_head"), 1) == "reference"  # static scales only
+    assert resolve_attention_backend(None, config.kv_spec("int8_per_token_head"), 1) == "pallas"  # GQA kernels read them
+    mla = preset("tiny-mla").kv_spec("int8_per_token_head")
+    assert resolve_attention_backend(None, mla, 1) == "reference"  # the MLA kernels read static scales only
+    with pytest.raises(EngineError, match="MLA kernels read static scales only"):
+        resolve_attention_backend("pallas", mla, 1)
     assert resolve_attention_backend(None, config.kv_spec("fp8_e4m3"), 2) == "reference"  # not partitioned over a mesh
     assert build_model(preset("tiny")).attn_impl == "pallas"
     assert build_model(preset("tiny"), attn_impl="reference").attn_impl == "reference"

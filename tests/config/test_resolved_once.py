@@ -64,10 +64,14 @@ def test_each_resolver_is_defined_once_and_called_from_create_engine_config_only
                         callers.setdefault(call.func.id, set()).add(f"{os.path.relpath(path, ROOT)}:{node.name}")
     assert defined == {name: ["kvjax/config/engine.py"] for name in RESOLVERS}
     # kvjax memory sizes a cache without an engine (no pool, scheduler or backend to resolve): it takes the KV format
-    # and a given max_model_len's rule from the same resolvers rather than deriving them a second way
+    # and a given max_model_len's rule from the same resolvers rather than deriving them a second way; for an attention
+    # + Mamba hybrid also the grown block size and the groups (kvjax/commands/memory_mamba.py)
     memory = {"resolve_kv_spec", "resolve_max_model_len"}
+    mamba = {"resolve_block_size", "resolve_kv_cache_groups"}
     assert callers == {name: {"kvjax/engine/arg_utils.py:create_engine_config"}
-                       | ({"kvjax/commands/memory.py:__init__"} if name in memory else set()) for name in RESOLVERS}
+                       | ({"kvjax/commands/memory.py:__init__"} if name in memory else set())
+                       | ({"kvjax/commands/memory_mamba.py:resolve_pool"} if name in mamba else set())
+                       for name in RESOLVERS}
 
 
 def test_auto_means_the_models_dtype_in_one_function():

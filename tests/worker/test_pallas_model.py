@@ -2,7 +2,7 @@
 
 The Pallas kernels serve decode steps; prefill/ragged steps use the jnp reference in both
 impls, so after the same prefill every decode step's logits must agree to f32 accumulation
-error, for GQA and MLA, with bf16 and fp8 pages.
+error, for GQA and MLA, with bf16 and fp8 pages, and int8 pages with per-token-head scales (GQA).
 """
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ def _decode_logits(model, params, spec, prompts, steps, block_size=4):
     return np.stack([np.asarray(x) for x in out])
 
 
-@pytest.mark.parametrize("name, kv_dtype", [pytest.param("tiny", "fp32", marks=pytest.mark.slow), ("tiny", "fp8_e4m3"),
+@pytest.mark.parametrize("name, kv_dtype", [pytest.param("tiny", "fp32", marks=pytest.mark.slow), ("tiny", "fp8_e4m3"), ("tiny", "int8_per_token_head"),
                                             pytest.param("tiny-mla", "bf16", marks=pytest.mark.slow)])
 def test_pallas_decode_matches_reference(name, kv_dtype):
     cfg = preset(name)
