@@ -27,6 +27,7 @@ from kvjax.config.presets import PRESETS, preset
 from kvjax.models.deepseek import DeepseekForCausalLM
 from kvjax.models.gemma import GemmaForCausalLM
 from kvjax.core.kv_cache_groups import MAMBA
+from kvjax.core.mamba_spec import hybrid_block_size
 from kvjax.models.gpt_oss import GptOssForCausalLM
 from kvjax.models.hybrid import HybridForCausalLM, check_hybrid
 from kvjax.models.layers import GEMMA_TYPES, CausalLM, UnsupportedModelError, check_supported
@@ -121,9 +122,11 @@ def param_shapes(model: CausalLM):
 def _dummy_inputs(config: ModelConfig):
     if config.layer_types:  # a hybrid: one attention group (0) and one Mamba group (1), sharing block 1
         groups = tuple(int(t == "mamba") for t in config.layer_types)
-        md = build_metadata([0], [1], [[[1], [1]]], block_size=1, max_tokens=1, max_seqs=1, max_blocks_per_seq=1,
+        spec, state = config.kv_spec(), config.mamba.state_spec(config.dtype)
+        z = hybrid_block_size(spec.layer_bytes_per_token(0), state.page_bytes, 1)  # a page holds a state
+        md = build_metadata([0], [1], [[[1], [1]]], block_size=z, max_tokens=1, max_seqs=1, max_blocks_per_seq=1,
                             windows=(None, MAMBA), layer_groups=groups)
-        cache = create_hybrid_cache(config.kv_spec(), config.mamba.state_spec(config.dtype), config.layer_types, 2, 1)
+        cache = create_hybrid_cache(spec, state, config.layer_types, 2, z)
         return jnp.zeros((1,), jnp.int32), md, cache
     md = build_metadata([0], [1], [[1]], block_size=1, max_tokens=1, max_seqs=1, max_blocks_per_seq=1)
     return jnp.zeros((1,), jnp.int32), md, PagedCache.create(config.kv_spec(), 2, 1)

@@ -1,10 +1,10 @@
 """Attention + Mamba2 hybrid decoders: Bamba (transformers' `BambaForCausalLM`), Granite-4.0-H with or without
 experts (`GraniteMoeHybridForCausalLM`: tiny and small route, Micro is dense) and Nemotron-H (`NemotronHForCausalLM`),
-over the paged KV cache and the Mamba state pages (kvjax.worker.mamba_state).
+over the paged KV cache, each Mamba layer's state inside its slot's pages (kvjax.worker.mamba_state).
 
 Each decoder layer carries the mixer its `ModelConfig.layer_types` entry names (kvjax.config.mamba): "attention"
-(GQA over its group's pages), "mamba" (models.mamba2.Mamba2Mixer over its state pages, the state block being
-entry 0 of its Mamba group's block table) or, in Nemotron-H, "mlp" (a plain MLP, nothing cached). The step's
+(GQA over its group's pages), "mamba" (models.mamba2.Mamba2Mixer over its state in its slot's pages, the state
+block being entry 0 of its Mamba group's block table) or, in Nemotron-H, "mlp" (a plain MLP, nothing cached). The step's
 metadata must carry the KV cache groups (`BatchMetadata.layer_groups`), since a Mamba layer finds its state
 block only in its own group's table.
 

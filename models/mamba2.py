@@ -1,4 +1,4 @@
-"""The Mamba2 mixer (state space duality, SSD: Dao & Gu, arXiv:2405.21060) over kvjax's state pages.
+"""The Mamba2 mixer (state space duality, SSD: Dao & Gu, arXiv:2405.21060) over its state in the shared page tensors.
 
 Reproduces transformers' `BambaMixer` / `GraniteMoeHybridMambaLayer` / `NemotronHMamba2Mixer` torch path (the
 one that runs without the mamba_ssm and causal_conv1d kernels) and vLLM's `MambaMixer2`:
@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.config.model import ModelConfig
 from kvjax.models.mlp import dense
-from kvjax.worker.mamba_state import MambaPages, read_state, state_rows, write_state
+from kvjax.worker.mamba_state import read_state, state_rows, write_state
+from kvjax.worker.paged_cache import KVPages, LatentPages
 
 
 def segsum(x: jax.Array) -> jax.Array:
@@ -127,14 +128,15 @@ def from_grid(grid: jax.Array, md: BatchMetadata) -> jax.Array:
 
 
 class Mamba2Mixer(nn.Module):
-    """(x [T, D], the step's metadata as this layer's group sees it, its MambaPages) → (out [T, D], pages)."""
+    """(x [T, D], the step's metadata as this layer's group sees it, its slot's page tensor, the state at the start
+    of its state block's page) → (out [T, D], pages)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, md: BatchMetadata, pages: MambaPages) -> tuple[jax.Array, MambaPages]:
-        if not isinstance(pages, MambaPages):
-            raise TypeError(f"a Mamba2 mixer needs its MambaPages, got {type(pages).__name__}")
+    def __call__(self, x: jax.Array, md: BatchMetadata, pages: KVPages | LatentPages):
+        if not isinstance(pages, (KVPages, LatentPages)):
+            raise TypeError(f"a Mamba2 mixer needs its slot's paged tensor, got {type(pages).__name__}")
         c, m = self.config, self.config.mamba
         inner, heads, hd, n, g = m.intermediate_size, m.num_heads, m.head_dim, m.state_size, m.n_groups
         dtype = jnp.dtype(c.dtype)
@@ -148,7 +150,8 @@ class Mamba2Mixer(nn.Module):
         norm_w = self.param("norm", nn.initializers.ones, (inner,), dtype)
 
         block, counts, fresh = state_rows(md)
-        conv_state, ssm_state = read_state(pages, block, fresh)
+        spec = m.state_spec(c.dtype)  # the state's shapes and dtypes, as the cache's pages were sized for
+        conv_state, ssm_state = read_state(pages, spec, block, fresh)
         q = 1 if md.decode else md.max_query_len
         grid = (lambda v: v[:, None]) if md.decode else (lambda v: to_grid(v, md, counts, q))  # decode: token b is row b
         xbc_g, dt_g = grid(xbc), grid(dt).astype(jnp.float32)  # [B, Q, conv_dim], [B, Q, heads]
@@ -173,7 +176,7 @@ class Mamba2Mixer(nn.Module):
             y, ssm_state = ssd_scan(*padded[:2], a, *padded[2:], ssm_state, chunk)
             y = y[:, :q]
         y = (y + skip.astype(jnp.float32)[:, None] * xs).reshape(nb, q, inner)  # the D skip
-        pages = write_state(pages, block, conv_state, ssm_state)
+        pages = write_state(pages, spec, block, conv_state, ssm_state)
         y = y[:, 0] if md.decode else from_grid(y, md)  # [T, inner]
         y = gated_rms_norm(y, z, norm_w, g, c.rms_norm_eps)
         return dense(c, c.hidden_size, m.proj_bias, "out_proj")(y.astype(dtype)), pages

@@ -1,5 +1,5 @@
 """The pool of an attention + Mamba hybrid (Bamba, Granite-4.0-H, Nemotron-H) as kvjax.accounting.sizing profiles
-it and kvjax.accounting.reconcile allocates it: vLLM's groups and block count, kvjax's arrays.
+it and kvjax.accounting.reconcile allocates it: vLLM's groups, block count and bytes.
 
 vLLM 0.33 sizes such a pool as one block pool whose blocks are one page size (`MambaSpec`, the attention block
 size grown until an attention page holds one layer's state: kvjax.core.mamba_spec.hybrid_block_size); every
@@ -9,14 +9,10 @@ group's j-th layer shares the j-th of `group size` tensors of num_blocks pages, 
 
 and num_blocks = KV budget // bytes per block (kvjax.accounting.hybrid.plan_groups, the engine's numbers).
 
-kvjax takes the same blocks, tables and concurrency but keeps its own arrays (kvjax.worker.mamba_state): the
-attention layers' page tensors, and per Mamba layer an unpadded conv state [P, k − 1, conv_dim] and SSM state
-[P, heads, head_dim, state] indexed by the same block ids. It therefore holds
-
-    num_blocks × (attention tensors' pages + Mamba layers × (conv + SSM state bytes))
-
-which is more than vLLM's whenever there are more Mamba layers than a group holds (every Mamba layer has a state
-for every block of the pool, not only for the blocks its group was handed). `held_bytes` gives both.
+kvjax holds the same (kvjax.worker.mamba_state): one page tensor per slot (j below the largest group's layer
+count) of num_blocks attention pages, which the j-th layer of every group uses through its own blocks, a Mamba
+layer's conv and SSM states in the first bytes of its state block's page. `held_bytes` gives kvjax's bytes from
+its tensors and vLLM's from the groups: equal.
 """
 from __future__ import annotations
 
@@ -56,9 +52,9 @@ class MambaPool:
         return sum(w == MAMBA for w in self.groups.windows)
 
     @property
-    def attention_tensors(self) -> int:
-        """Page tensors the attention layers hold (kvjax.worker.mamba_state.create_hybrid_cache)."""
-        return len(set(self.groups.layer_slots))
+    def tensors(self) -> int:
+        """Page tensors the cache holds, one per slot: the largest group's layer count (vLLM's)."""
+        return max(self.groups.layer_slots) + 1
 
     def plan(self, rank_spec, budget_bytes: int, *, block_size: int, max_model_len: int,
              max_num_batched_tokens: int) -> hybrid.GroupPlan:
@@ -87,34 +83,23 @@ class MambaPool:
         return out
 
     def held_bytes(self, plan: hybrid.GroupPlan) -> dict[str, int]:
-        """Bytes on one rank for plan's num_blocks: what kvjax holds (attention pages, conv, SSM states) and vLLM."""
-        p = plan.num_blocks
-        attention = max(g.block_bytes for g in plan.groups if g.window != MAMBA)  # its tensors' pages per block
-        conv, ssm = self.state.tensor_bytes()
-        return {"attention pages": p * attention, "mamba conv state": p * self.num_mamba_layers * conv,
-                "mamba ssm state": p * self.num_mamba_layers * ssm, "vllm": p * plan.bytes_per_block}
+        """Bytes on one rank for plan's num_blocks: kvjax's (its slot tensors of attention pages, every state inside
+        one) and vLLM's (num_blocks × the groups' bytes per block)."""
+        attention = next(g for g in plan.groups if g.window != MAMBA)
+        page = attention.block_bytes // len(attention.layers)  # one attention layer's page: a slot tensor's block
+        return {"kvjax": plan.num_blocks * self.tensors * page, "vllm": plan.num_blocks * plan.bytes_per_block}
 
     def row_notes(self, plan: hybrid.GroupPlan) -> dict[str, str]:
-        """What each cache row of the reconciliation holds, by group, beside vLLM's padded shared tensors."""
-        held, p = self.held_bytes(plan), plan.num_blocks
+        """What the reconciliation's pages row holds: each slot tensor's groups and the state inside a page."""
+        p = plan.num_blocks
+        page = plan.bytes_per_block // self.tensors
         names = {g: i for i, g in enumerate(plan.groups)}
-        attention = [g for g in plan.groups if g.window != MAMBA]
-        mamba = [g for g in plan.groups if g.window == MAMBA]
-        tensors = max(len(g.layers) for g in plan.groups)  # vLLM's: one per layer of the largest group
-        page = plan.bytes_per_block // tensors
         (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = self.state.shapes, self.state.dtypes
         conv, ssm = self.state.tensor_bytes()
-
-        def which(gs):
-            n = sum(len(g.layers) for g in gs)
-            return f"group{'s' * (len(gs) > 1)} {','.join(str(names[g]) for g in gs)} ({n} layer{'s' * (n > 1)})"
-
-        return {
-            "kv pages": f"attention {which(attention)}: {p:,} blocks × {held['attention pages'] // p:,} B; vLLM "
-                        f"holds {tensors} shared tensor{'s' * (tensors > 1)} × {p:,} × {page:,} B page = "
-                        f"{held['vllm']:,} B for all {len(plan.groups)} groups, states padded in",
-            "mamba conv state": f"Mamba {which(mamba)}: {self.num_mamba_layers} layers × {p:,} × "
-                                f"{'×'.join(map(str, conv_shape))} {conv_dtype} ({conv:,} B), kvjax's own array",
-            "mamba ssm state": f"{self.num_mamba_layers} layers × {p:,} × {'×'.join(map(str, ssm_shape))} "
-                               f"{ssm_dtype} ({ssm:,} B); a state {conv + ssm:,} B, padded by vLLM to its {page:,} B "
-                               "page"}
+        attention = [str(names[g]) for g in plan.groups if g.window != MAMBA]
+        mamba = [str(names[g]) for g in plan.groups if g.window == MAMBA]
+        return {"kv pages": f"{self.tensors} slot tensor{'s' * (self.tensors > 1)} × {p:,} blocks × {page:,} B page, "
+                           f"as vLLM's, shared by attention group{'s' * (len(attention) > 1)} {','.join(attention)} "
+                           f"and Mamba group{'s' * (len(mamba) > 1)} {','.join(mamba)}; a Mamba page holds "
+                           f"{'×'.join(map(str, conv_shape))} {conv_dtype} ({conv:,} B) then "
+                           f"{'×'.join(map(str, ssm_shape))} {ssm_dtype} ({ssm:,} B), padded to the page"}

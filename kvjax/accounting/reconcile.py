@@ -67,11 +67,8 @@ def _allocate(sized: SizingReport) -> dict:
     shapes = jax.eval_shape(make)
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     shardings = jax.tree_util.tree_leaves(shd.cache_shardings(shapes, mesh))
-    state = [_state_kind(path) for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]  # Mamba conv/ssm
-    groups = {"pages": [i for i, x in enumerate(leaves) if x.ndim >= 2 and not state[i]],
+    groups = {"pages": [i for i, x in enumerate(leaves) if x.ndim >= 2],  # a hybrid's Mamba states inside them
               "static": [i for i, x in enumerate(leaves) if x.ndim < 2]}
-    for kind in ("mamba conv state", "mamba ssm state") if sized.pool is not None else ():  # after the static arrays
-        groups[kind] = [i for i, k in enumerate(state) if k == kind]
     made, snaps = [None] * len(leaves), [mem.snapshot(devices)]
     for want in groups.values():
         arrays = jax.jit(lambda want=want: [jax.tree_util.tree_leaves(make())[i] for i in want],
@@ -90,14 +87,7 @@ def _allocate(sized: SizingReport) -> dict:
     return {"cache": cache, "tables": tables, "snapshots": snaps,
             "page_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["pages"]],
             "static_arrays": [shd.shard_nbytes(leaves[i], shardings[i]) for i in groups["static"]],
-            "state_arrays": [[shd.shard_nbytes(leaves[i], shardings[i]) for i in groups[k]] for k in list(groups)[2:]],
             "table_bytes": sized.max_num_seqs * num_groups * width * 4}
-
-
-def _state_kind(path) -> str:
-    """A cache leaf's Mamba state row (kvjax.worker.mamba_state.MambaPages' conv / ssm), or ""."""
-    name = getattr(path[-1], "name", "") if path else ""
-    return {"conv": "mamba conv state", "ssm": "mamba ssm state"}.get(name, "")
 
 
 def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> Reconciliation:
@@ -108,7 +98,7 @@ def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> 
     freed on return.
     """
     alloc = _allocate(sized)
-    before_kv, after_pages, after_static, *after_states, after_tables = alloc["snapshots"]  # states: Mamba's
+    before_kv, after_pages, after_static, after_tables = alloc["snapshots"]
     if baseline is None:
         baseline = [b - w for b, w in zip(before_kv, sized.weights_per_device)]
     platform, rank_spec, z = sized.platform, sized.layout.rank_spec, sized.block_size
@@ -119,22 +109,16 @@ def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> 
     arrays = {"weights": list(sized.weight_arrays), "kv pages": alloc["page_arrays"],
               "scales + counters": alloc["static_arrays"], "block tables": [alloc["table_bytes"]]}
     notes = {}
-    if sized.pool is not None:  # attention pages and each Mamba state as kvjax holds them (accounting.mamba_pool)
-        held, notes = sized.pool.held_bytes(sized.groups), sized.pool.row_notes(sized.groups)
-        analytic["kv pages"] = held["attention pages"]
-        for k, nbytes in zip(("mamba conv state", "mamba ssm state"), alloc["state_arrays"]):
-            analytic[k], arrays[k] = held[k], nbytes
+    if sized.pool is not None:  # which groups' pages and states the shared tensors hold (accounting.mamba_pool)
+        notes = sized.pool.row_notes(sized.groups)
     act_analytic = sized.profile.analytic
     per_device = []
     for d, dev in enumerate(sized.devices):
-        last = [after_static, *after_states]  # the snapshot before each Mamba state's, then before the tables
         measured = {"weights": sized.weights_per_device[d], "kv pages": after_pages[d] - before_kv[d],
                     "scales + counters": after_static[d] - after_pages[d],
-                    "block tables": after_tables[d] - last[-1][d],
-                    **{k: after[d] - before[d] for k, before, after in
-                       zip(("mamba conv state", "mamba ssm state"), last, after_states)}}
+                    "block tables": after_tables[d] - after_static[d]}
         rows = [mem.Row(k, analytic[k], measured[k], (f"{notes[k]}: " if k in notes else "") + mem.explain_arrays(
-                    analytic[k], measured[k], arrays[k], platform)) for k in _order(analytic)]
+                    analytic[k], measured[k], arrays[k], platform)) for k in analytic]
         act = sized.profile.measured[d]
         rows.append(mem.Row("activation peak", act_analytic, act, _explain_activations(act_analytic, act, platform)))
         resident, expected = after_tables[d] - baseline[d], sum(analytic.values())
@@ -146,13 +130,6 @@ def reconcile(sized: SizingReport, *, baseline: Sequence[int] | None = None) -> 
         kv = mem.tree_bytes_on([x for x in jax.tree_util.tree_leaves(alloc["cache"]) if x.ndim >= 2], dev)
         per_device.append(DeviceCheck(str(dev), tuple(rows), kv))
     return Reconciliation(tuple(per_device))
-
-
-def _order(analytic: dict) -> list[str]:
-    """The rows' order: a hybrid's Mamba states after its attention pages."""
-    states = [k for k in analytic if k.startswith("mamba")]
-    rest = [k for k in analytic if k not in states]
-    return rest[:2] + states + rest[2:]
 
 
 def _explain_activations(analytic: int, measured: int | None, platform: str) -> str:

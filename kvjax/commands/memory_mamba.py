@@ -27,15 +27,13 @@ def report(sized, requested_block_size: int) -> dict:
     """The JSON "mamba" section: the state, the grown block size, each group, and the bytes kvjax and vLLM hold."""
     gp, pool = sized.groups, sized.pool
     held = pool.held_bytes(gp)
-    kvjax = held["attention pages"] + held["mamba conv state"] + held["mamba ssm state"]
     return {"state_shapes": [list(s) for s in pool.state.shapes], "state_dtypes": list(pool.state.dtypes),
             "state_bytes": pool.state.page_bytes, "requested_block_size": requested_block_size,
             "block_size": gp.block_size, "bytes_per_block": gp.bytes_per_block, "num_blocks": gp.num_blocks,
             "groups": [{"kind": g.kind, "layers": list(g.layers), "block_bytes": g.block_bytes,
                         "blocks_per_request": n} for g, n in zip(gp.groups, gp.blocks_per_request)],
             "max_concurrency": gp.max_concurrency, "kv_cache_tokens": gp.kv_cache_tokens, "admitted": gp.admitted,
-            "vllm_bytes": held["vllm"], "kvjax_bytes": kvjax,
-            "kvjax_held": {k: v for k, v in held.items() if k != "vllm"}}
+            "tensors": pool.tensors, "vllm_bytes": held["vllm"], "kvjax_bytes": held["kvjax"]}
 
 
 def lines(r: dict) -> list[str]:
@@ -51,21 +49,16 @@ def lines(r: dict) -> list[str]:
         f"{p['budget_bytes']:,} // {m['bytes_per_block']:,} B per block = {m['num_blocks']:,} blocks; per request "
         f"{' + '.join(str(g['blocks_per_request']) for g in m['groups'])} blocks at {r['max_model_len']} tokens; "
         f"max concurrency {m['max_concurrency']:.2f}x",
-        f"kvjax's layout: attention pages + one unpadded conv and SSM state per Mamba layer and block = "
-        f"{m['kvjax_bytes']:,} B; vLLM's num_blocks × bytes per block (states padded into shared pages) = "
-        f"{m['vllm_bytes']:,} B ({m['kvjax_bytes'] / m['vllm_bytes']:.2f}x)"
-        + (f"; {m['kvjax_bytes'] - p['budget_bytes']:,} B over the KV budget (kvjax.worker.mamba_state's deviation)"
-           if m["kvjax_bytes"] > p["budget_bytes"] else ""),
+        f"kvjax's layout: {m['tensors']} slot tensor{'s' * (m['tensors'] > 1)} of {m['num_blocks']:,} pages, each "
+        f"Mamba state inside its block's page = {m['kvjax_bytes']:,} B; vLLM's num_blocks × bytes per block = "
+        f"{m['vllm_bytes']:,} B ({m['kvjax_bytes'] / m['vllm_bytes']:.2f}x)",
     ]
 
 
 def check_fits(sized) -> None:
-    """Refuse, before allocating it, a hybrid cache that with the weights exceeds a device: kvjax's layout may hold
-    more than the budget vLLM's block count was bought with (kvjax.accounting.mamba_pool)."""
+    """Refuse, before allocating it, a hybrid cache that with the weights exceeds a device."""
     from kvjax.accounting import memory as mem
 
-    held = sized.pool.held_bytes(sized.groups)
-    cache = held["attention pages"] + held["mamba conv state"] + held["mamba ssm state"]
-    mem.check_fits(f"the weights ({sized.weights_bytes:,} B) and kvjax's hybrid cache of {sized.num_blocks:,} blocks "
-                   f"({cache:,} B: attention pages and unpadded Mamba states; vLLM's {held['vllm']:,} B)",
-                   sized.weights_bytes + cache, sized.devices)
+    cache = sized.pool.held_bytes(sized.groups)["kvjax"]
+    mem.check_fits(f"the weights ({sized.weights_bytes:,} B) and the hybrid cache of {sized.num_blocks:,} blocks "
+                   f"({cache:,} B)", sized.weights_bytes + cache, sized.devices)

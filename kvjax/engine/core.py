@@ -146,7 +146,7 @@ class Engine:
         if cache.kv_layout == "contiguous":
             rows = cdiv(self.scheduler_config.max_model_len, z) * z
             return lambda: ContiguousCache.create(cache.kv_spec, cfg.max_num_seqs, rows)
-        if cache.groups.state is not None:  # attention + Mamba: the attention pages, and each Mamba layer's states
+        if cache.groups.state is not None:  # attention + Mamba: per-slot pages, a Mamba layer's state in its page
             return lambda: create_hybrid_cache(cache.kv_spec, cache.groups.state, cfg.model_config.layer_types,
                                                cfg.num_blocks, z, cache.groups.layer_slots, cache.scales)
         return lambda: PagedCache.create(cache.kv_spec, cfg.num_blocks, z, cache.scales, cache.groups.layer_slots)

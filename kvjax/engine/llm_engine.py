@@ -146,19 +146,20 @@ class LLMEngine:
         """vLLM's sizing from a gpu_memory_utilization budget: profile the largest step the engine
         can schedule (its token budget, or all rows prefilling max_model_len if less), as the last
         chunk of a max_model_len context (kvjax.accounting.sizing: the attention's temporaries grow with it)."""
+        from kvjax.accounting.mamba_pool import MambaPool
         from kvjax.accounting.sizing import profile_and_size
 
         cache = config.cache_config
-        if cache.groups.state is not None:  # the profile sizes attention pages only
-            raise LLMError("sizing the pool by gpu_memory_utilization beside Mamba layers is not implemented: pass "
-                           "kv_cache_memory_bytes or num_gpu_blocks_override")
+        # beside Mamba layers: vLLM's groups, their states inside the pages (kvjax.worker.mamba_state), so the budget
+        # buys exactly the blocks the cache holds
+        pool = None if cache.groups.state is None else MambaPool.from_config(config.model_config, cache.groups)
         util = DEFAULT_UTIL if cache.gpu_memory_utilization is None else cache.gpu_memory_utilization
         report = profile_and_size(
             module, params, cache.kv_spec, mesh=mesh, util=util, total_bytes=cache.total_memory_bytes,
             block_size=cache.block_size,
             max_num_batched_tokens=min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len),
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            windows=config.model_config.layer_windows if cache.groups.hybrid else None)
+            windows=config.model_config.layer_windows if cache.groups.hybrid and pool is None else None, pool=pool)
         if report.num_blocks < 2:
             raise LLMError(f"gpu_memory_utilization={util} leaves {report.plan.budget_bytes:,} bytes for KV after "
                            f"{report.weights_bytes:,} of weights and {report.activations_bytes:,} of activations: "

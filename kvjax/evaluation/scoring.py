@@ -32,6 +32,7 @@ import numpy as np
 from kvjax.attention.metadata import build_metadata
 from kvjax.core.kv_cache_groups import MAMBA
 from kvjax.core.kv_cache_interface import KVSpec
+from kvjax.core.mamba_spec import hybrid_block_size
 from kvjax.errors import KvjaxError
 from kvjax.math_utils import cdiv
 from kvjax.worker.model_runner import forward
@@ -53,8 +54,9 @@ def prefill_layout(seq_len: int, block_size: int, start: int = 0, layer_types: t
     1..cdiv(seq_len, Z), positions before start already cached (a chunk of a chunked prefill).
 
     layer_types: an attention + Mamba hybrid's (ModelConfig.layer_types): its Mamba layers form a second KV cache
-    group whose one block, state_block (default: the one after the attention blocks), holds every Mamba layer's
-    state (kvjax.worker.mamba_state), the same block for every chunk of a sequence."""
+    group whose one block, state_block (default: the one after the attention blocks, the layout's last), holds
+    every Mamba layer's state (kvjax.worker.mamba_state: in its slot's page tensor), the same block for every chunk
+    of a sequence."""
     blocks = cdiv(seq_len, block_size)
     tables, groups = [list(range(1, blocks + 1))], {}
     if "mamba" in layer_types:
@@ -67,8 +69,8 @@ def prefill_layout(seq_len: int, block_size: int, start: int = 0, layer_types: t
 
 
 def empty_cache(config, kv_spec: KVSpec, num_blocks: int, block_size: int, scales=None) -> PagedCache:
-    """A zeroed cache of kv_spec for `config`'s model: its pages, and beside a hybrid's attention pages its Mamba
-    layers' state pages (kvjax.worker.mamba_state.create_hybrid_cache)."""
+    """A zeroed cache of kv_spec for `config`'s model: its pages (a hybrid's Mamba layers' states inside them,
+    kvjax.worker.mamba_state.create_hybrid_cache)."""
     if config.mamba is None:
         return PagedCache.create(kv_spec, num_blocks, block_size, scales)
     return create_hybrid_cache(kv_spec, config.mamba.state_spec(config.dtype), config.layer_types, num_blocks,
@@ -83,6 +85,9 @@ def prefill(model, params, tokens: jax.Array, kv_spec: KVSpec | None, block_size
     cache: the empty cache every row starts from, of `prefill_layout`'s blocks (a KV format's
     dtype and scales: `LLM.score_windows` passes its own); default `PagedCache.create(kv_spec, ...)`.
     """
+    if cache is None and model.config.mamba is not None:  # a page must hold a state: vLLM's grown block size
+        block_size = hybrid_block_size(kv_spec.layer_bytes_per_token(0),
+                                       model.config.mamba.state_spec(model.config.dtype).page_bytes, block_size)
     md, num_blocks = prefill_layout(tokens.shape[1], block_size, layer_types=model.config.layer_types)
     if cache is None:
         cache = empty_cache(model.config, kv_spec, num_blocks, block_size)

@@ -19,25 +19,33 @@ from kvjax.evaluation.scoring import prefill_caches
 from kvjax.quant import formats as quant
 
 
-def cache_amax(caches) -> tuple[list, list]:
+def cache_amax(caches, layer_types: tuple = ()) -> tuple[list, list]:
     """Calibration statistics of stacked caches from `prefill_caches`: per layer max |K| and
     max |V| per kv head (f32[K] each), or for MLA max |latent| per channel (f32[C], V empty).
+    layer_types: a hybrid's (ModelConfig.layer_types), whose attention layers' pages are read (`attention_pages`).
 
     Only real blocks count: block 0 (the null block, never written by a full prefill) is
     excluded, and every other slot of a prefill layout holds a written token or zeros, which
     cannot raise a max of absolute values.
     """
     amax_k, amax_v = [], []
-    for layer in caches.layers:
-        if hasattr(layer, "ssm"):  # a Mamba layer's state (kvjax.worker.mamba_state): no K/V to scale
-            continue
+    for layer, written in attention_pages(caches, layer_types):
         if hasattr(layer, "latent"):
-            lat = jnp.abs(layer.latent[:, 1:].astype(jnp.float32))  # [B, P-1, Z, C]
+            lat = jnp.abs(layer.latent[:, written].astype(jnp.float32))  # [B, P-1, Z, C]
             amax_k.append(jnp.max(lat, axis=(0, 1, 2)))
         else:
-            amax_k.append(jnp.max(jnp.abs(layer.k[:, 1:].astype(jnp.float32)), axis=(0, 1, 2, 4)))  # f32[K]
-            amax_v.append(jnp.max(jnp.abs(layer.v[:, 1:].astype(jnp.float32)), axis=(0, 1, 2, 4)))
+            amax_k.append(jnp.max(jnp.abs(layer.k[:, written].astype(jnp.float32)), axis=(0, 1, 2, 4)))  # f32[K]
+            amax_v.append(jnp.max(jnp.abs(layer.v[:, written].astype(jnp.float32)), axis=(0, 1, 2, 4)))
     return amax_k, amax_v
+
+
+def attention_pages(caches, layer_types: tuple = ()) -> list:
+    """[(each attention layer's pages, the blocks a prefill wrote)]: blocks 1.. (block 0 is the null block); beside
+    Mamba layers (layer_types: ModelConfig.layer_types) each attention layer's slot tensor, whose last block in the
+    prefill layout holds a Mamba layer's state bytes (kvjax.evaluation.scoring.prefill_layout), left out too."""
+    if "mamba" not in layer_types:
+        return [(layer, slice(1, None)) for layer in caches.layers]
+    return [(caches.layers[caches.slot_of(i)], slice(1, -1)) for i, t in enumerate(layer_types) if t == "attention"]
 
 
 def channel_amax(config, model, params, token_windows, block_size: int = 16, batch: int = 16) -> tuple[list, list]:
@@ -51,15 +59,13 @@ def channel_amax(config, model, params, token_windows, block_size: int = 16, bat
     for i in range(0, len(token_windows), batch):
         caches = prefill_caches(model, params, jnp.asarray(token_windows[i:i + batch]), spec, block_size)
         k, v = [], []
-        for layer in caches.layers:
-            if hasattr(layer, "ssm"):  # a Mamba layer's state: no K/V
-                continue
+        for layer, written in attention_pages(caches, config.layer_types or ()):
             if hasattr(layer, "latent"):
-                k.append(np.max(np.abs(np.asarray(layer.latent[:, 1:], np.float32)), axis=(0, 1, 2))[None])
+                k.append(np.max(np.abs(np.asarray(layer.latent[:, written], np.float32)), axis=(0, 1, 2))[None])
                 v.append(None)
             else:
-                k.append(np.max(np.abs(np.asarray(layer.k[:, 1:], np.float32)), axis=(0, 1, 2)))  # [K, H]
-                v.append(np.max(np.abs(np.asarray(layer.v[:, 1:], np.float32)), axis=(0, 1, 2)))
+                k.append(np.max(np.abs(np.asarray(layer.k[:, written], np.float32)), axis=(0, 1, 2)))  # [K, H]
+                v.append(np.max(np.abs(np.asarray(layer.v[:, written], np.float32)), axis=(0, 1, 2)))
         ks = k if ks is None else [np.maximum(a, b) for a, b in zip(ks, k)]
         vs = v if vs is None else [None if a is None else np.maximum(a, b) for a, b in zip(vs, v)]
     return ks, vs

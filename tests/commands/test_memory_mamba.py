@@ -1,6 +1,6 @@
 """`kvjax memory` on a tiny Bamba checkpoint (3 Mamba2 layers around 1 attention layer): the pool is vLLM's
-attention + Mamba groups, with the attention block size grown to hold a state, and kvjax's cache (attention
-pages and one unpadded conv and SSM state per Mamba layer and block) reconciles to the byte on CPU.
+attention + Mamba groups, with the attention block size grown to hold a state, and kvjax's cache (one page tensor
+per slot, each Mamba state inside its block's page, as vLLM's) reconciles to the byte on CPU and equals vLLM's.
 
 The expected numbers are worked out by hand from the config below, not read from the code under test.
 """
@@ -47,8 +47,8 @@ def test_tiny_bamba_reconciles_to_the_byte(tmp_path, capsys):
     assert rc == 0, err
     r = json.loads(out)
     rows = {row["name"]: row for row in r["rows"]}
-    assert list(rows) == ["weights", "kv pages", "mamba conv state", "mamba ssm state", "scales + counters",
-                          "block tables", "activation peak", "total resident"]
+    assert list(rows) == ["weights", "kv pages", "scales + counters", "block tables", "activation peak",
+                          "total resident"]
     for device in r["per_device"]:
         for row in device["rows"]:
             assert row["measured"] == row["analytic"] and row["diff"] == 0, row
@@ -66,20 +66,19 @@ def test_tiny_bamba_reconciles_to_the_byte(tmp_path, capsys):
     # groups: one per layer (the smallest bucket, attention, has 1 layer); Mamba types first, as layer 0 is one
     assert [(g["kind"], g["layers"], g["blocks_per_request"]) for g in m["groups"]] == [
         ("mamba", [0], 1), ("mamba", [2], 1), ("mamba", [3], 1), ("full_attention", [1], math.ceil(128 / BLOCK))]
-    # kvjax holds the attention pages and 3 layers' unpadded states; vLLM one shared tensor of n padded pages
-    assert rows["kv pages"]["analytic"] == n * PAGE == m["vllm_bytes"]
-    assert rows["mamba conv state"]["analytic"] == 3 * n * CONV
-    assert rows["mamba ssm state"]["analytic"] == 3 * n * SSM
-    assert m["kvjax_bytes"] == n * (PAGE + 3 * (CONV + SSM))
-    assert rows["scales + counters"]["analytic"] == 4  # one i32 non-finite counter: the attention layer's
+    # every group has 1 layer, so one slot: kvjax and vLLM hold one shared tensor of n pages, the states inside
+    assert rows["kv pages"]["analytic"] == rows["kv pages"]["measured"] == n * PAGE
+    assert m["kvjax_bytes"] == m["vllm_bytes"] == n * PAGE and m["tensors"] == 1
+    assert rows["scales + counters"]["analytic"] == 4  # one i32 non-finite counter: the one tensor's
     assert rows["block tables"]["analytic"] == 4 * 4 * math.ceil(128 / BLOCK) * 4  # i32[seqs, groups, cdiv(len, Z)]
     assert m["max_concurrency"] == n / 6
 
     text = render(r)
     assert "attention block size 48 (grown from 16" in text
     assert "4 groups (mamba [0], mamba [2], mamba [3], full [1])" in text
-    assert f"= {n * (PAGE + 3 * (CONV + SSM)):,} B; vLLM's" in text and f"= {n * PAGE:,} B (3.56x)" in text
-    assert "padded by vLLM to its 12,288 B page" in rows["mamba ssm state"]["note"]
+    assert f"1 slot tensor of {n:,} pages, each Mamba state inside its block's page = {n * PAGE:,} B; vLLM's" in text
+    assert f"= {n * PAGE:,} B (1.00x)" in text
+    assert "3×192 fp32 (2,304 B) then 8×16×16 fp32 (8,192 B), padded to the page" in rows["kv pages"]["note"]
 
 
 def test_tiny_bamba_preset_tensor_parallel_is_refused(capsys):

@@ -6,18 +6,23 @@ until an attention page holds a Mamba state (4 → 48 here), one KV cache group 
 Mamba layer, each request holding one state block in each Mamba group (mamba_cache_mode "none", so no prefix
 caching). One engine, a pool of two requests' first blocks and a token budget of 8 (every prompt's prefill split across steps, the
 state carried through its block): first three short prompts that fit together (roomy: nothing preempted), then
-four long ones that outgrow the pool (preempted, their state recomputed from the prompt when readmitted).
+four long ones that outgrow the pool (preempted, their state recomputed from the prompt when readmitted). A 6-layer
+Bamba with groups of two layers (two slot tensors, every state inside a page as vLLM keeps it) is sized by
+gpu_memory_utilization and matches transformers too.
 Comparisons stop before the first near-tie (a top-2 margin below MARGIN in transformers), as in
 tests/engine/test_engine_sliding.py.
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
+import transformers as tf
 from engine_fixtures import engine_config
 from hf_fixtures import hf_greedy, random_model, save_hf_model
-from mamba_fixtures import hybrid_config
+from mamba_fixtures import BASE, MAMBA, hybrid_config
 
+import kvjax
 from kvjax.engine.arg_utils import EngineArgs
 from kvjax.engine.core import Engine
 from kvjax.engine.sampling import SamplingParams
@@ -79,3 +84,28 @@ def test_prefix_caching_is_refused_beside_mamba_layers():
         .enable_prefix_caching
     with pytest.raises(KvjaxError, match="mamba_cache_mode"):
         EngineArgs(model="bamba", num_gpu_blocks_override=9, enable_prefix_caching=True).create_engine_config(config)
+
+
+def test_sized_by_gpu_memory_utilization_with_two_slot_tensors(tmp_path):
+    """A 6-layer Bamba (attention layers 1 and 4): vLLM's groups of 2 layers (Mamba [0, 3], Mamba [2, 5], full
+    [1, 4]) share 2 slot tensors, each Mamba state inside its block's page, so a pool sized by
+    gpu_memory_utilization holds exactly the blocks its budget bought; greedy tokens still equal transformers'."""
+    hf = random_model(tf.BambaConfig(**BASE, **MAMBA, num_hidden_layers=6, attn_layer_indices=[1, 4]),
+                      tf.BambaForCausalLM, seed=0)
+    total, util = 4 << 20, 0.9
+    llm = kvjax.LLM(save_hf_model(hf, str(tmp_path / "bamba6")), dtype="float32", max_model_len=64, max_num_seqs=2,
+                    max_num_batched_tokens=16, gpu_memory_utilization=util, total_memory_bytes=total)
+    groups = llm.vllm_config.cache_config.groups
+    assert groups.windows == ("mamba", "mamba", None) and groups.layer_slots == (0, 0, 0, 1, 1, 1)
+    # a page: 48 tokens (grown from 16) × K and V × 2 kv heads × head dim 16 × 4 B = 12,288 B ≥ a 10,496 B state
+    n, page = llm.num_blocks, 48 * 2 * 2 * 16 * 4
+    cache = llm.llm_engine.engine.cache
+    assert len(cache.layers) == 2 and cache.kv_nbytes == 2 * n * page  # vLLM's: 2 tensors of n pages, nothing more
+    weights = 4 * sum(x.size for x in jax.tree_util.tree_leaves(llm.model.params))
+    assert 2 <= n and weights + 2 * n * page <= util * total  # the budget bought the blocks the cache holds
+    prompts = _prompts((9, 21), 1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        kvjax.SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        tokens, n_ok = hf_greedy(hf, p, 12, MARGIN)
+        assert n_ok >= 6 and list(out.outputs[0].token_ids)[:n_ok] == tokens[:n_ok]

@@ -7,8 +7,8 @@ with padding steps (dt = 0) that must leave the state as it was.
 by kvjax's loader, against transformers' logits (its torch path: no mamba_ssm / causal_conv1d kernels here):
 one sequence prefilled whole, and two sequences in one ragged step at different progress, their prefills split
 over three steps (the state carried between them through the state block), then decoded token by token — with
-every page and every state slot NaN beforehand and permuted block ids, so a state read where none was written
-or a write into the wrong block shows.
+every page NaN beforehand and permuted block ids, the states inside the attention layer's page tensor (as vLLM's
+shared per-slot tensors), so a state read where none was written or a write into the wrong block shows.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from kvjax.worker.mamba_state import create_hybrid_cache
 from kvjax.worker.model_runner import make_step
 
 TOL = 1e-4
-Z, P, M = 4, 48, 12  # block size, pool, table width (48 positions)
+Z, P, M = 48, 8, 2  # block size (vLLM's grown: a 12,288 B page holds a 10,496 B state), pool, table width
 T, B = 32, 2  # the ragged step's tokens and rows
 
 
@@ -77,7 +77,8 @@ def case(request, tmp_path_factory):
 
 
 def _groups(config):
-    """Two KV cache groups: attention (0) and one Mamba group (1) that every Mamba layer's state shares a block of."""
+    """Two KV cache groups: attention (0) and one Mamba group (1) that every Mamba layer's state shares a block of
+    (layer j of each group in slot tensor j: the first Mamba layer's state in the attention layer's tensor)."""
     return tuple(int(t == "mamba") for t in config.layer_types)
 
 
