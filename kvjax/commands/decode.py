@@ -204,10 +204,12 @@ def _config_json(args, llm, base) -> dict:
     """The run's engine arguments as the LLM resolved them (vLLM's names) and its SamplingParams."""
     engine = llm.engine
     return dict(model=args.model, dtype=llm.config.dtype, kv_cache_dtype=llm.kv_spec.kv_dtype,
-                kv_cache_dtype_skip_layers=list(llm.kv_spec.skip_layers), block_size=args.block_size, num_gpu_blocks=llm.num_blocks, max_num_seqs=args.max_num_seqs,
+                kv_cache_dtype_skip_layers=list(llm.kv_spec.skip_layers),
+                block_size=llm.block_size,  # as resolved: a Mamba hybrid's grows until a page holds a state
+                num_gpu_blocks=llm.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_model_len=engine.max_model_len,
                 max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+                enable_prefix_caching=llm.vllm_config.cache_config.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                 scheduling_policy=args.scheduling_policy, attention_backend=llm.model.module.attn_impl,
                 kv_offloading_size=args.kv_offloading_size or None, kv_transfer_config=args.kv_transfer_config,
                 eviction_policy=llm.vllm_config.cache_config.host_policy if args.kv_offloading_size else None,
@@ -266,7 +268,7 @@ def _check_flags(args):
                          "would drop them); add --json")
     if args.min_tokens > args.max_tokens:
         raise UsageError(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
-    check_host_tier(args.kv_offloading_size, args.enable_prefix_caching, UsageError, "--kv-offloading-size")
+    check_host_tier(args.kv_offloading_size, args.enable_prefix_caching is not False, UsageError, "--kv-offloading-size")
     if args.kv_transfer_config is not None and not args.kv_offloading_size:
         raise UsageError("--kv-transfer-config configures the host tier of --kv-offloading-size; without one it "
                          "would be ignored")

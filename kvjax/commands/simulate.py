@@ -87,7 +87,7 @@ def run(args) -> int:
                                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens)
         else:
             sched = scheduler_config(pl, inputs["windows"], max_num_seqs=args.max_num_seqs,
-                                     max_num_batched_tokens=tokens, prefix_caching=args.enable_prefix_caching, dcp=dcp)
+                                     max_num_batched_tokens=tokens, prefix_caching=args.enable_prefix_caching is not False, dcp=dcp)
     except KvjaxError as e:
         raise UsageError(str(e)) from None
     if args.profile:

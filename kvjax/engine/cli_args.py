@@ -102,8 +102,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
         type=skip_layer_arg, nargs="+", default=[], metavar="LAYER",
         help="layers that keep the model's dtype: indices, or sliding_window (every windowed layer)")),
     "enable_prefix_caching": (("--enable-prefix-caching",), dict(
-        action=argparse.BooleanOptionalAction, default=True, help="share the KV blocks of common prompt prefixes "
-        "(default on)")),
+        action=argparse.BooleanOptionalAction, default=None, help="share the KV blocks of common prompt prefixes "
+        "(default on; off for attention + Mamba hybrids, as vLLM's mamba_cache_mode 'none')")),
     "num_gpu_blocks_override": (("--num-gpu-blocks-override",), dict(type=int_arg(2), metavar="K",
                                 help="pool size, null block included")),
     "gpu_memory_utilization": (("--gpu-memory-utilization",), dict(

@@ -40,7 +40,8 @@ from kvjax.commands.main import main
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[5, 17, 3, 99, 41], [60, 2, 2, 8, 31, 77, 12, 90, 4], [33] * 3 + list(range(40, 50))]
 MAX_TOKENS = 12  # past every window of the sliding fixtures (4 to 8 tokens)
-FAST = {"gemma3", "gpt-oss"}  # a sliding family and an MoE with sliding layers: both exited 2 before
+FAST = {"gemma3"}  # a sliding family (exited 2 before); gpt-oss, an MoE with sliding layers, runs with default flags
+# below (bench serve at 128 rows) and here in the slow set
 FAMILIES = {  # family → (case name, what it covers)
     "llama-mha": "dense, MHA", "llama-gqa": "dense, GQA (llama3 RoPE)", "llama-mqa": "dense, MQA, tied embeddings",
     "deepseek-v3-mla": "MLA, every layer dense", "mistral-window": "sliding, every layer",
@@ -49,6 +50,7 @@ FAMILIES = {  # family → (case name, what it covers)
     "mixtral": "MoE, softmax top-2", "qwen2-moe": "MoE, shared expert", "qwen3-moe": "MoE, normalised top-k",
     "deepseek-v2-moe": "MoE + MLA, greedy", "deepseek-v3-moe": "MoE + MLA, noaux_tc groups",
     "gpt-oss": "MoE, sinks, alternating sliding", "gguf-llama": "GGUF, Q8_0 / Q4_1, tied",
+    "bamba": "attention + Mamba2 (the block grown to 48, no prefix caching by default)",
 }
 
 
@@ -70,6 +72,11 @@ def write_checkpoint(family: str, folder: str) -> str:
                             g._quant_types, g.train_vocab(), add_bos=True)
     if family == "gpt-oss":
         model = make_gpt_oss_model()
+    elif family == "bamba":
+        from hf_fixtures import random_model
+        from mamba_fixtures import hybrid_config
+
+        model = random_model(*hybrid_config("bamba"), seed=0)
     elif family in ("mixtral", "qwen2-moe", "qwen3-moe"):
         model = make_moe_model(family)
     elif family in ("deepseek-v2-moe", "deepseek-v3-moe"):  # moe_fixtures' names; hf_fixtures' are all dense
@@ -111,11 +118,14 @@ def test_decode_with_no_pool_or_length_flag_gives_the_librarys_tokens(family, ch
     assert out["summary"]["preemptions"] == 0  # the default pool holds every request whole
     # the 3 requests (17, 21 and 25 tokens with their 12 generated ones; 8 rows run at once) hold cdiv(n, 16) = 2
     # blocks each in every KV cache group (a window of <= 8 tokens spans two blocks of 16 too): 1 + 3 × 2 × groups
-    # (kvjax.config.engine.resolve_num_blocks' rule, worked here), not 8 rows of max_model_len
+    # (kvjax.config.engine.resolve_num_blocks' rule, worked here), not 8 rows of max_model_len; Bamba's blocks of 48
+    # (grown so that a page holds a Mamba state) hold each request in one block of every group
     config = out["config"]
     llm = LLM(model, num_gpu_blocks_override=config["num_gpu_blocks"], use_tqdm_on_load=False)
     groups = len(llm.vllm_config.cache_config.groups.windows)
-    assert config["num_gpu_blocks"] == 1 + 3 * 2 * groups and config["max_model_len"] == llm.max_model_len
+    per_group = 1 if family == "bamba" else 2
+    assert config["block_size"] == (48 if family == "bamba" else 16)
+    assert config["num_gpu_blocks"] == 1 + 3 * per_group * groups and config["max_model_len"] == llm.max_model_len
     want = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS),
                         use_tqdm=False)
     assert got == [list(o.outputs[0].token_ids) for o in want] and all(got)  # some configs have an EOS: a stop

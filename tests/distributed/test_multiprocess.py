@@ -81,8 +81,9 @@ def _check(results: dict, dcp: int, devices: int):
 
 
 def test_two_processes_agree_with_one():
-    """TP 2 over 2 processes (one CPU device each): dense preempting, MLA roomy (DCP 1), MoE roomy, and DCP 2."""
-    _check(_job(["dense-preempting", "mla", "moe"], 2, 1, 2, limit_s=240), 2, 1)
+    """TP 2 over 2 processes (one CPU device each): dense preempting, MLA roomy (DCP 1) and DCP 2; the MoE runs are
+    in the slow job below (CI's budget)."""
+    _check(_job(["dense-preempting", "mla"], 2, 1, 2, limit_s=240), 2, 1)
 
 
 @pytest.mark.slow

@@ -328,6 +328,7 @@ def test_an_interrupted_generate_leaves_the_llm_usable(fresh):
     assert not sched.requests
 
 
+@pytest.mark.slow  # progress bars only (CI's budget)
 def test_use_tqdm_on_load_and_use_tqdm_draw_on_stderr_only(capfd):
     llm = LLM("small-gqa", num_gpu_blocks_override=16, max_num_seqs=1, use_tqdm_on_load=True)
     llm.generate("ab", SamplingParams(max_tokens=2, **GREEDY))

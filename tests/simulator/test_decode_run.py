@@ -43,7 +43,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+FAST = ("roomy, arrivals between runs", "tight pool, preempting", "max_concurrency")  # the rest: slow (CI's budget)
+
+
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_device_runs_take_the_host_loops_steps(case):
     kw, rate, concurrency = CASES[case]
     config = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 5, "max_num_batched_tokens": 32,
