@@ -68,3 +68,16 @@ def pytest_unconfigure(config):
     folder, so they made none)."""
     if _OWN_CACHE:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# The files of longest single tests start first: with `-n 2 --dist loadfile` a worker takes one file at a time in
+# collection order, so a long file collected last runs alone at the end while the other worker idles.
+LONG_FILES = ("tests/distributed/test_multiprocess.py", "tests/experiments/test_gpu_check.py",
+              "tests/engine/test_vllm_api.py", "tests/engine/test_trace_replay.py", "tests/simulator/test_decode_run.py",
+              "tests/commands/test_default_flags.py", "tests/core/test_hybrid_allocator.py",
+              "tests/entrypoints/test_server_fields.py", "tests/engine/test_engine_moe.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest keep their order
