@@ -26,6 +26,7 @@ and .md, and prints the rows tests/accounting/test_mamba.py holds (--rows); exit
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import types
@@ -76,15 +77,21 @@ def _layer_kinds(hf) -> list[str]:
 def vllm_figures(name, ctx, kv_dtype, block, tp, ssm_dtype):
     import torch
     import transformers
-    from vllm.model_executor.models import config as model_configs
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.platforms.interface import Platform
-    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.core import kv_cache_planning as kp
-    from vllm.v1.core import kv_cache_utils as utils
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec, get_kv_quant_mode
+    # Imported by name from the wheel's folder on sys.path (as experiments/vllm_replay_reference.py does): vLLM is a
+    # reference here, not a dependency.
+    mod = importlib.import_module
+    model_configs = mod("vllm.model_executor.models.config")
+    ModelRegistry = mod("vllm.model_executor.models.registry").ModelRegistry
+    Platform = mod("vllm.platforms.interface").Platform
+    convertor = mod("vllm.transformers_utils.model_arch_config_convertor")
+    ModelArchConfigConvertorBase = convertor.ModelArchConfigConvertorBase
+    STR_DTYPE_TO_TORCH_DTYPE = mod("vllm.utils.torch_utils").STR_DTYPE_TO_TORCH_DTYPE
+    MultipleOf = mod("vllm.v1.attention.backend").MultipleOf
+    kp, utils = mod("vllm.v1.core.kv_cache_planning"), mod("vllm.v1.core.kv_cache_utils")
+    interface = mod("vllm.v1.kv_cache_interface")
+    FullAttentionSpec, KVCacheConfig, MambaSpec = (interface.FullAttentionSpec, interface.KVCacheConfig,
+                                                   interface.MambaSpec)
+    get_kv_quant_mode = interface.get_kv_quant_mode
 
     cfg = MAMBA_CONFIGS[name]
     hf = transformers.CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})
