@@ -14,19 +14,10 @@ from kvjax.testing.pages_demo import post_raw, read_events  # noqa: F401 (raw so
 
 
 @contextlib.contextmanager
-def serving(api_key=None, enable_prompt_tokens_details=False, enable_request_id_headers=False,
-            enable_per_request_metrics=False, **engine_args):
-    """(the AsyncLLM, the base URL) of a server built from these AsyncEngineArgs (api_key: the keys its
-    /v1 routes require, as `kvjax serve --api-key`; enable_*: as its flags); shut down after."""
+def served_app(app):
+    """The base URL of `app` served by uvicorn on a free loopback port in a thread; shut down after."""
     import uvicorn
 
-    from kvjax import AsyncEngineArgs, AsyncLLM
-    from kvjax.entrypoints.openai.api_server import build_app
-
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
-    app = build_app(engine, api_key=api_key, enable_prompt_tokens_details=enable_prompt_tokens_details,
-                    enable_request_id_headers=enable_request_id_headers,
-                    enable_per_request_metrics=enable_per_request_metrics)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -35,10 +26,28 @@ def serving(api_key=None, enable_prompt_tokens_details=False, enable_request_id_
         assert time.time() < end and thread.is_alive(), "the server did not start"
         time.sleep(0.02)
     try:
-        yield engine, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
     finally:
         srv.should_exit = True
         thread.join(30)
+
+
+@contextlib.contextmanager
+def serving(api_key=None, enable_prompt_tokens_details=False, enable_request_id_headers=False,
+            enable_per_request_metrics=False, **engine_args):
+    """(the AsyncLLM, the base URL) of a server built from these AsyncEngineArgs (api_key: the keys its
+    /v1 routes require, as `kvjax serve --api-key`; enable_*: as its flags); shut down after."""
+    from kvjax import AsyncEngineArgs, AsyncLLM
+    from kvjax.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+    app = build_app(engine, api_key=api_key, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                    enable_request_id_headers=enable_request_id_headers,
+                    enable_per_request_metrics=enable_per_request_metrics)
+    try:
+        with served_app(app) as url:
+            yield engine, url
+    finally:
         engine.shutdown()
 
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import threading
-import time
 
 import pytest
 from hf_fixtures import make_hf_model, save_hf_model
@@ -149,22 +147,13 @@ def _served(monkeypatch, argv: list[str], client) -> object:
     """Run `kvjax serve ARGV` in this process; uvicorn.run is replaced by a server on a free loopback port in a
     thread, client(base url) runs against it, and the server is shut down. → what client returned."""
     import uvicorn
+    from serving import served_app
 
     got = []
 
     def run(app, host, port, log_level):
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        end = time.time() + 60
-        while not srv.started:
-            assert time.time() < end and thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        try:
-            got.append(client(f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"))
-        finally:
-            srv.should_exit = True
-            thread.join(30)
+        with served_app(app) as url:
+            got.append(client(url))
 
     monkeypatch.setattr(uvicorn, "run", run)
     assert main(["serve", *argv]) == 0

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import time
 import urllib.request
 
 from kvjax import LLM, AsyncEngineArgs, SamplingParams
@@ -26,22 +24,14 @@ SEEDED = 3  # this one is sampled at temperature 1 with a seed
 
 @contextlib.contextmanager
 def _serving(engine):
-    import uvicorn
+    from serving import served_app
 
     from kvjax.entrypoints.openai.api_server import build_app
 
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, api_key=[]), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    end = time.time() + 60
-    while not srv.started:
-        assert time.time() < end and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+        with served_app(build_app(engine, api_key=[])) as url:
+            yield url
     finally:
-        srv.should_exit = True
-        thread.join(30)
         engine.shutdown()
 
 
