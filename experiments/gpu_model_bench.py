@@ -29,12 +29,15 @@ summarises the trace (experiments/step_profile.py) into step_profile.json / .md.
     python -m kvjax.experiments.gpu_model_bench --transformers --cases "decode:32:512 prefill:32:512"
     python -m kvjax.experiments.gpu_model_bench --tiny                    # every code path, tiny shapes, CPU
 
-A case is KIND:BATCH:CONTEXT[:KV[:IMPL[:K]]] (KV bf16 / fp8_e4m3 ...; IMPL pallas / reference /
-no-attention, the last a leave-one-out variant whose decode attention returns zeros).
+A case is KIND:BATCH:CONTEXT[:KV[:IMPL[:K]]] (KV bf16 / fp8_e4m3 ...; IMPL pallas / reference or a
+leave-one-out variant of pallas: no-attention (decode attention returns zeros), no-sampling (a bare
+argmax for the sampler), no-allocator (the device loop's transition without the block pool); K =
+steps per call, so K 1 against 8 is the device loop left out).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -118,13 +121,57 @@ def _no_attention():
     jax.clear_caches()
 
 
-def _llm(model, case: Case, max_len: int, budget: int):
+def _bare_argmax(logits, rows, positions, num_logprobs=0):
+    """The sampler left out: the greedy token alone (every logit is still computed: argmax reads them
+    all), no log-probabilities, ranks, penalties or draws."""
+    from kvjax.engine.sampling import Sampled
+
+    b = logits.shape[0]
+    return Sampled(jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(b, jnp.float32), jnp.ones(b, jnp.int32),
+                   jnp.zeros((b, num_logprobs), jnp.int32), jnp.zeros((b, num_logprobs), jnp.float32))
+
+
+def _no_pool_transition(state, rows, sampled, active, allocate):
+    """The allocator left out of the device loop: the transition's append and stop check without
+    `allocate_step` (its cond and loops); the loop goes on only while no row needs a new block, so
+    the host's next `schedule` allocates what the next call needs."""
+    from kvjax.core.sched.transition import decode_transition
+
+    state, t = decode_transition(state, rows, sampled, active, False)
+    go = jnp.asarray(allocate) & (t.finish == 0).all() & (t.need == 0).all() & ~t.append_refused.any()
+    return state, t.replace(allocated=go)
+
+
+@contextlib.contextmanager
+def leave_out(impl: str):
+    """The leave-one-out variants of a case's IMPL: "no-attention" (decode attention returns zeros),
+    "no-sampling" (`_bare_argmax` for the sampler), "no-allocator" (`_no_pool_transition` in the
+    device loop); the others change nothing. Yields the attention backend to build the LLM with.
+    Compiled programs are dropped on the way in and out, so no variant reuses another's."""
+    import kvjax.engine.steps as steps
+
+    saved = steps.sampling.sample, steps.decode_transition
+    if impl == "no-attention":
+        _no_attention()
+    elif impl == "no-sampling":
+        steps.sampling.sample = _bare_argmax
+    elif impl == "no-allocator":
+        steps.decode_transition = _no_pool_transition
+    if impl in ("no-sampling", "no-allocator"):
+        jax.clear_caches()
+    try:
+        yield "pallas" if impl in ("no-sampling", "no-allocator") else impl
+    finally:
+        if (steps.sampling.sample, steps.decode_transition) != saved:
+            steps.sampling.sample, steps.decode_transition = saved
+            jax.clear_caches()
+
+
+def _llm(model, case: Case, max_len: int, budget: int, backend: str | None = None):
     from kvjax import LLM
 
-    if case.impl == "no-attention":
-        _no_attention()
     return LLM(model, max_num_seqs=case.batch, max_model_len=max_len, block_size=BLOCK, steps_per_call=case.k,
-               enable_prefix_caching=False, kv_cache_dtype=case.kv, attention_backend=case.impl,
+               enable_prefix_caching=False, kv_cache_dtype=case.kv, attention_backend=backend or case.impl,
                num_gpu_blocks_override=1 + case.batch * cdiv(max_len, BLOCK), max_num_batched_tokens=budget, seed=0)
 
 
@@ -152,14 +199,15 @@ def fill_pages(cache):
     return cache.replace(layers=tuple(layers))
 
 
-def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | None = None) -> dict:
+def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | None = None,
+                backend: str | None = None) -> dict:
     """Every request at case.context tokens (marked computed, pages random), then `calls` timed
     decode calls of the engine after one that compiles."""
     from kvjax import SamplingParams
 
     gen = case.k * (calls + 4) + 1
     max_len = case.context + gen
-    llm = _llm(model, case, max_len, budget=8192)
+    llm = _llm(model, case, max_len, budget=8192, backend=backend)
     eng = llm.engine
     rng = np.random.default_rng(case.batch)
     params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
@@ -183,10 +231,12 @@ def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | N
     per_step, trace, mark = [], None, len(COMPILED)
     if profile_dir:
         jax.profiler.start_trace(profile_dir)
-    for _ in range(calls):
+    for _ in range(calls):  # per step: a call's time over the steps it ran (a loop may stop early)
+        before = sum(r.num_tokens for r in sched.running)
         t0 = time.perf_counter()
         eng.step()
-        per_step.append((time.perf_counter() - t0) / case.k)
+        took = time.perf_counter() - t0
+        per_step.append(took / max(1, (sum(r.num_tokens for r in sched.running) - before) // case.batch))
     if profile_dir:
         jax.profiler.stop_trace()
         trace = profile_dir
@@ -205,11 +255,11 @@ def decode_case(model, case: Case, calls: int, peaks: dict, profile_dir: str | N
             "compiled_in_timed_calls": COMPILED[mark:][:20], "trace": trace, **mem}
 
 
-def prefill_case(model, case: Case, peaks: dict) -> dict:
+def prefill_case(model, case: Case, peaks: dict, backend: str | None = None) -> dict:
     from kvjax import SamplingParams
 
     budget = min(case.batch * case.context, 65536)
-    llm = _llm(model, case, case.context + 1, budget=budget)
+    llm = _llm(model, case, case.context + 1, budget=budget, backend=backend)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, model.config.vocab_size, case.context).tolist() for _ in range(case.batch)]
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -356,6 +406,7 @@ def main(argv=None) -> dict:
         args.model = args.model if args.model.startswith("tiny") else "tiny"
         args.layers, args.calls = None, 1
         args.cases = args.cases or ("decode:2:24:bf16:reference:2 decode:2:24:fp8_e4m3:no-attention:2 "
+                                    "decode:2:24:bf16:no-sampling:2 decode:2:24:bf16:no-allocator:2 "
                                     "prefill:2:16:bf16:reference")
     args.cases = args.cases or "decode:32:512 prefill:32:512"
     cases = [Case.parse(c) for c in args.cases.split()]
@@ -380,16 +431,17 @@ def main(argv=None) -> dict:
             result["rows"].append({"case": case.label, "kind": case.kind, "error": "skipped: time budget"})
             continue
         try:
-            if case.kind == "decode":
-                trace = None
-                if args.profile and not profiled and (args.profile == "first" or case.label.startswith(args.profile)):
-                    trace, profiled = str(out / "trace"), True
-                row = decode_case(model, case, args.calls, peaks, trace)
-                if trace:
-                    from kvjax.experiments.step_profile import summarise
-                    row["profile"] = summarise(trace, out, steps=args.calls * case.k)
-            else:
-                row = prefill_case(model, case, peaks)
+            with leave_out(case.impl) as backend:
+                if case.kind == "decode":
+                    trace = None
+                    if args.profile and not profiled and (args.profile == "first" or case.label.startswith(args.profile)):
+                        trace, profiled = str(out / "trace"), True
+                    row = decode_case(model, case, args.calls, peaks, trace, backend)
+                    if trace:
+                        from kvjax.experiments.step_profile import summarise
+                        row["profile"] = summarise(trace, out, steps=args.calls * case.k)
+                else:
+                    row = prefill_case(model, case, peaks, backend)
         except Exception as e:  # noqa: BLE001  record and go on: one failing case must not hide the others
             row = {"case": case.label, "kind": case.kind, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         result["rows"].append(row)

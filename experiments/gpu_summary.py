@@ -45,7 +45,8 @@ def model_section(model: dict | None, hf: dict | None, cb: dict | None) -> list[
              f"init {model['init_s']:.1f} s) on {model['device']}, jax {model['jax']}. Roofline: bytes a step reads / "
              f"{_f(peaks.get('read_gb_s'), ',.0f')} GB/s; prefill: FLOPs / {_f(peaks.get('matmul_tflop_s'), ',.0f')} "
              "TFLOP/s. Targets: decode ≤ 1.25× roofline at B 32 and 128 (bf16), faster than transformers at every "
-             "batch; prefill tok/s ≥ transformers'.", ""]
+             "batch; prefill tok/s ≥ transformers'. (Batch 128 at 8K runs with fp8 KV only: its bf16 pages "
+             "would be 128 × 8,192 tokens × 128 KiB = 137 GB beside 16 GB of weights, more than the card holds.)", ""]
     rows = []
     for r in model["rows"]:
         if "error" in r:
@@ -111,15 +112,30 @@ def tests_section(work: pathlib.Path) -> list[str]:
 
 def moe_section(work: pathlib.Path) -> list[str]:
     lines = []
-    for stem in ("gpu_model_bench_moe.json", "gpu_model_bench_moe_mla.json"):
+    for stem in ("gpu_model_bench_moe.json", "gpu_model_bench_moe_mla.json", "gpu_model_bench_70b.json"):
         r = _load(work / stem)
         if not r:
             continue
-        rows = [[x["case"], _f(x.get("step_ms")), _f(x.get("roofline_ms")), _f(x.get("vs_roofline")),
+        rows = [[x["case"], _f(x.get("step_ms", x.get("ttft_ms"))), _f(x.get("roofline_ms")), _f(x.get("vs_roofline")),
                  x.get("error", "")[:60]] for x in r["rows"]]
         lines += ["", f"{r['model']}, {r['layers']} layers:", ""]
-        lines += markdown_table(["case", "step ms", "roofline ms", "× roofline", "error"], rows, "lrrrl")
-    return lines or ["No MoE results."]
+        lines += markdown_table(["case", "step / TTFT ms", "roofline ms", "× roofline", "error"], rows, "lrrrl")
+    return lines or ["No MoE or 70B results."]
+
+
+def simulator_section(model: dict | None) -> list[str]:
+    """`kvjax simulate`'s step cost against this run's steps (experiments/simulate_gpu_fit.py: fitted on
+    batch 32's cases, the others held back and predicted)."""
+    from kvjax.experiments import simulate_gpu_fit
+
+    rows = [r for r in (model or {}).get("rows", []) if "error" not in r]
+    if not rows or not (model.get("peaks") or {}).get("read_gb_s"):
+        return ["No simulator check (it needs the `model` step's cases and the `peaks` step's ceilings)."]
+    try:
+        text = simulate_gpu_fit.render(simulate_gpu_fit.evaluate(model))
+    except Exception as e:  # noqa: BLE001  the summary must still be written
+        return [f"The simulator check failed: {type(e).__name__}: {str(e)[:200]}"]
+    return text.split("\n", 2)[2].strip().splitlines()  # its table without its title
 
 
 def memory_section(mem: dict | None) -> list[str]:
@@ -127,7 +143,7 @@ def memory_section(mem: dict | None) -> list[str]:
         return ["No memory results."]
     ratio = mem.get("kv_measured_over_analytic")
     return [f"kvjax memory on {mem.get('model', '?')}: KV measured / analytic {_f(ratio, '.6f')} (target within 0.1%), "
-            f"{mem.get('num_gpu_blocks', '?')} blocks, profiled non-KV {mem.get('non_kv_bytes', 0) / 2**30:.2f} GiB."]
+            f"{mem.get('num_blocks', '?')} blocks, profiled non-KV {mem.get('non_kv_bytes', 0) / 2**30:.2f} GiB."]
 
 
 def summarise(work: pathlib.Path, status: pathlib.Path | None) -> str:
@@ -148,7 +164,8 @@ def summarise(work: pathlib.Path, status: pathlib.Path | None) -> str:
     bench = work / "kernel_bench.md"
     if bench.exists():
         lines += ["", bench.read_text().strip()]
-    lines += ["", "## MoE"] + moe_section(work)
+    lines += ["", "## The simulator against this run", ""] + simulator_section(_load(work / "gpu_model_bench.json"))
+    lines += ["", "## MoE and Llama-3-70B slices"] + moe_section(work)
     lines += ["", "## Memory", ""] + memory_section(_load(work / "memory.json"))
     return "\n".join(lines) + "\n"
 

@@ -64,7 +64,7 @@ def fit_cases(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def evaluate(result: dict) -> dict:
-    rows = [r for r in result["rows"] if "error" not in r and r.get("impl") in ("pallas", None)
+    rows = [r for r in result["rows"] if "error" not in r and not str(r.get("impl", "")).startswith("no-")
             and r.get("k", 8) == 8 and r["kind"] in ("decode", "prefill")]
     fit, held = fit_cases(rows)
     peaks = result["peaks"]
@@ -77,7 +77,8 @@ def evaluate(result: dict) -> dict:
     def roof(device: Device, r: dict, overhead: float) -> float:
         return Roofline(device, costs[r["kv"]], overhead).step_seconds(features(r))
 
-    overhead = statistics.median(seconds(r) - roof(measured, r, 0.0) for r in fit if r["kind"] == "decode")
+    fit_decode = [seconds(r) - roof(measured, r, 0.0) for r in fit if r["kind"] == "decode"]
+    overhead = statistics.median(fit_decode) if fit_decode else 0.0  # no batch-32 decode case: none fitted
     profile = FittedProfile.fit([(features(r), seconds(r)) for r in fit], FIT_FEATURES) if len(fit) >= 3 else None
     table = []
     for r in rows:
@@ -97,7 +98,7 @@ def evaluate(result: dict) -> dict:
 def render(r: dict) -> str:
     names = list(r["rows"][0]["predicted_s"]) if r["rows"] else []
     lines = [f"# The simulator's step cost against {r['device']} ({r['model']}, {r['layers']} layers)", "",
-             f"Fitted on {', '.join(r['fit_cases'])}; the other cases held back. Measured roofline: "
+             f"Fitted on {', '.join(r['fit_cases']) or 'no case (none at batch 32)'}; the other cases held back. Measured roofline: "
              f"{r['peaks']['read_gb_s']:,.0f} GB/s, {r['peaks']['matmul_tflop_s']:,.0f} TFLOP/s, overhead "
              f"{r['overhead_s'] * 1e3:.2f} ms a step (fitted). Datasheet: 4,800 GB/s, 989 TFLOP/s, 1 ms.", ""]
     rows = [[x["case"] + (" (held back)" if x["held_back"] else ""), f"{x['measured_s'] * 1e3:.2f}",

@@ -22,7 +22,7 @@ def test_gpu_check_smoke_runs_every_step(tmp_path):
     assert files == ["results.tgz", "status.tsv", "summary.md"]
     status = [line.split("\t") for line in (out / "status.tsv").read_text().splitlines()[1:]]
     assert [s[0] for s in status] == ["peaks", "kernel_bench", "model", "model_cb", "transformers", "moe",
-                                      "moe_mla", "memory"]  # kernel_tests runs on a GPU only
+                                      "moe_mla", "model_70b", "memory"]  # kernel_tests runs on a GPU only
     assert all(s[1] == "0" for s in status), status
     with tarfile.open(out / "results.tgz") as tar:
         names = {pathlib.Path(n).name for n in tar.getnames()}
@@ -31,13 +31,17 @@ def test_gpu_check_smoke_runs_every_step(tmp_path):
                                                if m.name.endswith("gpu_model_bench.json"))))
     assert {"device_peaks.json", "gpu_model_bench.json", "gpu_model_bench_cb.json",
             "gpu_model_bench_transformers.json", "gpu_model_bench_moe.json", "gpu_model_bench_moe_mla.json",
+            "gpu_model_bench_70b.json",
             "memory.json", "step_profile.json", "model.log"} <= names
     summary = (out / "summary.md").read_text()
     assert f"read {peaks['read_gb_s']:,.0f} GB/s" in summary
     assert [r["case"] for r in model["rows"]] == ["decode:2:24:bf16:reference:2", "decode:2:24:fp8_e4m3:no-attention:2",
+                                                  "decode:2:24:bf16:no-sampling:2", "decode:2:24:bf16:no-allocator:2",
                                                   "prefill:2:16:bf16:reference:8"]
     assert all("error" not in r for r in model["rows"]), model["rows"]
     for r in model["rows"]:
         assert f"| {r['case']} |" in summary
-    for section in ("## Whole model", "## Where a decode step's time goes", "## Kernels", "## MoE", "## Memory"):
+    for section in ("## Whole model", "## Where a decode step's time goes", "## Kernels", "## The simulator against this run",
+                    "## MoE", "## Memory"):
         assert section in summary
+    assert "prefill:2:16:bf16:reference:8 (held back)" in summary  # the simulator predicted the run's steps
