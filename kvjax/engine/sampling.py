@@ -32,6 +32,10 @@ logit biases, allowed ids, bad words), so a step where no row uses it traces exa
 program it traced before the feature existed; the ones that are used are sparse id lists padded
 to a power of two. Bad words follow the output, and the device loop keeps them right on its own:
 `add_tokens` shifts each row's window of recent output tokens, as it grows the penalties' counts.
+Two static flags do the same for the draw (vLLM's `SamplingMetadata.all_greedy`, `no_top_k`,
+`no_top_p`): `any_drawn` (some row samples) and `any_filtered` (some sampling row has top-k, top-p
+or min_p). A step of greedy rows traces no draw, and no branch: on a GPU a `lax.cond` inside the
+device loop copies its predicate to the host and waits for it, every step.
 
 Each sampled token draws its randomness from `fold_in(request_key, position)`, where the
 request key is `key(seed)` for a request with its own seed (vLLM's per-request generator;
@@ -135,6 +139,8 @@ class SamplingRows:
     token_bitmask: jax.Array | None = None  # i32[B, cdiv(V, 32)] structured outputs: bit t % 32 of word t // 32 = allowed
     trace_ids: jax.Array | None = None  # i32[B, trace] trace replay: the output tokens each row emits (-1 padding)
     trace_start: jax.Array | None = None  # i32[B] the position its first output token takes (its prompt's length)
+    any_drawn: bool = struct.field(pytree_node=False, default=True)  # a row samples (False: all greedy)
+    any_filtered: bool = struct.field(pytree_node=False, default=True)  # a sampling row has top-k / top-p / min_p
 
     @staticmethod
     def build(params: Sequence[SamplingParams | None], keys, prompts: Sequence[Sequence[int]],
@@ -172,10 +178,12 @@ class SamplingRows:
         bias_ids = _padded([list(d) for d in biases], -1, np.int32) if any(biases) else None
         bias_values = _padded([list(d.values()) for d in biases], 0, np.float32) if any(biases) else None
         bad_ids, recent = _bad_words(words, outputs) if any(words) else (None, None)
+        drawn = temp >= SAMPLING_EPS
         return SamplingRows(key_rows, temp, top_k, top_p, min_p, banned, min_position, pres, freq, rep,
                             prompt_mask, counts, bias_ids, bias_values,
                             _padded(allowed, -1, np.int32) if any(allowed) else None, bad_ids, recent,
-                            token_bitmask, **_trace_rows(params, prompts))
+                            token_bitmask, **_trace_rows(params, prompts), any_drawn=bool(drawn.any()),
+                            any_filtered=bool((drawn & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()))
 
     def add_tokens(self, tokens: jax.Array, mask: jax.Array) -> "SamplingRows":
         """The rows after appending tokens i32[B] where mask bool[B]: the output counts grow and
@@ -325,8 +333,8 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
 
     positions: i32[B] the position each new token takes. num_logprobs (static): J, how many
     most likely tokens to report per row. Traced parameters, so changing one does not
-    recompile; `lax.cond`s skip the draw when every row is greedy (the B × V threefry numbers
-    cost ~8× the argmax on a CPU) and the sort when no row filters.
+    recompile; the rows' static flags leave out the draw when every row is greedy (the B × V
+    threefry numbers cost ~8× the argmax on a CPU) and the sort when no row filters.
     """
     logits = mask_grammar(logits.astype(jnp.float32), rows)  # before the log-probabilities, as vLLM masks
     raw = jax.nn.log_softmax(logits, axis=-1)
@@ -336,14 +344,12 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
 
     def draw(logits):
         scaled = logits / jnp.where(sampling, rows.temperature, 1.0)[:, None]
-        filtered = jnp.any(sampling & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))
-        scaled = jax.lax.cond(
-            filtered, lambda x: jnp.where(filter_mask(x, rows.top_k, rows.top_p, rows.min_p), x, -jnp.inf),
-            lambda x: x, scaled)
+        if rows.any_filtered:
+            scaled = jnp.where(filter_mask(scaled, rows.top_k, rows.top_p, rows.min_p), scaled, -jnp.inf)
         row_keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(rows.keys, positions)
         return jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
 
-    drawn = jax.lax.cond(jnp.any(sampling), draw, lambda lg: greedy, logits)
+    drawn = draw(logits) if rows.any_drawn else greedy
     tokens = replay_trace(jnp.where(sampling, drawn, greedy), rows, positions)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)  # [B, 1]
     ranks = (raw >= chosen).sum(axis=-1).astype(jnp.int32)

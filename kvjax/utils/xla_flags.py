@@ -9,14 +9,16 @@ it. The flags only touch XLA's GPU compiler: a CPU run parses them and is unchan
 
 `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL` (XLA's defaults plus two command types).
 The engine's decode call is one `lax.while_loop` of up to steps_per_call model steps (kvjax.engine.steps)
-whose body holds `lax.cond`s (the sampler skips the draw when every row is greedy; the block pool
-allocates in loops of at most one turn). By default XLA's GPU runtime runs a while loop or a
-conditional from the host: each iteration copies its predicate to the host, waits for it, then
-launches the body's kernels one by one (about 520 for a Llama-3-8B step). On an H200 (run 1 of
-experiments/results/gpu) a B 32 step then took 10.4 ms for 6.7 ms of kernels. With WHILE and
-CONDITIONAL recorded into command buffers (CUDA graphs with conditional nodes) the loop and its
-branches run on the device without the host between iterations (the prediction: the B 32 step
-from 10.4 ms towards 7.5; unmeasured: the GPU time of 2026-12-04 ran out first).
+whose body holds the block pool's allocation loops (`block_pool.take`, the table's column loop). By
+default XLA's GPU runtime runs a while loop or a conditional from the host: each iteration copies
+its predicate to the host, waits for it, then launches the body's kernels one by one (about 520
+for a Llama-3-8B step). On an H200 (run 1 of experiments/results/gpu) a B 32 step then took
+10.4 ms for 6.7 ms of kernels, with about five such copies a step; two of them (the sampler's
+draw and the transition's allocation, both `lax.cond`s then) are gone from the code since, the
+rest are these loops. With WHILE and CONDITIONAL recorded into command buffers (CUDA graphs with
+conditional nodes) the loops run on the device without the host between iterations (the
+prediction: the B 32 step from 10.4 ms towards 7.5; unmeasured: the GPU time of 2026-12-04 ran
+out first).
 """
 from __future__ import annotations
 

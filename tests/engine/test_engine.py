@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from engine_fixtures import MAX_LEN, Z, assert_pool_empty, engine, greedy, outputs, tiny  # noqa: F401 (a fixture)
 
+import kvjax.engine.steps as steps
 from kvjax.config.engine import EngineError
 from kvjax.config.scheduler import SchedulerConfig
 from kvjax.core.sched.scheduler import Scheduler
@@ -262,3 +263,41 @@ def test_scheduler_without_chunked_prefill_admits_whole_prompts_only():
     sched.update(plan, [7])
     plan = sched.schedule()  # a decodes 1, b's 12 fit the 19 left
     assert plan.req_ids == ("a", "b") and list(plan.num_scheduled) == [1, 12]
+
+
+# The device decode loop's program has no branch its step must wait on. On a GPU, XLA runs a
+# `lax.cond` (and each turn of a `lax.while_loop`) by copying its predicate to the host and waiting
+# for it (issue 52's profile: about five such copies a step). The loop's own `while` and the block
+# pool's allocation loops stay; the sampler's draw and filter are chosen on the host from the rows
+# (`SamplingRows.any_drawn`, `any_filtered`, as vLLM's `all_greedy`), and the transition allocates
+# without a branch. Counted in the program JAX lowers for the engine's real call (StableHLO:
+# `stablehlo.if` / `stablehlo.case` are conds), for greedy, sampled and filtered rows.
+
+
+def lowered_decode_loop(eng, prompts, params, monkeypatch) -> str:
+    """The StableHLO of the engine's first decode_loop call for these requests."""
+    seen = []
+    real = steps.decode_loop
+
+    def record(*args, **kwargs):
+        if not seen:
+            abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x  # noqa: E731
+            seen.append(real.lower(*[args[0]] + [jax.tree.map(abstract, a) for a in args[1:]], **kwargs).as_text())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "decode_loop", record)
+    eng.generate(prompts, params)
+    assert seen, "the engine never called decode_loop"
+    return seen[0]
+
+
+@pytest.mark.parametrize("params, draws", [
+    (greedy(6), False),
+    (SamplingParams(max_tokens=10, temperature=1.0), True),
+    (SamplingParams(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=123), True),
+], ids=["greedy", "sampled", "filtered"])
+def test_the_decode_loop_has_no_cond(tiny, monkeypatch, params, draws):  # noqa: F811
+    text = lowered_decode_loop(engine(tiny, steps_per_call=8), prompts(), params, monkeypatch)
+    assert text.count("stablehlo.if") + text.count("stablehlo.case") == 0
+    assert ("threefry" in text) == draws  # the draw is traced only when a row samples
+    assert text.count("stablehlo.sort") == (1 if params.top_k > 0 else 0)  # the filter's sort only when one filters

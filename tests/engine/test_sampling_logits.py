@@ -197,14 +197,12 @@ def _old_sample(logits, rows, positions, num_logprobs=0):
 
     def draw(logits):
         scaled = logits / jnp.where(sampling, rows.temperature, 1.0)[:, None]
-        filtered = jnp.any(sampling & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))
-        scaled = jax.lax.cond(
-            filtered, lambda x: jnp.where(filter_mask(x, rows.top_k, rows.top_p, rows.min_p), x, -jnp.inf),
-            lambda x: x, scaled)
+        if rows.any_filtered:
+            scaled = jnp.where(filter_mask(scaled, rows.top_k, rows.top_p, rows.min_p), scaled, -jnp.inf)
         row_keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(rows.keys, positions)
         return jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
 
-    drawn = jax.lax.cond(jnp.any(sampling), draw, lambda lg: greedy, logits)
+    drawn = draw(logits) if rows.any_drawn else greedy
     tokens = jnp.where(sampling, drawn, greedy)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
     ranks = (raw >= chosen).sum(axis=-1).astype(jnp.int32)

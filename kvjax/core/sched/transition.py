@@ -74,8 +74,11 @@ def decode_transition(state: manager.KVCacheManager, rows: DecodeRows, sampled, 
         go, ok = jnp.bool_(False), jnp.ones(reqs.shape, bool)
     else:
         go = allocate & fits & ~(stop | length).any() & ~append_refused.any()
-        state, ok = jax.lax.cond(go, lambda s: manager.allocate_step(s, reqs, keep.astype(jnp.int32)),
-                                 lambda s: (s, jnp.ones(reqs.shape, bool)), state)
+        # Not a lax.cond: with `go` off every row asks for nothing (slot -1, no tokens), which leaves
+        # the pool as it was. On a GPU a cond in the device loop copies its predicate to the host
+        # and waits for it, every step, and a branch over the pool may copy its tables.
+        state, ok = manager.allocate_step(state, jnp.where(go, reqs, -1), (keep & go).astype(jnp.int32))
+        ok = ok | ~go
     alloc_refused = keep & ~ok
     finish = jnp.where(stop, _STOP, jnp.where(length, _LENGTH, 0)).astype(jnp.int32)
     return state, Transition(rows.replace(remaining=remaining), finish, append_refused, alloc_refused, need,
