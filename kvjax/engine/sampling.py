@@ -34,8 +34,9 @@ to a power of two. Bad words follow the output, and the device loop keeps them r
 `add_tokens` shifts each row's window of recent output tokens, as it grows the penalties' counts.
 Two static flags do the same for the draw (vLLM's `SamplingMetadata.all_greedy`, `no_top_k`,
 `no_top_p`): `any_drawn` (some row samples) and `any_filtered` (some sampling row has top-k, top-p
-or min_p). A step of greedy rows traces no draw, and no branch: on a GPU a `lax.cond` inside the
-device loop copies its predicate to the host and waits for it, every step.
+or min_p). The device decode loop's steps of greedy rows trace no draw, and no branch: on a GPU a
+`lax.cond` inside the loop copies its predicate to the host and waits for it, every step. A ragged
+step sets both to None (`decided_on_device`): `lax.cond`s decide, one program for any rows.
 
 Each sampled token draws its randomness from `fold_in(request_key, position)`, where the
 request key is `key(seed)` for a request with its own seed (vLLM's per-request generator;
@@ -139,8 +140,8 @@ class SamplingRows:
     token_bitmask: jax.Array | None = None  # i32[B, cdiv(V, 32)] structured outputs: bit t % 32 of word t // 32 = allowed
     trace_ids: jax.Array | None = None  # i32[B, trace] trace replay: the output tokens each row emits (-1 padding)
     trace_start: jax.Array | None = None  # i32[B] the position its first output token takes (its prompt's length)
-    any_drawn: bool = struct.field(pytree_node=False, default=True)  # a row samples (False: all greedy)
-    any_filtered: bool = struct.field(pytree_node=False, default=True)  # a sampling row has top-k / top-p / min_p
+    any_drawn: bool | None = struct.field(pytree_node=False, default=None)  # a row samples (None: a cond decides)
+    any_filtered: bool | None = struct.field(pytree_node=False, default=None)  # a sampling row filters (likewise)
 
     @staticmethod
     def build(params: Sequence[SamplingParams | None], keys, prompts: Sequence[Sequence[int]],
@@ -184,6 +185,10 @@ class SamplingRows:
                             _padded(allowed, -1, np.int32) if any(allowed) else None, bad_ids, recent,
                             token_bitmask, **_trace_rows(params, prompts), any_drawn=bool(drawn.any()),
                             any_filtered=bool((drawn & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()))
+
+    def decided_on_device(self) -> "SamplingRows":
+        """The rows with the draw and the filter left to `lax.cond`s (see the module docstring)."""
+        return self.replace(any_drawn=None, any_filtered=None)
 
     def add_tokens(self, tokens: jax.Array, mask: jax.Array) -> "SamplingRows":
         """The rows after appending tokens i32[B] where mask bool[B]: the output counts grow and
@@ -333,8 +338,9 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
 
     positions: i32[B] the position each new token takes. num_logprobs (static): J, how many
     most likely tokens to report per row. Traced parameters, so changing one does not
-    recompile; the rows' static flags leave out the draw when every row is greedy (the B × V
-    threefry numbers cost ~8× the argmax on a CPU) and the sort when no row filters.
+    recompile; the draw is left out when every row is greedy (the B × V threefry numbers cost
+    ~8× the argmax on a CPU) and the sort when no row filters: by the rows' static flags, or by
+    `lax.cond`s where they are None.
     """
     logits = mask_grammar(logits.astype(jnp.float32), rows)  # before the log-probabilities, as vLLM masks
     raw = jax.nn.log_softmax(logits, axis=-1)
@@ -344,12 +350,19 @@ def sample(logits: jax.Array, rows: SamplingRows, positions: jax.Array, num_logp
 
     def draw(logits):
         scaled = logits / jnp.where(sampling, rows.temperature, 1.0)[:, None]
-        if rows.any_filtered:
-            scaled = jnp.where(filter_mask(scaled, rows.top_k, rows.top_p, rows.min_p), scaled, -jnp.inf)
+        keep = lambda x: jnp.where(filter_mask(x, rows.top_k, rows.top_p, rows.min_p), x, -jnp.inf)  # noqa: E731
+        if rows.any_filtered is None:
+            filtered = jnp.any(sampling & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))
+            scaled = jax.lax.cond(filtered, keep, lambda x: x, scaled)
+        elif rows.any_filtered:
+            scaled = keep(scaled)
         row_keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(rows.keys, positions)
         return jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
 
-    drawn = draw(logits) if rows.any_drawn else greedy
+    if rows.any_drawn is None:
+        drawn = jax.lax.cond(jnp.any(sampling), draw, lambda lg: greedy, logits)
+    else:
+        drawn = draw(logits) if rows.any_drawn else greedy
     tokens = replay_trace(jnp.where(sampling, drawn, greedy), rows, positions)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)  # [B, 1]
     ranks = (raw >= chosen).sum(axis=-1).astype(jnp.int32)

@@ -80,10 +80,16 @@ def decode_shape(longest: int, config) -> tuple[bool, int, int]:
     return True, config.max_num_seqs, table_width(longest, z, cdiv(config.max_model_len, z)) * z
 
 
-@functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")
 def ragged_step(model, params, cache, tokens, md, rows: sampling.SamplingRows, positions, *, num_logprobs: int):
-    """One ragged step. tokens: i32[T]; rows: each row's sampling parameters; positions: i32[B]
-    the position each sampled token takes → (sampling.Sampled per row, cache)."""
+    """One ragged step. tokens: i32[T]; rows: each row's sampling parameters (their draw decided on
+    the device: one program for any rows); positions: i32[B] the position each sampled token
+    takes → (sampling.Sampled per row, cache)."""
+    return _ragged_step(model, params, cache, tokens, md, rows.decided_on_device(), positions,
+                        num_logprobs=num_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_logprobs"), donate_argnames="cache")
+def _ragged_step(model, params, cache, tokens, md, rows: sampling.SamplingRows, positions, *, num_logprobs: int):
     logits, cache = forward(model, params, tokens, md, cache, md.logits_indices)  # f32[B, V]
     return sampling.sample(logits, rows, positions, num_logprobs), cache
 
