@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import pathlib
 import platform
 import statistics
 import time
@@ -51,16 +50,18 @@ import jax.numpy as jnp
 
 from kvjax.attention import mgpu_decode, mgpu_mla, mgpu_ragged, pallas_decode, pallas_mla, pallas_ragged
 from kvjax.attention.metadata import build_metadata
-from kvjax.attention.mgpu_dispatch import render_table_module, table_from_rows
 from kvjax.attention.reference import mla_paged_decode_reference, paged_decode_reference
 from kvjax.experiments import results_dir
-from kvjax.markdown import markdown_table
+from kvjax.experiments.kernel_bench_report import summarize, write
 from kvjax.math_utils import cdiv
-from kvjax.utils.output_files import write_json, write_text
 
-GiB = 1024**3
 FP8 = jnp.float8_e4m3fn
 IMPLS = ("mosaic", "triton", "jax_shipped", "xla_ref")
+# Page formats: name → (page dtype, kv_dtype as a cache's pages carry it). MLA latents take the first two;
+# the scaled GQA formats run at the target shapes only (batch >= 32 at 8K), within the run's budget.
+FORMATS = {"bf16": (jnp.bfloat16, None), "fp8_e4m3": (FP8, "fp8_e4m3"),
+           "fp8_per_token_head": (FP8, "fp8_per_token_head"), "nvfp4": (jnp.uint8, "nvfp4")}
+SCALED = ("fp8_per_token_head", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +73,14 @@ class Model:
     head_dim: int  # H (GQA) or kv_lora_rank (MLA)
     rope_dim: int = 0  # rope, qk_rope_head_dim (MLA)
 
-    def kv_bytes(self, batch: int, context: int, itemsize: int) -> int:
-        per_token = 2 * self.kv_heads * self.head_dim if self.kind == "gqa" else self.head_dim + self.rope_dim
-        return batch * context * per_token * itemsize
+    def kv_bytes(self, batch: int, context: int, fmt: str = "bf16") -> int:
+        """Bytes of the pages (and per-token scales) a decode step reads for batch × context tokens:
+        nvfp4 holds H/2 bytes of values and H/16 of block scales a head, per-token pages a 4-byte scale."""
+        if self.kind == "mla":
+            return batch * context * (self.head_dim + self.rope_dim) * jnp.dtype(FORMATS[fmt][0]).itemsize
+        h = self.head_dim
+        per_head = {"bf16": 2 * h, "fp8_e4m3": h, "fp8_per_token_head": h + 4, "nvfp4": h // 2 + h // 16}[fmt]
+        return batch * context * 2 * self.kv_heads * per_head
 
     @property
     def group(self) -> int:
@@ -83,7 +89,7 @@ class Model:
 
 
 GPU_MODELS = (Model("llama-3-8b-like", "gqa", 32, 8, 128), Model("deepseek-like", "mla", 16, 1, 512, 64))
-TINY_MODELS = (Model("tiny-gqa", "gqa", 8, 2, 64), Model("tiny-mla", "mla", 16, 1, 128, 64))
+TINY_MODELS = (Model("tiny-gqa", "gqa", 16, 8, 64), Model("tiny-mla", "mla", 16, 1, 128, 64))
 
 
 def time_call(fn, args, warmup: int, repeats: int, iters: int = 10) -> float:
@@ -122,18 +128,27 @@ def fill_pages(shape, dtype, key):
     return make(tile, per_page)
 
 
-def build_case(model: Model, batch: int, context: int, block_size: int, dtype, seed: int):
-    """Inputs of one decode step: every sequence holds `context` tokens in scattered pages."""
+def build_case(model: Model, batch: int, context: int, block_size: int, fmt: str, seed: int):
+    """Inputs of one decode step: every sequence holds `context` tokens in scattered pages of `fmt`
+    (nvfp4: random bytes below 0x78, so that every block scale is a finite e4m3)."""
+    dtype, kv_dtype = FORMATS[fmt]
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     blocks = cdiv(context, block_size)
     num_pages = batch * blocks + 1  # + the null block 0
     tables = (jax.random.permutation(k1, num_pages - 1) + 1)[: batch * blocks].reshape(batch, blocks)
     lens = jnp.full((batch,), context, jnp.int32)
-    fp8 = jnp.dtype(dtype) == jnp.dtype(FP8)
+    fp8 = fmt == "fp8_e4m3"
     if model.kind == "gqa":
         shape = (num_pages, block_size, model.kv_heads, model.head_dim)
-        pages = (fill_pages(shape, dtype, k2), fill_pages(shape, dtype, k3))
         scales = (jnp.full((model.kv_heads,), 0.01, jnp.float32),) * 2 if fp8 else (None, None)
+        if fmt == "nvfp4":
+            shape = shape[:3] + (model.head_dim // 2 + model.head_dim // 16,)
+            pages = tuple(jax.random.randint(k, shape, 0, 0x78, jnp.int32).astype(jnp.uint8) for k in (k2, k3))
+            scales = (jnp.ones((model.kv_heads,), jnp.float32),) * 2
+        else:
+            pages = (fill_pages(shape, dtype, k2), fill_pages(shape, dtype, k3))
+        if fmt == "fp8_per_token_head":
+            scales = (jnp.full(shape[:3], 0.01, jnp.float32),) * 2
         q = (jax.random.normal(k4, (batch, model.heads, model.head_dim), jnp.float32),)
     else:
         shape = (num_pages, block_size, model.head_dim + model.rope_dim)
@@ -143,15 +158,14 @@ def build_case(model: Model, batch: int, context: int, block_size: int, dtype, s
         q = (jax.random.normal(ql, (batch, model.heads, model.head_dim), jnp.float32),
              jax.random.normal(qr, (batch, model.heads, model.rope_dim), jnp.float32))
     q = tuple(x.astype(jnp.bfloat16) for x in q)
-    return q, pages, tables.astype(jnp.int32), lens, scales
+    return q, pages, tables.astype(jnp.int32), lens, scales, kv_dtype
 
 
 def impl_fn(name: str, model: Model, case, block_size: int, interpret: bool):
     """(jitted fn, args) of implementation `name` on this case, or None where it doesn't apply."""
-    q, pages, tables, lens, scales = case
+    q, pages, tables, lens, scales, kv_dtype = case
     if model.kind == "gqa":
         scale, (ks, vs) = model.head_dim ** -0.5, scales
-        kv_dtype = "fp8_e4m3" if ks is not None else None  # the pages' format, as a cache's pages carry it
         if name == "jax_shipped":
             return shipped_fn(model, case, block_size, interpret)
         fn = {"mosaic": mgpu_decode.paged_decode, "triton": pallas_decode.paged_decode}.get(name)
@@ -177,7 +191,9 @@ def shipped_fn(model: Model, case, block_size: int, interpret: bool):
     """JAX's shipped GQA kernel on its own layout; the layout change happens here, untimed."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    q, (k_pages, v_pages), tables, lens, _ = case
+    q, (k_pages, v_pages), tables, lens, (k_scale, v_scale), kv_dtype = case
+    if kv_dtype == "nvfp4":
+        return None  # it reads no packed fp4 pages
     blocks = tables.shape[1]
     k_t = jnp.transpose(k_pages, (2, 0, 1, 3))  # [P, Z, K, H] → [K, P, Z, H]
     v_t = jnp.transpose(v_pages, (2, 0, 1, 3))
@@ -186,7 +202,9 @@ def shipped_fn(model: Model, case, block_size: int, interpret: bool):
     ppcb = max(1, min(128 // block_size, blocks // k_splits))
     kwargs = dict(block_h=16, pages_per_compute_block=ppcb, k_splits=k_splits, interpret=interpret)
     extra = ()
-    if jnp.dtype(k_pages.dtype) == jnp.dtype(FP8):  # its fp8 path needs scale pages [K, P, Z]
+    if kv_dtype == "fp8_per_token_head":  # its fp8 path: scale pages [K, P, Z]
+        extra = (jnp.transpose(k_scale, (2, 0, 1)), jnp.transpose(v_scale, (2, 0, 1)))
+    elif jnp.dtype(k_pages.dtype) == jnp.dtype(FP8):  # static scales: pages of ones, which it also reads
         ones = jnp.ones(k_t.shape[:3], jnp.float32)
         extra = (ones, ones)
     fn = jax.jit(lambda q, k, v, t, l, *s: paged_attention(q, k, v, t, l, *s, **kwargs))
@@ -237,101 +255,17 @@ def _rank(shape, contexts) -> int:
     return 1 if batch <= 8 and context == max(contexts) else 2
 
 
-def plan(models, batches, contexts, dtypes):
-    """All decode shapes by `_rank`, GQA before MLA, bf16 and fp8 of a shape together."""
-    rows = [(m, d, b, c) for m in models for d in dtypes for b in batches for c in contexts]
-    return sorted(rows, key=lambda r: (_rank(r, contexts), r[0].kind != "gqa", r[2] != 32))
-
-
-def summarize(rows, ceil: dict):
-    """The issue's H200 targets, from the measured rows (None where a row is missing)."""
-    def get(kind, dtype, batch, context, impl):
-        for r in rows:
-            if (r["kind"], r["dtype"], r["batch"], r["context"], r["impl"]) == (kind, dtype, batch, context, impl) \
-                    and r.get("seconds"):
-                return r
-        return None
-
-    def ratio(a, b):
-        return a and b and round(b["seconds"] / a["seconds"], 2)
-
-    checks = []
-    for kind, batch, context in sorted({(r["kind"], r["batch"], r["context"]) for r in rows if r["kind"] != "ragged"}):
-        mos = {d: get(kind, d, batch, context, "mosaic") for d in ("bfloat16", "float8_e4m3fn")}
-        tri = get(kind, "bfloat16", batch, context, "triton")
-        checks.append({
-            "kind": kind, "batch": batch, "context": context,
-            "mosaic_bf16_pct_of_read": mos["bfloat16"] and round(100 * mos["bfloat16"]["gbps"] / ceil["read_gbps"], 1),
-            "triton_bf16_pct_of_read": tri and round(100 * tri["gbps"] / ceil["read_gbps"], 1),
-            "mosaic_fp8_speedup_over_bf16": ratio(mos["float8_e4m3fn"], mos["bfloat16"]),
-            "mosaic_over_triton_bf16": ratio(mos["bfloat16"], tri),
-            "mosaic_over_triton_fp8": ratio(mos["float8_e4m3fn"], get(kind, "float8_e4m3fn", batch, context, "triton")),
-            "mosaic_over_jax_shipped_bf16": ratio(mos["bfloat16"], get(kind, "bfloat16", batch, context,
-                                                                       "jax_shipped")),
-            "target_shape": batch >= 32 and context >= 8192,
-        })
-    return checks
-
-
-def prefill_checks(rows) -> list:
-    """The ragged prefill target (>= 50% of the bf16 matmul rate), Mosaic GPU against Triton."""
-    out = []
-    for context in sorted({r["context"] for r in rows if r["kind"] == "ragged"}):
-        got = {r["impl"]: r for r in rows if r["kind"] == "ragged" and r["context"] == context and r.get("seconds")}
-        mos, tri = got.get("mosaic"), got.get("triton")
-        out.append({"context": context, "chunk": (mos or tri or {}).get("chunk"),
-                    "mosaic_tflops": mos and round(mos["tflops"], 1), "triton_tflops": tri and round(tri["tflops"], 1),
-                    "mosaic_pct_of_matmul": mos and round(mos["pct_of_matmul"], 1),
-                    "mosaic_over_triton": mos and tri and round(tri["seconds"] / mos["seconds"], 2)})
-    return out
-
-
-def _row_cells(r: dict) -> list:
-    """One measurement's cells; a variant that did not run shows its status as its note."""
-    head = [r["model"], r["dtype"], r["batch"], r["context"], r["impl"]]
-    if not r.get("seconds"):
-        return head + ["", f"{r['kv_bytes'] / 2**20:.1f}", "", "", r["status"]]
-    if r["kind"] == "ragged":  # TFLOP/s and % of the matmul rate in the rate columns
-        return head + [f"{r['seconds'] * 1e6:.1f}", f"{r['kv_bytes'] / 2**20:.1f}", f"{r['tflops']:.1f} TFLOP/s",
-                       f"{r['pct_of_matmul']:.1f} (matmul)", f"chunk {r['chunk']}"]
-    return head + [f"{r['seconds'] * 1e6:.1f}", f"{r['kv_bytes'] / 2**20:.1f}", f"{r['gbps']:.1f}",
-                   f"{r['pct_of_read']:.1f}", r.get("tiles", "")]
-
-
-def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prefill = prefill_checks(rows)
-    write_json(out_dir / "kernel_bench.json", {**meta, "rows": rows, "summary": checks, "prefill": prefill}, "--out")
-    c = meta["ceilings"]
-    lines = [f"# Decode kernel bandwidth ({meta['device']}, jax {meta['jax']}, "
-             f"{'tiny, interpreted' if meta['tiny'] else 'compiled'})", "",
-             f"read {c['read_gbps']:.0f} GB/s, copy {c['copy_gbps']:.0f} GB/s (read + write) over "
-             f"{c['buffer_bytes'] / GiB:.3g} GiB; bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s at n = {c['matmul_n']}",
-             "", *markdown_table(["model", "kv dtype", "batch", "context", "impl", "µs", "KV MiB", "GB/s",
-                                  "% of read", "tiles / note"], [_row_cells(r) for r in rows])]
-    lines += ["", "## Targets (H200: bf16 GQA >= 85% of read at batch >= 32, context >= 8K; MLA >= 80%;"
-              " fp8 >= 1.7x bf16; faster than Triton and JAX's shipped kernel)", "",
-              *markdown_table(["kind", "batch", "context", "mosaic bf16 % read", "triton bf16 % read",
-                               "mosaic fp8 / bf16", "mosaic / triton bf16", "mosaic / triton fp8",
-                               "mosaic / shipped", "target shape"],
-                              [[c["kind"], c["batch"], c["context"], c["mosaic_bf16_pct_of_read"],
-                                c["triton_bf16_pct_of_read"], c["mosaic_fp8_speedup_over_bf16"],
-                                c["mosaic_over_triton_bf16"], c["mosaic_over_triton_fp8"],
-                                c["mosaic_over_jax_shipped_bf16"], c["target_shape"]] for c in checks])]
-    lines += ["", "## Ragged prefill (a chunk at the end of its context; target >= 50% of the bf16 matmul rate)", "",
-              *markdown_table(["context", "chunk", "mosaic TFLOP/s", "triton TFLOP/s", "mosaic % of matmul",
-                               "mosaic / triton"],
-                              [[p["context"], p["chunk"], p["mosaic_tflops"], p["triton_tflops"],
-                                p["mosaic_pct_of_matmul"], p["mosaic_over_triton"]] for p in prefill])]
-    write_text(out_dir / "kernel_bench.md", "\n".join(lines) + "\n", "--out")
-    table = table_from_rows(rows, meta["device"])
-    write_text(out_dir / "mgpu_table.py", render_table_module(
-        table, source=f"experiments/kernel_bench.py on {meta['device']} (jax {meta['jax']})"), "--out")
+def plan(models, batches, contexts, formats, scaled_rank: int = 0):
+    """All decode shapes by `_rank`, GQA before MLA, bf16 and fp8 of a shape together; the SCALED
+    formats (GQA only) at shapes of rank <= scaled_rank (the target shapes), after MLA's."""
+    rows = [(m, f, b, c) for m in models for f in formats for b in batches for c in contexts
+            if f not in SCALED or (m.kind == "gqa" and _rank((m, f, b, c), contexts) <= scaled_rank)]
+    return sorted(rows, key=lambda r: (_rank(r, contexts), r[1] in SCALED, r[0].kind != "gqa", r[2] != 32))
 
 
 def _tiles_note(name: str, model: Model, case, block_size: int) -> str:
     """The default tiles a kvjax kernel picked for this case (for the table's last column)."""
-    q, pages, tables, _, _ = case
+    q, pages, tables, _, _, _ = case
     batch, blocks = tables.shape
     if name == "triton":
         from kvjax.attention.tiles import default_mla_tiles, default_tiles
@@ -364,24 +298,25 @@ def _run(row: dict, make, interpret: bool, warmup: int, repeats: int) -> dict:
     return row
 
 
-def decode_rows(model, dtype, batch, context, *, impls, block_size, interpret, warmup, repeats, ceil, over_budget,
+def decode_rows(model, fmt, batch, context, *, impls, block_size, interpret, warmup, repeats, ceil, over_budget,
                 seed):
-    """The rows of one decode shape, one per implementation."""
-    itemsize = jnp.dtype(dtype).itemsize
-    kv = model.kv_bytes(batch, context, itemsize)
-    base = {"model": model.name, "kind": model.kind, "dtype": jnp.dtype(dtype).name, "q_dtype": "bfloat16",
-            "head_dim": model.head_dim, "group": model.group, "batch": batch, "context": context, "kv_bytes": kv}
-    impls = [name for name in impls if model.kind == "gqa" or name != "jax_shipped"]
+    """The rows of one decode shape (page format `fmt`, a FORMATS name), one per implementation."""
+    dtype, kv_dtype = FORMATS[fmt]
+    kv = model.kv_bytes(batch, context, fmt)
+    base = {"model": model.name, "kind": model.kind, "format": fmt, "dtype": jnp.dtype(dtype).name,
+            "kv_dtype": kv_dtype, "q_dtype": "bfloat16", "head_dim": model.head_dim, "group": model.group,
+            "batch": batch, "context": context, "kv_bytes": kv}
+    impls = [name for name in impls if name != "jax_shipped" or (model.kind == "gqa" and fmt != "nvfp4")]
     free = free_bytes()
     if over_budget():
         return [{**base, "impl": name, "status": "skipped: time budget"} for name in impls]
     if free is not None and kv > 0.45 * free:
         return [{**base, "impl": name, "status": "skipped: KV does not fit"} for name in impls]
-    case = build_case(model, batch, context, block_size, dtype, seed=seed)
+    case = build_case(model, batch, context, block_size, fmt, seed=seed)
     rows = []
     for name in impls:
         row = {**base, "impl": name}
-        if name == "xla_ref" and free is not None and 3 * kv * 4 // itemsize > 0.5 * free:
+        if name == "xla_ref" and free is not None and 12 * model.kv_bytes(batch, context, "bf16") // 2 > 0.5 * free:
             row["status"] = "skipped: the reference's f32 gather does not fit"
         elif over_budget():
             row["status"] = "skipped: time budget"
@@ -397,9 +332,10 @@ def decode_rows(model, dtype, batch, context, *, impls, block_size, interpret, w
 def prefill_rows(model, dtype, chunk, context, *, block_size, interpret, warmup, repeats, ceil, over_budget, seed):
     """The rows of one ragged prefill chunk (kind "ragged"), Mosaic GPU and Triton: TFLOP/s."""
     flops = prefill_flops(model, chunk, context)
-    base = {"model": model.name, "kind": "ragged", "dtype": jnp.dtype(dtype).name, "q_dtype": "bfloat16",
-            "head_dim": model.head_dim, "group": model.group, "batch": 1, "context": context, "chunk": chunk,
-            "kv_bytes": model.kv_bytes(1, context, jnp.dtype(dtype).itemsize), "flops": flops}
+    fmt = "fp8_e4m3" if jnp.dtype(dtype) == jnp.dtype(FP8) else "bf16"
+    base = {"model": model.name, "kind": "ragged", "format": fmt, "dtype": jnp.dtype(dtype).name,
+            "kv_dtype": FORMATS[fmt][1], "q_dtype": "bfloat16", "head_dim": model.head_dim, "group": model.group,
+            "batch": 1, "context": context, "chunk": chunk, "kv_bytes": model.kv_bytes(1, context, fmt), "flops": flops}
     if over_budget():
         return [{**base, "impl": name, "status": "skipped: time budget"} for name in ("mosaic", "triton")]
     case = prefill_case(model, chunk, context, block_size, dtype, seed)
@@ -447,21 +383,22 @@ def main(argv=None) -> dict:
     meta = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
             "python": platform.python_version(), "tiny": tiny, "interpret": interpret, "block_size": block_size,
             "ceilings": ceil, "repeats": repeats}
-    shapes = plan(models, batches, contexts, [jnp.bfloat16, FP8])
+    shapes = plan(models, batches, contexts, list(FORMATS), scaled_rank=1 if tiny else 0)
     if tiny:  # the interpreters: each kernel once per page format; MLA's three warpgroups interpret slowly
-        shapes = [r for r in shapes if not (r[0].kind == "mla" and r[1] == FP8)]
+        shapes = [r for r in shapes if not (r[0].kind == "mla" and r[1] != "bf16")]
     common = dict(block_size=block_size, interpret=interpret, warmup=warmup, repeats=repeats, ceil=ceil,
                   over_budget=over_budget)
     jobs = [("decode", r) for r in shapes]
     if not args.no_prefill:  # after GQA's decode target shapes: a 2,048-token chunk at 8K, 32K (tiny: last)
         chunks = [(16, contexts[0])] if tiny else [(2048, 8192), (2048, 32768)]
-        at = len(jobs) if tiny else sum(1 for r in shapes if _rank(r, contexts) == 0 and r[0].kind == "gqa")
+        at = len(jobs) if tiny else sum(1 for r in shapes if _rank(r, contexts) == 0 and r[0].kind == "gqa"
+                                        and r[1] not in SCALED)
         jobs[at:at] = [("prefill", (models[0], jnp.bfloat16, chunk, ctx)) for chunk, ctx in chunks]
     rows: list = []
     for i, (job, shape) in enumerate(jobs):
         if job == "decode":
-            model, dtype, batch, context = shape
-            rows += decode_rows(model, dtype, batch, context, impls=args.impls, seed=i, **common)
+            model, fmt, batch, context = shape
+            rows += decode_rows(model, fmt, batch, context, impls=args.impls, seed=i, **common)
         else:
             rows += prefill_rows(*shape, seed=i, **common)
         write(out_dir, meta, rows, summarize(rows, ceil))
