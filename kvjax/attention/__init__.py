@@ -11,7 +11,7 @@ where it is also the faster; its module docstring says why. "pallas" runs decode
 Pallas decode kernels (kvjax.attention.pallas_decode / pallas_mla) and ragged steps in the
 ragged paged-attention kernel (kvjax.attention.pallas_ragged), all of them read from the pages
 in tiles. On a Hopper GPU a step may run the Mosaic GPU twin of its kernel instead
-(kvjax.attention.mgpu_decode / mgpu_mla / mgpu_ragged: same arguments, same results), where
+(kvjax.attention.mgpu_decode / mgpu_mla / mgpu_ragged / mgpu_ragged_mla: same arguments, same results), where
 kvjax.attention.mgpu_dispatch's measured table says it is the faster; Triton elsewhere. The
 Pallas modules import lazily, on first use. A model built without naming one
 gets kvjax.config.attention's `default_impl()`: "pallas" on GPU, "reference" on CPU (where Pallas runs
@@ -64,7 +64,8 @@ def _family(kind: str, q, pages, block_tables, *, group: int, kv_dtype=None, bat
 
     return choose(kind, q.dtype, pages.dtype, head_dim=q.shape[-1], block_size=pages.shape[1], group=group,
                   batch=q.shape[0] if batch is None else batch, context=block_tables.shape[1] * pages.shape[1],
-                  kv_dtype=kv_dtype, num_kv_heads=pages.shape[2] if pages.ndim == 4 else None)
+                  kv_dtype=kv_dtype, num_kv_heads=pages.shape[2] if pages.ndim == 4 else None,
+                  channels=pages.shape[2] if pages.ndim == 3 else None)
 
 
 def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_scale=None, v_scale=None,
@@ -78,7 +79,7 @@ def _pallas_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale, k_
 
 
 def _pallas_ragged(q, k_pages, v_pages, md, *, scale, k_scale=None, v_scale=None, window=None, sinks=None,
-                   softcap=None, kv_dtype=None):
+                   softcap=None, kv_dtype=None):  # both ragged kernels read per-token scale pages and nvfp4
     if _family("ragged", q, k_pages, md.block_tables, group=q.shape[1] // k_pages.shape[2], kv_dtype=kv_dtype,
                batch=md.num_seqs) == "mosaic":
         from kvjax.attention.mgpu_ragged import ragged_paged_attention
@@ -89,7 +90,11 @@ def _pallas_ragged(q, k_pages, v_pages, md, *, scale, k_scale=None, v_scale=None
 
 
 def _pallas_mla_ragged(q_latent, q_rope, latent_pages, md, *, scale, latent_scale=None, kv_dtype=None):
-    from kvjax.attention.pallas_ragged import mla_ragged_paged_attention
+    if _family("mla_ragged", q_latent, latent_pages, md.block_tables, group=q_latent.shape[1], kv_dtype=kv_dtype,
+               batch=md.num_seqs) == "mosaic":  # both read per-token latent scale pages
+        from kvjax.attention.mgpu_ragged_mla import mla_ragged_paged_attention
+    else:
+        from kvjax.attention.pallas_ragged import mla_ragged_paged_attention
 
     return mla_ragged_paged_attention(q_latent, q_rope, latent_pages, md, scale=scale, latent_scale=latent_scale,
                                       kv_dtype=kv_dtype)

@@ -142,8 +142,8 @@ def _gqa_kernel(
         pos0 = (first_page + step * c.pages_per_block) * c.block_size
         k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
         if c.per_token:  # int8 / e4m3 × this token's scale, rounded once to the dot dtype
-            kw_smem[...] = _scale_rows(k_tile, token_smem[0].at[slot], h).astype(kw_smem.dtype)
-            vw_smem[...] = _scale_rows(v_tile, token_smem[1].at[slot], h).astype(vw_smem.dtype)
+            kw_smem[...] = st.scale_rows(k_tile, token_smem[0].at[slot], h).astype(kw_smem.dtype)
+            vw_smem[...] = st.scale_rows(v_tile, token_smem[1].at[slot], h).astype(vw_smem.dtype)
             k_tile, v_tile = kw_smem, vw_smem
             plgpu.commit_smem()
         elif c.widen:  # fp8 → f16: exact, one conversion per pair
@@ -168,18 +168,6 @@ def _gqa_kernel(
     o, m, l = lax.fori_loop(0, n_steps, body, st.softmax_init(st.ROWS, head_dim))
     out, lse = st.finish(o, m, l)
     st.store_partial(out, lse, o_smem, lse_smem, o_ref.at[b, h, s], lse_ref.at[b, h, s], c.rows_out)
-
-
-def _scale_rows(tile, scales, h):
-    """f32 tile[t, :] × scales[t, h] for a [block_kv, H] slot and its f32[block_kv, K] scales (every
-    head's): head h's column is picked by a select and a row sum, which leaves it in the layout
-    that broadcasts along the tile's rows (a select, so other heads' NaN never matters)."""
-    plgpu = require_mgpu()
-    wgmma = plgpu.Layout.WGMMA
-    every = plgpu.layout_cast(scales[...], wgmma)  # f32[block_kv, K]
-    mine = jnp.where(st.positions(every.shape, 1, 0) == h, every, 0.0).sum(axis=1)  # f32[block_kv]
-    x = plgpu.layout_cast(tile[...], wgmma).astype(jnp.float32)
-    return x * lax.broadcast_in_dim(mine, x.shape, [0])
 
 
 # ------------------------------------------------------------------------ plgpu.kernel and merging

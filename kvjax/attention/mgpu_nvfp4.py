@@ -85,13 +85,14 @@ def _e4m3(byte):
     return jnp.where(byte >= 128, -mag, mag)
 
 
-def _unpack(data_slot, box_slot, sc_smem, raw_smem, et_smem, even_smem, odd_smem, groups: int):
+def unpack(data_slot, box_slot, sc_smem, raw_smem, et_smem, even_smem, odd_smem, groups: int):
     """Packed [block_kv, H/2] values and [block_kv, 16] scale boxes → exact f16 even / odd tiles.
 
     The nibbles are decoded in the layout a plain load of the packed bytes gets (Mosaic GPU loads
     untiled 8-bit SMEM in WGMMA's layout only with bank conflicts, and a TMA box starting at h·W
     cannot land in tiled SMEM) into untiled f16 tiles, which are read back in WGMMA's layout, that
-    of the scale broadcast's product, scaled and stored into the tiles the dots read."""
+    of the scale broadcast's product, scaled and stored into the tiles the dots read. The ragged
+    kernel on nvfp4 pages (kvjax.attention.mgpu_ragged_nvfp4) unpacks its steps with it too."""
     plgpu = require_mgpu()
     block_kv, half = data_slot.shape
     data = data_slot[...].astype(jnp.int32)  # [block_kv, H/2]
@@ -159,9 +160,9 @@ def _nvfp4_kernel(
         slot = lax.rem(step, c.stages)
         plgpu.barrier_wait(kv_bars.at[slot])
         pos0 = (first_page + step * c.pages_per_block) * c.block_size
-        _unpack(kd_smem.at[slot], kb_smem.at[slot], sc_smem, raw_smem, et_smem, ke_smem, ko_smem, groups)
+        unpack(kd_smem.at[slot], kb_smem.at[slot], sc_smem, raw_smem, et_smem, ke_smem, ko_smem, groups)
         plgpu.commit_smem()  # a barrier: every warp's reads of raw_smem done before V's unpack rewrites it
-        _unpack(vd_smem.at[slot], vb_smem.at[slot], sc_smem, raw_smem, et_smem, ve_smem, vo_smem, groups)
+        unpack(vd_smem.at[slot], vb_smem.at[slot], sc_smem, raw_smem, et_smem, ve_smem, vo_smem, groups)
         plgpu.commit_smem()
         logits = (st.qk_logits(qe_smem, ke_smem, st.ROWS, c.block_kv)
                   + st.qk_logits(qo_smem, ko_smem, st.ROWS, c.block_kv)) * logit_scale
@@ -251,4 +252,4 @@ def nvfp4_call(q4, k_pages, v_pages, lens, tables, logit_scales, *, c, splits: i
     return o, lse
 
 
-__all__ = ["check_pages", "expand_matrix", "nvfp4_call", "smem_bytes"]
+__all__ = ["check_pages", "expand_matrix", "nvfp4_call", "smem_bytes", "unpack"]

@@ -1,4 +1,6 @@
-"""The pieces kvjax's Mosaic GPU decode kernels share (mgpu_decode's GQA kernel, mgpu_mla's).
+"""The pieces kvjax's Mosaic GPU kernels share: mgpu_decode's GQA kernel, mgpu_mla's, and the ragged
+kernels (mgpu_ragged, mgpu_ragged_nvfp4), whose programs add a producer warpgroup and whose work
+items are laid out by the last section here.
 
 A decode program of these kernels is one CUDA block of one warpgroup (128 threads) that owns one
 sequence, one row block (GQA: the query heads of one kv head; MLA: a tile of heads) and one split
@@ -29,15 +31,23 @@ What differs is how pages arrive and how the products run, the Hopper way (JAX's
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kvjax.attention.metadata import BatchMetadata
 from kvjax.attention.mgpu_interpret import require_mgpu
+from kvjax.attention.pallas_decode import merge_splits
+from kvjax.attention.pallas_ragged import padded_work_items
 from kvjax.attention.pallas_steps import MASK_VALUE
 from kvjax.core.block_pool import NULL_BLOCK
+from kvjax.math_utils import cdiv, pow2_bucket
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma's M: query rows of one program
@@ -176,6 +186,19 @@ def zero_rows_outside_span(v_slot, pos0, lo, hi):
         v_slot[...] = jnp.where((rows >= lo) & (rows < hi), v_slot[...], jnp.zeros((), v_slot.dtype))
 
 
+def scale_rows(tile, scales, h):
+    """f32 tile[t, :] × scales[t, h] for a [block_kv, H] slot of per-token-head pages and its
+    f32[block_kv, K] scales (every head's: a page's [Z, K] scale box, since a [Z] column of one
+    head is no TMA box): head h's column is picked by a select and a row sum, which leaves it in
+    the layout that broadcasts along the tile's rows (a select, so other heads' NaN never matters)."""
+    plgpu = require_mgpu()
+    wgmma = plgpu.Layout.WGMMA
+    every = plgpu.layout_cast(scales[...], wgmma)  # f32[block_kv, K]
+    mine = jnp.where(positions(every.shape, 1, 0) == h, every, 0.0).sum(axis=1)  # f32[block_kv]
+    x = plgpu.layout_cast(tile[...], wgmma).astype(jnp.float32)
+    return x * lax.broadcast_in_dim(mine, x.shape, [0])
+
+
 def softmax_init(rows: int, width: int):
     """(o, m, l) = (0 f32[rows, width], MASK_VALUE f32[rows], 0 f32[rows]) in the layouts the
     products and their row reductions give."""
@@ -228,3 +251,137 @@ def store_partial(out, lse, o_smem, lse_smem, o_dst, lse_dst, rows_out: int):
             plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_out)], lse_dst)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem is rewritten next
     plgpu.wait_smem_to_gmem(0)
+
+
+# ------------------------------------------------------- the ragged kernels (prefill / mixed steps)
+# A ragged program (mgpu_ragged, mgpu_ragged_nvfp4) owns one work item — 64 / G' new tokens of one
+# sequence × the G' query heads of one kv head — and has two warpgroups: a producer issuing the
+# TMA copies (`produce`) and a consumer running the products and the softmax with `seen`'s masks.
+# The items are laid out and their rows gathered and scattered outside the kernel (`work_items`).
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedStatic:
+    """What one launch of a ragged kernel (mgpu_ragged's, mgpu_ragged_nvfp4's) is specialized on."""
+
+    block_size: int
+    pages_per_block: int
+    stages: int
+    group_shift: int  # log2 G'
+    window: int | None
+    softcap: float | None
+    widen: bool  # fp8 / int8 pages: widen each slot into a 16-bit tile before the products
+    per_token: bool = False  # scales per token and kv head: applied while widening
+
+    @property
+    def block_kv(self) -> int:
+        return self.pages_per_block * self.block_size
+
+
+class Item(NamedTuple):
+    """One work item's scalars, read from its meta row in the kernel."""
+
+    tokens: jax.Array  # its new tokens (0: an item past the step's last)
+    length: jax.Array  # its sequence's context length
+    first_pos: jax.Array  # its first row's position
+    seq: jax.Array  # its sequence's row of the block table
+    span_lo: jax.Array  # the positions any of its rows may see: [span_lo, span_hi)
+    span_hi: jax.Array
+    lo_step: jax.Array  # the kv block holding span_lo
+    n_steps: jax.Array  # kv blocks it walks
+    first_page: jax.Array  # the table entry of step 0's first page
+    live_pages: jax.Array  # table entries from first_page that hold pages (past them: garbage)
+
+
+def item_of(meta_ref, w, c) -> Item:
+    """Item w's scalars (meta_ref i32[W, 4]: tokens, context length, first row's position, sequence row)."""
+    tokens, length, first_pos, seq = meta_ref[w, 0], meta_ref[w, 1], meta_ref[w, 2], meta_ref[w, 3]
+    span_lo = 0 if c.window is None else jnp.maximum(first_pos - c.window + 1, 0)
+    span_hi = jnp.minimum(first_pos + tokens, length)
+    lo_step = lax.div(span_lo, c.block_kv)
+    n_steps = jnp.where(tokens > 0, jnp.maximum(pl.cdiv(span_hi, c.block_kv) - lo_step, 0), 0)
+    first_page = lo_step * c.pages_per_block
+    return Item(tokens, length, first_pos, seq, span_lo, span_hi, lo_step, n_steps, first_page,
+                pl.cdiv(length, c.block_size) - first_page)
+
+
+def produce(item: Item, stages: int, issue, consumed_bars) -> None:
+    """The producer's loop: issue(step, slot) starts a step's copies; the first `stages` steps go at
+    once, each later one into the slot the consumer released (consumed_bars[slot])."""
+    plgpu = require_mgpu()
+    for i in range(stages):
+        pl.when(i < item.n_steps)(functools.partial(issue, i, i))
+
+    @pl.loop(0, jnp.maximum(item.n_steps - stages, 0))
+    def _refill(step):
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(consumed_bars.at[slot])
+        issue(step + stages, slot)
+
+    @pl.loop(jnp.maximum(item.n_steps - stages, 0), item.n_steps)
+    def _drain(step):  # observe every release (mgpu_mla)
+        plgpu.barrier_wait(consumed_bars.at[lax.rem(step, stages)])
+
+
+def row_positions(item: Item, c):
+    """i32[64, block_kv]: row r's position, first_pos + r // G', along each row (WGMMA layout)."""
+    return lax.shift_right_logical(positions((ROWS, c.block_kv), 0, 0), c.group_shift) + item.first_pos
+
+
+def seen(item: Item, c, row_pos, pos):
+    """bool[64, block_kv]: row r (at row_pos[r]) sees position pos[r, j] (pallas_ragged's masks)."""
+    ok = (row_pos < item.first_pos + item.tokens) & (pos <= row_pos) & (pos < item.length)
+    return ok if c.window is None else ok & (pos > row_pos - c.window)
+
+
+def softcapped(logits2, softcap: float | None):
+    """Gemma 2's c · tanh(x / c) on base-2 logits (the cap scaled alike)."""
+    if softcap is None:
+        return logits2
+    cap = softcap * LOG2E
+    return cap * jnp.tanh(logits2 / cap)
+
+
+class Items(NamedTuple):
+    """A launch's work items, laid out outside the kernel (pallas_ragged.padded_work_items)."""
+
+    meta: jax.Array  # i32[W, 4]: `item_of`'s row
+    tables: jax.Array  # i32[B, M + pages_per_block]: null-padded by a block
+    idx: jax.Array  # i32[W, Tq]: each item's tokens (T past an item's last: dropped)
+    tq: int  # tokens an item: 64 / G'
+    gp: int  # G'
+
+
+def work_items(md: BatchMetadata, t: int, group: int, pages_per_block: int) -> Items:
+    """The work items of a step of t tokens whose group of G query heads pads to G' (a launch's Items)."""
+    gp = pow2_bucket(group)
+    tq = ROWS // gp
+    num_items = cdiv(t, tq) + md.num_seqs
+    seq, first, tokens = padded_work_items(md, tq, num_items)
+    meta = jnp.stack([tokens, md.context_lens[seq], md.positions[first], seq], axis=1).astype(jnp.int32)
+    tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block)), constant_values=NULL_BLOCK)
+    idx = first[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
+    idx = jnp.where(jnp.arange(tq, dtype=jnp.int32)[None, :] < tokens[:, None], idx, t)
+    return Items(meta, tables, idx, tq, gp)
+
+
+def item_rows(x, items: Items):
+    """[T, K, G, d] → [W, K, 64, d]: each item's rows (padding heads and tokens zero)."""
+    t, kv_heads, group, d = x.shape
+    x = jnp.pad(x, ((0, 1), (0, 0), (0, items.gp - group), (0, 0)))[items.idx]  # [W, Tq, K, G', d]
+    return x.transpose(0, 2, 1, 3, 4).reshape(items.idx.shape[0], kv_heads, ROWS, d)
+
+
+def scatter_rows(o, lse, items: Items, *, sinks, v_scale, group: int, t: int, dtype):
+    """The kernel's (o f32[W, K, 64, H], lse f32[W, K, 64]) → [T, K, G, H] in dtype, with the sinks
+    (once per row, from its logsumexp, as pallas_ragged) and V's static scale."""
+    num_items, kv_heads, _, head_dim = o.shape
+    if sinks is not None:  # sinks f32[K, G]
+        sinks = jnp.pad(sinks, ((0, 0), (0, items.gp - group)), constant_values=-jnp.inf)
+        sink_rows = jnp.broadcast_to(sinks[None, :, None, :], (num_items, kv_heads, items.tq, items.gp)).reshape(
+            num_items, kv_heads, 1, ROWS)
+        o = merge_splits(o[:, :, None], lse[:, :, None], axis=2, sinks=sink_rows)
+    o = o * v_scale[None, :, None, None]
+    o = o.reshape(num_items, kv_heads, items.tq, items.gp, head_dim)[:, :, :, :group].transpose(0, 2, 1, 3, 4)
+    out = jnp.zeros((t + 1, kv_heads, group, head_dim), dtype)
+    return out.at[items.idx].set(o.astype(dtype), mode="drop")[:t]

@@ -51,15 +51,14 @@ q's dtype when every page value is exact in it (bf16 / f16 q with same-dtype, fp
 pages; probabilities cast to it for P·V, as FlashAttention does), else f32 with
 Precision.HIGHEST; accumulation in f32; rows with nothing to see give 0.
 
-Triton or Mosaic GPU: Triton. JAX 0.11's Mosaic GPU backend (`plgpu` of
-jax.experimental.pallas.mosaic_gpu) needs Hopper-only lowering paths (TMA, warpgroup matmuls),
-has no interpret mode that runs on CPU (so none of this could be tested here) and no gather
-of pages by a dynamic index vector, which a block table needs; the Triton lowering takes
-`ref[pages]` with a vector of page ids (pallas_decode's kernels do the same), runs in interpret
-mode on CPU, and lowers for CUDA from a CPU-only machine (tests/attention/test_gpu_lowering.py,
-`lowering_platforms=("cuda",)`), so every line here is exercised without a GPU. Triton's rules
-apply: every block dimension a power of two, dots at least 16 × 16 × 16 — hence q_tile × G' >= 16
-rows, pages_per_block × Z >= 16 positions, power-of-two head dims.
+This is the Triton kernel, which runs on any CUDA GPU: the Triton lowering takes `ref[pages]`
+with a vector of page ids (pallas_decode's kernels do the same), runs in interpret mode on CPU,
+and lowers for CUDA from a CPU-only machine (tests/attention/test_gpu_lowering.py,
+`lowering_platforms=("cuda",)`). Its Mosaic GPU twins (kvjax.attention.mgpu_ragged for GQA,
+mgpu_ragged_mla for MLA; Hopper only: TMA copies a page at a time, wgmma) take the same
+arguments; kvjax.attention.mgpu_dispatch picks between them by measurement. Triton's rules
+apply here: every block dimension a power of two, dots at least 16 × 16 × 16 — hence
+q_tile × G' >= 16 rows, pages_per_block × Z >= 16 positions, power-of-two head dims.
 """
 from __future__ import annotations
 

@@ -22,6 +22,13 @@ PAGES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m
 SEMANTICS = ["lane", "warpgroup"]
 
 
+def use_semantics(monkeypatch, semantics: str) -> None:
+    """Lower with these semantics. They are read while a kernel is traced, and the kernels' jitted
+    functions keep their traces: without clearing them, the second semantics would reuse the first's."""
+    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    jax.clear_caches()
+
+
 def mosaic_kernels(fn, *args) -> list[str]:
     """The Mosaic GPU custom calls of fn lowered for CUDA."""
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -38,7 +45,7 @@ def mosaic_kernels(fn, *args) -> list[str]:
 ])
 def test_gqa_decode_lowers_for_cuda(monkeypatch, semantics, kv, head_dim, block_size, ppb, splits, stages, window,
                                     softcap):
-    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    use_semantics(monkeypatch, semantics)
     batch, kv_heads, group, pages, max_blocks = 3, 2, 4, 40, 12
     page = S((pages, block_size, kv_heads, head_dim), PAGES[kv])
 
@@ -60,7 +67,7 @@ def test_mla_decode_lowers_for_cuda(monkeypatch, semantics, kv, heads, block_siz
     fits a block's 227 KiB (Mosaic GPU refuses a kernel over it when lowering)."""
     from kvjax.attention.mgpu_mla import mla_paged_decode
 
-    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    use_semantics(monkeypatch, semantics)
     batch, rank, rope, pages, max_blocks = 2, 512, 64, 40, 12
 
     def fn(q_latent, q_rope, latent, tables, lens):
@@ -84,7 +91,7 @@ def test_ragged_prefill_lowers_for_cuda(monkeypatch, semantics, kv, group, head_
     from kvjax.attention.tiles import MosaicRaggedTiles
     from test_gpu_lowering import ragged_metadata
 
-    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    use_semantics(monkeypatch, semantics)
     tokens, seqs, kv_heads, pages, max_blocks = 256, 4, 2, 40, 32
     page = S((pages, block_size, kv_heads, head_dim), PAGES[kv])
     scale = None if kv == "bf16" else S((kv_heads,), jnp.float32)
@@ -109,7 +116,7 @@ def test_nvfp4_decode_lowers_for_cuda(monkeypatch, semantics, head_dim, kv_heads
     """nvfp4 pages (kvjax.attention.mgpu_nvfp4): two boxes per page and head from the [P, Z, K·W] view, the
     nibbles decoded through padded SMEM, the block scales broadcast by a wgmma. The kernel pins Lane
     semantics, so it lowers the same under either setting."""
-    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    use_semantics(monkeypatch, semantics)
     batch, group, pages, max_blocks = 3, 4, 40, 12
     page = S((pages, block_size, kv_heads, head_dim // 2 + head_dim // 16), jnp.uint8)
 
@@ -130,7 +137,7 @@ def test_nvfp4_decode_lowers_for_cuda(monkeypatch, semantics, head_dim, kv_heads
 def test_per_token_decode_lowers_for_cuda(monkeypatch, semantics, fmt, head_dim, kv_heads, block_size, ppb, splits,
                                           stages, window, softcap):
     """Per-token-head pages: [Z, K] scale boxes beside each page, each slot scaled row by row while widening."""
-    monkeypatch.setenv("KVJAX_MGPU_SEMANTICS", semantics)
+    use_semantics(monkeypatch, semantics)
     batch, group, pages, max_blocks = 3, 2, 40, 12
     dtype = jnp.int8 if fmt.startswith("int8") else jnp.float8_e4m3fn
     page, scales = S((pages, block_size, kv_heads, head_dim), dtype), S((pages, block_size, kv_heads), jnp.float32)
@@ -142,4 +149,37 @@ def test_per_token_decode_lowers_for_cuda(monkeypatch, semantics, fmt, head_dim,
 
     calls = mosaic_kernels(fn, S((batch, kv_heads * group, head_dim), jnp.bfloat16), page, page,
                            S((batch, max_blocks), jnp.int32), S((batch,), jnp.int32), scales, scales)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("fmt, group, head_dim, kv_heads, block_size, ppb, stages, window, softcap", [
+    ("int8_per_token_head", 4, 128, 8, 16, 4, 2, None, None), ("fp8_per_token_head", 1, 64, 16, 64, 1, 3, 4096, 30.0),
+    ("nvfp4", 4, 128, 2, 16, 4, 2, None, 50.0), ("nvfp4", 7, 64, 4, 8, 16, 2, 9, None)])
+def test_quantized_ragged_prefill_lowers_for_cuda(monkeypatch, semantics, fmt, group, head_dim, kv_heads, block_size,
+                                                  ppb, stages, window, softcap):
+    """The ragged kernel on per-token-head pages ([Z, K] scale boxes beside each page, each slot scaled
+    row by row while widening) and nvfp4 pages (kvjax.attention.mgpu_ragged_nvfp4: two boxes per page
+    and head, unpacked by the consumer warpgroup; it pins Lane semantics)."""
+    from kvjax.attention.mgpu_ragged import ragged_paged_attention
+    from kvjax.attention.tiles import MosaicRaggedTiles
+    from test_gpu_lowering import ragged_metadata
+
+    use_semantics(monkeypatch, semantics)
+    tokens, seqs, pages, max_blocks = 256, 4, 40, 32
+    if fmt == "nvfp4":
+        page = S((pages, block_size, kv_heads, head_dim // 2 + head_dim // 16), jnp.uint8)
+        scale = S((kv_heads,), jnp.float32)
+    else:
+        page = S((pages, block_size, kv_heads, head_dim), jnp.int8 if fmt.startswith("int8") else jnp.float8_e4m3fn)
+        scale = S((pages, block_size, kv_heads), jnp.float32)
+
+    def fn(q, k, v, md, k_scale, v_scale, sinks):
+        return ragged_paged_attention(q, k, v, md, scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                                      window=window, sinks=sinks, softcap=softcap, kv_dtype=fmt,
+                                      tiles=MosaicRaggedTiles(ppb, stages), interpret=False)
+
+    calls = mosaic_kernels(fn, S((tokens, kv_heads * group, head_dim), jnp.bfloat16), page, page,
+                           ragged_metadata(tokens, seqs, max_blocks, 128), scale, scale,
+                           S((kv_heads * group,), jnp.float32))
     assert len(calls) == 1

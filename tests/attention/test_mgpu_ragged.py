@@ -148,7 +148,7 @@ def test_equals_the_reference_with_default_tiles():
 
 @pytest.mark.parametrize("change, match", [
     (dict(q_dtype=jnp.float32), "no exact f32 product"),
-    (dict(kv_dtype="int8_per_token_head"), "static-scale pages"),
+    (dict(kv_dtype="int8_per_token_head"), "2 kv heads: .* K must be a multiple of 8"),
     (dict(tiles=MosaicRaggedTiles(2)), "MosaicRaggedTiles: pages_per_block × block_size = 2 × 16"),
     (dict(tiles=MosaicRaggedTiles(4, 1)), "MosaicRaggedTiles.stages must be >= 2"),
     (dict(window=0), "window"),
