@@ -15,10 +15,11 @@
 # Steps and limits (seconds; 465 in all, sized from the H200 runs of 2026-12-04: peaks 11 s,
 # Llama-3-8B random init 8.5 s, a 32-layer decode program compiles in 7-11 s, the kernel tests 19-43 s):
 #   peaks          20  read / copy bandwidth (4 GiB) and the bf16 matmul rate: every roofline's denominator
-#   kernel_tests   80  the Mosaic GPU kernels' tests (not slow), compiled (KVJAX_INTERPRET=0), one process per
+#   kernel_tests   70  the Mosaic GPU kernels' tests (not slow), compiled (KVJAX_INTERPRET=0), one process per
 #                      file, the files side by side (compiling is the CPUs' work: MLA 30 s, ragged 27 s alone
 #                      on the H200; the Triton kernels' tests passed there on 2026-12-04)
-#   kernel_bench   50  decode kernels side by side (Mosaic GPU, Triton, JAX's shipped, XLA reference)
+#   kernel_bench   60  decode and ragged kernels side by side (Mosaic GPU, Triton, JAX's shipped, XLA
+#                      reference), every page format; its rows in kernel_bench.jobs_in_order's order
 #   model         125  Llama-3-8B (32 layers, random bf16): decode steps at B 1-128, 512 and 8K, bf16 / fp8 KV,
 #                      against the roofline; prefill TTFT; a profile of one case; the leave-one-out variants
 #                      (attention, sampler, allocator left out; K = 1 against 8)
@@ -72,7 +73,7 @@ if [ $SMOKE = 1 ]; then
   MEMORY=(--model preset:tiny --max-num-batched-tokens 64 --device-memory-gib 1)
 else
   TINY=
-  BENCH_BUDGET=40
+  BENCH_BUDGET=50
   MODEL=(--profile decode:128 --time-budget 105 --calls 4 --cases "decode:32:512 decode:128:512 decode:32:8192 \
 decode:32:8192:fp8_e4m3 decode:128:8192:fp8_e4m3 prefill:32:512 decode:1:512 decode:8:512 prefill:1:8192 \
 decode:32:512:bf16:pallas:1 decode:32:512:bf16:no-attention decode:32:512:bf16:no-sampling \
@@ -90,13 +91,13 @@ step peaks 20 "$PY" -m kvjax.experiments.device_peaks $TINY --out "$WORK"
 if [ $SMOKE = 0 ]; then
   # Each file in a process of its own: an illegal instruction poisons the process's CUDA context.
   # The files side by side (compiling is CPU work; 16 cores), none holding the GPU's memory up front.
-  step kernel_tests 80 bash -c 'for f in decode mla ragged per_token nvfp4 ragged_quant ragged_mla; do \
+  step kernel_tests 70 bash -c 'for f in decode mla ragged per_token nvfp4 ragged_quant ragged_mla; do \
     t="$1/tests/attention/test_mgpu_$f.py"; [ -f "$t" ] || continue; XLA_PYTHON_CLIENT_PREALLOCATE=false \
     KVJAX_INTERPRET=0 "$0" -m pytest -q -p no:cacheprovider --maxfail=4 -m "not slow" "$t" \
     --junitxml="kernel_tests_$f.xml" > "kernel_tests_$f.log" 2>&1 & done; rc=0; \
     for j in $(jobs -p); do wait "$j" || rc=1; done; tail -n 3 kernel_tests_*.log; exit $rc' "$PY" "$ROOT"
 fi
-step kernel_bench 50 "$PY" -m kvjax.experiments.kernel_bench $TINY --time-budget "$BENCH_BUDGET" --out "$WORK"
+step kernel_bench 60 "$PY" -m kvjax.experiments.kernel_bench $TINY --time-budget "$BENCH_BUDGET" --out "$WORK"
 step model 125 "$PY" -m kvjax.experiments.gpu_model_bench "${MODEL[@]}" --out "$WORK"
 step model_cb 40 env KVJAX_XLA_FLAGS=1 "$PY" -m kvjax.experiments.gpu_model_bench $TINY --cases "$CASES_CB" \
   --calls 3 --tag _cb --out "$WORK"

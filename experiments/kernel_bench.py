@@ -20,7 +20,8 @@ once, nothing written), copy GB/s (read + write of a jitted elementwise op) and 
 TFLOP/s (8192³) the ragged prefill target is stated against. "% of read" is the decode
 kernels' column. The ragged prefill rows time a 2,048-token chunk at the end of an 8K and a 32K
 context through kvjax.attention.mgpu_ragged and pallas_ragged (TFLOP/s of the causal products,
-% of the matmul rate).
+% of the matmul rate); at 8K also MLA's (mgpu_ragged_mla against pallas_ragged's MLA kind) and
+GQA's on per-token fp8 and nvfp4 pages (`jobs_in_order` says which rows come first).
 
 Shapes (GPU): Llama-3-8B-like GQA (32 q heads, 8 kv heads, head dim 128) and DeepSeek-like MLA
 (16 heads, 512 + 64), batch 1, 8, 32, 128 × context 8K, 32K (--contexts adds others), bf16 and
@@ -48,7 +49,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import mgpu_decode, mgpu_mla, mgpu_ragged, pallas_decode, pallas_mla, pallas_ragged
+from kvjax.attention import (mgpu_decode, mgpu_mla, mgpu_ragged, mgpu_ragged_mla, pallas_decode, pallas_mla,
+                             pallas_ragged)
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.reference import mla_paged_decode_reference, paged_decode_reference
 from kvjax.experiments import results_dir
@@ -128,37 +130,44 @@ def fill_pages(shape, dtype, key):
     return make(tile, per_page)
 
 
+def make_pages(model: Model, num_pages: int, block_size: int, fmt: str, keys) -> tuple:
+    """(pages, scales) of `fmt`: GQA's K and V pages and their scales (None, per head, per token
+    [P, Z, K]); MLA's latent pages and per-channel scale. nvfp4: random bytes below 0x78, so that
+    every block scale is a finite e4m3."""
+    dtype, _ = FORMATS[fmt]
+    fp8 = fmt == "fp8_e4m3"
+    if model.kind == "mla":
+        shape = (num_pages, block_size, model.head_dim + model.rope_dim)
+        return (fill_pages(shape, dtype, keys[0]),), (jnp.full((shape[-1],), 0.01, jnp.float32),) if fp8 else (None,)
+    shape = (num_pages, block_size, model.kv_heads, model.head_dim)
+    scales = (jnp.full((model.kv_heads,), 0.01, jnp.float32),) * 2 if fp8 else (None, None)
+    if fmt == "nvfp4":
+        shape = shape[:3] + (model.head_dim // 2 + model.head_dim // 16,)
+        pages = tuple(jax.random.randint(k, shape, 0, 0x78, jnp.int32).astype(jnp.uint8) for k in keys)
+        return pages, (jnp.ones((model.kv_heads,), jnp.float32),) * 2
+    if fmt == "fp8_per_token_head":
+        scales = (jnp.full(shape[:3], 0.01, jnp.float32),) * 2
+    return tuple(fill_pages(shape, dtype, k) for k in keys), scales
+
+
+def queries(model: Model, rows: int, key) -> tuple:
+    """bf16 queries of `rows` tokens: GQA's q [rows, N, H]; MLA's q_latent and q_rope."""
+    if model.kind == "gqa":
+        return (jax.random.normal(key, (rows, model.heads, model.head_dim), jnp.float32).astype(jnp.bfloat16),)
+    ql, qr = jax.random.split(key)
+    return (jax.random.normal(ql, (rows, model.heads, model.head_dim), jnp.float32).astype(jnp.bfloat16),
+            jax.random.normal(qr, (rows, model.heads, model.rope_dim), jnp.float32).astype(jnp.bfloat16))
+
+
 def build_case(model: Model, batch: int, context: int, block_size: int, fmt: str, seed: int):
-    """Inputs of one decode step: every sequence holds `context` tokens in scattered pages of `fmt`
-    (nvfp4: random bytes below 0x78, so that every block scale is a finite e4m3)."""
-    dtype, kv_dtype = FORMATS[fmt]
+    """Inputs of one decode step: every sequence holds `context` tokens in scattered pages of `fmt`."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     blocks = cdiv(context, block_size)
     num_pages = batch * blocks + 1  # + the null block 0
     tables = (jax.random.permutation(k1, num_pages - 1) + 1)[: batch * blocks].reshape(batch, blocks)
     lens = jnp.full((batch,), context, jnp.int32)
-    fp8 = fmt == "fp8_e4m3"
-    if model.kind == "gqa":
-        shape = (num_pages, block_size, model.kv_heads, model.head_dim)
-        scales = (jnp.full((model.kv_heads,), 0.01, jnp.float32),) * 2 if fp8 else (None, None)
-        if fmt == "nvfp4":
-            shape = shape[:3] + (model.head_dim // 2 + model.head_dim // 16,)
-            pages = tuple(jax.random.randint(k, shape, 0, 0x78, jnp.int32).astype(jnp.uint8) for k in (k2, k3))
-            scales = (jnp.ones((model.kv_heads,), jnp.float32),) * 2
-        else:
-            pages = (fill_pages(shape, dtype, k2), fill_pages(shape, dtype, k3))
-        if fmt == "fp8_per_token_head":
-            scales = (jnp.full(shape[:3], 0.01, jnp.float32),) * 2
-        q = (jax.random.normal(k4, (batch, model.heads, model.head_dim), jnp.float32),)
-    else:
-        shape = (num_pages, block_size, model.head_dim + model.rope_dim)
-        pages = (fill_pages(shape, dtype, k2),)
-        scales = (jnp.full((shape[-1],), 0.01, jnp.float32),) if fp8 else (None,)
-        ql, qr = jax.random.split(k4)
-        q = (jax.random.normal(ql, (batch, model.heads, model.head_dim), jnp.float32),
-             jax.random.normal(qr, (batch, model.heads, model.rope_dim), jnp.float32))
-    q = tuple(x.astype(jnp.bfloat16) for x in q)
-    return q, pages, tables.astype(jnp.int32), lens, scales, kv_dtype
+    pages, scales = make_pages(model, num_pages, block_size, fmt, (k2, k3))
+    return queries(model, batch, k4), pages, tables.astype(jnp.int32), lens, scales, FORMATS[fmt][1]
 
 
 def impl_fn(name: str, model: Model, case, block_size: int, interpret: bool):
@@ -211,32 +220,39 @@ def shipped_fn(model: Model, case, block_size: int, interpret: bool):
     return fn, (qs, k_t, v_t, tables, lens, *extra)
 
 
-def prefill_case(model: Model, chunk: int, context: int, block_size: int, dtype, seed: int):
+def prefill_case(model: Model, chunk: int, context: int, block_size: int, fmt: str, seed: int):
     """One ragged step: a chunk of `chunk` new tokens at the end of a `context`-token sequence (the
-    long-context prefill's chunks), its pages scattered; → (q, k, v, metadata, k_scale, v_scale)."""
+    long-context prefill's chunks), its pages scattered; → (queries, pages, metadata, scales, kv_dtype)."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     blocks = cdiv(context, block_size)
     table = [int(p) + 1 for p in jax.random.permutation(k1, blocks)]
     md = build_metadata([context - chunk], [chunk], [table], block_size=block_size, max_tokens=chunk, max_seqs=1,
                         max_blocks_per_seq=blocks, max_query_len=chunk)
-    shape = (blocks + 1, block_size, model.kv_heads, model.head_dim)
-    scale = jnp.full((model.kv_heads,), 0.01, jnp.float32) if jnp.dtype(dtype) == jnp.dtype(FP8) else None
-    q = jax.random.normal(k4, (chunk, model.heads, model.head_dim), jnp.float32).astype(jnp.bfloat16)
-    return q, fill_pages(shape, dtype, k2), fill_pages(shape, dtype, k3), md, scale, scale
+    pages, scales = make_pages(model, blocks + 1, block_size, fmt, (k2, k3))
+    return queries(model, chunk, k4), pages, md, scales, FORMATS[fmt][1]
 
 
 def prefill_flops(model: Model, chunk: int, context: int) -> int:
-    """Causal attention FLOPs of the chunk: 4 × N × H per (token, visible position) pair (QKᵀ and PV)."""
+    """Causal attention FLOPs of the chunk per (token, visible position) pair: GQA 4 × N × H (QKᵀ and
+    PV); MLA 2 × N × C for QKᵀ over the whole latent and 2 × N × kv_lora_rank for PV."""
     visible = sum(context - chunk + i + 1 for i in range(chunk))
+    if model.kind == "mla":
+        return 2 * model.heads * (2 * model.head_dim + model.rope_dim) * visible
     return 4 * model.heads * model.head_dim * visible
 
 
 def prefill_fn(name: str, model: Model, case, interpret: bool):
-    q, k, v, md, ks, vs = case
+    q, pages, md, scales, kv_dtype = case
+    if model.kind == "mla":
+        fn = {"mosaic": mgpu_ragged_mla.mla_ragged_paged_attention,
+              "triton": pallas_ragged.mla_ragged_paged_attention}[name]
+        scale = (model.head_dim // 4 + model.rope_dim) ** -0.5
+        return jax.jit(lambda ql, qr, c, md: fn(ql, qr, c, md, scale=scale, latent_scale=scales[0], kv_dtype=kv_dtype,
+                                                interpret=interpret)), (*q, *pages, md)
     fn = {"mosaic": mgpu_ragged.ragged_paged_attention, "triton": pallas_ragged.ragged_paged_attention}[name]
-    kv_dtype = None if ks is None else "fp8_e4m3"
+    ks, vs = scales
     return jax.jit(lambda q, k, v, md: fn(q, k, v, md, scale=model.head_dim ** -0.5, k_scale=ks, v_scale=vs,
-                                          kv_dtype=kv_dtype, interpret=interpret)), (q, k, v, md)
+                                          kv_dtype=kv_dtype, interpret=interpret)), (*q, *pages, md)
 
 
 def free_bytes() -> int | None:
@@ -329,16 +345,16 @@ def decode_rows(model, fmt, batch, context, *, impls, block_size, interpret, war
     return rows
 
 
-def prefill_rows(model, dtype, chunk, context, *, block_size, interpret, warmup, repeats, ceil, over_budget, seed):
-    """The rows of one ragged prefill chunk (kind "ragged"), Mosaic GPU and Triton: TFLOP/s."""
+def prefill_rows(model, fmt, chunk, context, *, block_size, interpret, warmup, repeats, ceil, over_budget, seed):
+    """The rows of one ragged prefill chunk (kind "ragged", MLA's "mla_ragged"), Mosaic GPU and Triton: TFLOP/s."""
     flops = prefill_flops(model, chunk, context)
-    fmt = "fp8_e4m3" if jnp.dtype(dtype) == jnp.dtype(FP8) else "bf16"
-    base = {"model": model.name, "kind": "ragged", "format": fmt, "dtype": jnp.dtype(dtype).name,
-            "kv_dtype": FORMATS[fmt][1], "q_dtype": "bfloat16", "head_dim": model.head_dim, "group": model.group,
-            "batch": 1, "context": context, "chunk": chunk, "kv_bytes": model.kv_bytes(1, context, fmt), "flops": flops}
+    base = {"model": model.name, "kind": "ragged" if model.kind == "gqa" else "mla_ragged", "format": fmt,
+            "dtype": jnp.dtype(FORMATS[fmt][0]).name, "kv_dtype": FORMATS[fmt][1], "q_dtype": "bfloat16",
+            "head_dim": model.head_dim, "group": model.group, "batch": 1, "context": context, "chunk": chunk,
+            "kv_bytes": model.kv_bytes(1, context, fmt), "flops": flops}
     if over_budget():
         return [{**base, "impl": name, "status": "skipped: time budget"} for name in ("mosaic", "triton")]
-    case = prefill_case(model, chunk, context, block_size, dtype, seed)
+    case = prefill_case(model, chunk, context, block_size, fmt, seed)
     rows = []
     for name in ("mosaic", "triton"):
         row = {**base, "impl": name}
@@ -349,6 +365,29 @@ def prefill_rows(model, dtype, chunk, context, *, block_size, interpret, warmup,
             row.update(tflops=tflops, pct_of_matmul=100 * tflops / ceil["matmul_tflops"])
         rows.append(row)
     return rows
+
+
+def jobs_in_order(models, shapes, contexts, *, tiny: bool, prefill: bool) -> list:
+    """What runs, most wanted first (a time budget cuts the tail): GQA's decode targets (bf16, fp8),
+    its ragged prefill chunk at 8K and 32K; MLA's decode targets and ragged chunk at 8K; the scaled
+    formats' decode targets and ragged chunks at 8K; then every other decode shape. Tiny: every
+    decode shape, then the chunks."""
+    gqa, mla = models
+    chunk = 16 if tiny else 2048
+    at_8k = contexts[:1] if tiny else [8192]
+    chunks = (lambda m, fmt, ctxs: [("prefill", (m, fmt, chunk, c)) for c in ctxs]) if prefill else \
+        (lambda m, fmt, ctxs: [])
+    decode = lambda keep: [("decode", r) for r in shapes if keep(r)]  # noqa: E731
+    if tiny:
+        return (decode(lambda r: True) + chunks(gqa, "bf16", at_8k) + chunks(mla, "bf16", at_8k)
+                + chunks(gqa, "fp8_per_token_head", at_8k) + chunks(gqa, "nvfp4", at_8k))
+    top = lambda r: _rank(r, contexts) == 0  # noqa: E731
+    return (decode(lambda r: top(r) and r[0].kind == "gqa" and r[1] not in SCALED)
+            + chunks(gqa, "bf16", [c for c in (8192, 32768) if c in contexts] or contexts[:1])
+            + decode(lambda r: top(r) and r[0].kind == "mla") + chunks(mla, "bf16", at_8k)
+            + decode(lambda r: top(r) and r[1] in SCALED)
+            + chunks(gqa, "fp8_per_token_head", at_8k) + chunks(gqa, "nvfp4", at_8k)
+            + decode(lambda r: not top(r)))
 
 
 def main(argv=None) -> dict:
@@ -388,12 +427,7 @@ def main(argv=None) -> dict:
         shapes = [r for r in shapes if not (r[0].kind == "mla" and r[1] != "bf16")]
     common = dict(block_size=block_size, interpret=interpret, warmup=warmup, repeats=repeats, ceil=ceil,
                   over_budget=over_budget)
-    jobs = [("decode", r) for r in shapes]
-    if not args.no_prefill:  # after GQA's decode target shapes: a 2,048-token chunk at 8K, 32K (tiny: last)
-        chunks = [(16, contexts[0])] if tiny else [(2048, 8192), (2048, 32768)]
-        at = len(jobs) if tiny else sum(1 for r in shapes if _rank(r, contexts) == 0 and r[0].kind == "gqa"
-                                        and r[1] not in SCALED)
-        jobs[at:at] = [("prefill", (models[0], jnp.bfloat16, chunk, ctx)) for chunk, ctx in chunks]
+    jobs = jobs_in_order(models, shapes, contexts, tiny=tiny, prefill=not args.no_prefill)
     rows: list = []
     for i, (job, shape) in enumerate(jobs):
         if job == "decode":

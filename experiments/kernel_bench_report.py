@@ -24,7 +24,8 @@ def summarize(rows, ceil: dict):
         return a and b and round(b["seconds"] / a["seconds"], 2)
 
     checks = []
-    for kind, batch, context in sorted({(r["kind"], r["batch"], r["context"]) for r in rows if r["kind"] != "ragged"}):
+    for kind, batch, context in sorted({(r["kind"], r["batch"], r["context"]) for r in rows
+                                        if r["kind"] not in ("ragged", "mla_ragged")}):
         mos = {f: get(kind, f, batch, context, "mosaic") for f in ("bf16", "fp8_e4m3", "fp8_per_token_head", "nvfp4")}
         tri = get(kind, "bf16", batch, context, "triton")
         checks.append({
@@ -44,12 +45,15 @@ def summarize(rows, ceil: dict):
 
 
 def prefill_checks(rows) -> list:
-    """The ragged prefill target (>= 50% of the bf16 matmul rate), Mosaic GPU against Triton."""
+    """The ragged prefill target (>= 50% of the bf16 matmul rate), Mosaic GPU against Triton, per
+    kind (GQA's "ragged", MLA's "mla_ragged"), page format and context."""
     out = []
-    for context in sorted({r["context"] for r in rows if r["kind"] == "ragged"}):
-        got = {r["impl"]: r for r in rows if r["kind"] == "ragged" and r["context"] == context and r.get("seconds")}
+    ragged = [r for r in rows if r["kind"] in ("ragged", "mla_ragged")]
+    for kind, fmt, context in sorted({(r["kind"], r["format"], r["context"]) for r in ragged}):
+        got = {r["impl"]: r for r in ragged if (r["kind"], r["format"], r["context"]) == (kind, fmt, context)
+               and r.get("seconds")}
         mos, tri = got.get("mosaic"), got.get("triton")
-        out.append({"context": context, "chunk": (mos or tri or {}).get("chunk"),
+        out.append({"kind": kind, "format": fmt, "context": context, "chunk": (mos or tri or {}).get("chunk"),
                     "mosaic_tflops": mos and round(mos["tflops"], 1), "triton_tflops": tri and round(tri["tflops"], 1),
                     "mosaic_pct_of_matmul": mos and round(mos["pct_of_matmul"], 1),
                     "mosaic_over_triton": mos and tri and round(tri["seconds"] / mos["seconds"], 2)})
@@ -61,7 +65,7 @@ def _row_cells(r: dict) -> list:
     head = [r["model"], r["format"], r["batch"], r["context"], r["impl"]]
     if not r.get("seconds"):
         return head + ["", f"{r['kv_bytes'] / 2**20:.1f}", "", "", r["status"]]
-    if r["kind"] == "ragged":  # TFLOP/s and % of the matmul rate in the rate columns
+    if r["kind"] in ("ragged", "mla_ragged"):  # TFLOP/s and % of the matmul rate in the rate columns
         return head + [f"{r['seconds'] * 1e6:.1f}", f"{r['kv_bytes'] / 2**20:.1f}", f"{r['tflops']:.1f} TFLOP/s",
                        f"{r['pct_of_matmul']:.1f} (matmul)", f"chunk {r['chunk']}"]
     return head + [f"{r['seconds'] * 1e6:.1f}", f"{r['kv_bytes'] / 2**20:.1f}", f"{r['gbps']:.1f}",
@@ -91,9 +95,9 @@ def write(out_dir: pathlib.Path, meta: dict, rows: list, checks: list) -> None:
                                 c["mosaic_over_jax_shipped_bf16"], c["mosaic_over_triton_per_token"],
                                 c["mosaic_over_triton_nvfp4"], c["target_shape"]] for c in checks])]
     lines += ["", "## Ragged prefill (a chunk at the end of its context; target >= 50% of the bf16 matmul rate)", "",
-              *markdown_table(["context", "chunk", "mosaic TFLOP/s", "triton TFLOP/s", "mosaic % of matmul",
-                               "mosaic / triton"],
-                              [[p["context"], p["chunk"], p["mosaic_tflops"], p["triton_tflops"],
+              *markdown_table(["kind", "pages", "context", "chunk", "mosaic TFLOP/s", "triton TFLOP/s",
+                               "mosaic % of matmul", "mosaic / triton"],
+                              [[p["kind"], p["format"], p["context"], p["chunk"], p["mosaic_tflops"], p["triton_tflops"],
                                 p["mosaic_pct_of_matmul"], p["mosaic_over_triton"]] for p in prefill])]
     write_text(out_dir / "kernel_bench.md", "\n".join(lines) + "\n", "--out")
     table = table_from_rows(rows, meta["device"])

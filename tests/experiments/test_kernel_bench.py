@@ -41,3 +41,23 @@ def test_the_targets_run_first():
     assert all(s[1] not in kb.SCALED for s in shapes[12:])  # the scaled formats at the targets only
     assert {(s[2], s[3]) for s in shapes[12:16]} == {(1, 32768), (8, 32768)}  # then batch 1 / 8 at the longest
     assert len(shapes) == 2 * 2 * 4 * 2 + 4
+
+
+def test_the_jobs_put_each_kinds_targets_before_the_rest():
+    shapes = kb.plan(kb.GPU_MODELS, [1, 8, 32, 128], [8192, 32768], list(kb.FORMATS))
+    jobs = kb.jobs_in_order(kb.GPU_MODELS, shapes, [8192, 32768], tiny=False, prefill=True)
+    names = [(job, s[0].kind, s[1], s[2] if job == "decode" else s[3]) for job, s in jobs]
+    assert [n[0] for n in names[4:6]] == ["prefill", "prefill"] and {n[3] for n in names[4:6]} == {8192, 32768}
+    assert names[10] == ("prefill", "mla", "bf16", 8192)  # after MLA's four decode targets
+    assert [n[2] for n in names[15:17]] == ["fp8_per_token_head", "nvfp4"]  # after the scaled decode targets
+    assert [n[0] for n in names[17:]] == ["decode"] * (len(shapes) - 12)
+    key = lambda s: (s[0].name, *s[1:])  # noqa: E731
+    assert sorted(key(s) for job, s in jobs if job == "decode") == sorted(map(key, shapes))  # each shape, once
+    assert [j for j, _ in kb.jobs_in_order(kb.GPU_MODELS, shapes, [8192, 32768], tiny=False,
+                                           prefill=False)] == ["decode"] * len(shapes)
+
+
+def test_prefill_flops_by_hand():
+    visible = sum(8192 - 2048 + i + 1 for i in range(2048))  # causal: each new token sees its prefix
+    assert kb.prefill_flops(GQA, 2048, 8192) == 4 * 32 * 128 * visible
+    assert kb.prefill_flops(MLA, 2048, 8192) == 16 * (2 * 576 + 2 * 512) * visible  # QKᵀ over C, PV over the rank
