@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import platform
 import statistics
 import time
@@ -403,6 +404,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-prefill", action="store_true", help="skip the ragged prefill chunks")
     args = parser.parse_args(argv)
 
+    os.environ.setdefault("PJRT_NPROC", "8")  # before JAX starts: the CPU interpreter's threads (mgpu_interpret)
     tiny = args.tiny or jax.default_backend() == "cpu"
     interpret = jax.default_backend() == "cpu"  # compiled (Mosaic GPU and Triton) on a GPU
     models = TINY_MODELS if tiny else GPU_MODELS

@@ -17,6 +17,12 @@ from importlib.metadata import version as _version
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Mosaic GPU's CPU interpreter runs a kernel's warpgroups as threads whose host callbacks block
+# (barrier waits) on XLA:CPU's client thread pool, one thread per core unless PJRT_NPROC says
+# otherwise; with the kernel's own callback waiting for its warpgroups, two cores' pool deadlocks
+# when two callbacks block at once (a stall with every thread waiting, seen 2 in ~20 interpreted
+# nvfp4 ragged calls under load; none in 18 with 8 threads). kvjax.attention.mgpu_interpret says more.
+os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 _OWN_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # set here, before JAX reads it; xdist workers inherit it
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-jax-cache-")

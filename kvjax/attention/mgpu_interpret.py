@@ -16,6 +16,10 @@ swizzle transforms, barriers, TMA copies and `wgmma`. Two things they need are p
       callback is wrapped to apply the transposes its operands carry.
   What the interpreter cannot show: timing, register layouts, bank conflicts, whether a tile
   shape lowers (tests/attention/test_mgpu_lowering.py lowers every kernel for sm_90 on CPU).
+  On a machine of few cores give XLA:CPU's client more threads than the interpreter blocks
+  (`PJRT_NPROC=8`, set before JAX starts; tests/conftest.py does): the kernel's own callback waits
+  for its warpgroups, whose barrier waits are host callbacks on the same pool, one thread per
+  core by default, and two blocked callbacks on two cores stall the run for good.
 - **Lowering semantics.** JAX 0.11 made `LoweringSemantics.Warpgroup` the default of
   `plgpu.CompilerParams` (0.10: `Lane`); JAX's own Mosaic GPU flash attention runs under both.
   `compiler_params()` keeps the version's default unless `KVJAX_MGPU_SEMANTICS` (lane or
