@@ -29,23 +29,37 @@ def first_seen(done, window):
     return 0 if window is None else max(0, done - window + 1)
 
 
-def layout(seqs, window, seed=0, extra=3):
-    """Permuted tables, and for each sequence and page slot whether some query of the step may read it.
+def layout(seqs, window, seed=0, extra=3, z=Z, rng=None):
+    """Permuted tables, and for each sequence and page slot whether some query of the step may read it
+    (pages of z tokens; rng: the generator to draw from, else one from seed).
     → (real tables, vLLM's sliding tables, number of pages, readable bool[P, Z])."""
-    rng = np.random.default_rng(seed)
-    blocks = [-(-(d + n) // Z) for d, n in seqs]
+    rng = np.random.default_rng(seed) if rng is None else rng
+    blocks = [-(-(d + n) // z) for d, n in seqs]
     num_pages = 1 + sum(blocks) + extra
     free = list(rng.permutation(np.arange(1, num_pages)))
     real, sliding = [], []
-    readable = np.zeros((num_pages, Z), bool)
+    readable = np.zeros((num_pages, z), bool)
     for (done, new), count in zip(seqs, blocks):
         table = [int(free.pop()) for _ in range(count)]
         lo = first_seen(done, window)
         for s in range(lo, done + new):
-            readable[table[s // Z], s % Z] = True
+            readable[table[s // z], s % z] = True
         real.append(table)
-        sliding.append([0 if (j + 1) * Z <= lo else p for j, p in enumerate(table)])  # vLLM frees these
+        sliding.append([0 if (j + 1) * z <= lo else p for j, p in enumerate(table)])  # vLLM frees these
     return real, sliding, num_pages, readable
+
+
+def garbage_tables(seqs, rows, real, tables, *, z, max_tokens, max_seqs, rng):
+    """The step's metadata over the real tables, its block tables then `tables` (vLLM's sliding ones
+    or the real) in each sequence's row and random ids past each table's end (a kernel must never
+    read those): what the Mosaic GPU kernels' tests give them."""
+    md = build_metadata([d for d, _ in seqs], [n for _, n in seqs], real, block_size=z, max_tokens=max_tokens,
+                        max_seqs=max_seqs, max_blocks_per_seq=max(map(len, real)) + 1, rows=rows,
+                        max_query_len=max_tokens)
+    t = rng.integers(-1000, 1000, np.shape(md.block_tables)).astype(np.int32)
+    for row, table in zip(rows, tables):
+        t[row, :len(table)] = table
+    return md.replace(block_tables=jnp.asarray(t))
 
 
 def metadata(seqs, real, sliding):

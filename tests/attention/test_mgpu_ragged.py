@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_cases import garbage_tables, layout
 
-from kvjax.attention.metadata import build_metadata
 from kvjax.attention.mgpu_ragged import ragged_paged_attention
 from kvjax.attention.reference import paged_attention_reference
 from kvjax.attention.tiles import MosaicRaggedTiles
@@ -40,18 +40,7 @@ def make_step(seed, z, kv_heads, group, head_dim, q_dtype, page_dtype, window, l
     seqs, rows = (LONG_SEQS, LONG_ROWS) if long else (SEQS, ROWS)
     max_tokens, max_seqs = (160, 8) if long else (40, 5)
     rng = np.random.default_rng(seed)
-    blocks = [-(-(d + n) // z) for d, n in seqs]
-    num_pages = 1 + sum(blocks) + 2
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    tables, sliding = [], []
-    readable = np.zeros((num_pages, z), bool)
-    for (done, new), count in zip(seqs, blocks):
-        table = [int(free.pop()) for _ in range(count)]
-        lo = 0 if window is None else max(0, done - window + 1)
-        for s in range(lo, done + new):
-            readable[table[s // z], s % z] = True
-        tables.append(table)
-        sliding.append([0 if (j + 1) * z <= lo else p for j, p in enumerate(table)])  # vLLM's null blocks
+    tables, sliding, num_pages, readable = layout(seqs, window, extra=2, z=z, rng=rng)
     fp8 = jnp.dtype(page_dtype) in (jnp.dtype(E4M3), jnp.dtype(E5M2))
     pages, scales, true = [], [], []
     for _ in range(2):
@@ -62,13 +51,7 @@ def make_step(seed, z, kv_heads, group, head_dim, q_dtype, page_dtype, window, l
         pages.append(jnp.asarray(stored))
         scales.append(None if scale is None else jnp.asarray(scale))
         true.append(np.asarray(stored.astype(np.float32), np.float64) * (1.0 if scale is None else scale[:, None]))
-    max_blocks = max(blocks) + 1
-    md = build_metadata([d for d, _ in seqs], [n for _, n in seqs], tables, block_size=z, max_tokens=max_tokens,
-                        max_seqs=max_seqs, max_blocks_per_seq=max_blocks, rows=rows, max_query_len=max_tokens)
-    t = rng.integers(-1000, 1000, np.shape(md.block_tables)).astype(np.int32)  # garbage past each table's end
-    for row, table in zip(rows, sliding):
-        t[row, :len(table)] = table
-    md = md.replace(block_tables=jnp.asarray(t))
+    md = garbage_tables(seqs, rows, tables, sliding, z=z, max_tokens=max_tokens, max_seqs=max_seqs, rng=rng)
     q = jnp.asarray(rng.standard_normal((max_tokens, kv_heads * group, head_dim)), q_dtype)
     return q, pages[0], pages[1], md, scales[0], scales[1], true[0], true[1]
 

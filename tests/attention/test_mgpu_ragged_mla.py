@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_cases import garbage_tables, layout
 
-from kvjax.attention.metadata import build_metadata
 from kvjax.attention.mgpu_ragged_mla import _mgpu_ragged_mla, mla_ragged_paged_attention
 from kvjax.attention.reference import mla_paged_attention_reference
 from kvjax.attention.tiles import MosaicRaggedTiles
@@ -41,14 +41,7 @@ def make_step(seed, z, heads, rank, rope, fmt, scale_mode=None, long=False, q_dt
     max_tokens, max_seqs = (32, 6) if long else (24, 4)
     rng = np.random.default_rng(seed)
     channels = rank + rope
-    blocks = [-(-(d + n) // z) for d, n in seqs]
-    num_pages = 1 + sum(blocks) + 2
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    tables = [[int(free.pop()) for _ in range(count)] for count in blocks]
-    readable = np.zeros((num_pages, z), bool)
-    for (done, new), table in zip(seqs, tables):
-        for s in range(done + new):
-            readable[table[s // z], s % z] = True
+    tables, _, num_pages, readable = layout(seqs, None, extra=2, z=z, rng=rng)
     values = rng.standard_normal((num_pages, z, channels)).astype(np.float32)
     hole = ~readable[:, :, None]
     dtype = FORMATS[fmt]
@@ -67,12 +60,7 @@ def make_step(seed, z, heads, rank, rope, fmt, scale_mode=None, long=False, q_dt
                  "per_channel": rng.uniform(0.05, 0.2, channels).astype(np.float32)}[scale_mode]
         latent_scale = None if scale is None else jnp.asarray(scale)
         true = np.asarray(pages.astype(jnp.float32), np.float64) * (1.0 if scale is None else scale)
-    md = build_metadata([d for d, _ in seqs], [n for _, n in seqs], tables, block_size=z, max_tokens=max_tokens,
-                        max_seqs=max_seqs, max_blocks_per_seq=max(blocks) + 1, rows=rows, max_query_len=max_tokens)
-    t = rng.integers(-1000, 1000, np.shape(md.block_tables)).astype(np.int32)  # garbage past each table's end
-    for row, table in zip(rows, tables):
-        t[row, :len(table)] = table
-    md = md.replace(block_tables=jnp.asarray(t))
+    md = garbage_tables(seqs, rows, tables, tables, z=z, max_tokens=max_tokens, max_seqs=max_seqs, rng=rng)
     q_latent = jnp.asarray(rng.standard_normal((max_tokens, heads, rank)), q_dtype)
     q_rope = jnp.asarray(rng.standard_normal((max_tokens, heads, rope)), q_dtype)
     return q_latent, q_rope, pages, latent_scale, md, true

@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from nvfp4_numpy import decode as decode_numpy
+from ragged_cases import garbage_tables, layout
 
 from kvjax.attention.metadata import build_metadata
 from kvjax.attention.mgpu_ragged import ragged_paged_attention
@@ -50,18 +51,7 @@ def make_step(seed, fmt, z, kv_heads, group, head_dim, q_dtype, window, step=SHO
     """(q [T, N, H], k_pages, v_pages, metadata, k_scale, v_scale, f64 keys, f64 values [P, Z, K, H])."""
     seqs, rows, max_tokens, max_seqs = step
     rng = np.random.default_rng(seed)
-    blocks = [-(-(d + n) // z) for d, n in seqs]
-    num_pages = 1 + sum(blocks) + 2
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    tables, sliding = [], []
-    readable = np.zeros((num_pages, z), bool)
-    for (done, new), count in zip(seqs, blocks):
-        table = [int(free.pop()) for _ in range(count)]
-        lo = 0 if window is None else max(0, done - window + 1)
-        for s in range(lo, done + new):
-            readable[table[s // z], s % z] = True
-        tables.append(table)
-        sliding.append([0 if (j + 1) * z <= lo else p for j, p in enumerate(table)])  # vLLM's null blocks
+    tables, sliding, num_pages, readable = layout(seqs, window, extra=2, z=z, rng=rng)
     shape = (num_pages, z, kv_heads, head_dim)
     pages, scales, true = [], [], []
     for _ in range(2):
@@ -83,12 +73,7 @@ def make_step(seed, fmt, z, kv_heads, group, head_dim, q_dtype, window, step=SHO
         pages.append(jnp.asarray(stored))
         scales.append(jnp.asarray(scale))
         true.append(value)
-    md = build_metadata([d for d, _ in seqs], [n for _, n in seqs], tables, block_size=z, max_tokens=max_tokens,
-                        max_seqs=max_seqs, max_blocks_per_seq=max(blocks) + 1, rows=rows, max_query_len=max_tokens)
-    t = rng.integers(-1000, 1000, np.shape(md.block_tables)).astype(np.int32)  # garbage past each table's end
-    for row, table in zip(rows, sliding):
-        t[row, :len(table)] = table
-    md = md.replace(block_tables=jnp.asarray(t))
+    md = garbage_tables(seqs, rows, tables, sliding, z=z, max_tokens=max_tokens, max_seqs=max_seqs, rng=rng)
     q = jnp.asarray(rng.standard_normal((max_tokens, kv_heads * group, head_dim)), q_dtype)
     return q, pages[0], pages[1], md, scales[0], scales[1], true[0], true[1]
 
