@@ -87,7 +87,6 @@ def _mla_kernel(
     first_page, n_pages, n_steps = split_pages(s, length, block_size=c.block_size, pages_per_block=c.pages_per_block,
                                                pages_per_split=c.pages_per_split, max_blocks=c.max_blocks)
     half = c.rank // 2
-    row = plgpu.Layout.WGMMA.reduce(1)
     row_smem, lse_smem = rows_smem.at[0], rows_smem.at[1]
 
     @pl.when(wg == 2)
@@ -99,18 +98,7 @@ def _mla_kernel(
             st.issue_pages(lambda i: tables_ref[b, first_page + i], step, n_pages, c.pages_per_block, c.block_size,
                            [(lambda page: lat_ref.at[page], lat_smem.at[slot], kv_bars.at[slot])])
 
-        for i in range(c.stages):
-            pl.when(i < n_steps)(functools.partial(issue, i, i))
-
-        @pl.loop(0, jnp.maximum(n_steps - c.stages, 0))
-        def _refill(step):
-            slot = lax.rem(step, c.stages)
-            plgpu.barrier_wait(consumed_bars.at[slot])  # both compute warpgroups are done with it
-            issue(step + c.stages, slot)
-
-        @pl.loop(jnp.maximum(n_steps - c.stages, 0), n_steps)
-        def _drain(step):  # the last releases too: a barrier's every phase is observed (the interpreter checks)
-            plgpu.barrier_wait(consumed_bars.at[lax.rem(step, c.stages)])
+        st.produce(n_steps, c.stages, issue, consumed_bars)  # a slot is released once both compute warpgroups are done
 
     def tile_of(step):
         """The step's latent tile in q's dtype, after its barrier (and warpgroup 0's widening)."""
@@ -156,22 +144,32 @@ def _mla_kernel(
 
     @pl.when(wg == 1)
     def _second_half():
-        plgpu.set_max_registers(232, action="increase")
+        o_ref.at[b, t, s, :, pl.ds(half, half)][...] = value_half(
+            n_steps, tile_of, half, p_smem, row_smem, p_ready, p_done, consumed_bars, final_bar)
 
-        def body(step, o):
-            slot, tile = tile_of(step)
-            plgpu.barrier_wait(p_ready)
-            alpha = plgpu.layout_cast(row_smem[...], row)
-            o = st.rescale(o, alpha, st.pv_product(p_smem, tile.at[:, pl.ds(half, half)], st.ROWS, half))
-            plgpu.barrier_arrive(p_done)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return o
 
-        o = lax.fori_loop(0, n_steps, body, st.softmax_init(st.ROWS, half)[0])
-        plgpu.barrier_wait(final_bar)
-        l = plgpu.layout_cast(row_smem[...], row)
-        out, _ = st.finish(o, jnp.zeros_like(l), l)
-        o_ref.at[b, t, s, :, pl.ds(half, half)][...] = out
+def value_half(n_steps, tile_of, half: int, p_smem, row_smem, p_ready, p_done, consumed_bars, final_bar):
+    """Compute warpgroup 1 of the MLA kernels (this one and mgpu_ragged_mla's): each step
+    O[:, rank/2:] += P·c_kv with warpgroup 0's P and rescale factors (p_ready), released on p_done
+    and the slot's consumed barrier; at the end normalized by warpgroup 0's row sums (final_bar) →
+    f32[64, rank/2]. tile_of(step) → (slot, the step's latent tile), after its barrier."""
+    plgpu = require_mgpu()
+    plgpu.set_max_registers(232, action="increase")
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(step, o):
+        slot, tile = tile_of(step)
+        plgpu.barrier_wait(p_ready)
+        alpha = plgpu.layout_cast(row_smem[...], row)
+        o = st.rescale(o, alpha, st.pv_product(p_smem, tile.at[:, pl.ds(half, half)], st.ROWS, half))
+        plgpu.barrier_arrive(p_done)
+        plgpu.barrier_arrive(consumed_bars.at[slot])
+        return o
+
+    o = lax.fori_loop(0, n_steps, body, st.softmax_init(st.ROWS, half)[0])
+    plgpu.barrier_wait(final_bar)
+    l = plgpu.layout_cast(row_smem[...], row)
+    return st.finish(o, jnp.zeros_like(l), l)[0]
 
 
 def smem_bytes(*, channels: int, page_dtype, q_dtype, tiles: MosaicDecodeTiles, block_size: int) -> int:

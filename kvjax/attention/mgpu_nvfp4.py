@@ -193,6 +193,24 @@ def _split(s, length, c):
                        pages_per_split=c.pages_per_split, max_blocks=c.max_blocks, window=c.window)
 
 
+def page_scratch(head_dim: int, block_kv: int, stages: int) -> list:
+    """The SMEM both nvfp4 kernels (this one, mgpu_ragged_nvfp4's) allocate for q's lanes, Eᵀ, the
+    packed slots, one unpacked step, P and the output staging: their kernels' scratch arguments
+    from qe_smem to lse_smem, in order (`smem_bytes` counts them)."""
+    plgpu, f16, half = require_mgpu(), jnp.float16, head_dim // 2
+    return [
+        st.tiled_smem((st.ROWS, half), f16), st.tiled_smem((st.ROWS, half), f16),
+        st.tiled_smem((half, BOX), f16),
+        plgpu.SMEM((stages, block_kv, half), jnp.uint8), plgpu.SMEM((stages, block_kv, half), jnp.uint8),
+        plgpu.SMEM((stages, block_kv, BOX), jnp.uint8), plgpu.SMEM((stages, block_kv, BOX), jnp.uint8),
+        st.tiled_smem((block_kv, BOX), f16), plgpu.SMEM((3, block_kv, half + RAW_PAD), f16),
+        *[st.tiled_smem((block_kv, half), f16) for _ in range(4)],
+        st.tiled_smem((st.ROWS, block_kv), f16, swizzle=st.swizzle_bytes(half, f16)),  # V's swizzle
+        st.tiled_smem((st.ROWS, min(half, st.OUT_COLS)), jnp.float32),
+        plgpu.SMEM((st.ROWS,), jnp.float32),
+    ]
+
+
 def smem_bytes(*, head_dim: int, block_kv: int, stages: int, table_width: int) -> int:
     """Shared memory one program of `_nvfp4_kernel` allocates."""
     half = head_dim // 2
@@ -221,18 +239,10 @@ def nvfp4_call(q4, k_pages, v_pages, lens, tables, logit_scales, *, c, splits: i
     c) → (o f32[B, K, splits, rows_out, H] with lanes interleaved, lse f32[B, K, splits, rows_out])."""
     plgpu = require_mgpu()
     batch, num_kv_heads, _, head_dim = q4.shape
-    half, block_kv, f16 = head_dim // 2, c.block_kv, jnp.float16
+    half = head_dim // 2
     pages, block_size, _, width = k_pages.shape
     scratch = [
-        st.tiled_smem((st.ROWS, half), f16), st.tiled_smem((st.ROWS, half), f16),
-        st.tiled_smem((half, BOX), f16),
-        plgpu.SMEM((c.stages, block_kv, half), jnp.uint8), plgpu.SMEM((c.stages, block_kv, half), jnp.uint8),
-        plgpu.SMEM((c.stages, block_kv, BOX), jnp.uint8), plgpu.SMEM((c.stages, block_kv, BOX), jnp.uint8),
-        st.tiled_smem((block_kv, BOX), f16), plgpu.SMEM((3, block_kv, half + RAW_PAD), f16),
-        *[st.tiled_smem((block_kv, half), f16) for _ in range(4)],
-        st.tiled_smem((st.ROWS, block_kv), f16, swizzle=st.swizzle_bytes(half, f16)),  # V's swizzle
-        st.tiled_smem((st.ROWS, min(half, st.OUT_COLS)), jnp.float32),
-        plgpu.SMEM((st.ROWS,), jnp.float32),
+        *page_scratch(head_dim, c.block_kv, c.stages),
         plgpu.SMEM((c.table_width,), jnp.int32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=st.table_boxes(c.table_width)),

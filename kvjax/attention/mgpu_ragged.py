@@ -97,7 +97,7 @@ def _ragged_kernel(
             st.issue_pages(lambda i: tables_ref[item.seq, item.first_page + i], step, item.live_pages,
                            c.pages_per_block, c.block_size, copies)
 
-        st.produce(item, c.stages, issue, consumed_bars)
+        st.produce(item.n_steps, c.stages, issue, consumed_bars)
 
     @pl.when(wg == 0)
     def _consumer():

@@ -65,6 +65,7 @@ from kvjax.attention import mgpu_steps as st
 from kvjax.attention import reference as ref
 from kvjax.attention.metadata import BatchMetadata
 from kvjax.attention.mgpu_decode import FP8_DTYPES, Q_DTYPES
+from kvjax.attention.mgpu_mla import value_half
 from kvjax.attention.mgpu_interpret import compiler_params, kernel_call, require_mgpu, resolve_interpret
 from kvjax.attention.pallas_decode import check_scale
 from kvjax.attention.pallas_ragged import padded_work_items
@@ -115,7 +116,6 @@ def _ragged_mla_kernel(
     n_steps = jnp.where(tokens > 0, pl.cdiv(span_hi, c.block_kv), 0)
     live_pages = pl.cdiv(length, c.block_size)  # table entries past these may be garbage
     half = c.rank // 2
-    row = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(wg == 2)
     def _memory():
@@ -128,18 +128,7 @@ def _ragged_mla_kernel(
                 copies.append((lambda page: ts_ref.at[page], ts_smem[0].at[slot], kv_bars.at[slot]))
             st.issue_pages(lambda i: tables_ref[seq, i], step, live_pages, c.pages_per_block, c.block_size, copies)
 
-        for i in range(c.stages):
-            pl.when(i < n_steps)(functools.partial(issue, i, i))
-
-        @pl.loop(0, jnp.maximum(n_steps - c.stages, 0))
-        def _refill(step):
-            slot = lax.rem(step, c.stages)
-            plgpu.barrier_wait(consumed_bars.at[slot])  # both compute warpgroups are done with it
-            issue(step + c.stages, slot)
-
-        @pl.loop(jnp.maximum(n_steps - c.stages, 0), n_steps)
-        def _drain(step):  # observe every release (mgpu_mla)
-            plgpu.barrier_wait(consumed_bars.at[lax.rem(step, c.stages)])
+        st.produce(n_steps, c.stages, issue, consumed_bars)  # a slot is released once both compute warpgroups are done
 
     def tile_of(step):
         """The step's latent tile in the dot dtype, after its barrier (and warpgroup 0's widening)."""
@@ -184,22 +173,8 @@ def _ragged_mla_kernel(
 
     @pl.when(wg == 1)
     def _second_half():
-        plgpu.set_max_registers(232, action="increase")
-
-        def body(step, o):
-            slot, tile = tile_of(step)
-            plgpu.barrier_wait(p_ready)
-            alpha = plgpu.layout_cast(row_smem[...], row)
-            o = st.rescale(o, alpha, st.pv_product(p_smem, tile.at[:, pl.ds(half, half)], st.ROWS, half))
-            plgpu.barrier_arrive(p_done)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return o
-
-        o = lax.fori_loop(0, n_steps, body, st.softmax_init(st.ROWS, half)[0])
-        plgpu.barrier_wait(final_bar)
-        l = plgpu.layout_cast(row_smem[...], row)
-        out, _ = st.finish(o, jnp.zeros_like(l), l)
-        o_ref.at[w, t, :, pl.ds(half, half)][...] = out
+        o_ref.at[w, t, :, pl.ds(half, half)][...] = value_half(
+            n_steps, tile_of, half, p_smem, row_smem, p_ready, p_done, consumed_bars, final_bar)
 
 
 def _widen(slot, w_smem, scales):

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from kvjax.attention import mgpu_steps as st
 from kvjax.attention.mgpu_interpret import kernel_call, require_mgpu
-from kvjax.attention.mgpu_nvfp4 import BOX, RAW_PAD, expand_matrix, unpack
+from kvjax.attention.mgpu_nvfp4 import BOX, expand_matrix, page_scratch, unpack
 from kvjax.quant import nvfp4
 
 
@@ -85,7 +85,7 @@ def _kernel(
                 (lambda page: v_ref.at[page, :, values], vd_smem.at[slot], kv_bars.at[slot]),
                 (lambda page: v_ref.at[page, :, box], vb_smem.at[slot], kv_bars.at[slot])])
 
-        st.produce(item, c.stages, issue, consumed_bars)
+        st.produce(item.n_steps, c.stages, issue, consumed_bars)
 
     @pl.when(wg == 0)
     def _consumer():
@@ -138,17 +138,8 @@ def mgpu_ragged_nvfp4(q4, k_pages, v_pages, md, logit_scale, v_scale, sinks, *, 
     rows = st.item_rows(st.to_dot_dtype(q4, f16), items)  # f16[W, K, 64, H]: meets the exact f16 tiles
     c = st.RaggedStatic(block_size=block_size, pages_per_block=tiles.pages_per_block, stages=tiles.stages,
                    group_shift=items.gp.bit_length() - 1, window=window, softcap=softcap, widen=True)
-    block_kv = c.block_kv
     scratch = [
-        st.tiled_smem((st.ROWS, half), f16), st.tiled_smem((st.ROWS, half), f16),
-        st.tiled_smem((half, BOX), f16),
-        plgpu.SMEM((c.stages, block_kv, half), jnp.uint8), plgpu.SMEM((c.stages, block_kv, half), jnp.uint8),
-        plgpu.SMEM((c.stages, block_kv, BOX), jnp.uint8), plgpu.SMEM((c.stages, block_kv, BOX), jnp.uint8),
-        st.tiled_smem((block_kv, BOX), f16), plgpu.SMEM((3, block_kv, half + RAW_PAD), f16),
-        *[st.tiled_smem((block_kv, half), f16) for _ in range(4)],
-        st.tiled_smem((st.ROWS, block_kv), f16, swizzle=st.swizzle_bytes(half, f16)),  # V's swizzle
-        st.tiled_smem((st.ROWS, min(half, st.OUT_COLS)), jnp.float32),
-        plgpu.SMEM((st.ROWS,), jnp.float32),
+        *page_scratch(head_dim, c.block_kv, c.stages),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=4 * tiles.pages_per_block, num_barriers=c.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),

@@ -305,21 +305,23 @@ def item_of(meta_ref, w, c) -> Item:
                 pl.cdiv(length, c.block_size) - first_page)
 
 
-def produce(item: Item, stages: int, issue, consumed_bars) -> None:
-    """The producer's loop: issue(step, slot) starts a step's copies; the first `stages` steps go at
-    once, each later one into the slot the consumer released (consumed_bars[slot])."""
+def produce(n_steps, stages: int, issue, consumed_bars) -> None:
+    """The producer's (memory warpgroup's) loop over n_steps steps: issue(step, slot) starts a step's
+    copies; the first `stages` steps go at once, each later one into the slot its consumers
+    released (consumed_bars[slot]); then the last releases are observed too (a barrier's every
+    phase is, which the interpreter checks)."""
     plgpu = require_mgpu()
     for i in range(stages):
-        pl.when(i < item.n_steps)(functools.partial(issue, i, i))
+        pl.when(i < n_steps)(functools.partial(issue, i, i))
 
-    @pl.loop(0, jnp.maximum(item.n_steps - stages, 0))
+    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
     def _refill(step):
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(consumed_bars.at[slot])
         issue(step + stages, slot)
 
-    @pl.loop(jnp.maximum(item.n_steps - stages, 0), item.n_steps)
-    def _drain(step):  # observe every release (mgpu_mla)
+    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+    def _drain(step):
         plgpu.barrier_wait(consumed_bars.at[lax.rem(step, stages)])
 
 
